@@ -1,0 +1,1 @@
+"""kvckpt: a crash-consistent replay buffer and checkpoint store for async RL post-training."""

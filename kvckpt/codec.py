@@ -1,0 +1,278 @@
+"""The record codec: named arrays and a small JSON document <-> checksummed bytes.
+
+Every value kvckpt stores (rows, group metadata, ledger entries, cursors) is one *record*::
+
+    magic   4 bytes  b"KVR1"
+    crc32   u32 LE   zlib.crc32 of every byte after this field
+    hlen    u32 LE   length of the header
+    header  hlen bytes of UTF-8 JSON (see below)
+    body    the concatenated encoded fields, as one zstd frame when header["z"] > 0
+
+The header is ``{"z": level, "raw": body length before compression, "meta": {...},
+"fields": [[name, dtype, shape, transforms, nbytes], ...]}``. Field bytes are little-endian and
+C-ordered; ``transforms`` is an ordered list applied at encode time (and undone in reverse):
+``"narrow:<dtype>"`` (integers stored in the smallest dtype that holds their range),
+``"bitpack"`` (0/1 values as bits, ``np.packbits`` order) and ``"shuffle"`` (byte planes, which
+lets zstd see the zero high bytes of small integers and float exponents).
+
+Guarantees: nothing executable is ever decoded (no pickle, no ``torch.load``); the checksum is
+verified before anything else is trusted; every length, dtype and shape is checked against the
+actual bytes before an array is built; a violation raises :class:`~kvckpt.errors.CorruptRecord`
+naming the key. Decoded arrays own their memory (they never alias an LMDB page).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from .errors import BadArgument, CorruptRecord
+
+MAGIC = b"KVR1"
+_PREFIX = struct.Struct("<4sII")
+MAX_HEADER_BYTES = 1 << 20
+MAX_BODY_BYTES = 1 << 32
+DEFAULT_LEVEL = 1
+
+#: Logical dtype name -> numpy dtype of the stored bytes. ``bfloat16`` is stored as its raw 16 bits.
+DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(np_name)
+    for name, np_name in {
+        "bool": "bool",
+        "uint8": "<u1",
+        "int8": "<i1",
+        "uint16": "<u2",
+        "int16": "<i2",
+        "uint32": "<u4",
+        "int32": "<i4",
+        "uint64": "<u8",
+        "int64": "<i8",
+        "float16": "<f2",
+        "bfloat16": "<u2",
+        "float32": "<f4",
+        "float64": "<f8",
+    }.items()
+}
+_NARROW_ORDER = ("uint8", "int8", "uint16", "int16", "uint32", "int32")
+_TRANSFORMS = {"bitpack", "shuffle"} | {f"narrow:{name}" for name in _NARROW_ORDER}
+
+
+@dataclass
+class Record:
+    """A decoded record: numpy arrays by field name, their logical dtypes, and the JSON ``meta``.
+
+    ``arrays`` hold the stored bits; for ``bfloat16`` fields that is a ``uint16`` array, which
+    :meth:`tensors` turns back into ``torch.bfloat16``.
+    """
+
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def tensors(self) -> dict[str, Any]:
+        """The fields as ``torch`` tensors (imports torch on first use)."""
+        import torch
+
+        out = {}
+        for name, arr in self.arrays.items():
+            tensor = torch.from_numpy(arr)
+            if self.dtypes[name] == "bfloat16":
+                tensor = tensor.view(torch.bfloat16)
+            out[name] = tensor
+        return out
+
+
+def as_numpy(value: Any) -> tuple[np.ndarray, str]:
+    """Return ``(array, logical dtype name)`` for a numpy array, torch tensor, list or scalar.
+
+    Raises:
+        BadArgument: the dtype is not one the codec stores.
+    """
+    if hasattr(value, "detach") and hasattr(value, "dtype"):  # a torch.Tensor, without importing torch
+        tensor = value.detach().cpu().contiguous()
+        name = str(tensor.dtype).removeprefix("torch.")
+        if name == "bfloat16":
+            import torch
+
+            return tensor.view(torch.int16).numpy().view("<u2"), name
+        arr = tensor.numpy()
+    else:
+        arr = np.asarray(value)
+    name = arr.dtype.name
+    if name not in DTYPES or name == "bfloat16":
+        raise BadArgument(f"dtype {arr.dtype} is not storable; use one of {sorted(DTYPES)}")
+    return np.ascontiguousarray(arr, dtype=DTYPES[name]), name
+
+
+def _narrowest(arr: np.ndarray) -> str | None:
+    if arr.size == 0:
+        return None
+    lo, hi = int(arr.min()), int(arr.max())
+    for name in _NARROW_ORDER:
+        info = np.iinfo(DTYPES[name])
+        if info.min <= lo and hi <= info.max:
+            return name if DTYPES[name].itemsize < arr.dtype.itemsize else None
+    return None
+
+
+def _encode_field(arr: np.ndarray, dtype: str, compress: bool) -> tuple[list[str], bytes]:
+    transforms: list[str] = []
+    data = arr.reshape(-1)
+    if dtype == "bool":
+        return ["bitpack"], np.packbits(data.view(np.uint8)).tobytes()
+    if compress and data.dtype.kind in "iu" and dtype != "bfloat16":
+        narrow = _narrowest(data)
+        if narrow is not None and narrow in ("uint8", "int8") and int(data.min()) >= 0 and int(data.max()) <= 1:
+            return ["bitpack"], np.packbits(data.astype(np.uint8)).tobytes()
+        if narrow is not None:
+            transforms.append(f"narrow:{narrow}")
+            data = data.astype(DTYPES[narrow])
+    if compress and data.dtype.itemsize > 1:
+        transforms.append("shuffle")
+        data = data.view(np.uint8).reshape(-1, data.dtype.itemsize).T
+    return transforms, np.ascontiguousarray(data).tobytes()
+
+
+def encode(fields: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
+           level: int = DEFAULT_LEVEL) -> bytes:
+    """Encode named arrays (numpy, torch or array-likes) and a JSON-able ``meta`` as one record.
+
+    Args:
+        fields: field name -> array. Any shape, including empty; order is preserved.
+        meta: a JSON-serialisable dict stored in the header. Defaults to ``{}``.
+        level: zstd level for the body; ``0`` stores it uncompressed (and skips the transforms).
+            Defaults to 1, the best size per CPU second measured on rollout rows.
+
+    Raises:
+        BadArgument: unstorable dtype or non-JSON ``meta``.
+    """
+    specs, chunks = [], []
+    for name, value in (fields or {}).items():
+        arr, dtype = as_numpy(value)
+        transforms, data = _encode_field(arr, dtype, level > 0)
+        specs.append([name, dtype, list(arr.shape), transforms, len(data)])
+        chunks.append(data)
+    body = b"".join(chunks)
+    raw_len = len(body)
+    if level > 0 and body:
+        body = zstandard.ZstdCompressor(level=level).compress(body)
+    try:
+        header = json.dumps({"z": level if chunks else 0, "raw": raw_len, "meta": dict(meta or {}),
+                             "fields": specs}, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise BadArgument(f"record meta is not JSON-serialisable: {exc}") from None
+    tail = struct.pack("<I", len(header)) + header + body
+    return struct.pack("<4sI", MAGIC, zlib.crc32(tail)) + tail
+
+
+def encode_json(meta: Mapping[str, Any]) -> bytes:
+    """Encode a JSON-only record (metadata, ledger entries, cursors)."""
+    return encode(None, meta, level=0)
+
+
+def _parse_header(buf: memoryview, key: str) -> tuple[dict, int]:
+    if len(buf) < _PREFIX.size:
+        raise CorruptRecord(key, f"value of {len(buf)} bytes is shorter than the record prefix")
+    magic, crc, hlen = _PREFIX.unpack_from(buf)
+    if magic != MAGIC:
+        raise CorruptRecord(key, f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if zlib.crc32(buf[8:]) != crc:
+        raise CorruptRecord(key, "checksum mismatch")
+    if hlen > MAX_HEADER_BYTES or _PREFIX.size + hlen > len(buf):
+        raise CorruptRecord(key, f"header length {hlen} exceeds the value")
+    try:
+        header = json.loads(bytes(buf[_PREFIX.size:_PREFIX.size + hlen]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptRecord(key, f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("meta"), dict) \
+            or not isinstance(header.get("fields"), list):
+        raise CorruptRecord(key, "header lacks meta/fields")
+    return header, _PREFIX.size + hlen
+
+
+def decode_meta(value: bytes | memoryview, key: str = "?") -> dict[str, Any]:
+    """Verify a record and return only its JSON ``meta`` (fields are not decompressed)."""
+    header, _ = _parse_header(memoryview(value), key)
+    return header["meta"]
+
+
+def _check_spec(spec: Any, key: str) -> tuple[str, str, tuple[int, ...], list[str], int]:
+    if not (isinstance(spec, list) and len(spec) == 5):
+        raise CorruptRecord(key, f"malformed field spec {spec!r}")
+    name, dtype, shape, transforms, nbytes = spec
+    if not isinstance(name, str) or dtype not in DTYPES:
+        raise CorruptRecord(key, f"field {name!r} has unknown dtype {dtype!r}")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and 0 <= d < 1 << 40 for d in shape)):
+        raise CorruptRecord(key, f"field {name!r} has invalid shape {shape!r}")
+    if not (isinstance(transforms, list) and all(t in _TRANSFORMS for t in transforms)):
+        raise CorruptRecord(key, f"field {name!r} has unknown transforms {transforms!r}")
+    if not isinstance(nbytes, int) or nbytes < 0:
+        raise CorruptRecord(key, f"field {name!r} has invalid length {nbytes!r}")
+    return name, dtype, tuple(shape), transforms, nbytes
+
+
+def _decode_field(data: bytes, dtype: str, shape: tuple[int, ...], transforms: list[str],
+                  key: str, name: str) -> np.ndarray:
+    count = 1
+    for dim in shape:
+        count *= dim
+    target = DTYPES[dtype]
+    stored = target
+    for t in transforms:
+        if t.startswith("narrow:"):
+            stored = DTYPES[t.split(":", 1)[1]]
+    if "bitpack" in transforms:
+        if len(data) != (count + 7) // 8:
+            raise CorruptRecord(key, f"field {name!r}: {len(data)} packed bytes for {count} values")
+        arr = np.unpackbits(np.frombuffer(data, np.uint8), count=count).astype(target)
+        return arr.reshape(shape)
+    if len(data) != count * stored.itemsize:
+        raise CorruptRecord(key, f"field {name!r}: {len(data)} bytes for shape {shape} of {stored}")
+    arr = np.frombuffer(data, np.uint8)
+    if "shuffle" in transforms and stored.itemsize > 1:
+        arr = np.ascontiguousarray(arr.reshape(stored.itemsize, count).T)
+    arr = arr.view(stored)
+    arr = arr.astype(target) if stored != target else arr.copy()
+    return arr.reshape(shape)
+
+
+def decode(value: bytes | memoryview, key: str = "?") -> Record:
+    """Verify and decode a record into a :class:`Record`.
+
+    Raises:
+        CorruptRecord: checksum mismatch, truncation, or any header/length inconsistency; the
+            message names ``key``.
+    """
+    buf = memoryview(value)
+    header, offset = _parse_header(buf, key)
+    raw = header.get("raw")
+    level = header.get("z")
+    if not isinstance(raw, int) or not 0 <= raw <= MAX_BODY_BYTES or not isinstance(level, int):
+        raise CorruptRecord(key, "header has invalid body length or level")
+    body = buf[offset:]
+    if level > 0:
+        try:
+            body = memoryview(zstandard.ZstdDecompressor().decompress(body, max_output_size=raw))
+        except zstandard.ZstdError as exc:
+            raise CorruptRecord(key, f"zstd frame does not decompress: {exc}") from None
+    if len(body) != raw:
+        raise CorruptRecord(key, f"body is {len(body)} bytes, header says {raw}")
+    record = Record(meta=header["meta"])
+    pos = 0
+    for spec in header["fields"]:
+        name, dtype, shape, transforms, nbytes = _check_spec(spec, key)
+        if pos + nbytes > raw:
+            raise CorruptRecord(key, f"field {name!r} runs past the body")
+        record.arrays[name] = _decode_field(bytes(body[pos:pos + nbytes]), dtype, shape, transforms, key, name)
+        record.dtypes[name] = dtype
+        pos += nbytes
+    if pos != raw:
+        raise CorruptRecord(key, f"{raw - pos} trailing body bytes")
+    return record

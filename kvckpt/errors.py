@@ -1,0 +1,97 @@
+"""Every error kvckpt raises on purpose.
+
+All of them derive from :class:`KvckptError`, so ``except KvckptError`` catches anything the
+library reports deliberately. Where the meaning matches a builtin, the class also derives from it
+(a missing store is a ``FileNotFoundError``, a bad argument a ``ValueError``). Each message names
+what was wrong and what to do about it; ``lmdb.Error`` is translated at the store boundary and
+never escapes unwrapped from a public call.
+"""
+
+from __future__ import annotations
+
+
+class KvckptError(Exception):
+    """Base class of every error kvckpt raises deliberately."""
+
+
+class StoreNotFound(KvckptError, FileNotFoundError):
+    """The store file does not exist and ``create`` was not requested."""
+
+
+class StoreLocked(KvckptError):
+    """Another handle (this process or another) holds the store open for writing.
+
+    LMDB allows one writer per environment; kvckpt enforces it with an exclusive ``flock`` on the
+    data file so a second writer is refused instead of queueing or corrupting.
+    """
+
+
+class ReadOnlyStore(KvckptError, PermissionError):
+    """A write was attempted through a handle opened with ``readonly=True``."""
+
+
+class FormatError(KvckptError):
+    """The file is not a kvckpt store of a version this code reads (foreign, truncated or newer)."""
+
+
+class CorruptRecord(KvckptError):
+    """A stored value failed its checksum or does not parse; the key names the damaged record."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.key = key
+        self.reason = reason
+        super().__init__(
+            f"corrupt record {key!r}: {reason}. The store or checkpoint is damaged; "
+            "restore from another checkpoint (run `kvckpt verify` to list every damaged key)."
+        )
+
+
+class InvariantViolation(KvckptError):
+    """The store's records disagree with each other (e.g. a prompt both committed and in flight)."""
+
+
+class DiskFull(KvckptError, OSError):
+    """The filesystem ran out of space; the failed transaction wrote nothing."""
+
+
+class BadArgument(KvckptError, ValueError):
+    """An argument is invalid (wrong group size, schema mismatch, unknown sampler, ...)."""
+
+
+class SchemaMismatch(BadArgument):
+    """Rows do not match the schema the store was configured with."""
+
+
+class CapacityError(BadArgument):
+    """The buffer capacity would deadlock the sampler, or admitting would exceed it."""
+
+
+class LeaseError(KvckptError):
+    """Base class of commits refused because of their lease; the refused commit wrote nothing."""
+
+
+class UnknownGroup(LeaseError, KeyError):
+    """The lease names a group that is neither in flight nor committed."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class StaleAttempt(LeaseError):
+    """The lease's attempt is older than the group's current attempt (a zombie worker)."""
+
+
+class DuplicateCommit(LeaseError):
+    """The group is already committed with different content by the same or another attempt."""
+
+
+class NotSelectable(KvckptError):
+    """A group id passed to a batch read is not claimed or retained in this store."""
+
+
+class CheckpointError(KvckptError):
+    """A checkpoint could not be written; the destination was left untouched."""
+
+
+class RecoveryError(KvckptError):
+    """A store or checkpoint cannot be restored as asked (the message says which rule failed)."""

@@ -1,0 +1,378 @@
+"""The single-file LMDB environment every kvckpt object lives in.
+
+A :class:`Store` is one LMDB environment in one file (``subdir=False``) with a fixed set of named
+sub-databases (:data:`TABLES`). It guarantees:
+
+* **Durability.** ``sync=True, metasync=True, writemap=False``: a returned :meth:`Store.write`
+  survives process crashes, OS crashes and power loss (LMDB's full ACID mode).
+* **One transaction, all or nothing.** :meth:`Store.write` runs a function inside one write
+  transaction. If the function raises, nothing is written. If the map is full the transaction is
+  aborted, the map doubled and the *whole function replayed*, so functions passed to it must
+  have no side effects outside the transaction.
+* **One writer.** A writable handle takes an exclusive ``flock`` on the data file; a second
+  writable handle, in this process or another, gets :class:`~kvckpt.errors.StoreLocked`.
+  Writes from several threads of the owning process are serialised.
+* **Identity.** A new store records a format version and a random store id; every open checks
+  them and refuses foreign LMDB files, other formats and other versions with
+  :class:`~kvckpt.errors.FormatError`.
+* **Read-only opens write nothing.** ``readonly=True`` on a file no writer holds opens it without
+  a lock file (the way to open a finished checkpoint); on a file a writer holds it shares that
+  writer's lock file so the snapshot stays consistent.
+
+Limits: local disks only (not NFS/CIFS/FUSE); keys are at most 511 bytes; never carry an open
+``Store`` across ``fork`` (open it in the child). Values are always kvckpt records
+(:mod:`kvckpt.codec`); the ``get_json``/``put_json`` helpers verify their checksums.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import lmdb
+
+from . import codec
+from .errors import DiskFull, FormatError, KvckptError, ReadOnlyStore, StoreLocked, StoreNotFound
+
+FORMAT_NAME = "kvckpt"
+FORMAT_VERSION = 1
+#: Named sub-databases; ``max_dbs`` is not stored in the file, so every opener uses this list.
+TABLES = ("meta", "groups", "rows", "ledger", "index")
+MAX_DBS = 8
+DEFAULT_MAP_SIZE = 64 << 30
+MAX_KEY_BYTES = 511
+
+T = TypeVar("T")
+
+
+class Txn:
+    """A transaction wrapper that names tables and verifies record checksums on read."""
+
+    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, Any], write: bool) -> None:
+        self.raw = txn
+        self._dbs = dbs
+        self.write = write
+
+    def db(self, table: str) -> Any:
+        """The LMDB handle of ``table`` (one of :data:`TABLES`)."""
+        return self._dbs[table]
+
+    def get(self, table: str, key: bytes) -> bytes | None:
+        """The raw stored value, or ``None``."""
+        return self.raw.get(key, db=self._dbs[table])
+
+    def put(self, table: str, key: bytes, value: bytes) -> None:
+        """Store ``value`` under ``key`` (overwriting)."""
+        if len(key) > MAX_KEY_BYTES:
+            raise KvckptError(f"key of {len(key)} bytes exceeds LMDB's {MAX_KEY_BYTES}-byte limit")
+        self.raw.put(key, value, db=self._dbs[table])
+
+    def delete(self, table: str, key: bytes) -> bool:
+        """Delete ``key``; returns whether it existed."""
+        return self.raw.delete(key, db=self._dbs[table])
+
+    def get_json(self, table: str, key: bytes) -> dict[str, Any] | None:
+        """Decode a JSON record, verifying its checksum; ``None`` if absent."""
+        value = self.get(table, key)
+        if value is None:
+            return None
+        return codec.decode_meta(value, f"{table}/{key.decode(errors='replace')}")
+
+    def put_json(self, table: str, key: bytes, doc: dict[str, Any]) -> None:
+        """Store ``doc`` as a JSON record."""
+        self.put(table, key, codec.encode_json(doc))
+
+    def cursor(self, table: str) -> lmdb.Cursor:
+        """A cursor over ``table`` valid for this transaction's lifetime."""
+        return self.raw.cursor(db=self._dbs[table])
+
+    def iter_prefix(self, table: str, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """Yield ``(key, value)`` for keys starting with ``prefix`` in key order, from ``start``."""
+        cur = self.cursor(table)
+        if not cur.set_range(start if start is not None else prefix):
+            return
+        for key, value in cur:
+            if not key.startswith(prefix):
+                return
+            yield key, value
+
+
+class _ReadersGate:
+    """Readers share; a map resize waits until no read transaction of this handle is open."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._resizing = False
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def resizing(self) -> Iterator[None]:
+        with self._cond:
+            self._resizing = True
+            while self._readers:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
+
+
+class Store:
+    """One kvckpt store file. See the module docstring for its guarantees.
+
+    Args:
+        path: the data file. The lock file, when one is used, is ``path + "-lock"``.
+        create: create the store if the file does not exist. Defaults to False.
+        readonly: open without write access. Defaults to False.
+        map_size: initial LMDB map size in bytes; it doubles on demand. Defaults to 64 GiB
+            (address space only: the file grows with its data).
+
+    Raises:
+        StoreNotFound: no file at ``path`` and ``create`` is False.
+        StoreLocked: another writable handle holds the store.
+        FormatError: not a kvckpt store, or another format version.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, create: bool = False, readonly: bool = False,
+                 map_size: int = DEFAULT_MAP_SIZE) -> None:
+        self.path = os.fspath(path)
+        self.readonly = readonly
+        self._flock_fd: int | None = None
+        self._write_lock = threading.RLock()
+        self._gate = _ReadersGate()
+        exists = os.path.exists(self.path)
+        if not exists and (readonly or not create):
+            raise StoreNotFound(f"no kvckpt store at {self.path!r} (pass create=True to make one)")
+        if exists and not os.path.isfile(self.path):
+            raise FormatError(f"{self.path!r} is not a regular file; a kvckpt store is one file")
+        if exists:
+            _check_lmdb_header(self.path)
+        if not readonly:
+            self._take_writer_lock(create and not exists)
+        try:
+            self.env = self._open_env(map_size)
+            self.dbs = self._open_tables(create and not exists)
+            self.info = self._check_format()
+            if not readonly:
+                self.env.reader_check()
+        except BaseException:
+            self._release()
+            raise
+
+    # -- opening ---------------------------------------------------------------------------
+    def _take_writer_lock(self, creating: bool) -> None:
+        flags = os.O_RDWR | (os.O_CREAT if creating else 0)
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except PermissionError as exc:
+            raise ReadOnlyStore(f"cannot open {self.path!r} for writing: {exc.strerror}; "
+                                "open it with readonly=True") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreLocked(f"{self.path!r} is open for writing by another handle (this or another "
+                              "process); kvckpt allows one writer. Close it, or open readonly=True") from None
+        self._flock_fd = fd
+
+    def _writer_active(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    def _open_env(self, map_size: int) -> lmdb.Environment:
+        shared_lock = self.readonly and self._writer_active() and os.path.exists(self.path + "-lock")
+        try:
+            return lmdb.open(self.path, subdir=False, readonly=self.readonly,
+                             lock=(not self.readonly) or shared_lock, max_dbs=MAX_DBS,
+                             map_size=map_size, sync=True, metasync=True, writemap=False,
+                             meminit=False, max_spare_txns=4)
+        except lmdb.Error as exc:
+            raise _translate(exc, f"cannot open {self.path!r}") from None
+
+    def _open_tables(self, creating: bool) -> dict[str, Any]:
+        try:
+            if creating:
+                with self.env.begin(write=True) as txn:
+                    dbs = {name: self.env.open_db(name.encode(), txn=txn) for name in TABLES}
+                    Txn(txn, dbs, True).put_json("meta", b"format", {
+                        "format": FORMAT_NAME, "version": FORMAT_VERSION,
+                        "store_id": uuid.uuid4().hex, "created": time.time()})
+                return dbs
+            # Without ``txn=``: a handle opened inside a read transaction dies with it.
+            return {name: self.env.open_db(name.encode(), create=False) for name in TABLES}
+        except (lmdb.NotFoundError, lmdb.IncompatibleError):
+            raise FormatError(f"{self.path!r} is an LMDB file but not a kvckpt store "
+                              f"(it lacks the tables {', '.join(TABLES)})") from None
+        except lmdb.Error as exc:
+            raise _translate(exc, f"cannot open the tables of {self.path!r}") from None
+
+    def _check_format(self) -> dict[str, Any]:
+        info = self.read(lambda txn: txn.get_json("meta", b"format"))
+        if not info or info.get("format") != FORMAT_NAME:
+            raise FormatError(f"{self.path!r} is not a kvckpt store (no format record)")
+        if info.get("version") != FORMAT_VERSION:
+            raise FormatError(f"{self.path!r} has kvckpt format version {info.get('version')!r}; this "
+                              f"kvckpt reads version {FORMAT_VERSION}. Use a matching kvckpt release")
+        return info
+
+    @property
+    def store_id(self) -> str:
+        """The random identity written when the store was created (copies keep it)."""
+        return self.info["store_id"]
+
+    # -- transactions ----------------------------------------------------------------------
+    def write(self, fn: Callable[[Txn], T]) -> T:
+        """Run ``fn`` in one durable write transaction and return its result.
+
+        ``fn`` may be called more than once (the map grows and the transaction is replayed), so
+        it must not have side effects outside the transaction. If it raises, nothing is written.
+
+        Raises:
+            ReadOnlyStore: the handle is read-only.
+            DiskFull: the filesystem is full; nothing was written.
+        """
+        if self.readonly:
+            raise ReadOnlyStore(f"{self.path!r} is open read-only")
+        with self._write_lock:
+            while True:
+                txn = self.env.begin(write=True)
+                try:
+                    result = fn(Txn(txn, self.dbs, True))
+                    txn.commit()
+                    return result
+                except lmdb.MapFullError:
+                    txn.abort()
+                    self._grow()
+                except lmdb.Error as exc:
+                    txn.abort()
+                    raise _translate(exc, f"write to {self.path!r} failed") from None
+                except BaseException:
+                    txn.abort()
+                    raise
+
+    def _grow(self) -> None:
+        new_size = self.env.info()["map_size"] * 2
+        with self._gate.resizing():
+            self.env.set_mapsize(new_size)
+
+    def read(self, fn: Callable[[Txn], T]) -> T:
+        """Run ``fn`` in a read transaction (a consistent snapshot) and return its result.
+
+        Values returned by ``fn`` must not alias LMDB memory; this wrapper never uses
+        ``buffers=True``, so plain ``bytes`` are safe.
+        """
+        with self.reader() as txn:
+            return fn(txn)
+
+    @contextmanager
+    def reader(self) -> Iterator[Txn]:
+        """A read transaction as a context manager; it ends (and frees its snapshot) on exit."""
+        with self._gate.reading():
+            txn = self.env.begin()
+            try:
+                yield Txn(txn, self.dbs, False)
+            finally:
+                txn.abort()
+
+    def copy_snapshot(self, dest: str, txn: Txn) -> None:
+        """Write a compacted copy of ``txn``'s snapshot to ``dest`` (which must not exist).
+
+        LMDB does not fsync the copy: the caller fsyncs and renames it (see :mod:`kvckpt.checkpoint`).
+        """
+        try:
+            self.env.copy(dest, compact=True, txn=txn.raw)
+        except lmdb.Error as exc:
+            raise _translate(exc, f"copying {self.path!r} to {dest!r} failed") from None
+
+    def file_size(self) -> int:
+        """Bytes the data file occupies now."""
+        return os.path.getsize(self.path)
+
+    def close(self) -> None:
+        """Close the environment and release the writer lock. Idempotent."""
+        env = getattr(self, "env", None)
+        if env is not None:
+            env.close()
+            self.env = None
+        self._release()
+
+    def _release(self) -> None:
+        if self._flock_fd is not None:
+            os.close(self._flock_fd)
+            self._flock_fd = None
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "readonly" if self.readonly else "writable"
+        return f"Store({self.path!r}, {mode})"
+
+
+_LMDB_MAGIC = 0xBEEFC0DE
+
+
+def _check_lmdb_header(path: str) -> None:
+    """Refuse files that are not LMDB v1 data files before the C engine maps them.
+
+    The meta pages start at offset 16 of pages 0 and 1 with the magic and format version; a
+    truncated file or another format is reported here instead of inside LMDB.
+    """
+    with open(path, "rb") as f:
+        head = f.read(32)
+    if len(head) < 24:
+        raise FormatError(f"{path!r} is {len(head)} bytes: truncated, or not a kvckpt store")
+    magic = int.from_bytes(head[16:20], "little")
+    version = int.from_bytes(head[20:24], "little")
+    if magic != _LMDB_MAGIC:
+        raise FormatError(f"{path!r} is not an LMDB file, so not a kvckpt store")
+    if version != 1:
+        raise FormatError(f"{path!r} is LMDB data format {version}; kvckpt stores use format 1")
+
+
+def _translate(exc: lmdb.Error, what: str) -> KvckptError:
+    """Map an ``lmdb.Error`` to the kvckpt error that says what to do."""
+    code = getattr(exc, "code", None) or getattr(exc, "errno", None)
+    text = str(exc)
+    if code == errno.ENOSPC or "No space left" in text:
+        return DiskFull(errno.ENOSPC, f"{what}: the disk is full; nothing was written. Free space and retry")
+    if code in (errno.EACCES, errno.EROFS) or "Permission denied" in text or "Read-only" in text:
+        return ReadOnlyStore(f"{what}: {text}")
+    if isinstance(exc, (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.CorruptedError,
+                        lmdb.PageNotFoundError)):
+        return FormatError(f"{what}: {text}. The file is damaged or not a kvckpt store")
+    return KvckptError(f"{what}: {text}")

@@ -1,0 +1,1 @@
+"""The ``kvckpt`` command line, installed as ``kvckpt.tools``."""
