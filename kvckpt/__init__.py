@@ -1,1 +1,48 @@
-"""kvckpt: a crash-consistent replay buffer and checkpoint store for async RL post-training."""
+"""kvckpt: a crash-consistent replay buffer and checkpoint store for async RL post-training.
+
+Buffer rows, group metadata, the ledger of in-flight prompts and every cursor live in one LMDB
+file; every state transition is one durable write transaction; a checkpoint is one stamp
+transaction plus a background copy to one file; restore opens a fresh handle on a copy.
+"""
+
+from .buffer import Batch, BufferConfig, ReplayBuffer
+from .checkpoint import CheckpointHandle, CheckpointResult, checkpoint, keep_latest, read_stamp, restore
+from .errors import (
+    BadArgument,
+    CapacityError,
+    CheckpointError,
+    CorruptRecord,
+    DiskFull,
+    DuplicateCommit,
+    FormatError,
+    GateTimeout,
+    InvariantViolation,
+    KvckptError,
+    LeaseError,
+    NotSelectable,
+    ReadOnlyStore,
+    RecoveryError,
+    SchemaMismatch,
+    StaleAttempt,
+    StoreLocked,
+    StoreNotFound,
+    UnknownGroup,
+)
+from .records import CommitResult, GroupInfo, Lease, LedgerEntry, Prompt, Selection
+from .recovery import RecoveryPlan, recover
+from .samplers import Sampler, create_sampler, register
+from .schema import Field, RowSchema, split_padded
+from .store import Store
+from .verify import Report, check, verify_path
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BadArgument", "Batch", "BufferConfig", "CapacityError", "CheckpointError", "CheckpointHandle",
+    "CheckpointResult", "CommitResult", "CorruptRecord", "DiskFull", "DuplicateCommit", "Field", "FormatError",
+    "GateTimeout", "GroupInfo", "InvariantViolation", "KvckptError", "Lease", "LeaseError", "LedgerEntry",
+    "NotSelectable", "Prompt", "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer", "Report",
+    "RowSchema", "Sampler", "SchemaMismatch", "Selection", "StaleAttempt", "Store", "StoreLocked",
+    "StoreNotFound", "UnknownGroup", "check", "checkpoint", "create_sampler", "keep_latest", "read_stamp",
+    "recover", "register", "restore", "split_padded", "verify_path",
+]

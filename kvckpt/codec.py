@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ MAGIC = b"KVR1"
 _PREFIX = struct.Struct("<4sII")
 MAX_HEADER_BYTES = 1 << 20
 MAX_BODY_BYTES = 1 << 32
+MAX_NDIM = 64
+MAX_LEVEL = 22
 DEFAULT_LEVEL = 1
 
 #: Logical dtype name -> numpy dtype of the stored bytes. ``bfloat16`` is stored as its raw 16 bits.
@@ -62,6 +65,26 @@ DTYPES: dict[str, np.dtype] = {
 }
 _NARROW_ORDER = ("uint8", "int8", "uint16", "int16", "uint32", "int32")
 _TRANSFORMS = {"bitpack", "shuffle"} | {f"narrow:{name}" for name in _NARROW_ORDER}
+_INTEGER = {"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"}
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """A per-thread compressor for ``level`` (creating one per record costs more than a small row)."""
+    cache = getattr(_local, "cctx", None)
+    if cache is None:
+        cache = _local.cctx = {}
+    cctx = cache.get(level)
+    if cctx is None:
+        cctx = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return cctx
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    dctx = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = zstandard.ZstdDecompressor()
+    return dctx
 
 
 @dataclass
@@ -96,29 +119,33 @@ def as_numpy(value: Any) -> tuple[np.ndarray, str]:
         BadArgument: the dtype is not one the codec stores.
     """
     if hasattr(value, "detach") and hasattr(value, "dtype"):  # a torch.Tensor, without importing torch
+        name = str(value.dtype).removeprefix("torch.")
+        if name not in DTYPES:  # checked before .numpy(), which raises TypeError for e.g. float8
+            raise BadArgument(f"dtype {value.dtype} is not storable; use one of {sorted(DTYPES)}")
         tensor = value.detach().cpu().contiguous()
-        name = str(tensor.dtype).removeprefix("torch.")
         if name == "bfloat16":
             import torch
 
             return tensor.view(torch.int16).numpy().view("<u2"), name
         arr = tensor.numpy()
     else:
-        arr = np.asarray(value)
+        try:
+            arr = np.asarray(value)
+        except (TypeError, ValueError) as exc:  # ragged nested lists, unconvertible objects
+            raise BadArgument(f"value is not an array: {exc}") from None
     name = arr.dtype.name
     if name not in DTYPES or name == "bfloat16":
         raise BadArgument(f"dtype {arr.dtype} is not storable; use one of {sorted(DTYPES)}")
-    return np.ascontiguousarray(arr, dtype=DTYPES[name]), name
+    # Not np.ascontiguousarray: it turns 0-d scalars into shape (1,).
+    return np.asarray(arr, dtype=DTYPES[name], order="C"), name
 
 
-def _narrowest(arr: np.ndarray) -> str | None:
-    if arr.size == 0:
-        return None
-    lo, hi = int(arr.min()), int(arr.max())
+def _narrowest(lo: int, hi: int, itemsize: int) -> str | None:
+    """The smallest integer dtype holding ``[lo, hi]``, if it is narrower than ``itemsize`` bytes."""
     for name in _NARROW_ORDER:
         info = np.iinfo(DTYPES[name])
         if info.min <= lo and hi <= info.max:
-            return name if DTYPES[name].itemsize < arr.dtype.itemsize else None
+            return name if DTYPES[name].itemsize < itemsize else None
     return None
 
 
@@ -127,9 +154,10 @@ def _encode_field(arr: np.ndarray, dtype: str, compress: bool) -> tuple[list[str
     data = arr.reshape(-1)
     if dtype == "bool":
         return ["bitpack"], np.packbits(data.view(np.uint8)).tobytes()
-    if compress and data.dtype.kind in "iu" and dtype != "bfloat16":
-        narrow = _narrowest(data)
-        if narrow is not None and narrow in ("uint8", "int8") and int(data.min()) >= 0 and int(data.max()) <= 1:
+    if compress and data.dtype.kind in "iu" and dtype != "bfloat16" and data.size:
+        lo, hi = int(data.min()), int(data.max())
+        narrow = _narrowest(lo, hi, data.dtype.itemsize)
+        if narrow is not None and lo >= 0 and hi <= 1:  # 0/1 masks stored wider than a byte
             return ["bitpack"], np.packbits(data.astype(np.uint8)).tobytes()
         if narrow is not None:
             transforms.append(f"narrow:{narrow}")
@@ -153,18 +181,23 @@ def encode(fields: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | No
     Raises:
         BadArgument: unstorable dtype or non-JSON ``meta``.
     """
+    if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= MAX_LEVEL:
+        raise BadArgument(f"level must be an int from 0 (uncompressed) to {MAX_LEVEL}, got {level!r}")
     specs, chunks = [], []
     for name, value in (fields or {}).items():
+        if not isinstance(name, str):
+            raise BadArgument(f"field names must be str, got {name!r}")
         arr, dtype = as_numpy(value)
         transforms, data = _encode_field(arr, dtype, level > 0)
         specs.append([name, dtype, list(arr.shape), transforms, len(data)])
         chunks.append(data)
     body = b"".join(chunks)
     raw_len = len(body)
-    if level > 0 and body:
-        body = zstandard.ZstdCompressor(level=level).compress(body)
+    level = level if raw_len else 0  # an empty body is never compressed
+    if level:
+        body = _compressor(level).compress(body)
     try:
-        header = json.dumps({"z": level if chunks else 0, "raw": raw_len, "meta": dict(meta or {}),
+        header = json.dumps({"z": level, "raw": raw_len, "meta": dict(meta or {}),
                              "fields": specs}, separators=(",", ":"), allow_nan=False).encode()
     except (TypeError, ValueError) as exc:
         raise BadArgument(f"record meta is not JSON-serialisable: {exc}") from None
@@ -189,7 +222,7 @@ def _parse_header(buf: memoryview, key: str) -> tuple[dict, int]:
         raise CorruptRecord(key, f"header length {hlen} exceeds the value")
     try:
         header = json.loads(bytes(buf[_PREFIX.size:_PREFIX.size + hlen]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CorruptRecord(key, f"header is not JSON: {exc}") from None
     if not isinstance(header, dict) or not isinstance(header.get("meta"), dict) \
             or not isinstance(header.get("fields"), list):
@@ -209,16 +242,37 @@ def _check_spec(spec: Any, key: str) -> tuple[str, str, tuple[int, ...], list[st
     name, dtype, shape, transforms, nbytes = spec
     if not isinstance(name, str) or dtype not in DTYPES:
         raise CorruptRecord(key, f"field {name!r} has unknown dtype {dtype!r}")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and 0 <= d < 1 << 40 for d in shape)):
+    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM
+            and all(isinstance(d, int) and 0 <= d < 1 << 40 for d in shape)):
         raise CorruptRecord(key, f"field {name!r} has invalid shape {shape!r}")
-    if not (isinstance(transforms, list) and all(t in _TRANSFORMS for t in transforms)):
-        raise CorruptRecord(key, f"field {name!r} has unknown transforms {transforms!r}")
+    if not (isinstance(transforms, list) and all(t in _TRANSFORMS for t in transforms)
+            and _transforms_valid(dtype, transforms)):
+        raise CorruptRecord(key, f"field {name!r} of {dtype} has invalid transforms {transforms!r}")
     if not isinstance(nbytes, int) or nbytes < 0:
         raise CorruptRecord(key, f"field {name!r} has invalid length {nbytes!r}")
     return name, dtype, tuple(shape), transforms, nbytes
 
 
-def _decode_field(data: bytes, dtype: str, shape: tuple[int, ...], transforms: list[str],
+def _transforms_valid(dtype: str, transforms: list[str]) -> bool:
+    """Only the combinations :func:`_encode_field` writes: ``[]``, ``["bitpack"]`` (bool or integer),
+    ``["narrow:N"]`` / ``["narrow:N", "shuffle"]`` (integer, N strictly narrower; shuffle iff N is
+    wider than one byte) and ``["shuffle"]`` (any dtype wider than one byte)."""
+    if not transforms:
+        return True
+    if transforms == ["bitpack"]:
+        return dtype == "bool" or dtype in _INTEGER
+    if transforms == ["shuffle"]:
+        return DTYPES[dtype].itemsize > 1
+    first, rest = transforms[0], transforms[1:]
+    if not first.startswith("narrow:") or dtype not in _INTEGER:
+        return False
+    narrow = DTYPES[first.split(":", 1)[1]]
+    if narrow.itemsize >= DTYPES[dtype].itemsize:
+        return False
+    return rest == (["shuffle"] if narrow.itemsize > 1 else [])
+
+
+def _decode_field(data: memoryview, dtype: str, shape: tuple[int, ...], transforms: list[str],
                   key: str, name: str) -> np.ndarray:
     count = 1
     for dim in shape:
@@ -231,15 +285,19 @@ def _decode_field(data: bytes, dtype: str, shape: tuple[int, ...], transforms: l
     if "bitpack" in transforms:
         if len(data) != (count + 7) // 8:
             raise CorruptRecord(key, f"field {name!r}: {len(data)} packed bytes for {count} values")
-        arr = np.unpackbits(np.frombuffer(data, np.uint8), count=count).astype(target)
+        bits = np.unpackbits(np.frombuffer(data, np.uint8), count=count)  # a new array, 0/1 uint8
+        arr = bits.view(np.bool_) if dtype == "bool" else bits.astype(target)
         return arr.reshape(shape)
     if len(data) != count * stored.itemsize:
         raise CorruptRecord(key, f"field {name!r}: {len(data)} bytes for shape {shape} of {stored}")
+    # ``data`` may alias the caller's buffer (an LMDB page); exactly one copy makes the array own it.
     arr = np.frombuffer(data, np.uint8)
-    if "shuffle" in transforms and stored.itemsize > 1:
-        arr = np.ascontiguousarray(arr.reshape(stored.itemsize, count).T)
-    arr = arr.view(stored)
-    arr = arr.astype(target) if stored != target else arr.copy()
+    if "shuffle" in transforms:
+        arr = arr.reshape(stored.itemsize, count).T.copy().view(stored)  # C-order copy, even if count <= 1
+        if stored != target:
+            arr = arr.astype(target)
+    else:
+        arr = arr.view(stored).astype(target)  # astype always copies
     return arr.reshape(shape)
 
 
@@ -256,10 +314,16 @@ def decode(value: bytes | memoryview, key: str = "?") -> Record:
     level = header.get("z")
     if not isinstance(raw, int) or not 0 <= raw <= MAX_BODY_BYTES or not isinstance(level, int):
         raise CorruptRecord(key, "header has invalid body length or level")
+    if level < 0 or level > MAX_LEVEL:
+        raise CorruptRecord(key, f"header has invalid level {level}")
     body = buf[offset:]
-    if level > 0:
+    if level > 0 and (raw or len(body)):
         try:
-            body = memoryview(zstandard.ZstdDecompressor().decompress(body, max_output_size=raw))
+            declared = zstandard.frame_content_size(body)
+            if declared != raw:  # also refuses frames without a size: no unbounded allocation
+                raise CorruptRecord(key, f"zstd frame declares {declared} bytes, header says {raw}")
+            body = memoryview(_decompressor().decompress(body, max_output_size=raw,
+                                                         allow_extra_data=False))
         except zstandard.ZstdError as exc:
             raise CorruptRecord(key, f"zstd frame does not decompress: {exc}") from None
     if len(body) != raw:
@@ -268,9 +332,11 @@ def decode(value: bytes | memoryview, key: str = "?") -> Record:
     pos = 0
     for spec in header["fields"]:
         name, dtype, shape, transforms, nbytes = _check_spec(spec, key)
+        if name in record.arrays:
+            raise CorruptRecord(key, f"field {name!r} appears twice")
         if pos + nbytes > raw:
             raise CorruptRecord(key, f"field {name!r} runs past the body")
-        record.arrays[name] = _decode_field(bytes(body[pos:pos + nbytes]), dtype, shape, transforms, key, name)
+        record.arrays[name] = _decode_field(body[pos:pos + nbytes], dtype, shape, transforms, key, name)
         record.dtypes[name] = dtype
         pos += nbytes
     if pos != raw:

@@ -85,6 +85,10 @@ class DuplicateCommit(LeaseError):
     """The group is already committed with different content by the same or another attempt."""
 
 
+class GateTimeout(KvckptError, TimeoutError):
+    """Admission waited ``timeout`` seconds and the sampler's gate (or capacity) stayed closed."""
+
+
 class NotSelectable(KvckptError):
     """A group id passed to a batch read is not claimed or retained in this store."""
 

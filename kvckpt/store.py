@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import struct
 import threading
 import time
 import uuid
@@ -93,7 +94,8 @@ class Txn:
         """A cursor over ``table`` valid for this transaction's lifetime."""
         return self.raw.cursor(db=self._dbs[table])
 
-    def iter_prefix(self, table: str, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+    def iter_prefix(self, table: str, prefix: bytes,
+                    start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
         """Yield ``(key, value)`` for keys starting with ``prefix`` in key order, from ``start``."""
         cur = self.cursor(table)
         if not cur.set_range(start if start is not None else prefix):
@@ -197,21 +199,8 @@ class Store:
                               "process); kvckpt allows one writer. Close it, or open readonly=True") from None
         self._flock_fd = fd
 
-    def _writer_active(self) -> bool:
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-
     def _open_env(self, map_size: int) -> lmdb.Environment:
-        shared_lock = self.readonly and self._writer_active() and os.path.exists(self.path + "-lock")
+        shared_lock = self.readonly and writer_active(self.path) and os.path.exists(self.path + "-lock")
         try:
             return lmdb.open(self.path, subdir=False, readonly=self.readonly,
                              lock=(not self.readonly) or shared_lock, max_dbs=MAX_DBS,
@@ -305,6 +294,17 @@ class Store:
             finally:
                 txn.abort()
 
+    def write_then_snapshot(self, fn: Callable[[Txn], T]) -> tuple[T, Snapshot]:
+        """Run ``fn`` in a write transaction, then pin a read snapshot of exactly its result.
+
+        The snapshot begins before the writer lock is released, so no other write lands between
+        the two. The caller must :meth:`Snapshot.close` it (a held snapshot stops LMDB from reusing
+        pages freed by later commits, so the file grows while it is open).
+        """
+        with self._write_lock:
+            result = self.write(fn)
+            return result, Snapshot(self)
+
     def copy_snapshot(self, dest: str, txn: Txn) -> None:
         """Write a compacted copy of ``txn``'s snapshot to ``dest`` (which must not exist).
 
@@ -343,25 +343,75 @@ class Store:
         return f"Store({self.path!r}, {mode})"
 
 
+def writer_active(path: str) -> bool:
+    """Whether a writable :class:`Store` handle (any process) holds ``path`` now."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+class Snapshot:
+    """A read transaction that outlives a ``with`` block (for background checkpoint copies)."""
+
+    def __init__(self, store: Store) -> None:
+        self._ctx = store.reader()
+        self.txn = self._ctx.__enter__()
+
+    def close(self) -> None:
+        """End the read transaction. Idempotent."""
+        if self._ctx is not None:
+            self._ctx.__exit__(None, None, None)
+            self._ctx = None
+
+
 _LMDB_MAGIC = 0xBEEFC0DE
+# MDB_meta inside a meta page (64-bit build): 16-byte page header, then mm_magic u32, mm_version
+# u32, mm_address, mm_mapsize, mm_dbs[2] (48 bytes each; mm_dbs[0].md_pad holds the page size),
+# mm_last_pg, mm_txnid.
+_META = struct.Struct("<II8x8xI44x48xQQ")
+_META_OFFSET = 16
 
 
 def _check_lmdb_header(path: str) -> None:
-    """Refuse files that are not LMDB v1 data files before the C engine maps them.
+    """Refuse files that are not complete LMDB v1 data files before the C engine maps them.
 
-    The meta pages start at offset 16 of pages 0 and 1 with the magic and format version; a
-    truncated file or another format is reported here instead of inside LMDB.
+    Pages 0 and 1 are meta pages; LMDB uses the one with the larger transaction id, and that meta
+    names the last page in use. A file shorter than that is truncated: mapping it would crash the
+    process with SIGBUS on the first read past the end, so it is reported here instead.
     """
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        head = f.read(32)
-    if len(head) < 24:
-        raise FormatError(f"{path!r} is {len(head)} bytes: truncated, or not a kvckpt store")
-    magic = int.from_bytes(head[16:20], "little")
-    version = int.from_bytes(head[20:24], "little")
-    if magic != _LMDB_MAGIC:
-        raise FormatError(f"{path!r} is not an LMDB file, so not a kvckpt store")
-    if version != 1:
-        raise FormatError(f"{path!r} is LMDB data format {version}; kvckpt stores use format 1")
+        head = f.read(_META_OFFSET + _META.size)
+        if len(head) < _META_OFFSET + _META.size:
+            raise FormatError(f"{path!r} is {size} bytes: truncated, or not a kvckpt store")
+        magic, version, psize, _, _ = _META.unpack_from(head, _META_OFFSET)
+        if magic != _LMDB_MAGIC:
+            raise FormatError(f"{path!r} is not an LMDB file, so not a kvckpt store")
+        if version != 1:
+            raise FormatError(f"{path!r} is LMDB data format {version}; kvckpt stores use format 1")
+        if psize < 512 or psize > 1 << 16 or psize & (psize - 1):
+            raise FormatError(f"{path!r} has an invalid LMDB page size {psize}: damaged")
+        if size < 2 * psize:
+            raise FormatError(f"{path!r} is {size} bytes, less than its two {psize}-byte meta pages: "
+                              "truncated")
+        f.seek(psize)
+        second = f.read(_META_OFFSET + _META.size)
+    metas = [_META.unpack_from(head, _META_OFFSET), _META.unpack_from(second, _META_OFFSET)]
+    if metas[1][0] != _LMDB_MAGIC or metas[1][1] != 1:
+        raise FormatError(f"{path!r} has a damaged second LMDB meta page")
+    last_pg = max(metas, key=lambda m: m[4])[3]  # ties go to page 0, as in LMDB
+    if size < (last_pg + 1) * psize:
+        raise FormatError(f"{path!r} is {size} bytes but its last committed page ends at byte "
+                          f"{(last_pg + 1) * psize}: the file is truncated (copied while being "
+                          "written, or cut short); restore from a checkpoint")
 
 
 def _translate(exc: lmdb.Error, what: str) -> KvckptError:

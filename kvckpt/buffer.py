@@ -1,0 +1,845 @@
+"""The replay buffer: groups, the ownership ledger, cursors and samplers over one store.
+
+Every state transition is exactly one durable LMDB write transaction:
+
+===================  ===============================================================================
+transition           written atomically
+===================  ===============================================================================
+``admit``            ``dispatch_index`` (gated samplers), dataloader state, one ledger entry per prompt
+``commit_group``     all rows, group record ready with ``end_weight``, ledger entry deleted, indexes
+``commit_sample``    one row and the ledger entry's sibling progress (the group once all n are in)
+``select``           chosen ready groups -> claimed by the current step
+``finish_step``      claimed -> consumed, ``trainer_version`` + 1, rows of checkpointed steps dropped
+``evict``            out-of-window ready groups -> evicted, their rows deleted
+``abort``            ledger entry -> aborted tombstone, shortfall credited, reason recorded
+``recover``          reconcile to a trainer version, bump every ledger attempt (fencing zombies)
+===================  ===============================================================================
+
+so there is no moment, on disk or in memory, where a prompt is both a committed group and a
+ledger entry, or neither. Row payloads are encoded (and checksummed) before the transaction
+starts, outside the store's writer lock; the transaction itself only puts bytes.
+
+A prompt's life: ``admit`` -> ledger entry (lease) -> ``commit_group`` -> ``ready`` ->
+``select`` -> ``claimed`` -> ``finish_step`` -> ``consumed`` (rows dropped once a checkpoint
+covers the step, or kept with ``retain_consumed``). Side exits: ``evict`` (ready, out of window)
+and ``abort`` (in flight). Group records stay as small tombstones so every prompt that ever left
+the dataloader remains accounted for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import codec, keys
+from .errors import (
+    BadArgument,
+    CapacityError,
+    DuplicateCommit,
+    GateTimeout,
+    InvariantViolation,
+    NotSelectable,
+    SchemaMismatch,
+    StaleAttempt,
+    UnknownGroup,
+)
+from .records import (
+    ABORTED,
+    CLAIMED,
+    CONSUMED,
+    EVICTED,
+    READY,
+    CommitResult,
+    GroupInfo,
+    Lease,
+    LedgerEntry,
+    Prompt,
+    Selection,
+)
+from .samplers import BufferView, Sampler, create_sampler
+from .schema import RowSchema
+from .store import Store, Txn
+
+CONFIG_KEY, STATE_KEY, DATALOADER_KEY, SHORTFALL_KEY, CHECKPOINT_KEY = (
+    b"config", b"state", b"dataloader", b"shortfall", b"checkpoint")
+COUNTERS = ("admitted", "committed", "samples_committed", "selected", "consumed", "evicted", "aborted",
+            "redispatched", "raw_bytes", "stored_bytes")
+
+
+@dataclass
+class BufferConfig:
+    """What a buffer is, persisted in the store so a reopen needs no arguments.
+
+    Args:
+        group_size: rows per group (n completions per prompt).
+        schema: the row schema (a :class:`RowSchema` or its dict form).
+        sampler: a sampler config dict (``{"name": "in_order", "max_lookahead_versions": 1}``),
+            a name, or a :class:`Sampler`.
+        max_buffered_rollouts: capacity: in-flight plus ready groups never exceed it.
+        groups_per_step: prompts per training step; used to refuse a capacity that deadlocks.
+        retain_consumed: keep consumed groups' rows (for replay or SFT export). Defaults to False.
+        compression_level: zstd level of row payloads, 0 for none. Defaults to 1.
+        durable_checkpoints: consumed rows are dropped only once this many later checkpoints
+            exist, so a trainer can still resume from an older model checkpoint. Defaults to 2.
+    """
+
+    group_size: int
+    schema: RowSchema | Mapping[str, Any]
+    sampler: Any = "in_order"
+    max_buffered_rollouts: int = 64
+    groups_per_step: int = 1
+    retain_consumed: bool = False
+    compression_level: int = codec.DEFAULT_LEVEL
+    durable_checkpoints: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.schema, RowSchema):
+            self.schema = RowSchema.from_dict(self.schema) if "fields" in self.schema else RowSchema(self.schema)
+        self.sampler = create_sampler(self.sampler)
+        for name in ("group_size", "max_buffered_rollouts", "groups_per_step", "durable_checkpoints"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise BadArgument(f"{name} must be an integer >= 1, got {value!r}")
+        self.sampler.check_capacity(self.max_buffered_rollouts, self.groups_per_step)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form stored under ``meta/config``."""
+        return {"group_size": self.group_size, "schema": self.schema.to_dict(),
+                "sampler": self.sampler.config(), "max_buffered_rollouts": self.max_buffered_rollouts,
+                "groups_per_step": self.groups_per_step, "retain_consumed": self.retain_consumed,
+                "compression_level": self.compression_level, "durable_checkpoints": self.durable_checkpoints}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> BufferConfig:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**dict(doc))
+
+
+def _new_state() -> dict[str, Any]:
+    return {"dispatch_index": -1, "trainer_version": 0, "weight_version": 0, "admissions": 0, "seq": 0,
+            "inflight": 0, "ready": 0, "claimed": 0, "durable": [], "drop_floor": 0,
+            "counters": dict.fromkeys(COUNTERS, 0)}
+
+
+@dataclass
+class _EncodedRow:
+    index: int
+    value: bytes
+    raw_bytes: int
+
+
+@dataclass
+class Batch:
+    """Rows of selected groups, ready for training. Owns its memory (no open transaction).
+
+    ``tensors`` maps field names to torch tensors: ``padded`` gives ``[N, L_max]`` token fields
+    (right-padded with ``pad_value``) and stacked row fields; ``packed`` gives 1-D concatenated
+    token fields with ``cu_seqlens``. ``rows`` (layout ``list``) keeps one dict per row.
+    """
+
+    group_ids: list[str]
+    row_indices: list[int]
+    lengths: Any
+    tensors: dict[str, Any] = field(default_factory=dict)
+    cu_seqlens: Any = None
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    groups: list[GroupInfo] = field(default_factory=list)
+
+
+class ReplayBuffer:
+    """A crash-consistent replay buffer over one kvckpt store file.
+
+    Create one with :meth:`create`, reopen with :meth:`open` (no arguments needed: the config is
+    in the store). Thread-safe: producers may commit from several threads (row encoding runs in
+    parallel; transactions are serialised). Never share one across ``fork``.
+
+    Examples:
+        >>> import tempfile, torch
+        >>> path = tempfile.mkdtemp() + "/buf.kv"
+        >>> buf = ReplayBuffer.create(path, BufferConfig(
+        ...     group_size=2, schema={"input_ids": ("int64", "token"), "total_reward": ("float32", "row")},
+        ...     sampler={"name": "in_order", "max_lookahead_versions": 1}, max_buffered_rollouts=4))
+        >>> [lease] = buf.admit([Prompt(prompt_idx=7)], dataloader_state=b"cursor=1")
+        >>> row = {"input_ids": torch.tensor([1, 2, 3]), "total_reward": torch.tensor(1.0)}
+        >>> buf.commit_group(lease, [row, row]).ready
+        True
+        >>> buf.select(1, 1).group_ids == [lease.group_id]
+        True
+        >>> buf.close()
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        doc = store.read(lambda t: t.get_json("meta", CONFIG_KEY))
+        if doc is None:
+            raise BadArgument(f"{store.path!r} is a kvckpt store without a replay buffer config; "
+                              "create it with ReplayBuffer.create")
+        self.config = BufferConfig.from_dict(doc)
+        self.sampler: Sampler = self.config.sampler
+        self.schema: RowSchema = self.config.schema
+        self._changed = threading.Condition()
+        self._latencies: deque[float] = deque(maxlen=4096)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: str, config: BufferConfig, *, map_size: int | None = None) -> ReplayBuffer:
+        """Create a new store file holding an empty buffer.
+
+        Raises:
+            BadArgument: the file already exists (open it with :meth:`open`).
+        """
+        import os
+
+        if os.path.exists(path):
+            raise BadArgument(f"{path!r} already exists; use ReplayBuffer.open to reopen it")
+        kwargs = {"map_size": map_size} if map_size else {}
+        store = Store(path, create=True, **kwargs)
+        try:
+            def init(txn: Txn) -> None:
+                txn.put_json("meta", CONFIG_KEY, config.to_dict())
+                txn.put_json("meta", STATE_KEY, _new_state())
+                txn.put_json("meta", SHORTFALL_KEY, {})
+            store.write(init)
+            return cls(store)
+        except BaseException:
+            store.close()
+            raise
+
+    @classmethod
+    def open(cls, path: str, *, readonly: bool = False) -> ReplayBuffer:
+        """Reopen an existing buffer (its config comes from the store)."""
+        store = Store(path, readonly=readonly)
+        try:
+            return cls(store)
+        except BaseException:
+            store.close()
+            raise
+
+    def close(self) -> None:
+        """Close the store. Idempotent."""
+        self.store.close()
+
+    def __enter__(self) -> ReplayBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def path(self) -> str:
+        """The store file."""
+        return self.store.path
+
+    # -- internal helpers ------------------------------------------------------------------------
+    def _write(self, fn: Any) -> Any:
+        result = self.store.write(fn)
+        with self._changed:
+            self._changed.notify_all()
+        return result
+
+    @staticmethod
+    def _state(txn: Txn) -> dict[str, Any]:
+        st = txn.get_json("meta", STATE_KEY)
+        if st is None:
+            raise InvariantViolation("meta/state is missing")
+        return st
+
+    @staticmethod
+    def _group(txn: Txn, group_id: str) -> GroupInfo | None:
+        doc = txn.get_json("groups", keys.group_key(group_id))
+        return None if doc is None else GroupInfo.from_dict(doc)
+
+    @staticmethod
+    def _entry(txn: Txn, group_id: str) -> LedgerEntry | None:
+        doc = txn.get_json("ledger", keys.group_key(group_id))
+        return None if doc is None else LedgerEntry.from_dict(doc)
+
+    @staticmethod
+    def _put_group(txn: Txn, group: GroupInfo) -> None:
+        txn.put_json("groups", keys.group_key(group.group_id), group.to_dict())
+
+    @staticmethod
+    def _put_entry(txn: Txn, entry: LedgerEntry) -> None:
+        txn.put_json("ledger", keys.group_key(entry.group_id), entry.to_dict())
+
+    @staticmethod
+    def _ready_index(txn: Txn, group: GroupInfo, add: bool) -> None:
+        gid = group.group_id.encode()
+        index_keys = [keys.index_key(keys.READY_BY_SEQ, None, group.seq),
+                      keys.index_key(keys.READY_BY_WEIGHT, group.start_weight, group.seq)]
+        if group.target_step is not None:
+            index_keys.append(keys.index_key(keys.READY_BY_TARGET, group.target_step, group.seq))
+        for key in index_keys:
+            if add:
+                txn.put("index", key, gid)
+            elif not txn.delete("index", key):
+                raise InvariantViolation(f"ready index entry of group {group.group_id!r} is missing")
+
+    @staticmethod
+    def _step_index(txn: Txn, prefix: bytes, step: int, group: GroupInfo, add: bool) -> None:
+        key = keys.index_key(prefix, step, group.seq)
+        if add:
+            txn.put("index", key, group.group_id.encode())
+        elif not txn.delete("index", key):
+            raise InvariantViolation(f"index {prefix.decode()} entry of group {group.group_id!r} is missing")
+
+    @staticmethod
+    def _pending_index(txn: Txn, entry: LedgerEntry, add: bool) -> None:
+        key = keys.index_key(keys.PENDING_BY_WEIGHT, entry.start_weight, entry.seq)
+        if add:
+            txn.put("index", key, entry.group_id.encode())
+        else:
+            txn.delete("index", key)
+
+    @staticmethod
+    def _delete_rows(txn: Txn, group_id: str) -> int:
+        cur = txn.cursor("rows")
+        prefix = keys.row_prefix(group_id)
+        count = 0
+        if cur.set_range(prefix):
+            while cur.key().startswith(prefix):
+                count += 1
+                if not cur.delete():
+                    break
+        return count
+
+    def _resolve(self, txn: Txn, gids: Iterable[str]) -> list[GroupInfo]:
+        groups = []
+        for gid in gids:
+            group = self._group(txn, gid)
+            if group is None:
+                raise InvariantViolation(f"index points to group {gid!r}, which has no record")
+            groups.append(group)
+        return groups
+
+    # -- admission -------------------------------------------------------------------------------
+    def admissible(self, count: int = 1) -> bool:
+        """Whether ``count`` prompts could be admitted now (gate open and capacity free)."""
+        return self.store.read(lambda t: self._admission_blocker(self._state(t), count) is None)
+
+    def _admission_blocker(self, st: dict[str, Any], count: int) -> str | None:
+        gate = self.sampler.gate_window
+        if gate is not None and st["dispatch_index"] >= st["trainer_version"] + gate:
+            return (f"gate closed: dispatch_index {st['dispatch_index']} >= trainer_version "
+                    f"{st['trainer_version']} + window {gate}")
+        if st["inflight"] + st["ready"] + count > self.config.max_buffered_rollouts:
+            return (f"capacity: {st['inflight']} in flight + {st['ready']} ready + {count} > "
+                    f"max_buffered_rollouts {self.config.max_buffered_rollouts}")
+        return None
+
+    def admit(self, prompts: Sequence[Prompt | int | Mapping[str, Any]], dataloader_state: bytes | None = None,
+              *, timeout: float | None = None, weight_version: int | None = None) -> list[Lease]:
+        """Admit one dataloader batch: the prompts become ledger entries and get leases.
+
+        Gated samplers first wait (outside any transaction) until ``dispatch_index <
+        trainer_version + W`` and capacity is free; the cursor advance, the dataloader state and
+        the ledger entries are then one transaction. ``in_order`` stamps every prompt with
+        ``target_step = dispatch_index`` after the increment.
+
+        Args:
+            prompts: :class:`Prompt` objects, prompt indices, or dicts with Prompt's fields.
+            dataloader_state: the trainer's opaque dataloader state *after* this batch; stored
+                with the admission so a restart resumes the dataloader exactly past it.
+            timeout: seconds to wait for the gate; ``None`` waits forever, ``0`` does not wait.
+            weight_version: the rollout weight version the prompts are generated with
+                (``start_weight``). Defaults to the buffer's current weight version.
+
+        Raises:
+            GateTimeout: the gate or capacity stayed closed for ``timeout`` seconds.
+            CapacityError: the batch alone is larger than ``max_buffered_rollouts``.
+            BadArgument: a duplicate or already-used group id.
+        """
+        batch = [p if isinstance(p, Prompt) else Prompt(prompt_idx=p) if isinstance(p, int) else Prompt(**p)
+                 for p in prompts]
+        if not batch:
+            raise BadArgument("admit needs at least one prompt")
+        if len(batch) > self.config.max_buffered_rollouts:
+            raise CapacityError(f"a batch of {len(batch)} prompts exceeds max_buffered_rollouts "
+                                f"{self.config.max_buffered_rollouts}")
+        ids = [p.group_id for p in batch if p.group_id is not None]
+        if len(ids) != len(set(ids)):
+            raise BadArgument("duplicate group ids within one admission")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            result = self._write(lambda txn: self._admit_txn(txn, batch, dataloader_state, weight_version))
+            if isinstance(result, list):
+                return result
+            with self._changed:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise GateTimeout(f"admission still blocked after {timeout}s: {result}")
+                self._changed.wait(0.05 if remaining is None else min(0.05, remaining))
+
+    def _admit_txn(self, txn: Txn, batch: list[Prompt], dataloader_state: bytes | None,
+                   weight_version: int | None) -> list[Lease] | str:
+        st = self._state(txn)
+        blocker = self._admission_blocker(st, len(batch))
+        if blocker is not None:
+            return blocker  # nothing written: the caller waits outside the transaction
+        target = None
+        if self.sampler.gate_window is not None:
+            st["dispatch_index"] += 1
+            if self.sampler.stamps_target_step:
+                target = st["dispatch_index"]
+        admission_id = f"a{st['admissions']}"
+        st["admissions"] += 1
+        start_weight = st["weight_version"] if weight_version is None else int(weight_version)
+        leases = []
+        for j, prompt in enumerate(batch):
+            gid = prompt.group_id or f"{admission_id}-p{j}"
+            gkey = keys.group_key(gid)
+            if txn.get("ledger", gkey) is not None or txn.get("groups", gkey) is not None:
+                raise BadArgument(f"group id {gid!r} is already in use in this store")
+            entry = LedgerEntry(gid, admission_id, int(prompt.prompt_idx), prompt.task_name,
+                                self.config.group_size, target, start_weight, attempt=0, seq=st["seq"])
+            st["seq"] += 1
+            self._put_entry(txn, entry)
+            self._pending_index(txn, entry, add=True)
+            leases.append(entry.lease())
+        st["inflight"] += len(batch)
+        st["counters"]["admitted"] += len(batch)
+        if dataloader_state is not None:
+            txn.put("meta", DATALOADER_KEY, codec.encode(
+                {"state": np.frombuffer(bytes(dataloader_state), np.uint8)}, level=0))
+        txn.put_json("meta", STATE_KEY, st)
+        return leases
+
+    # -- commits ---------------------------------------------------------------------------------
+    def _encode_rows(self, lease: Lease, rows: Sequence[Mapping[str, Any]] | Mapping[int, Mapping[str, Any]],
+                     ) -> list[_EncodedRow]:
+        n = lease.group_size
+        if isinstance(rows, Mapping):
+            items = sorted(rows.items())
+        elif len(rows) == n:
+            items = list(enumerate(rows))
+        elif lease.missing and len(rows) == len(lease.missing):
+            items = list(zip(lease.missing, rows, strict=True))
+        else:
+            raise SchemaMismatch(f"group {lease.group_id!r} needs {n} rows (or the {len(lease.missing)} "
+                                 f"missing ones {list(lease.missing)}), got {len(rows)}")
+        out = []
+        for index, row in items:
+            if not 0 <= index < n:
+                raise SchemaMismatch(f"row index {index} of group {lease.group_id!r} is outside 0..{n - 1}")
+            where = f"row {keys.row_id(lease.group_id, index)}"
+            arrays = self.schema.validate(row, where)
+            value = codec.encode(arrays, {"group_id": lease.group_id, "index": index},
+                                 level=self.config.compression_level)
+            out.append(_EncodedRow(index, value, sum(a.nbytes for a in arrays.values())))
+        return out
+
+    @staticmethod
+    def _digest(value: bytes) -> str:
+        return hashlib.blake2b(value, digest_size=8).hexdigest()
+
+    def commit_group(self, lease: Lease, rows: Sequence[Mapping[str, Any]] | Mapping[int, Mapping[str, Any]],
+                     *, end_weight: int | None = None) -> CommitResult:
+        """Commit a whole group under its lease: rows + group ready + ledger entry deleted.
+
+        ``rows`` is either all ``group_size`` rows, or (after recovery reused some siblings) just
+        the rows of ``lease.missing`` in that order, or a dict ``{row index: row}``.
+
+        Retrying exactly the same commit after a lost acknowledgement returns the same result with
+        ``replayed=True`` and writes nothing.
+
+        Raises:
+            UnknownGroup: the group is neither in flight nor committed (aborted, evicted, unknown).
+            StaleAttempt: the lease's attempt is older than the current one (a zombie).
+            DuplicateCommit: the group is already committed with other content.
+            SchemaMismatch: wrong row count, missing/extra field, wrong dtype.
+        """
+        t0 = time.perf_counter()
+        encoded = self._encode_rows(lease, rows)
+        result = self._write(lambda txn: self._commit_txn(txn, lease, encoded, end_weight, whole=True))
+        self._latencies.append(time.perf_counter() - t0)
+        return result
+
+    def commit_sample(self, lease: Lease, index: int, row: Mapping[str, Any],
+                      *, end_weight: int | None = None) -> CommitResult:
+        """Commit one row (sibling) of a group; the group becomes ready in the transaction that
+        adds its last row. Same refusals and idempotence as :meth:`commit_group`."""
+        t0 = time.perf_counter()
+        encoded = self._encode_rows(lease, {index: row})
+        result = self._write(lambda txn: self._commit_txn(txn, lease, encoded, end_weight, whole=False))
+        self._latencies.append(time.perf_counter() - t0)
+        return result
+
+    def _commit_txn(self, txn: Txn, lease: Lease, encoded: list[_EncodedRow], end_weight: int | None,
+                    whole: bool) -> CommitResult:
+        gid = lease.group_id
+        entry = self._entry(txn, gid)
+        digests = {str(r.index): self._digest(r.value) for r in encoded}
+        if entry is None:
+            return self._replayed_commit(txn, lease, digests)
+        if lease.attempt < entry.attempt:
+            raise StaleAttempt(f"commit of group {gid!r} under attempt {lease.attempt} refused: the current "
+                               f"attempt is {entry.attempt} (this worker's lease was fenced by recovery)")
+        if lease.attempt > entry.attempt:
+            raise StaleAttempt(f"commit of group {gid!r} under attempt {lease.attempt}, but the store only "
+                               f"issued up to attempt {entry.attempt}: this lease belongs to another store")
+        siblings = set(entry.siblings)
+        merged = dict(entry.digests)
+        if not whole:
+            for r in encoded:
+                if r.index in siblings:
+                    if merged.get(str(r.index)) == digests[str(r.index)]:
+                        return CommitResult(gid, ready=False, replayed=True)
+                    raise DuplicateCommit(f"row {keys.row_id(gid, r.index)} is already committed "
+                                          "with other content")
+        st = self._state(txn)
+        for r in encoded:
+            txn.put("rows", keys.row_key(gid, r.index), r.value)
+        raw = entry.raw_bytes + sum(r.raw_bytes for r in encoded)
+        stored = entry.stored_bytes + sum(len(r.value) for r in encoded)
+        st["counters"]["raw_bytes"] += raw - entry.raw_bytes
+        st["counters"]["stored_bytes"] += stored - entry.stored_bytes
+        merged.update(digests)
+        siblings.update(r.index for r in encoded)
+        if not whole:
+            st["counters"]["samples_committed"] += len(encoded)
+        if len(siblings) < entry.group_size:
+            self._put_entry(txn, LedgerEntry.from_dict({
+                **entry.to_dict(), "siblings": tuple(sorted(siblings)), "digests": merged,
+                "raw_bytes": raw, "stored_bytes": stored}))
+            txn.put_json("meta", STATE_KEY, st)
+            return CommitResult(gid, ready=False, rows_written=len(encoded))
+        group = GroupInfo(
+            gid, entry.prompt_idx, entry.task_name, entry.admission_id, entry.seq, entry.group_size, READY,
+            entry.start_weight, st["weight_version"] if end_weight is None else int(end_weight),
+            entry.target_step, entry.attempt,
+            self._digest("".join(merged[str(i)] for i in range(entry.group_size)).encode()),
+            raw_bytes=raw, stored_bytes=stored)
+        txn.delete("ledger", keys.group_key(gid))
+        self._pending_index(txn, entry, add=False)
+        self._put_group(txn, group)
+        self._ready_index(txn, group, add=True)
+        st["inflight"] -= 1
+        st["ready"] += 1
+        st["counters"]["committed"] += 1
+        txn.put_json("meta", STATE_KEY, st)
+        return CommitResult(gid, ready=True, rows_written=len(encoded))
+
+    def _replayed_commit(self, txn: Txn, lease: Lease, digests: dict[str, str]) -> CommitResult:
+        gid = lease.group_id
+        group = self._group(txn, gid)
+        if group is None:
+            raise UnknownGroup(f"group {gid!r} is neither in flight nor committed in this store; "
+                               "nothing was written")
+        if group.state in (EVICTED, ABORTED):
+            raise UnknownGroup(f"group {gid!r} was {group.state} ({group.reason or 'no reason'}); "
+                               "the commit was refused and wrote nothing")
+        if lease.attempt < group.attempt:
+            raise StaleAttempt(f"group {gid!r} was committed by attempt {group.attempt}; attempt "
+                               f"{lease.attempt} is fenced and wrote nothing")
+        if lease.attempt == group.attempt and group.rows_stored:
+            stored = {str(int.from_bytes(k[-4:], "big")): self._digest(v)
+                      for k, v in txn.iter_prefix("rows", keys.row_prefix(gid))}
+            if all(stored.get(i) == d for i, d in digests.items()):
+                return CommitResult(gid, ready=True, replayed=True)
+        raise DuplicateCommit(f"group {gid!r} is already committed ({group.state}) with other content; "
+                              "nothing was written")
+
+    # -- training side ---------------------------------------------------------------------------
+    def select(self, min_groups: int = 1, max_groups: int | None = None) -> Selection:
+        """Claim up to ``max_groups`` eligible ready groups for the current step (one transaction).
+
+        Fewer than ``min_groups`` eligible gives an empty selection and writes nothing. Claimed
+        groups' rows stay readable (:meth:`read_batch`) until :meth:`finish_step`.
+        """
+        max_groups = self.config.groups_per_step if max_groups is None else max_groups
+
+        def txn_fn(txn: Txn) -> Selection:
+            st = self._state(txn)
+            step = st["trainer_version"]
+            gids = self.sampler.select(BufferView(txn), step, min_groups, max_groups)
+            claimed = []
+            for group in self._resolve(txn, gids):
+                if group.state != READY:
+                    raise InvariantViolation(f"sampler chose group {group.group_id!r} in state {group.state}")
+                self._ready_index(txn, group, add=False)
+                group = GroupInfo.from_dict({**group.to_dict(), "state": CLAIMED, "claimed_step": step})
+                self._put_group(txn, group)
+                self._step_index(txn, keys.CLAIMED_BY_STEP, step, group, add=True)
+                claimed.append(group)
+            if claimed:
+                st["ready"] -= len(claimed)
+                st["claimed"] += len(claimed)
+                st["counters"]["selected"] += len(claimed)
+                txn.put_json("meta", STATE_KEY, st)
+            return Selection(step, tuple(claimed))
+
+        return self._write(txn_fn)
+
+    def finish_step(self, *, weight_version: int | None = None) -> int:
+        """Close the current step: its claimed groups -> consumed, ``trainer_version`` + 1.
+
+        The rollout weight version follows the trainer (set ``weight_version`` if the weight sync
+        is not immediate). Consumed rows stay stored until enough checkpoints cover their step
+        (``durable_checkpoints``), then are dropped here unless ``retain_consumed``.
+
+        Returns:
+            The new trainer version.
+        """
+        def txn_fn(txn: Txn) -> int:
+            st = self._state(txn)
+            step = st["trainer_version"]
+            prefix = keys.CLAIMED_BY_STEP + keys.i64(step)
+            gids = [gid.decode() for _, gid in txn.iter_prefix("index", prefix)]
+            for group in self._resolve(txn, gids):
+                self._step_index(txn, keys.CLAIMED_BY_STEP, step, group, add=False)
+                group = GroupInfo.from_dict({**group.to_dict(), "state": CONSUMED, "consumed_step": step})
+                self._put_group(txn, group)
+                self._step_index(txn, keys.CONSUMED_BY_STEP, step, group, add=True)
+            st["claimed"] -= len(gids)
+            st["counters"]["consumed"] += len(gids)
+            st["trainer_version"] = step + 1
+            st["weight_version"] = step + 1 if weight_version is None else int(weight_version)
+            self._drop_consumed(txn, st)
+            txn.put_json("meta", STATE_KEY, st)
+            return st["trainer_version"]
+
+        return self._write(txn_fn)
+
+    def _drop_consumed(self, txn: Txn, st: dict[str, Any]) -> None:
+        """Drop rows of groups consumed before the oldest kept durable checkpoint."""
+        if self.config.retain_consumed or len(st["durable"]) < self.config.durable_checkpoints:
+            return
+        floor = st["durable"][-self.config.durable_checkpoints]
+        if floor <= st["drop_floor"]:
+            return
+        stop = keys.CONSUMED_BY_STEP + keys.i64(floor)
+        doomed = [(k, v.decode()) for k, v in txn.iter_prefix("index", keys.CONSUMED_BY_STEP) if k < stop]
+        for key, gid in doomed:
+            txn.delete("index", key)
+            self._delete_rows(txn, gid)
+            group = self._group(txn, gid)
+            self._put_group(txn, GroupInfo.from_dict({**group.to_dict(), "rows_stored": False}))
+        st["drop_floor"] = floor
+
+    def evict(self) -> list[str]:
+        """Remove ready groups the sampler can no longer select (their rows are deleted).
+
+        Restore never evicts; the first ``evict`` after it applies the current window.
+        """
+        def txn_fn(txn: Txn) -> list[str]:
+            st = self._state(txn)
+            gids = list(self.sampler.evictable(BufferView(txn), st["trainer_version"]))
+            for group in self._resolve(txn, gids):
+                self._ready_index(txn, group, add=False)
+                self._delete_rows(txn, group.group_id)
+                self._put_group(txn, GroupInfo.from_dict({
+                    **group.to_dict(), "state": EVICTED, "rows_stored": False,
+                    "reason": f"outside {self.sampler.name} window at version {st['trainer_version']}"}))
+            if gids:
+                st["ready"] -= len(gids)
+                st["counters"]["evicted"] += len(gids)
+                txn.put_json("meta", STATE_KEY, st)
+            return gids
+
+        return self._write(txn_fn)
+
+    def abort(self, group_id: str, reason: str) -> None:
+        """Give up on an in-flight prompt: ledger entry -> aborted tombstone with ``reason``, its
+        partial rows deleted, and ``batch_shortfall[target_step]`` credited.
+
+        Raises:
+            UnknownGroup: no ledger entry for ``group_id``.
+        """
+        self._write(lambda txn: self._abort_txn(txn, [group_id], reason))
+
+    def abort_stale_inflight(self) -> list[str]:
+        """Abort every in-flight prompt the sampler says is useless now (only ``windowed`` has any)."""
+        def txn_fn(txn: Txn) -> list[str]:
+            st = self._state(txn)
+            gids = list(self.sampler.inflight_to_abort(BufferView(txn), st["trainer_version"]))
+            if gids:
+                self._abort_txn(txn, gids, f"stale at version {st['trainer_version']}")
+            return gids
+
+        return self._write(txn_fn)
+
+    def _abort_txn(self, txn: Txn, gids: list[str], reason: str) -> None:
+        st = self._state(txn)
+        shortfall = txn.get_json("meta", SHORTFALL_KEY) or {}
+        for gid in gids:
+            entry = self._entry(txn, gid)
+            if entry is None:
+                raise UnknownGroup(f"group {gid!r} is not in flight; nothing to abort")
+            txn.delete("ledger", keys.group_key(gid))
+            self._pending_index(txn, entry, add=False)
+            self._delete_rows(txn, gid)
+            self._put_group(txn, GroupInfo(
+                gid, entry.prompt_idx, entry.task_name, entry.admission_id, entry.seq, entry.group_size,
+                ABORTED, entry.start_weight, -1, entry.target_step, entry.attempt, "", rows_stored=False,
+                reason=reason))
+            if entry.target_step is not None:
+                shortfall[str(entry.target_step)] = shortfall.get(str(entry.target_step), 0) + 1
+        st["inflight"] -= len(gids)
+        st["counters"]["aborted"] += len(gids)
+        txn.put_json("meta", SHORTFALL_KEY, shortfall)
+        txn.put_json("meta", STATE_KEY, st)
+
+    # -- reading ---------------------------------------------------------------------------------
+    def read_batch(self, groups: Selection | Iterable[str], *, fields: Sequence[str] | None = None,
+                   layout: str = "padded", pad_value: float = 0) -> Batch:
+        """Read the rows of the given groups as torch tensors; no transaction stays open.
+
+        Args:
+            groups: a :class:`Selection` or group ids (claimed, ready or retained consumed).
+            fields: fields to return. Defaults to every stored field.
+            layout: ``"padded"`` (``[N, L_max]``), ``"packed"`` (1-D plus ``cu_seqlens``) or
+                ``"list"`` (one dict per row). Defaults to ``"padded"``.
+            pad_value: fill value for padded token fields. Defaults to 0.
+
+        Raises:
+            NotSelectable: a group has no stored rows (evicted, aborted, dropped or unknown).
+            CorruptRecord: a row failed its checksum.
+        """
+        if layout not in ("padded", "packed", "list"):
+            raise BadArgument(f"layout must be padded, packed or list, got {layout!r}")
+        gids = groups.group_ids if isinstance(groups, Selection) else list(groups)
+
+        def txn_fn(txn: Txn) -> tuple[list[GroupInfo], list[tuple[str, int, bytes]]]:
+            infos, raw = [], []
+            for gid in gids:
+                group = self._group(txn, gid)
+                if group is None or not group.rows_stored or group.state in (EVICTED, ABORTED):
+                    state = "unknown" if group is None else f"{group.state}, rows stored: {group.rows_stored}"
+                    raise NotSelectable(f"group {gid!r} has no readable rows ({state})")
+                infos.append(group)
+                for key, value in txn.iter_prefix("rows", keys.row_prefix(gid)):
+                    raw.append((gid, int.from_bytes(key[-4:], "big"), value))
+            return infos, raw
+
+        infos, raw = self.store.read(txn_fn)
+        decoded = []
+        for gid, index, value in raw:
+            record = codec.decode(value, f"rows/{keys.row_id(gid, index)}")
+            if record.meta.get("group_id") != gid or record.meta.get("index") != index:
+                raise InvariantViolation(f"row {keys.row_id(gid, index)} holds the payload of "
+                                         f"{record.meta.get('group_id')!r} row {record.meta.get('index')!r}")
+            tensors = record.tensors()
+            decoded.append({k: v for k, v in tensors.items() if fields is None or k in fields})
+        return _assemble(self.schema, infos, raw, decoded, layout, pad_value)
+
+    # -- inspection ------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Cursors, counts and counters as one consistent dict (a copy)."""
+        return self.store.read(self._state)
+
+    @property
+    def trainer_version(self) -> int:
+        """The current training step (number of finished steps)."""
+        return self.state()["trainer_version"]
+
+    def group(self, group_id: str) -> GroupInfo | None:
+        """A group's record (any state), or ``None``."""
+        return self.store.read(lambda t: self._group(t, group_id))
+
+    def ledger(self) -> list[LedgerEntry]:
+        """Every in-flight prompt, in dispatch order."""
+        entries = self.store.read(lambda t: [LedgerEntry.from_dict(codec.decode_meta(v, f"ledger/{k!r}"))
+                                             for k, v in t.iter_prefix("ledger", b"")])
+        return sorted(entries, key=lambda e: e.seq)
+
+    def groups(self, states: Iterable[str] | None = None) -> list[GroupInfo]:
+        """Group records (optionally filtered by state), in dispatch order."""
+        wanted = None if states is None else set(states)
+        docs = self.store.read(lambda t: [GroupInfo.from_dict(codec.decode_meta(v, f"groups/{k!r}"))
+                                          for k, v in t.iter_prefix("groups", b"")])
+        return sorted((g for g in docs if wanted is None or g.state in wanted), key=lambda g: g.seq)
+
+    def dataloader_state(self) -> bytes | None:
+        """The dataloader state stored with the last admission (or restored), or ``None``."""
+        value = self.store.read(lambda t: t.get("meta", DATALOADER_KEY))
+        return None if value is None else codec.decode(value, "meta/dataloader").arrays["state"].tobytes()
+
+    def batch_shortfall(self) -> dict[int, int]:
+        """Prompts aborted per target step (the step closes that many groups short)."""
+        doc = self.store.read(lambda t: t.get_json("meta", SHORTFALL_KEY)) or {}
+        return {int(k): v for k, v in doc.items()}
+
+    def count_for_target_step(self, step: int) -> int:
+        """In-flight plus ready groups stamped for ``step`` (NeMo-RL's top-up guard)."""
+        def txn_fn(txn: Txn) -> int:
+            ready = sum(1 for _ in BufferView(txn).ready_for_target(step))
+            pending = sum(1 for _, v in txn.iter_prefix("ledger", b"")
+                          if codec.decode_meta(v).get("target_step") == step)
+            return ready + pending
+        return self.store.read(txn_fn)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters users graph: admitted, committed, selected, consumed, evicted, aborted, ledger
+        size, bytes raw and stored, and this process's commit latency percentiles (seconds)."""
+        st = self.state()
+        lat = sorted(self._latencies)
+        out = dict(st["counters"])
+        out.update(ledger_size=st["inflight"], ready=st["ready"], claimed=st["claimed"],
+                   trainer_version=st["trainer_version"], dispatch_index=st["dispatch_index"],
+                   file_bytes=self.store.file_size())
+        if lat:
+            out.update(commit_latency_p50=lat[len(lat) // 2], commit_latency_p99=lat[int(len(lat) * 0.99)])
+        return out
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Block until another thread of this process commits a transaction, or ``timeout``."""
+        with self._changed:
+            self._changed.wait(timeout)
+
+    # -- recovery --------------------------------------------------------------------------------
+    def recover(self, resume_version: int | None = None, *, sampler: Any = None,
+                max_buffered_rollouts: int | None = None) -> Any:
+        """Reconcile the store to a trainer version and fence in-flight work (one transaction).
+
+        See :func:`kvckpt.recovery.recover` for the full contract; this is its method form.
+        """
+        from .recovery import recover
+
+        return recover(self, resume_version, sampler=sampler, max_buffered_rollouts=max_buffered_rollouts)
+
+    def checkpoint(self, dest: str, trainer_state: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+        """Stamp and copy a checkpoint in the background; see :func:`kvckpt.checkpoint.checkpoint`."""
+        from .checkpoint import checkpoint
+
+        return checkpoint(self, dest, trainer_state, **kwargs)
+
+
+def _assemble(schema: RowSchema, infos: list[GroupInfo], raw: list[tuple[str, int, bytes]],
+              decoded: list[dict[str, Any]], layout: str, pad_value: float) -> Batch:
+    import torch
+
+    by_gid = {g.group_id: g for g in infos}
+    for gid, group in by_gid.items():
+        count = sum(1 for g, _, _ in raw if g == gid)
+        if count != group.group_size:
+            raise InvariantViolation(f"group {gid!r} has {count} stored rows, expected {group.group_size}")
+    token = [f for f in schema.token_fields if decoded and f in decoded[0]]
+    lengths = torch.tensor([int(row[token[0]].shape[0]) if token else 0 for row in decoded], dtype=torch.int64)
+    batch = Batch([g for g, _, _ in raw], [i for _, i, _ in raw], lengths, groups=infos)
+    if layout == "list":
+        batch.rows = decoded
+        return batch
+    if not decoded:
+        return batch
+    for name in decoded[0]:
+        values = [row[name] for row in decoded if name in row]
+        if len(values) != len(decoded):
+            continue  # an optional field some rows lack: only available in the list layout
+        if name in token:
+            if layout == "packed":
+                batch.tensors[name] = torch.cat(values)
+            else:
+                batch.tensors[name] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True,
+                                                                      padding_value=pad_value)
+        else:
+            batch.tensors[name] = torch.stack(values)
+    if layout == "packed":
+        batch.cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    return batch

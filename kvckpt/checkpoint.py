@@ -1,0 +1,288 @@
+"""Checkpoints: one stamp transaction, one background copy to one file; restore via a fresh handle.
+
+:func:`checkpoint` blocks the caller only for the stamp transaction (step, trainer state,
+checkpoint id). It pins a read snapshot of exactly that state before releasing the writer lock,
+then a background thread copies the snapshot with LMDB's compacting copy (which releases the
+GIL and never blocks writers), fsyncs the copy, renames it to its final name and fsyncs the
+directory. A file under the final name is therefore always complete; a failed or interrupted
+copy leaves only a ``.partial`` file, never a half-written checkpoint.
+
+:func:`restore` copies a checkpoint file to the live path (the checkpoint stays immutable),
+opens a fresh environment handle on the copy and runs :func:`kvckpt.recovery.recover` at the
+stamped trainer version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import BadArgument, CheckpointError, KvckptError, RecoveryError, StoreLocked
+from .store import Store, writer_active
+
+if TYPE_CHECKING:
+    from .buffer import ReplayBuffer
+    from .recovery import RecoveryPlan
+    from .store import Txn
+
+PARTIAL_SUFFIX = ".partial"
+STAMP_KEY = b"checkpoint"
+
+
+@dataclass
+class CheckpointResult:
+    """A finished checkpoint: its file, id, stamped version, size and phase timings (seconds)."""
+
+    path: str
+    checkpoint_id: str
+    trainer_version: int
+    file_bytes: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class CheckpointHandle:
+    """A checkpoint being copied in the background. Wait on it or poll it.
+
+    The stamp is already durable when the handle is returned; the file appears under its final
+    name only once :meth:`wait` returns without raising.
+    """
+
+    def __init__(self, result: CheckpointResult) -> None:
+        self._result = result
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The id stamped into the store (and into the file)."""
+        return self._result.checkpoint_id
+
+    def done(self) -> bool:
+        """Whether the copy has finished (successfully or not)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> CheckpointResult:
+        """Block until the file is complete and return its description.
+
+        Raises:
+            CheckpointError: the copy failed (the message says why); no file carries the name.
+            TimeoutError: not finished within ``timeout`` seconds.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"checkpoint {self._result.path!r} still copying after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def checkpoint(buffer: ReplayBuffer, dest: str | os.PathLike[str], trainer_state: Mapping[str, Any] | None = None,
+               *, overwrite: bool = False, background: bool = True) -> CheckpointHandle:
+    """Stamp the buffer and copy it to ``dest`` as one file without stopping producers.
+
+    Args:
+        buffer: the live buffer.
+        dest: the checkpoint file to create (its directory must exist).
+        trainer_state: a small JSON-able dict saved with the stamp (step, RNG seeds, paths...);
+            :class:`~kvckpt.recovery.RecoveryPlan` hands it back on restore.
+        overwrite: replace an existing ``dest`` (atomically, once the new copy is complete).
+            Defaults to False.
+        background: copy on a background thread. Defaults to True; False copies before returning.
+
+    Raises:
+        CheckpointError: ``dest`` exists (without ``overwrite``) or its directory is missing or
+            not writable; checked before anything is stamped.
+    """
+    from .buffer import STATE_KEY
+
+    dest = os.path.abspath(os.fspath(dest))
+    directory = os.path.dirname(dest)
+    if os.path.exists(dest) and not overwrite:
+        raise CheckpointError(f"checkpoint destination {dest!r} already exists; pass overwrite=True or "
+                              "choose a new name")
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint directory {directory!r} does not exist")
+    if not os.access(directory, os.W_OK):
+        raise CheckpointError(f"checkpoint directory {directory!r} is not writable")
+    try:
+        doc = dict(trainer_state or {})
+        json.dumps(doc, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise BadArgument(f"trainer_state must be JSON-serialisable: {exc}") from None
+
+    checkpoint_id = uuid.uuid4().hex
+    t0 = time.perf_counter()
+
+    def stamp(txn: Txn) -> int:
+        st = buffer._state(txn)
+        txn.put_json("meta", STAMP_KEY, {
+            "checkpoint_id": checkpoint_id, "trainer_version": st["trainer_version"],
+            "dispatch_index": st["dispatch_index"], "trainer_state": doc, "created": time.time(),
+            "file": os.path.basename(dest)})
+        txn.put_json("meta", STATE_KEY, st)
+        return st["trainer_version"]
+
+    version, snapshot = buffer.store.write_then_snapshot(stamp)
+    result = CheckpointResult(dest, checkpoint_id, version, timings={"stamp": time.perf_counter() - t0})
+    handle = CheckpointHandle(result)
+
+    def copy() -> None:
+        partial = f"{dest}.{checkpoint_id[:8]}{PARTIAL_SUFFIX}"
+        try:
+            t1 = time.perf_counter()
+            buffer.store.copy_snapshot(partial, snapshot.txn)
+            snapshot.close()
+            t2 = time.perf_counter()
+            _fsync_file(partial)
+            os.replace(partial, dest)
+            _fsync_dir(directory)
+            t3 = time.perf_counter()
+            result.timings.update(copy=t2 - t1, fsync_rename=t3 - t2)
+            result.file_bytes = os.path.getsize(dest)
+            _mark_durable(buffer, version)
+        except BaseException as exc:
+            snapshot.close()
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            handle._error = exc if isinstance(exc, KvckptError) else CheckpointError(
+                f"checkpoint to {dest!r} failed: {exc}; the previous checkpoint files are untouched")
+        finally:
+            result.timings["total"] = time.perf_counter() - t0
+            handle._done.set()
+
+    if background:
+        handle.thread = threading.Thread(target=copy, name=f"kvckpt-checkpoint-{checkpoint_id[:8]}", daemon=True)
+        handle.thread.start()
+    else:
+        copy()
+    return handle
+
+
+def _mark_durable(buffer: ReplayBuffer, version: int) -> None:
+    """Record that a complete checkpoint covers ``version`` (lets old consumed rows be dropped)."""
+    from .buffer import STATE_KEY
+
+    def txn_fn(txn: Txn) -> None:
+        st = buffer._state(txn)
+        if not st["durable"] or st["durable"][-1] < version:
+            st["durable"] = (st["durable"] + [version])[-16:]
+            txn.put_json("meta", STATE_KEY, st)
+
+    with contextlib.suppress(KvckptError):  # the store may be closed already; the file is complete
+        buffer._write(txn_fn)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_stamp(path: str) -> dict[str, Any]:
+    """The stamp of a checkpoint file (opened read-only, no lock file).
+
+    Raises:
+        FormatError: not a kvckpt store. RecoveryError: the file has no checkpoint stamp.
+    """
+    with Store(path, readonly=True) as store:
+        stamp = store.read(lambda t: t.get_json("meta", STAMP_KEY))
+    if stamp is None:
+        raise RecoveryError(f"{path!r} is a kvckpt store but not a checkpoint (no stamp)")
+    return stamp
+
+
+def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
+            max_buffered_rollouts: int | None = None, overwrite: bool = False) -> tuple[ReplayBuffer, RecoveryPlan]:
+    """Restore a checkpoint file into ``live_path`` and return the open buffer and its plan.
+
+    The checkpoint file is validated read-only first, then copied (temporary name, fsync,
+    rename), opened through a fresh handle and recovered at its stamped version (claims made
+    after the stamp are undone, in-flight prompts are fenced and planned for redispatch).
+
+    Args:
+        checkpoint_file: a file written by :func:`checkpoint`.
+        live_path: where the live store goes.
+        sampler, max_buffered_rollouts: restore under another sampler or capacity (reported in
+            ``plan.changes``).
+        overwrite: replace an existing live store (it must not be open for writing).
+
+    Raises:
+        FormatError / CorruptRecord / RecoveryError: the file is not a valid checkpoint; the live
+            store is left untouched in that case.
+        StoreLocked: the live store is open for writing elsewhere.
+    """
+    from .buffer import ReplayBuffer
+    from .verify import verify_path
+
+    t0 = time.perf_counter()
+    stamp = read_stamp(checkpoint_file)
+    report = verify_path(checkpoint_file)
+    if not report.ok:
+        shown = "; ".join(str(p) for p in report.problems[:10])
+        raise RecoveryError(f"checkpoint {checkpoint_file!r} failed verification: {shown}")
+    t1 = time.perf_counter()
+    live_path = os.path.abspath(live_path)
+    if os.path.exists(live_path):
+        if not overwrite:
+            raise RecoveryError(f"live store {live_path!r} exists; pass overwrite=True to replace it with "
+                                f"the checkpoint (or recover it in place with ReplayBuffer.recover)")
+        if writer_active(live_path):
+            raise StoreLocked(f"live store {live_path!r} is open for writing; close it before restoring over it")
+    tmp = f"{live_path}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
+    try:
+        shutil.copyfile(checkpoint_file, tmp)
+        _fsync_file(tmp)
+        os.replace(tmp, live_path)
+        _fsync_dir(os.path.dirname(live_path))
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise RecoveryError(f"copying {checkpoint_file!r} to {live_path!r} failed: {exc}") from None
+    t2 = time.perf_counter()
+    buffer = ReplayBuffer.open(live_path)
+    t3 = time.perf_counter()
+    try:
+        plan = buffer.recover(stamp["trainer_version"], sampler=sampler, max_buffered_rollouts=max_buffered_rollouts)
+    except BaseException:
+        buffer.close()
+        raise
+    plan.timings.update(validate_file=t1 - t0, copy=t2 - t1, open=t3 - t2, restore_total=time.perf_counter() - t0)
+    return buffer, plan
+
+
+def keep_latest(directory: str, pattern: str = "*.kvckpt", keep: int = 3) -> list[str]:
+    """Delete all but the ``keep`` newest checkpoint files matching ``pattern`` in ``directory``.
+
+    Returns the deleted paths. ``.partial`` files (copies in progress, or left by a crash) are
+    never matched by the default pattern and are left alone.
+    """
+    import glob
+
+    if keep < 1:
+        raise BadArgument("keep must be >= 1")
+    files = sorted(glob.glob(os.path.join(directory, pattern)), key=os.path.getmtime)
+    doomed = files[:-keep]
+    for path in doomed:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    if doomed:
+        _fsync_dir(directory)
+    return doomed

@@ -1,0 +1,143 @@
+"""The buffer's value types: prompts, leases, group and ledger documents, results.
+
+These are plain frozen dataclasses with ``to_dict``/``from_dict`` so they cross process
+boundaries (Ray, asyncio executors) as JSON-able dicts, never as pickled objects of the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+# Group states, in lifecycle order. A prompt that left the dataloader is either a ledger entry
+# (in flight) or a record in ``groups`` in exactly one of these states.
+READY, CLAIMED, CONSUMED, EVICTED, ABORTED = "ready", "claimed", "consumed", "evicted", "aborted"
+GROUP_STATES = (READY, CLAIMED, CONSUMED, EVICTED, ABORTED)
+PHASE_ADMITTED = "admitted"
+
+
+class _Doc:
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict of every field."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> Any:
+        """Rebuild from :meth:`to_dict` output (unknown keys are ignored)."""
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in doc.items() if k in names}
+        for name in ("missing", "siblings"):
+            if name in kwargs and isinstance(kwargs[name], list):
+                kwargs[name] = tuple(kwargs[name])
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class Prompt(_Doc):
+    """A prompt leaving the dataloader: its dataset identity and, optionally, a chosen group id."""
+
+    prompt_idx: int
+    task_name: str = "default"
+    group_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Lease(_Doc):
+    """The right to commit one group: returned by admission and by recovery.
+
+    ``attempt`` is the fencing epoch; recovery bumps it, so a worker still holding an older lease
+    (a zombie) is refused. ``missing`` lists the row indices still to generate (siblings already
+    committed under an earlier attempt are kept).
+    """
+
+    group_id: str
+    attempt: int
+    group_size: int
+    target_step: int | None
+    start_weight: int
+    prompt_idx: int
+    task_name: str
+    admission_id: str
+    missing: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class GroupInfo(_Doc):
+    """A committed group's metadata and stamps (no row payload)."""
+
+    group_id: str
+    prompt_idx: int
+    task_name: str
+    admission_id: str
+    seq: int
+    group_size: int
+    state: str
+    start_weight: int
+    end_weight: int
+    target_step: int | None
+    attempt: int
+    digest: str
+    claimed_step: int | None = None
+    consumed_step: int | None = None
+    rows_stored: bool = True
+    reason: str | None = None
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class LedgerEntry(_Doc):
+    """A prompt that left the dataloader and is not yet a committed group.
+
+    ``siblings`` holds the row indices already committed one by one (sibling progress) and
+    ``digests`` their content digests (for idempotent retries).
+    """
+
+    group_id: str
+    admission_id: str
+    prompt_idx: int
+    task_name: str
+    group_size: int
+    target_step: int | None
+    start_weight: int
+    attempt: int
+    seq: int
+    phase: str = PHASE_ADMITTED
+    siblings: tuple[int, ...] = ()
+    digests: dict[str, str] = field(default_factory=dict)
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+
+    def lease(self) -> Lease:
+        """The lease a worker needs to finish this entry."""
+        done = set(self.siblings)
+        return Lease(self.group_id, self.attempt, self.group_size, self.target_step, self.start_weight,
+                      self.prompt_idx, self.task_name, self.admission_id,
+                      tuple(i for i in range(self.group_size) if i not in done))
+
+
+@dataclass(frozen=True)
+class CommitResult(_Doc):
+    """Outcome of a commit: ``ready`` once all rows are in; ``replayed`` when this exact commit had
+    already landed (a retry after a lost acknowledgement) and nothing new was written."""
+
+    group_id: str
+    ready: bool
+    replayed: bool = False
+    rows_written: int = 0
+
+
+@dataclass(frozen=True)
+class Selection(_Doc):
+    """Groups claimed for training step ``step`` (rows stay readable until the step finishes)."""
+
+    step: int
+    groups: tuple[GroupInfo, ...] = ()
+
+    @property
+    def group_ids(self) -> list[str]:
+        """Ids of the selected groups, in selection order."""
+        return [g.group_id for g in self.groups]
+
+    def __len__(self) -> int:
+        return len(self.groups)

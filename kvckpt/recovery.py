@@ -1,0 +1,215 @@
+"""Recovery: reconcile a store to the trainer version a run resumes from, and fence old workers.
+
+Both recovery modes end here:
+
+* **from a checkpoint file** (:func:`kvckpt.checkpoint.restore`): the file is copied to the live
+  path, opened through a fresh handle and recovered to the version stamped in it;
+* **from the live store** after a crash: the live file (durable on every commit) is opened and
+  recovered to the version of the model checkpoint the trainer resumes from.
+
+:func:`recover` is one write transaction that
+
+1. verifies the store (:func:`kvckpt.verify.check`) and refuses to go on if anything is wrong;
+2. returns every group claimed or consumed at a step ``>= resume_version`` to ``ready`` (its
+   stamps untouched), since the model that trained on it is lost;
+3. sets ``trainer_version`` (and the rollout weight version) to ``resume_version``;
+4. optionally switches sampler or capacity, re-stamping and re-checking what that needs;
+5. bumps the ``attempt`` of every ledger entry and returns their leases: each in-flight prompt
+   is redispatched exactly once, at its saved ``target_step``, without a new admission, and any
+   worker that outlived the crash is fenced (its commits raise ``StaleAttempt``).
+
+Groups committed after the checkpoint are kept; finished siblings of partial groups are kept
+(``siblings_reused``). Restore never applies staleness: the first ``evict`` does.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from . import keys
+from .errors import RecoveryError
+from .records import CLAIMED, CONSUMED, READY, GroupInfo, Lease, LedgerEntry
+from .samplers import create_sampler
+from .verify import check
+
+if TYPE_CHECKING:
+    from .buffer import ReplayBuffer
+    from .store import Txn
+
+
+@dataclass
+class RecoveryPlan:
+    """What a trainer does next after recovery, with NeMo-RL's telemetry names.
+
+    ``leases`` are the in-flight prompts to redispatch, each once, in dispatch order.
+    ``trainer_state`` is the JSON the trainer stamped into the checkpoint (``None`` for a live
+    store never checkpointed); ``dataloader_state`` is the state stored with the last admission:
+    resume the dataloader from it, not from an older copy, or prompts are served twice.
+    """
+
+    resume_version: int
+    leases: list[Lease] = field(default_factory=list)
+    groups_complete_restored: int = 0
+    groups_unfinished_found: int = 0
+    groups_redispatched: int = 0
+    groups_returned_to_ready: int = 0
+    siblings_reused: int = 0
+    siblings_rerun: int = 0
+    dispatch_index: int = -1
+    trainer_state: dict[str, Any] | None = None
+    dataloader_state: bytes | None = None
+    checkpoint_id: str | None = None
+    changes: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def report(self) -> dict[str, Any]:
+        """The telemetry as a flat JSON-able dict (no leases, no state blobs)."""
+        return {"resume_version": self.resume_version, "groups_complete_restored": self.groups_complete_restored,
+                "groups_unfinished_found": self.groups_unfinished_found,
+                "groups_redispatched": self.groups_redispatched,
+                "groups_returned_to_ready": self.groups_returned_to_ready,
+                "siblings_reused": self.siblings_reused, "siblings_rerun": self.siblings_rerun,
+                "dispatch_index": self.dispatch_index, "checkpoint_id": self.checkpoint_id,
+                "changes": list(self.changes), **{f"{k}_seconds": v for k, v in self.timings.items()}}
+
+
+def recover(buffer: ReplayBuffer, resume_version: int | None = None, *, sampler: Any = None,
+            max_buffered_rollouts: int | None = None) -> RecoveryPlan:
+    """Reconcile ``buffer`` to ``resume_version`` in one transaction and plan the redispatch.
+
+    Args:
+        buffer: an open, writable buffer (a fresh handle after a crash or a restore).
+        resume_version: the trainer version of the model checkpoint the run resumes from (the
+            number of finished steps it contains). Defaults to the store's ``trainer_version``:
+            only the interrupted step's claims are undone.
+        sampler: switch to another sampler (config dict or name). Groups lacking the stamps it
+            needs are stamped (``in_order``: ``groups_per_step`` per step from ``resume_version``).
+        max_buffered_rollouts: switch capacity (checked against the sampler and the groups held).
+
+    Raises:
+        RecoveryError: the store fails verification; ``resume_version`` is ahead of the store
+            or older than consumed rows still kept; more ready groups than the capacity.
+    """
+    from .buffer import STATE_KEY, BufferConfig
+
+    t0 = time.perf_counter()
+    config = buffer.config
+    if sampler is not None or max_buffered_rollouts is not None:
+        config = BufferConfig.from_dict({
+            **config.to_dict(),
+            "sampler": create_sampler(sampler).config() if sampler is not None else config.sampler.config(),
+            "max_buffered_rollouts": max_buffered_rollouts or config.max_buffered_rollouts})
+    timings: dict[str, float] = {}
+
+    def txn_fn(txn: Txn) -> RecoveryPlan:
+        tv = time.perf_counter()
+        report = check(txn)
+        timings["validate"] = time.perf_counter() - tv
+        if not report.ok:
+            shown = "; ".join(str(p) for p in report.problems[:10])
+            more = f" (and {len(report.problems) - 10} more)" if len(report.problems) > 10 else ""
+            raise RecoveryError(f"{buffer.path!r} failed verification, refusing to recover: {shown}{more}")
+        st = buffer._state(txn)
+        target = st["trainer_version"] if resume_version is None else int(resume_version)
+        if target > st["trainer_version"]:
+            raise RecoveryError(f"cannot resume at version {target}: the store has only reached "
+                                f"{st['trainer_version']} (is this the right store for that model checkpoint?)")
+        if target < st["drop_floor"]:
+            raise RecoveryError(f"cannot resume at version {target}: rows consumed before version "
+                                f"{st['drop_floor']} were dropped after later checkpoints; resume from a "
+                                f"checkpoint at version >= {st['drop_floor']}")
+        plan = RecoveryPlan(resume_version=target)
+        plan.groups_returned_to_ready = _return_to_ready(buffer, txn, st, target)
+        st["trainer_version"] = target
+        st["weight_version"] = target
+        if config is not buffer.config:
+            plan.changes = _switch_config(buffer, txn, st, config, target)
+        if st["ready"] > config.max_buffered_rollouts:
+            raise RecoveryError(f"{st['ready']} ready groups exceed max_buffered_rollouts "
+                                f"{config.max_buffered_rollouts}; restore with a larger capacity")
+        entries = sorted((buffer._entry(txn, k.decode()) for k, _ in txn.iter_prefix("ledger", b"")),
+                         key=lambda e: e.seq)
+        for entry in entries:
+            bumped = LedgerEntry.from_dict({**entry.to_dict(), "attempt": entry.attempt + 1})
+            buffer._put_entry(txn, bumped)
+            lease = bumped.lease()
+            plan.leases.append(lease)
+            plan.siblings_reused += len(entry.siblings)
+            plan.siblings_rerun += len(lease.missing)
+        plan.groups_unfinished_found = plan.groups_redispatched = len(entries)
+        plan.groups_complete_restored = st["ready"]
+        plan.dispatch_index = st["dispatch_index"]
+        st["counters"]["redispatched"] += len(entries)
+        txn.put_json("meta", STATE_KEY, st)
+        stamp = txn.get_json("meta", b"checkpoint")
+        if stamp is not None:
+            plan.trainer_state = stamp.get("trainer_state")
+            plan.checkpoint_id = stamp.get("checkpoint_id")
+        return plan
+
+    plan = buffer._write(txn_fn)
+    if config is not buffer.config:
+        buffer.config, buffer.sampler = config, config.sampler
+    plan.dataloader_state = buffer.dataloader_state()
+    plan.timings.update(timings, recover=time.perf_counter() - t0)
+    return plan
+
+
+def _return_to_ready(buffer: ReplayBuffer, txn: Txn, st: dict[str, Any], version: int) -> int:
+    moved = 0
+    for prefix, state_name in ((keys.CLAIMED_BY_STEP, CLAIMED), (keys.CONSUMED_BY_STEP, CONSUMED)):
+        start = prefix + keys.i64(version)
+        found = [(k, v.decode()) for k, v in txn.iter_prefix("index", prefix, start)]
+        for key, gid in found:
+            group = buffer._group(txn, gid)
+            if group is None or group.state != state_name:
+                raise RecoveryError(f"index {key.hex()} points to {gid!r}, which is not {state_name}")
+            txn.delete("index", key)
+            group = GroupInfo.from_dict({**group.to_dict(), "state": READY, "claimed_step": None,
+                                         "consumed_step": None})
+            buffer._put_group(txn, group)
+            buffer._ready_index(txn, group, add=True)
+            st["ready"] += 1
+            if state_name == CLAIMED:
+                st["claimed"] -= 1
+            moved += 1
+    return moved
+
+
+def _switch_config(buffer: ReplayBuffer, txn: Txn, st: dict[str, Any], config: Any, version: int) -> list[str]:
+    from .buffer import CONFIG_KEY
+
+    old = buffer.config
+    changes = []
+    if old.sampler.config() != config.sampler.config():
+        changes.append(f"sampler {old.sampler.config()} -> {config.sampler.config()}")
+    if old.max_buffered_rollouts != config.max_buffered_rollouts:
+        changes.append(f"max_buffered_rollouts {old.max_buffered_rollouts} -> {config.max_buffered_rollouts}")
+    if config.sampler.stamps_target_step:
+        ready = [g for g in buffer._resolve(txn, (v.decode() for _, v in txn.iter_prefix("index", keys.READY_BY_SEQ)))
+                 if g.target_step is None]
+        for i, group in enumerate(ready):
+            buffer._ready_index(txn, group, add=False)
+            group = GroupInfo.from_dict({**group.to_dict(), "target_step": version + i // config.groups_per_step})
+            buffer._put_group(txn, group)
+            buffer._ready_index(txn, group, add=True)
+            st["dispatch_index"] = max(st["dispatch_index"], group.target_step)
+        if ready:
+            changes.append(f"stamped {len(ready)} ready groups with target steps {version}.."
+                           f"{version + (len(ready) - 1) // config.groups_per_step}")
+        unstamped = [k for k, v in txn.iter_prefix("ledger", b"")
+                     if buffer._entry(txn, k.decode()).target_step is None]
+        for key in unstamped:
+            entry = buffer._entry(txn, key.decode())
+            step = max(version, st["dispatch_index"])
+            buffer._put_entry(txn, LedgerEntry.from_dict({**entry.to_dict(), "target_step": step}))
+            st["dispatch_index"] = step
+        if unstamped:
+            changes.append(f"stamped {len(unstamped)} in-flight prompts with target step {st['dispatch_index']}")
+    if config.sampler.gate_window is not None and st["dispatch_index"] < version - 1:
+        changes.append(f"dispatch_index {st['dispatch_index']} -> {version - 1} (gated sampler)")
+        st["dispatch_index"] = version - 1
+    txn.put_json("meta", CONFIG_KEY, config.to_dict())
+    return changes

@@ -1,0 +1,190 @@
+"""The sampler contract, and the read-only view of the buffer's indexes a sampler works on.
+
+A sampler owns no LMDB handle and no state: the buffer hands it a :class:`BufferView` over the
+current write transaction, so its decision and the claim it leads to are one transaction. All
+four built-ins read only the indexes (never a scan of the buffer), so selecting a batch costs
+O(batch · log n) whatever the number of buffered groups.
+
+Writing a custom sampler: subclass :class:`Sampler`, set ``name``, implement :meth:`Sampler.eligible`
+and :meth:`Sampler.evictable` (iterators over group ids, cheapest first), and optionally
+``gate_window``, ``stamps_target_step``, :meth:`Sampler.should_abort_inflight`; register it with
+:func:`kvckpt.samplers.register`. Its constructor takes its config keys as keyword arguments and
+:meth:`Sampler.config` returns them, so the buffer can persist and re-create it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+from .. import keys
+from ..errors import BadArgument, CapacityError
+
+
+class BufferView:
+    """Index queries over one transaction. Every iterator yields group ids in dispatch order
+    (insertion sequence) unless it says otherwise."""
+
+    def __init__(self, txn: Any) -> None:
+        self._txn = txn
+
+    def _scan(self, prefix: bytes, start: bytes | None = None,
+              stop: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        for key, value in self._txn.iter_prefix("index", prefix, start):
+            if stop is not None and key >= stop:
+                return
+            yield key, value
+
+    def ready_in_order(self) -> Iterator[str]:
+        """Every ready group in dispatch order."""
+        for _, gid in self._scan(keys.READY_BY_SEQ):
+            yield gid.decode()
+
+    def group_weight(self, group_id: str) -> int:
+        """The ``start_weight`` of a committed group (one record read)."""
+        doc = self._txn.get_json("groups", keys.group_key(group_id))
+        return doc["start_weight"]
+
+    def ready_with_weight(self, weight: int) -> Iterator[str]:
+        """Ready groups whose ``start_weight`` equals ``weight``."""
+        for _, gid in self._scan(keys.READY_BY_WEIGHT + keys.i64(weight)):
+            yield gid.decode()
+
+    def ready_in_weight_range(self, lo: int, hi: int) -> Iterator[str]:
+        """Ready groups with ``lo <= start_weight <= hi``, merged into dispatch order."""
+        streams = []
+        for weight in self._weights(keys.READY_BY_WEIGHT, lo, hi):
+            streams.append(((key[-8:], gid.decode()) for key, gid in
+                            self._scan(keys.READY_BY_WEIGHT + keys.i64(weight))))
+        for _, gid in heapq.merge(*streams):
+            yield gid
+
+    def ready_below_weight(self, lo: int) -> Iterator[str]:
+        """Ready groups with ``start_weight < lo``."""
+        stop = keys.READY_BY_WEIGHT + keys.i64(lo)
+        for _, gid in self._scan(keys.READY_BY_WEIGHT, stop=stop):
+            yield gid.decode()
+
+    def ready_for_target(self, step: int) -> Iterator[str]:
+        """Ready groups stamped with ``target_step == step``."""
+        for _, gid in self._scan(keys.READY_BY_TARGET + keys.i64(step)):
+            yield gid.decode()
+
+    def ready_below_target(self, step: int) -> Iterator[str]:
+        """Ready groups stamped with a ``target_step < step``."""
+        for _, gid in self._scan(keys.READY_BY_TARGET, stop=keys.READY_BY_TARGET + keys.i64(step)):
+            yield gid.decode()
+
+    def pending_below_weight(self, lo: int) -> Iterator[str]:
+        """In-flight (ledger) groups with ``start_weight < lo``."""
+        for _, gid in self._scan(keys.PENDING_BY_WEIGHT, stop=keys.PENDING_BY_WEIGHT + keys.i64(lo)):
+            yield gid.decode()
+
+    def min_weight(self, lo: int, hi: int, include_pending: bool) -> int | None:
+        """The smallest ``start_weight`` in ``[lo, hi]`` over ready (and optionally in-flight) groups."""
+        found = [w for w in (self._first_weight(keys.READY_BY_WEIGHT, lo, hi),
+                             self._first_weight(keys.PENDING_BY_WEIGHT, lo, hi) if include_pending else None)
+                 if w is not None]
+        return min(found) if found else None
+
+    def _first_weight(self, prefix: bytes, lo: int, hi: int) -> int | None:
+        for key, _ in self._scan(prefix, start=prefix + keys.i64(lo)):
+            weight = keys.from_i64(key[len(prefix):len(prefix) + 8])
+            return weight if weight <= hi else None
+        return None
+
+    def _weights(self, prefix: bytes, lo: int, hi: int) -> Iterator[int]:
+        """Distinct weights present under ``prefix`` in ``[lo, hi]``, ascending, by seeking."""
+        weight = self._first_weight(prefix, lo, hi)
+        while weight is not None:
+            yield weight
+            if weight >= hi:
+                return
+            weight = self._first_weight(prefix, weight + 1, hi)
+
+
+class Sampler:
+    """Base class of samplers; see the module docstring for the contract.
+
+    Class attributes:
+        name: the config name (``sampler: {name: ...}``).
+        stamps_target_step: admission stamps each prompt with ``target_step = dispatch_index``.
+    """
+
+    name: ClassVar[str] = "base"
+    stamps_target_step: ClassVar[bool] = False
+
+    @property
+    def gate_window(self) -> int | None:
+        """Admission is allowed while ``dispatch_index < trainer_version + gate_window``;
+        ``None`` means ungated (admission never waits and leaves ``dispatch_index`` alone)."""
+        return None
+
+    @property
+    def window(self) -> int:
+        """The sampler's version window W (staleness or lookahead)."""
+        return 0
+
+    def config(self) -> dict[str, Any]:
+        """The constructor's keyword arguments plus ``name``; persisted in the store."""
+        return {"name": self.name}
+
+    def eligible(self, view: BufferView, current: int) -> Iterator[str]:
+        """Selectable ready groups at trainer version ``current``, in the order to take them."""
+        raise NotImplementedError
+
+    def evictable(self, view: BufferView, current: int) -> Iterator[str]:
+        """Ready groups this sampler can never select again at versions ``>= current``."""
+        return iter(())
+
+    def should_abort_inflight(self, start_weight: int, current: int) -> bool:
+        """Whether an in-flight rollout dispatched at ``start_weight`` is useless at ``current``."""
+        return False
+
+    def inflight_to_abort(self, view: BufferView, current: int) -> Iterator[str]:
+        """In-flight groups for which :meth:`should_abort_inflight` holds, from the index."""
+        return iter(())
+
+    def required_buffer_capacity(self, groups_per_step: int) -> int:
+        """The smallest ``max_buffered_rollouts`` that cannot deadlock the rollout pump."""
+        if groups_per_step < 1:
+            raise BadArgument(f"groups_per_step must be >= 1, got {groups_per_step}")
+        return groups_per_step * (self.window + 1)
+
+    def check_capacity(self, capacity: int, groups_per_step: int) -> None:
+        """Raise :class:`CapacityError` if ``capacity`` would deadlock this sampler."""
+        need = self.required_buffer_capacity(groups_per_step)
+        if capacity < need:
+            raise CapacityError(
+                f"max_buffered_rollouts={capacity} is below what {self.name} with window {self.window} "
+                f"needs for {groups_per_step} groups per step ({need} = groups_per_step x (W+1)); "
+                "the rollout pump would deadlock. Raise max_buffered_rollouts")
+
+    def select(self, view: BufferView, current: int, min_groups: int, max_groups: int) -> list[str]:
+        """NeMo-RL's shared finalisation: fewer than ``min_groups`` eligible -> ``[]``, else up to
+        ``max_groups`` in eligibility order, without waiting."""
+        if not 1 <= min_groups <= max_groups:
+            raise BadArgument(f"need 1 <= min_groups <= max_groups, got {min_groups}, {max_groups}")
+        chosen = []
+        for gid in self.eligible(view, current):
+            chosen.append(gid)
+            if len(chosen) == max_groups:
+                break
+        return chosen if len(chosen) >= min_groups else []
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "name")
+        return f"{type(self).__name__}({args})"
+
+
+def window_floor(current: int, window: int) -> int:
+    """The lowest selectable weight version: ``max(0, current - window)``."""
+    return max(0, current - window)
+
+
+def check_window(name: str, value: Any) -> int:
+    """Validate a window config key."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise BadArgument(f"{name} must be an integer >= 0, got {value!r}")
+    return value
