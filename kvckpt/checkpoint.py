@@ -176,7 +176,7 @@ def _mark_durable(buffer: ReplayBuffer, version: int) -> None:
             st["durable"] = (st["durable"] + [version])[-16:]
             txn.put_json("meta", STATE_KEY, st)
 
-    with contextlib.suppress(KvckptError):  # the store may be closed already; the file is complete
+    with contextlib.suppress(KvckptError):  # closed meanwhile: the file is complete, the marker is skipped
         buffer._write(txn_fn)
 
 

@@ -127,8 +127,11 @@ def recover(buffer: ReplayBuffer, resume_version: int | None = None, *, sampler:
         if config is not buffer.config:
             plan.changes = _switch_config(buffer, txn, st, config, target)
         if st["ready"] > config.max_buffered_rollouts:
-            raise RecoveryError(f"{st['ready']} ready groups exceed max_buffered_rollouts "
-                                f"{config.max_buffered_rollouts}; restore with a larger capacity")
+            if max_buffered_rollouts is not None:
+                raise RecoveryError(f"{st['ready']} ready groups exceed the requested max_buffered_rollouts "
+                                    f"{config.max_buffered_rollouts}; choose a larger capacity")
+            plan.changes.append(f"{st['ready']} ready groups exceed max_buffered_rollouts "
+                                f"{config.max_buffered_rollouts}: admission waits until training drains them")
         entries = sorted((buffer._entry(txn, k.decode()) for k, _ in txn.iter_prefix("ledger", b"")),
                          key=lambda e: e.seq)
         for entry in entries:

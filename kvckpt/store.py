@@ -254,6 +254,8 @@ class Store:
         if self.readonly:
             raise ReadOnlyStore(f"{self.path!r} is open read-only")
         with self._write_lock:
+            if self.env is None:
+                raise KvckptError(f"{self.path!r} is closed")
             while True:
                 txn = self.env.begin(write=True)
                 try:
@@ -320,11 +322,16 @@ class Store:
         return os.path.getsize(self.path)
 
     def close(self) -> None:
-        """Close the environment and release the writer lock. Idempotent."""
+        """Close the environment and release the writer lock. Idempotent.
+
+        Waits for open read transactions of this handle (e.g. a background checkpoint copy) to
+        end first: closing an environment under a running copy is undefined behaviour in LMDB.
+        """
         env = getattr(self, "env", None)
         if env is not None:
-            env.close()
-            self.env = None
+            with self._write_lock, self._gate.resizing():
+                env.close()
+                self.env = None
         self._release()
 
     def _release(self) -> None:
