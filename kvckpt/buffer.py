@@ -645,6 +645,35 @@ class ReplayBuffer:
 
         return self._write(txn_fn)
 
+    def promote_ready_group(self, to_target_step: int) -> int | None:
+        """Re-stamp the ready group with the largest later ``target_step`` onto ``to_target_step``
+        (NeMo-RL's in_order top-up for a step left short by a dropped prompt), in one transaction.
+
+        Returns:
+            The lender's step (which now lacks a group), or ``None`` if no later ready group exists.
+        """
+        def txn_fn(txn: Txn) -> int | None:
+            cur = txn.cursor("index")
+            upper = keys.READY_BY_TARGET + b"\xff"
+            if not cur.set_range(upper):
+                cur.last()
+            elif not cur.prev():
+                return None
+            key = cur.key()
+            if not key.startswith(keys.READY_BY_TARGET):
+                return None
+            lender = keys.from_i64(key[len(keys.READY_BY_TARGET):len(keys.READY_BY_TARGET) + 8])
+            if lender <= to_target_step:
+                return None
+            [group] = self._resolve(txn, [cur.value().decode()])
+            self._ready_index(txn, group, add=False)
+            group = GroupInfo.from_dict({**group.to_dict(), "target_step": int(to_target_step)})
+            self._put_group(txn, group)
+            self._ready_index(txn, group, add=True)
+            return lender
+
+        return self._write(txn_fn)
+
     def abort(self, group_id: str, reason: str) -> None:
         """Give up on an in-flight prompt: ledger entry -> aborted tombstone with ``reason``, its
         partial rows deleted, and ``batch_shortfall[target_step]`` credited.
