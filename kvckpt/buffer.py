@@ -430,7 +430,11 @@ class ReplayBuffer:
                 raise SchemaMismatch(f"row index {index} of group {lease.group_id!r} is outside 0..{n - 1}")
             where = f"row {keys.row_id(lease.group_id, index)}"
             arrays = self.schema.validate(row, where)
-            value = codec.encode(arrays, {"group_id": lease.group_id, "index": index},
+            # validate() hands bfloat16 back as its raw uint16 bits; encode the original tensor so the
+            # record keeps the logical dtype (encoding the bits would store the field as uint16).
+            fields = {name: row[name] if self.schema.fields[name].dtype == "bfloat16" else arr
+                      for name, arr in arrays.items()}
+            value = codec.encode(fields, {"group_id": lease.group_id, "index": index},
                                  level=self.config.compression_level)
             out.append(_EncodedRow(index, value, sum(a.nbytes for a in arrays.values())))
         return out
