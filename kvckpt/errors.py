@@ -45,6 +45,11 @@ class CorruptRecord(KvckptError):
             "restore from another checkpoint (run `kvckpt verify` to list every damaged key)."
         )
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # Exceptions cross process boundaries (Ray actors, executors) by pickling; the default
+        # reduce would call __init__ with the formatted message alone and fail.
+        return (type(self), (self.key, self.reason))
+
 
 class InvariantViolation(KvckptError):
     """The store's records disagree with each other (e.g. a prompt both committed and in flight)."""
