@@ -124,6 +124,9 @@ def recover(buffer: ReplayBuffer, resume_version: int | None = None, *, sampler:
         plan.groups_returned_to_ready = _return_to_ready(buffer, txn, st, target)
         st["trainer_version"] = target
         st["weight_version"] = target
+        # Checkpoints past the resume point belong to the abandoned run: they must not count
+        # towards ``durable_checkpoints`` (nor hide the resumed run's own checkpoints).
+        st["durable"] = [v for v in st["durable"] if v <= target]
         if config is not buffer.config:
             plan.changes = _switch_config(buffer, txn, st, config, target)
         if st["ready"] > config.max_buffered_rollouts:
