@@ -498,10 +498,16 @@ class ReplayBuffer:
                     raise DuplicateCommit(f"row {keys.row_id(gid, r.index)} is already committed "
                                           "with other content")
         st = self._state(txn)
+        raw, stored = entry.raw_bytes, entry.stored_bytes
         for r in encoded:
-            txn.put("rows", keys.row_key(gid, r.index), r.value)
-        raw = entry.raw_bytes + sum(r.raw_bytes for r in encoded)
-        stored = entry.stored_bytes + sum(len(r.value) for r in encoded)
+            key = keys.row_key(gid, r.index)
+            if r.index in siblings:  # a whole commit regenerated a kept sibling: it replaces it
+                old = txn.get("rows", key)
+                raw -= sum(a.nbytes for a in codec.decode(old, f"rows/{keys.row_id(gid, r.index)}").arrays.values())
+                stored -= len(old)
+            txn.put("rows", key, r.value)
+            raw += r.raw_bytes
+            stored += len(r.value)
         st["counters"]["raw_bytes"] += raw - entry.raw_bytes
         st["counters"]["stored_bytes"] += stored - entry.stored_bytes
         merged.update(digests)
