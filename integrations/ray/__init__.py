@@ -1,0 +1,40 @@
+"""kvckpt on Ray: the buffer as an actor, a pipelined producer client, a loopback-only Ray start.
+
+Install with ``pip install 'kvckpt[ray]'``. Importing this package sets
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` and ``RAY_USAGE_STATS_ENABLED=0`` unless they are set
+already (Ray on loopback only, no usage reporting); import it before ``ray`` so the first takes
+effect in this process too (:func:`init_local_ray` applies it either way).
+
+* :class:`BufferActor` / :func:`start_buffer_actor`: the process that owns the store.
+* :class:`BufferClient`: producers batch several groups per call and keep several calls in
+  flight; retries after an actor restart are idempotent.
+* :func:`batch_from_dict`, :func:`plan_from_dict`: rebuild kvckpt objects from actor replies.
+"""
+
+import importlib.util
+import os
+
+if importlib.util.find_spec("ray") is None:
+    raise ModuleNotFoundError("kvckpt.integrations.ray needs Ray: pip install 'kvckpt[ray]'", name="ray")
+
+#: Environment every Ray process of a kvckpt deployment gets unless already set: Ray on loopback
+#: only (ray reads the first one once, when it is imported) and no usage reporting.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+for _key, _value in LOOPBACK_ENV.items():
+    os.environ.setdefault(_key, _value)
+
+from .actor import (  # noqa: E402  (after the environment is set, before ray is imported)
+    DEFAULT_NAME,
+    DEFAULT_NAMESPACE,
+    BufferActor,
+    init_local_ray,
+    keep_ray_on_loopback,
+    start_buffer_actor,
+    to_wire,
+)
+from .client import BufferClient, batch_from_dict, plan_from_dict, wait_for_actor  # noqa: E402
+
+__all__ = [
+    "DEFAULT_NAME", "DEFAULT_NAMESPACE", "LOOPBACK_ENV", "BufferActor", "BufferClient", "batch_from_dict",
+    "init_local_ray", "keep_ray_on_loopback", "plan_from_dict", "start_buffer_actor", "to_wire", "wait_for_actor",
+]

@@ -1,0 +1,421 @@
+"""The buffer as a Ray actor: one process owns the store, producers and the trainer call it.
+
+:class:`BufferActor` opens the store inside its own process (never inherited across ``fork``),
+wraps it in :class:`~kvckpt.aio.AsyncReplayBuffer` and runs as an *async* actor: calls overlap,
+transactions run on the facade's thread pool (serialised by the store's writer lock), and a gated
+``admit`` waits on the event loop, so it never blocks the commits and ``finish_step`` that open
+the gate.
+
+What crosses the wire:
+
+* leases, commit results, selections, group records and recovery plans as plain dicts (the
+  records' ``to_dict``; rebuild them with ``from_dict`` or the helpers in
+  :mod:`kvckpt.integrations.ray.client`);
+* row payloads as numpy arrays inside one Ray object per call (:func:`to_wire` turns torch
+  tensors into zero-copy numpy views; Ray ships numpy out of band, so the actor decodes them
+  straight from the object store);
+* errors as themselves: a refused call raises the kvckpt error in the caller (Ray's
+  ``RayTaskError`` subclasses it), and :meth:`BufferActor.commit_many` returns each item's error
+  in its slot.
+
+Restart: with ``max_restarts`` the actor is started again after its process dies (SIGKILL,
+``ray.kill(no_restart=False)``, OOM). The new incarnation reopens the store and runs live-store
+recovery (:meth:`kvckpt.ReplayBuffer.recover`): every acknowledged commit is there (each one was a
+durable transaction), nothing half-written is, claims of the interrupted step return to ready,
+and every in-flight lease gets a bumped attempt, so producers still holding the old lease are
+refused with :class:`~kvckpt.StaleAttempt`. The driver fetches the redispatch list with
+:meth:`BufferActor.recovery_plan`. A restart never creates a store: if the file is gone (the
+actor landed on another node), the restart fails instead of silently starting empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import uuid
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kvckpt.aio import DEFAULT_WORKERS, AsyncReplayBuffer
+from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer
+from kvckpt.checkpoint import CheckpointHandle, restore
+from kvckpt.errors import BadArgument, RecoveryError, StaleAttempt
+from kvckpt.records import Lease
+from kvckpt.recovery import RecoveryPlan
+from kvckpt.verify import check
+
+from . import LOOPBACK_ENV
+
+LOOPBACK = "127.0.0.1"
+DEFAULT_NAME = "kvckpt-buffer"
+DEFAULT_NAMESPACE = "kvckpt"
+DEFAULT_OBJECT_STORE_BYTES = 512 << 20
+
+
+def init_local_ray(num_cpus: int | None = None, *, object_store_memory: int = DEFAULT_OBJECT_STORE_BYTES,
+                   namespace: str = DEFAULT_NAMESPACE, **kwargs: Any) -> Any:
+    """Start a single-node Ray instance that listens on loopback only, for tests and demos.
+
+    Sets :data:`LOOPBACK_ENV` (unless the variables are already set), binds every Ray process to
+    127.0.0.1, starts no dashboard, keeps the object store small, and checks the result.
+
+    Args:
+        num_cpus: CPUs Ray may schedule. Defaults to Ray's count of the machine's cores.
+        object_store_memory: bytes of shared memory for objects. Defaults to 512 MiB.
+        namespace: the namespace named actors live in; a driver that reconnects with the same
+            namespace finds them. Defaults to :data:`DEFAULT_NAMESPACE`.
+        **kwargs: passed to :func:`ray.init` (they override the defaults above).
+
+    Raises:
+        RuntimeError: Ray came up on a non-loopback address anyway (it was shut down again).
+
+    .. note::
+       Ray decides whether to bind the machine's address when it is *imported*, from
+       ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``. Importing :mod:`kvckpt.integrations.ray` before
+       ``ray`` sets it; if ray was imported first, this function applies the variable to the
+       already-imported setting before starting.
+    """
+    keep_ray_on_loopback()
+    kwargs = {"include_dashboard": False, "_node_ip_address": LOOPBACK, **kwargs}
+    context = ray.init(num_cpus=num_cpus, object_store_memory=object_store_memory, namespace=namespace, **kwargs)
+    address = ray.get_runtime_context().gcs_address
+    if not address.startswith(f"{LOOPBACK}:") or context.address_info.get("node_ip_address") != LOOPBACK:
+        ray.shutdown()
+        raise RuntimeError(f"Ray started on {address}, not on loopback; set "
+                           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before importing ray")
+    return context
+
+
+def keep_ray_on_loopback() -> None:
+    """Apply :data:`LOOPBACK_ENV` to this process before it starts or joins Ray nodes.
+
+    Sets the variables unless already set (child processes inherit them) and, since ray reads
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` only once when it is imported, applies it to an
+    already-imported ray as well. Call it before ``ray.cluster_utils.Cluster`` or ``ray.init``
+    without :func:`init_local_ray`, and pass ``node_ip_address="127.0.0.1"`` to the nodes.
+    """
+    from ray._private import ray_constants  # the setting ray computed from the variable at import
+
+    for key, value in LOOPBACK_ENV.items():
+        os.environ.setdefault(key, value)
+    if os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
+        ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+# -- wire format -----------------------------------------------------------------------------------
+def to_wire(value: Any) -> Any:
+    """Rows (nested dicts/lists of tensors) with every CPU torch tensor replaced by a zero-copy
+    numpy view, so Ray ships it out of band. Dtypes numpy lacks (bfloat16) stay torch tensors."""
+    if isinstance(value, Mapping):
+        return {k: to_wire(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_wire(v) for v in value]
+    if hasattr(value, "detach") and hasattr(value, "numpy"):
+        tensor = value.detach().cpu()
+        with contextlib.suppress(TypeError):
+            return tensor.numpy()
+        return tensor
+    return value
+
+
+def plan_to_dict(plan: RecoveryPlan) -> dict[str, Any]:
+    """A recovery plan as a dict (leases as dicts); inverse of
+    :func:`kvckpt.integrations.ray.client.plan_from_dict`."""
+    return dataclasses.asdict(plan)
+
+
+def batch_to_dict(batch: Batch) -> dict[str, Any]:
+    """A batch with numpy payloads and dict group records (see
+    :func:`kvckpt.integrations.ray.client.batch_from_dict`)."""
+    return {"group_ids": batch.group_ids, "row_indices": batch.row_indices, "lengths": to_wire(batch.lengths),
+            "tensors": to_wire(batch.tensors), "cu_seqlens": to_wire(batch.cu_seqlens),
+            "rows": to_wire(batch.rows), "groups": [g.to_dict() for g in batch.groups]}
+
+
+# -- the actor -------------------------------------------------------------------------------------
+@ray.remote
+class BufferActor:
+    """The process that owns one kvckpt store; every method is one buffer operation.
+
+    Start it with :func:`start_buffer_actor` (name, namespace, restarts, node pinning). On start
+    the actor creates the store from ``config`` if the file does not exist, or opens it and runs
+    live-store recovery to ``resume_version`` (a restart recovers to the store's own trainer
+    version instead: the trainer is still running). The plan is kept for :meth:`recovery_plan`.
+
+    Args:
+        path: the store file, on a local disk of the node the actor runs on.
+        config: a :class:`~kvckpt.BufferConfig` or its ``to_dict`` form, used only to create a
+            new store (an existing store keeps its own config).
+        resume_version: the trainer version to recover an existing store to on first start.
+            Defaults to the store's trainer version.
+        map_size: initial LMDB map size of a new store. Defaults to the store's default.
+        max_workers: threads running transactions and row encoding. Defaults to 4.
+
+    Raises (at creation, from the first call):
+        RecoveryError: a restart found no store at ``path``, or the store fails verification.
+        StoreLocked: another process holds the store open for writing.
+    """
+
+    def __init__(self, path: str, config: BufferConfig | Mapping[str, Any] | None = None, *,
+                 resume_version: int | None = None, map_size: int | None = None,
+                 max_workers: int = DEFAULT_WORKERS) -> None:
+        self.path = os.path.abspath(path)
+        self.max_workers = max_workers
+        context = ray.get_runtime_context()
+        with warnings.catch_warnings():  # the property uses a deprecated accessor inside Ray
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.restarted = bool(context.was_current_actor_reconstructed)
+        self.node_id = context.get_node_id()
+        #: A new id per incarnation (and per restore): selections of an older one are void.
+        self.session = uuid.uuid4().hex
+        self._checkpoints: dict[str, CheckpointHandle] = {}
+        self._plan: dict[str, Any] | None = None
+        if os.path.exists(self.path):
+            buffer = ReplayBuffer.open(self.path)
+            try:
+                plan = buffer.recover(None if self.restarted else resume_version)
+            except BaseException:
+                buffer.close()
+                raise
+            self._plan = plan_to_dict(plan)
+        elif self.restarted:
+            raise RecoveryError(f"the buffer actor restarted on node {self.node_id} but {self.path!r} does not "
+                                "exist there; pin the actor to the node that holds the store")
+        elif config is None:
+            raise BadArgument(f"{self.path!r} does not exist and no config was given to create it")
+        else:
+            if not isinstance(config, BufferConfig):
+                config = BufferConfig.from_dict(config)
+            buffer = ReplayBuffer.create(self.path, config, map_size=map_size)
+        self._abuf = AsyncReplayBuffer(buffer, max_workers=max_workers)
+
+    # -- identity and recovery -------------------------------------------------------------------
+    async def info(self) -> dict[str, Any]:
+        """Where and what this incarnation is: path, pid, node id, session, restarted."""
+        return {"path": self.path, "pid": os.getpid(), "node_id": self.node_id, "session": self.session,
+                "restarted": self.restarted}
+
+    async def recovery_plan(self) -> dict[str, Any] | None:
+        """The plan of the recovery this incarnation ran on start (or of the last
+        :meth:`restore`/:meth:`recover`), ``None`` if it created a new store. Its ``leases`` are
+        the in-flight prompts to redispatch, each once."""
+        return self._plan
+
+    async def recover(self, resume_version: int | None = None, sampler: Any = None,
+                      max_buffered_rollouts: int | None = None) -> dict[str, Any]:
+        """Reconcile the live store to ``resume_version`` (see :func:`kvckpt.recover`)."""
+        plan = await self._abuf.recover(resume_version, sampler=sampler, max_buffered_rollouts=max_buffered_rollouts)
+        self._plan = plan_to_dict(plan)
+        return self._plan
+
+    async def restore(self, checkpoint_file: str, sampler: Any = None,
+                      max_buffered_rollouts: int | None = None) -> dict[str, Any]:
+        """Replace the live store with a checkpoint file (see :func:`kvckpt.restore`).
+
+        Calls running meanwhile fail with a closed-store error; selections made before are void
+        (a new session). If the checkpoint is refused the live store is reopened unchanged.
+        """
+        await self._abuf.close()
+        try:
+            buffer, plan = await asyncio.to_thread(restore, checkpoint_file, self.path, sampler=sampler,
+                                                   max_buffered_rollouts=max_buffered_rollouts, overwrite=True)
+        except BaseException:
+            self._abuf = AsyncReplayBuffer(await asyncio.to_thread(ReplayBuffer.open, self.path),
+                                           max_workers=self.max_workers)
+            raise
+        self._abuf = AsyncReplayBuffer(buffer, max_workers=self.max_workers)
+        self.session = uuid.uuid4().hex
+        self._plan = plan_to_dict(plan)
+        return self._plan
+
+    # -- producers -------------------------------------------------------------------------------
+    async def admit(self, prompts: Sequence[Any], dataloader_state: bytes | None = None,
+                    timeout: float | None = None, weight_version: int | None = None) -> list[dict[str, Any]]:
+        """Admit one dataloader batch; returns the leases as dicts (see :meth:`kvckpt.ReplayBuffer.admit`)."""
+        leases = await self._abuf.admit(prompts, dataloader_state, timeout=timeout, weight_version=weight_version)
+        return [lease.to_dict() for lease in leases]
+
+    async def commit_group(self, lease: Mapping[str, Any], rows: Any, end_weight: int | None = None,
+                           ) -> dict[str, Any]:
+        """Commit one group (see :meth:`kvckpt.ReplayBuffer.commit_group`); idempotent on retry."""
+        result = await self._abuf.commit_group(Lease.from_dict(dict(lease)), rows, end_weight=end_weight)
+        return result.to_dict()
+
+    async def commit_sample(self, lease: Mapping[str, Any], index: int, row: Mapping[str, Any],
+                            end_weight: int | None = None) -> dict[str, Any]:
+        """Commit one row of a group (see :meth:`kvckpt.ReplayBuffer.commit_sample`)."""
+        result = await self._abuf.commit_sample(Lease.from_dict(dict(lease)), index, row, end_weight=end_weight)
+        return result.to_dict()
+
+    async def commit_many(self, items: Sequence[Mapping[str, Any]]) -> list[dict[str, Any] | BaseException]:
+        """Commit several groups (or samples) in one call, each in its own transaction.
+
+        Each item is ``{"lease": dict, "rows": rows, "end_weight": int | None}``, plus
+        ``"index": i`` for a single-row commit (then ``rows`` is that row). The commits run
+        concurrently (encoding overlaps); the result list holds, in item order, each commit's
+        result dict or the exception that refused it (nothing of a refused item was written).
+        """
+        async def one(item: Mapping[str, Any]) -> dict[str, Any]:
+            lease = Lease.from_dict(dict(item["lease"]))
+            end_weight = item.get("end_weight")
+            if item.get("index") is not None:
+                result = await self._abuf.commit_sample(lease, item["index"], item["rows"], end_weight=end_weight)
+            else:
+                result = await self._abuf.commit_group(lease, item["rows"], end_weight=end_weight)
+            return result.to_dict()
+
+        return list(await asyncio.gather(*(one(item) for item in items), return_exceptions=True))
+
+    async def abort(self, group_id: str, reason: str) -> None:
+        """Give up on an in-flight prompt (see :meth:`kvckpt.ReplayBuffer.abort`)."""
+        await self._abuf.abort(group_id, reason)
+
+    # -- trainer ---------------------------------------------------------------------------------
+    async def select(self, min_groups: int = 1, max_groups: int | None = None) -> dict[str, Any]:
+        """Claim groups for the current step; the dict carries this incarnation's ``session``."""
+        selection = await self._abuf.select(min_groups, max_groups)
+        return {**selection.to_dict(), "session": self.session}
+
+    async def read_batch(self, groups: Iterable[str] | Mapping[str, Any], fields: Sequence[str] | None = None,
+                         layout: str = "padded", pad_value: float = 0) -> dict[str, Any]:
+        """Read the rows of ``groups`` (ids or a selection dict) as numpy payloads (see
+        :func:`kvckpt.integrations.ray.client.batch_from_dict`)."""
+        gids = [g["group_id"] for g in groups["groups"]] if isinstance(groups, Mapping) else list(groups)
+        batch = await self._abuf.read_batch(gids, fields=fields, layout=layout, pad_value=pad_value)
+        return batch_to_dict(batch)
+
+    async def finish_step(self, weight_version: int | None = None, session: str | None = None) -> int:
+        """Close the current step; returns the new trainer version.
+
+        Pass the ``session`` of the step's selection: if the actor restarted since (recovery
+        returned that step's claims to ready), the call is refused with
+        :class:`~kvckpt.StaleAttempt` and nothing is written, instead of closing an empty step.
+        """
+        if session is not None and session != self.session:
+            raise StaleAttempt(f"the selection belongs to buffer session {session}, but the buffer restarted or was "
+                               f"restored since (session {self.session}); recovery returned its groups to ready: "
+                               "select again before finishing the step")
+        return await self._abuf.finish_step(weight_version=weight_version)
+
+    async def evict(self) -> list[str]:
+        """Remove out-of-window ready groups (see :meth:`kvckpt.ReplayBuffer.evict`)."""
+        return await self._abuf.evict()
+
+    async def abort_stale_inflight(self) -> list[str]:
+        """Abort in-flight prompts the sampler says are useless now."""
+        return await self._abuf.abort_stale_inflight()
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    async def checkpoint(self, dest: str, trainer_state: Mapping[str, Any] | None = None, overwrite: bool = False,
+                         wait: bool = True) -> dict[str, Any]:
+        """Stamp a checkpoint and copy it to ``dest`` (a path on the actor's node).
+
+        With ``wait`` the call returns once the file is complete: ``{"checkpoint_id", "done":
+        True, "result": CheckpointResult as dict}``. Without it, it returns right after the stamp
+        with ``"done": False``; poll :meth:`checkpoint_status` with the id.
+
+        Raises:
+            CheckpointError: the destination is unusable, or (``wait``) the copy failed.
+        """
+        handle = await self._abuf.checkpoint(dest, trainer_state, overwrite=overwrite)
+        self._checkpoints[handle.checkpoint_id] = handle
+        return await self.checkpoint_status(handle.checkpoint_id, wait=wait)
+
+    async def checkpoint_status(self, checkpoint_id: str, wait: bool = False) -> dict[str, Any]:
+        """Whether a checkpoint started with ``wait=False`` has finished (``wait``: until it has).
+
+        A finished checkpoint is reported once, then forgotten.
+
+        Raises:
+            CheckpointError: the copy failed; no file carries the final name.
+            BadArgument: unknown id (already reported, or started by an earlier incarnation,
+                whose copy died with it).
+        """
+        handle = self._checkpoints.get(checkpoint_id)
+        if handle is None:
+            raise BadArgument(f"unknown checkpoint id {checkpoint_id!r}: already reported, or started before the "
+                              "actor restarted (that copy died with it; take a new checkpoint)")
+        if not wait and not handle.done():
+            return {"checkpoint_id": checkpoint_id, "done": False}
+        try:
+            result = await self._abuf.wait_checkpoint(handle)
+        finally:
+            self._checkpoints.pop(checkpoint_id, None)
+        return {"checkpoint_id": checkpoint_id, "done": True, "result": dataclasses.asdict(result)}
+
+    # -- inspection ------------------------------------------------------------------------------
+    async def stats(self) -> dict[str, Any]:
+        """Counters, counts and commit latencies (see :meth:`kvckpt.ReplayBuffer.stats`)."""
+        return await self._abuf.stats()
+
+    async def state(self) -> dict[str, Any]:
+        """Cursors, counts and counters (see :meth:`kvckpt.ReplayBuffer.state`)."""
+        return await self._abuf.state()
+
+    async def groups(self, states: Iterable[str] | None = None) -> list[dict[str, Any]]:
+        """Group records as dicts, optionally filtered by state, in dispatch order."""
+        return [g.to_dict() for g in await self._abuf.groups(None if states is None else list(states))]
+
+    async def ledger(self) -> list[dict[str, Any]]:
+        """In-flight ledger entries as dicts, in dispatch order."""
+        return [e.to_dict() for e in await self._abuf.ledger()]
+
+    async def verify(self, deep: bool = False) -> dict[str, Any]:
+        """Run :func:`kvckpt.verify.check` on a snapshot of the live store; the report as a dict."""
+        store = self._abuf.buffer.store
+        report = await asyncio.to_thread(store.read, lambda txn: check(txn, deep=deep))
+        return report.to_dict()
+
+    async def close(self) -> None:
+        """Close the store (after running transactions and checkpoint copies). Later calls fail;
+        call before ``ray.kill`` for a clean shutdown (a kill is safe too: every acknowledged
+        call is durable)."""
+        await self._abuf.close()
+
+
+def start_buffer_actor(path: str, config: BufferConfig | Mapping[str, Any] | None = None, *,
+                       name: str = DEFAULT_NAME, namespace: str | None = None, max_restarts: int = 3,
+                       detached: bool = False, node_id: str | None = None, resources: Mapping[str, float] | None = None,
+                       num_cpus: float = 0, resume_version: int | None = None, map_size: int | None = None,
+                       max_workers: int = DEFAULT_WORKERS, get_if_exists: bool = True) -> Any:
+    """Start (or find) the named buffer actor and return its handle.
+
+    Args:
+        path: the store file on the node the actor runs on.
+        config: creates the store if the file does not exist.
+        name: the actor's name; drivers find it with ``ray.get_actor(name, namespace=...)``.
+            Defaults to :data:`DEFAULT_NAME`.
+        namespace: the namespace of the name. Defaults to the driver's namespace.
+        max_restarts: process restarts Ray attempts after the actor dies. Defaults to 3.
+        detached: keep the actor alive when the driver that started it exits (a reconnecting
+            driver finds it by name). Defaults to False.
+        node_id: pin the actor to this node (the one whose disk holds the store). A restart is
+            then never scheduled elsewhere. Defaults to no pinning.
+        resources: custom resources the actor needs (another way to pin it). Defaults to none.
+        num_cpus: CPUs reserved for the actor. Defaults to 0 (its work is I/O and encoding).
+        resume_version, map_size, max_workers: passed to :class:`BufferActor`.
+        get_if_exists: return the running actor of that name instead of failing. Defaults to True.
+
+    .. note::
+       Ray does not resubmit calls that were running when the actor died (``max_task_retries``
+       stays 0): whether such a commit landed is for the producer to find out by retrying it,
+       which is idempotent (:class:`~kvckpt.integrations.ray.client.BufferClient` does this).
+    """
+    options: dict[str, Any] = {"name": name, "max_restarts": max_restarts, "num_cpus": num_cpus,
+                               "get_if_exists": get_if_exists}
+    if namespace is not None:
+        options["namespace"] = namespace
+    if detached:
+        options["lifetime"] = "detached"
+    if node_id is not None:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    if resources:
+        options["resources"] = dict(resources)
+    return BufferActor.options(**options).remote(path, config, resume_version=resume_version, map_size=map_size,
+                                                 max_workers=max_workers)
