@@ -152,8 +152,14 @@ def checkpoint(buffer: ReplayBuffer, dest: str | os.PathLike[str], trainer_state
             snapshot.close()
             with contextlib.suppress(OSError):
                 os.unlink(partial)
-            handle._error = exc if isinstance(exc, KvckptError) else CheckpointError(
-                f"checkpoint to {dest!r} failed: {exc}; the previous checkpoint files are untouched")
+            # Whatever failed (disk full, a bad name, a closed store), the caller sees the
+            # documented CheckpointError; the original error stays attached as its cause.
+            error = exc
+            if not isinstance(exc, CheckpointError):
+                error = CheckpointError(f"checkpoint to {dest!r} failed: {exc}; the previous checkpoint files "
+                                        "are untouched")
+                error.__cause__ = exc
+            handle._error = error
         finally:
             result.timings["total"] = time.perf_counter() - t0
             handle._done.set()
