@@ -256,20 +256,28 @@ def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
     try:
         shutil.copyfile(checkpoint_file, tmp)
         _fsync_file(tmp)
+        t2 = time.perf_counter()
+        # Recover the copy before it takes the live name, so a sampler or capacity that recover()
+        # refuses leaves the live store exactly as it was.
+        buffer = ReplayBuffer.open(tmp)
+        t3 = time.perf_counter()
+        try:
+            plan = buffer.recover(stamp["trainer_version"], sampler=sampler,
+                                  max_buffered_rollouts=max_buffered_rollouts)
+        finally:
+            buffer.close()
         os.replace(tmp, live_path)
         _fsync_dir(os.path.dirname(live_path))
-    except OSError as exc:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise RecoveryError(f"copying {checkpoint_file!r} to {live_path!r} failed: {exc}") from None
-    t2 = time.perf_counter()
-    buffer = ReplayBuffer.open(live_path)
-    t3 = time.perf_counter()
-    try:
-        plan = buffer.recover(stamp["trainer_version"], sampler=sampler, max_buffered_rollouts=max_buffered_rollouts)
-    except BaseException:
-        buffer.close()
+        if isinstance(exc, OSError):
+            raise RecoveryError(f"copying {checkpoint_file!r} to {live_path!r} failed: {exc}") from None
         raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp + "-lock")
+    buffer = ReplayBuffer.open(live_path)
     plan.timings.update(validate_file=t1 - t0, copy=t2 - t1, open=t3 - t2, restore_total=time.perf_counter() - t0)
     return buffer, plan
 
