@@ -426,6 +426,14 @@ def fingerprint(buf: ReplayBuffer) -> str:
     return buf.store.read(txn_fn)
 
 
+def file_sha256(path: str) -> str | None:
+    """The SHA-256 of a file's bytes, or ``None`` if there is no file."""
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def observe(buf: ReplayBuffer, plan: Any) -> dict[str, Any]:
     """Everything a test asserts about a freshly restored or recovered buffer, as JSON."""
     st = buf.state()
@@ -508,9 +516,10 @@ def run_job(job: Mapping[str, Any]) -> dict[str, Any]:
     """Restore one checkpoint file as ``job`` says and report what a trainer would see and do."""
     try:
         buf, plan = restore(job["ckpt"], job["live"], sampler=job.get("sampler"),
-                            max_buffered_rollouts=job.get("capacity"))
+                            max_buffered_rollouts=job.get("capacity"), overwrite=job.get("overwrite", False))
     except KvckptError as exc:
-        return {"error": type(exc).__name__, "message": str(exc)}
+        return {"error": type(exc).__name__, "message": str(exc), "live_exists": os.path.exists(job["live"]),
+                "live_sha256": file_sha256(job["live"])}
     with buf:
         out = observe(buf, plan)
         out["eligible_now"] = eligible_now(buf)
