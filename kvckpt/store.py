@@ -188,7 +188,9 @@ class Store:
         flags = os.O_RDWR | (os.O_CREAT if creating else 0)
         try:
             fd = os.open(self.path, flags, 0o644)
-        except PermissionError as exc:
+        except OSError as exc:  # EROFS (a read-only mount) is not a PermissionError
+            if not isinstance(exc, PermissionError) and exc.errno != errno.EROFS:
+                raise
             raise ReadOnlyStore(f"cannot open {self.path!r} for writing: {exc.strerror}; "
                                 "open it with readonly=True") from None
         try:
@@ -267,7 +269,7 @@ class Store:
                     self._grow()
                 except lmdb.Error as exc:
                     txn.abort()
-                    raise _translate(exc, f"write to {self.path!r} failed") from None
+                    raise _translate(exc, f"write to {self.path!r} failed", self.path) from None
                 except BaseException:
                     txn.abort()
                     raise
@@ -421,11 +423,21 @@ def _check_lmdb_header(path: str) -> None:
                           "written, or cut short); restore from a checkpoint")
 
 
-def _translate(exc: lmdb.Error, what: str) -> KvckptError:
-    """Map an ``lmdb.Error`` to the kvckpt error that says what to do."""
+#: A commit that fails with EIO while less than this is free on the store's filesystem hit a full disk.
+_FULL_MARGIN = 1 << 20
+
+
+def _translate(exc: lmdb.Error, what: str, path: str | None = None) -> KvckptError:
+    """Map an ``lmdb.Error`` to the kvckpt error that says what to do.
+
+    LMDB reports the short write of a commit that fills the disk as ``EIO``; when ``path`` (the
+    file being written) is given, an ``EIO`` on a filesystem with (almost) no space left is
+    reported as :class:`DiskFull` too.
+    """
     code = getattr(exc, "code", None) or getattr(exc, "errno", None)
     text = str(exc)
-    if code == errno.ENOSPC or "No space left" in text:
+    if code == errno.ENOSPC or "No space left" in text or (
+            path is not None and (code == errno.EIO or "Input/output error" in text) and _disk_full(path)):
         return DiskFull(errno.ENOSPC, f"{what}: the disk is full; nothing was written. Free space and retry")
     if code in (errno.EACCES, errno.EROFS) or "Permission denied" in text or "Read-only" in text:
         return ReadOnlyStore(f"{what}: {text}")
@@ -433,3 +445,12 @@ def _translate(exc: lmdb.Error, what: str) -> KvckptError:
                         lmdb.PageNotFoundError)):
         return FormatError(f"{what}: {text}. The file is damaged or not a kvckpt store")
     return KvckptError(f"{what}: {text}")
+
+
+def _disk_full(path: str) -> bool:
+    """Whether the filesystem holding ``path`` has less than :data:`_FULL_MARGIN` bytes available."""
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < _FULL_MARGIN
