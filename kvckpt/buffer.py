@@ -2,10 +2,12 @@
 
 Every state transition is exactly one durable LMDB write transaction:
 
-===================  ===============================================================================
+==================== ===============================================================================
 transition           written atomically
-===================  ===============================================================================
+==================== ===============================================================================
 ``admit``            ``dispatch_index`` (gated samplers), dataloader state, one ledger entry per prompt
+``advance_dispatch`` ``dispatch_index`` (gated samplers), dataloader state; prompts join via ``admit``
+``redispatch``       one ledger entry's ``attempt`` + 1 (and its ``start_weight``)
 ``commit_group``     all rows, group record ready with ``end_weight``, ledger entry deleted, indexes
 ``commit_sample``    one row and the ledger entry's sibling progress (the group once all n are in)
 ``select``           chosen ready groups -> claimed by the current step
@@ -13,7 +15,7 @@ transition           written atomically
 ``evict``            out-of-window ready groups -> evicted, their rows deleted
 ``abort``            ledger entry -> aborted tombstone, shortfall credited, reason recorded
 ``recover``          reconcile to a trainer version, bump every ledger attempt (fencing zombies)
-===================  ===============================================================================
+==================== ===============================================================================
 
 so there is no moment, on disk or in memory, where a prompt is both a committed group and a
 ledger entry, or neither. Row payloads are encoded (and checksummed) before the transaction
@@ -56,6 +58,7 @@ from .records import (
     CONSUMED,
     EVICTED,
     READY,
+    Admission,
     CommitResult,
     GroupInfo,
     Lease,
@@ -324,8 +327,8 @@ class ReplayBuffer:
         """Whether ``count`` prompts could be admitted now (gate open and capacity free)."""
         return self.store.read(lambda t: self._admission_blocker(self._state(t), count) is None)
 
-    def _admission_blocker(self, st: dict[str, Any], count: int) -> str | None:
-        gate = self.sampler.gate_window
+    def _admission_blocker(self, st: dict[str, Any], count: int, gated: bool = True) -> str | None:
+        gate = self.sampler.gate_window if gated else None
         if gate is not None and st["dispatch_index"] >= st["trainer_version"] + gate:
             return (f"gate closed: dispatch_index {st['dispatch_index']} >= trainer_version "
                     f"{st['trainer_version']} + window {gate}")
@@ -335,7 +338,8 @@ class ReplayBuffer:
         return None
 
     def admit(self, prompts: Sequence[Prompt | int | Mapping[str, Any]], dataloader_state: bytes | None = None,
-              *, timeout: float | None = None, weight_version: int | None = None) -> list[Lease]:
+              *, timeout: float | None = None, weight_version: int | None = None,
+              admission: Admission | None = None) -> list[Lease]:
         """Admit one dataloader batch: the prompts become ledger entries and get leases.
 
         Gated samplers first wait (outside any transaction) until ``dispatch_index <
@@ -350,11 +354,15 @@ class ReplayBuffer:
             timeout: seconds to wait for the gate; ``None`` waits forever, ``0`` does not wait.
             weight_version: the rollout weight version the prompts are generated with
                 (``start_weight``). Defaults to the buffer's current weight version.
+            admission: join an admission :meth:`advance_dispatch` already made instead of making
+                one: no gate wait and no cursor advance; the prompts get its ``admission_id`` and
+                ``target_step`` (only capacity is waited for). Defaults to a new admission.
 
         Raises:
             GateTimeout: the gate or capacity stayed closed for ``timeout`` seconds.
             CapacityError: the batch alone is larger than ``max_buffered_rollouts``.
-            BadArgument: a duplicate or already-used group id.
+            BadArgument: a duplicate or already-used group id, or an ``admission`` this store did
+                not issue.
         """
         batch = [p if isinstance(p, Prompt) else Prompt(prompt_idx=p) if isinstance(p, int) else Prompt(**p)
                  for p in prompts]
@@ -366,10 +374,43 @@ class ReplayBuffer:
         ids = [p.group_id for p in batch if p.group_id is not None]
         if len(ids) != len(set(ids)):
             raise BadArgument("duplicate group ids within one admission")
+        return self._write_when_open(
+            lambda txn: self._admit_txn(txn, batch, dataloader_state, weight_version, admission), timeout)
+
+    def advance_dispatch(self, dataloader_state: bytes | None = None, *, timeout: float | None = None) -> Admission:
+        """Make an admission without prompts yet; prompts join it with ``admit(..., admission=...)``.
+
+        The gate wait happens outside any transaction; ``dispatch_index`` + 1 (gated samplers) and
+        the dataloader state are then one transaction. This is NeMo-RL's split admission (cursor
+        first, then one ``reserve`` per prompt): two transactions in all, so a crash between them
+        leaves an admission, and with ``dataloader_state`` a dataloader position, that no ledger
+        entry owns. :meth:`admit` does both in one transaction and is the recommended path.
+
+        Args:
+            dataloader_state: the dataloader state after the batch, stored with the cursor.
+            timeout: seconds to wait for the gate; ``None`` waits forever, ``0`` does not wait.
+
+        Raises:
+            GateTimeout: the gate stayed closed for ``timeout`` seconds.
+        """
+        def txn_fn(txn: Txn) -> Admission | str:
+            st = self._state(txn)
+            blocker = self._admission_blocker(st, 0)
+            if blocker is not None:
+                return blocker
+            admission = self._new_admission(st)
+            self._put_dataloader_state(txn, dataloader_state)
+            txn.put_json("meta", STATE_KEY, st)
+            return admission
+
+        return self._write_when_open(txn_fn, timeout)
+
+    def _write_when_open(self, fn: Any, timeout: float | None) -> Any:
+        """Run ``fn`` in a transaction until it returns something other than a blocker string."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            result = self._write(lambda txn: self._admit_txn(txn, batch, dataloader_state, weight_version))
-            if isinstance(result, list):
+            result = self._write(fn)
+            if not isinstance(result, str):
                 return result
             with self._changed:
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -377,23 +418,50 @@ class ReplayBuffer:
                     raise GateTimeout(f"admission still blocked after {timeout}s: {result}")
                 self._changed.wait(0.05 if remaining is None else min(0.05, remaining))
 
-    def _admit_txn(self, txn: Txn, batch: list[Prompt], dataloader_state: bytes | None,
-                   weight_version: int | None) -> list[Lease] | str:
-        st = self._state(txn)
-        blocker = self._admission_blocker(st, len(batch))
-        if blocker is not None:
-            return blocker  # nothing written: the caller waits outside the transaction
+    def _new_admission(self, st: dict[str, Any]) -> Admission:
+        """Advance the cursor (gated samplers) and issue the next admission id, in ``st``."""
         target = None
         if self.sampler.gate_window is not None:
             st["dispatch_index"] += 1
             if self.sampler.stamps_target_step:
                 target = st["dispatch_index"]
-        admission_id = f"a{st['admissions']}"
+        admission = Admission(f"a{st['admissions']}", st["dispatch_index"], target)
         st["admissions"] += 1
+        return admission
+
+    @staticmethod
+    def _check_joined(st: dict[str, Any], admission: Admission) -> None:
+        number = admission.admission_id[1:]
+        if not (admission.admission_id.startswith("a") and number.isdigit() and int(number) < st["admissions"]):
+            raise BadArgument(f"admission {admission.admission_id!r} was not issued by this store "
+                              f"({st['admissions']} admissions so far)")
+        if admission.target_step is not None and admission.target_step > st["dispatch_index"]:
+            raise BadArgument(f"admission {admission.admission_id!r} is stamped for step {admission.target_step}, "
+                              f"past the store's dispatch_index {st['dispatch_index']}")
+
+    @staticmethod
+    def _put_dataloader_state(txn: Txn, dataloader_state: bytes | None) -> None:
+        if dataloader_state is not None:
+            txn.put("meta", DATALOADER_KEY, codec.encode(
+                {"state": np.frombuffer(bytes(dataloader_state), np.uint8)}, level=0))
+
+    def _admit_txn(self, txn: Txn, batch: list[Prompt], dataloader_state: bytes | None,
+                   weight_version: int | None, admission: Admission | None) -> list[Lease] | str:
+        st = self._state(txn)
+        blocker = self._admission_blocker(st, len(batch), gated=admission is None)
+        if blocker is not None:
+            return blocker  # nothing written: the caller waits outside the transaction
+        if admission is None:
+            admission = self._new_admission(st)
+            id_format = f"{admission.admission_id}-p{{j}}"
+        else:
+            self._check_joined(st, admission)
+            id_format = f"{admission.admission_id}-s{{seq}}"  # a joined admission's prompts arrive over many calls
+        admission_id, target = admission.admission_id, admission.target_step
         start_weight = st["weight_version"] if weight_version is None else int(weight_version)
         leases = []
         for j, prompt in enumerate(batch):
-            gid = prompt.group_id or f"{admission_id}-p{j}"
+            gid = prompt.group_id or id_format.format(j=j, seq=st["seq"])
             gkey = keys.group_key(gid)
             if txn.get("ledger", gkey) is not None or txn.get("groups", gkey) is not None:
                 raise BadArgument(f"group id {gid!r} is already in use in this store")
@@ -405,9 +473,7 @@ class ReplayBuffer:
             leases.append(entry.lease())
         st["inflight"] += len(batch)
         st["counters"]["admitted"] += len(batch)
-        if dataloader_state is not None:
-            txn.put("meta", DATALOADER_KEY, codec.encode(
-                {"state": np.frombuffer(bytes(dataloader_state), np.uint8)}, level=0))
+        self._put_dataloader_state(txn, dataloader_state)
         txn.put_json("meta", STATE_KEY, st)
         return leases
 
@@ -633,20 +699,35 @@ class ReplayBuffer:
             self._put_group(txn, GroupInfo.from_dict({**group.to_dict(), "rows_stored": False}))
         st["drop_floor"] = floor
 
-    def evict(self) -> list[str]:
+    def evict(self, group_ids: Iterable[str] | None = None) -> list[str]:
         """Remove ready groups the sampler can no longer select (their rows are deleted).
 
         Restore never evicts; the first ``evict`` after it applies the current window.
+
+        Args:
+            group_ids: discard exactly these ready groups instead (a deliberate discard, e.g.
+                NeMo-RL's ``remove_group`` of a committed slot). Defaults to the sampler's choice.
+
+        Raises:
+            BadArgument: a named group is not ready (nothing is evicted then).
         """
         def txn_fn(txn: Txn) -> list[str]:
             st = self._state(txn)
-            gids = list(self.sampler.evictable(BufferView(txn), st["trainer_version"]))
+            if group_ids is None:
+                gids = list(self.sampler.evictable(BufferView(txn), st["trainer_version"]))
+                reason = f"outside {self.sampler.name} window at version {st['trainer_version']}"
+            else:
+                gids, reason = list(dict.fromkeys(group_ids)), "discarded by the caller"
+                for gid in gids:
+                    group = self._group(txn, gid)
+                    if group is None or group.state != READY:
+                        raise BadArgument(f"group {gid!r} is {'unknown' if group is None else group.state}, "
+                                          "not ready: only ready groups can be evicted")
             for group in self._resolve(txn, gids):
                 self._ready_index(txn, group, add=False)
                 self._delete_rows(txn, group.group_id)
                 self._put_group(txn, GroupInfo.from_dict({
-                    **group.to_dict(), "state": EVICTED, "rows_stored": False,
-                    "reason": f"outside {self.sampler.name} window at version {st['trainer_version']}"}))
+                    **group.to_dict(), "state": EVICTED, "rows_stored": False, "reason": reason}))
             if gids:
                 st["ready"] -= len(gids)
                 st["counters"]["evicted"] += len(gids)
@@ -681,6 +762,31 @@ class ReplayBuffer:
             self._put_group(txn, group)
             self._ready_index(txn, group, add=True)
             return lender
+
+        return self._write(txn_fn)
+
+    def redispatch(self, group_id: str, *, start_weight: int | None = None) -> Lease:
+        """Hand an in-flight prompt to a new attempt: its ``attempt`` + 1 (fencing the old lease)
+        and, if given, a new ``start_weight`` (the weight it is now generated with), in one
+        transaction. Siblings already committed one by one are kept (``lease.missing``).
+
+        Raises:
+            UnknownGroup: no ledger entry for ``group_id``.
+        """
+        def txn_fn(txn: Txn) -> Lease:
+            entry = self._entry(txn, group_id)
+            if entry is None:
+                raise UnknownGroup(f"group {group_id!r} is not in flight; nothing to redispatch")
+            self._pending_index(txn, entry, add=False)
+            entry = LedgerEntry.from_dict({
+                **entry.to_dict(), "attempt": entry.attempt + 1,
+                "start_weight": entry.start_weight if start_weight is None else int(start_weight)})
+            self._put_entry(txn, entry)
+            self._pending_index(txn, entry, add=True)
+            st = self._state(txn)
+            st["counters"]["redispatched"] += 1
+            txn.put_json("meta", STATE_KEY, st)
+            return entry.lease()
 
         return self._write(txn_fn)
 

@@ -117,6 +117,20 @@ class LedgerEntry(_Doc):
 
 
 @dataclass(frozen=True)
+class Admission(_Doc):
+    """An admission issued by :meth:`~kvckpt.buffer.ReplayBuffer.advance_dispatch`: the cursor has
+    moved and prompts can still join it (``admit(..., admission=...)``).
+
+    ``dispatch_index`` is the cursor after the advance; ``target_step`` the stamp its prompts get
+    (``in_order`` only, else ``None``).
+    """
+
+    admission_id: str
+    dispatch_index: int
+    target_step: int | None
+
+
+@dataclass(frozen=True)
 class CommitResult(_Doc):
     """Outcome of a commit: ``ready`` once all rows are in; ``replayed`` when this exact commit had
     already landed (a retry after a lost acknowledgement) and nothing new was written."""
