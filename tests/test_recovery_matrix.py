@@ -1,4 +1,4 @@
-"""The round-trip matrix (replay_semantics.md §E.1): four samplers x nine scenarios.
+"""The round-trip matrix (replay_semantics.md §E.1): four samplers x the nine scenarios, plus one.
 
 Each scenario is built through the real buffer API (explicit ``gNN`` group ids, n = 2, three
 groups per step, capacity 64), checkpointed with ``buf.checkpoint(path, state).wait()`` while the
