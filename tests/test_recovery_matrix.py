@@ -1,4 +1,4 @@
-"""The round-trip matrix (replay_semantics.md §E.1): four samplers x the nine scenarios, plus one.
+"""The round-trip matrix (replay_semantics.md §E.1): four samplers x ten scenarios.
 
 Each scenario is built through the real buffer API (explicit ``gNN`` group ids, n = 2, three
 groups per step, capacity 64), checkpointed with ``buf.checkpoint(path, state).wait()`` while the
@@ -9,8 +9,9 @@ until nothing is selectable.
 
 kvckpt adaptations of the NeMo table (details in ``_scenarios``): every sampler reads one current
 version, ``trainer_version``, so a batch's weight is the trainer version it was admitted at and the
-history before g09 is a few filler steps; the evicted group is a straggler dropped by ``evict`` (by
-``abort`` under ready_first, which never evicts); the "hole" is a mid-step checkpoint with g13 claimed.
+history before g09 is a few filler steps; g10 is discarded with ``evict(["g10"])``; the "hole" is a
+mid-step checkpoint with g13 claimed. One scenario is added to the table: the older of two lag-2
+batches still generating, which pins that a restored weight_fifo waits for in-flight groups.
 The current version at selection is the stamped one, which is already the first outstanding step
 (in_order) or inside every sampler's window (others), as E.1's "selectable at gate lags" asks.
 """
