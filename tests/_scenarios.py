@@ -655,15 +655,39 @@ def live_recover(store: str, resume: int, too_old: int, zombies: list[dict[str, 
     return out
 
 
+def recover_again(store: str, resume: int, ckpt: str, restored: str) -> dict[str, Any]:
+    """Crash, ``recover(resume)``, checkpoint, crash again before training: recover the live store
+    again and restore the checkpoint. Each attempt reports its plan's changes or its error."""
+    def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
+        try:
+            buf, plan = fn()
+        except KvckptError as exc:
+            return {"error": type(exc).__name__, "message": str(exc)}
+        with buf:
+            return {"changes": plan.changes, "ready": buf.state()["ready"], "verify": [
+                str(p) for p in buf.store.read(check).problems]}
+
+    def live() -> tuple[ReplayBuffer, Any]:
+        buf = ReplayBuffer.open(store)
+        return buf, buf.recover(resume)
+
+    first = attempt(live)
+    with ReplayBuffer.open(store) as buf:
+        buf.checkpoint(ckpt).wait()
+    return {"first": first, "second": attempt(live), "restore": attempt(lambda: restore(ckpt, restored))}
+
+
 def main(argv: list[str]) -> None:
     """Child entry points: ``jobs MANIFEST``, ``live-workload STORE LOG DIR``,
-    ``live-recover STORE RESUME TOO_OLD ZOMBIES_JSON``."""
+    ``live-recover STORE RESUME TOO_OLD ZOMBIES_JSON``, ``recover-again STORE RESUME CKPT RESTORED``."""
     if argv[0] == "jobs":
         with open(argv[1]) as f:
             jobs = json.load(f)
         json.dump([run_job(job) for job in jobs], sys.stdout)
     elif argv[0] == "live-workload":
         live_workload(*argv[1:4])
+    elif argv[0] == "recover-again":
+        json.dump(recover_again(argv[1], int(argv[2]), argv[3], argv[4]), sys.stdout)
     elif argv[0] == "live-recover":
         with open(argv[4]) as f:
             zombies = json.load(f)

@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 import pytest
-from _scenarios import CHILD_ENV, HERE, LIVE_K, N, batch_ids
+from _scenarios import CHILD_ENV, HERE, LIVE_K, Driver, N, batch_ids, new_buffer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = range(8)  # batches 0..7 were admitted before the kill
@@ -138,6 +138,23 @@ def test_consumption_is_soft_until_durable_checkpoints_cover_it(crash):
     for step in range(LIVE_K):
         for gid in batch_ids(step):
             assert got["after"][gid] == ["consumed", step >= DROP_FLOOR], gid
+
+
+def test_a_second_crash_after_a_rollback_over_capacity_is_recoverable(tmp_path):
+    # Rolling back returns every group trained since the resume point to ready, which may exceed
+    # the capacity (admission then waits until training drains them). A crash before that happens,
+    # or a checkpoint taken meanwhile, must still recover: that state is legitimate, not damage.
+    store = str(tmp_path / "live.kv")
+    with new_buffer(store, "in_order", lag=1, capacity=6) as buf:
+        Driver(buf).warmup(4)  # steps 0..3 trained on 12 groups; trainer version 4
+    proc = subprocess.run([sys.executable, HERE, "recover-again", store, "1", str(tmp_path / "v1.kvckpt"),
+                           str(tmp_path / "restored.kv")], capture_output=True, text=True, timeout=120, env=CHILD_ENV)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout)
+    over = ["9 ready groups exceed max_buffered_rollouts 6: admission waits until training drains them"]
+    assert got["first"] == {"changes": over, "ready": 9, "verify": []}
+    assert got["second"] == {"changes": over, "ready": 9, "verify": []}
+    assert got["restore"] == {"changes": over, "ready": 9, "verify": []}
 
 
 def test_docs_worked_example_runs(tmp_path):
