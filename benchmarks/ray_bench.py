@@ -11,12 +11,15 @@ about 256 KB per group), each into a fresh store with fsync on every commit:
   :class:`~kvckpt.integrations.ray.BufferClient` (``--batch`` groups per call, ``--in-flight``
   calls outstanding).
 
+``--rows tiny`` commits groups of 16-token rows instead, where the Ray round trip, not the
+commit, is the cost that batching and pipelining hide.
+
 Rows are generated once, put in Ray's object store once and shared by every producer, so the
 actor modes measure transport and commit, not generation. Leases are admitted before the clock
 starts. Each mode's rate is groups committed over the wall time from the start signal to the
 last acknowledgement; every mode's store is verified afterwards.
 
-Run: ``python -m benchmarks.ray_bench [--groups 800] [--producers 2] [--json out.json]``.
+Run: ``python -m benchmarks.ray_bench [--groups 800] [--producers 2] [--rows tiny] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -37,12 +40,14 @@ from kvckpt import BufferConfig, ReplayBuffer, verify_path
 
 from . import data
 
+GROUP_SIZE = 8
 
-def config(spec: data.RolloutSpec) -> BufferConfig:
+
+def config(schema: Any) -> BufferConfig:
     """An ungated sampler with a window nothing leaves, and capacity for every group of the run."""
-    return BufferConfig(group_size=spec.group_size, schema=data.SCHEMA,
+    return BufferConfig(group_size=GROUP_SIZE, schema=schema,
                         sampler={"name": "windowed", "max_staleness_versions": 1 << 20},
-                        max_buffered_rollouts=1 << 20)
+                        max_buffered_rollouts=1 << 24)
 
 
 @ray.remote(num_cpus=0)
@@ -69,9 +74,9 @@ class Producer:
         return len(leases)
 
 
-def in_process(path: str, spec: data.RolloutSpec, pool: list[Any], groups: int, threads: int) -> float:
+def in_process(path: str, schema: Any, pool: list[Any], groups: int, threads: int) -> float:
     """Groups per second committed by ``threads`` threads into a buffer owned by this process."""
-    buf = ReplayBuffer.create(path, config(spec))
+    buf = ReplayBuffer.create(path, config(schema))
     leases = buf.admit(list(range(groups)))
     shares = [leases[i::threads] for i in range(threads)]
 
@@ -91,10 +96,10 @@ def in_process(path: str, spec: data.RolloutSpec, pool: list[Any], groups: int, 
     return groups / elapsed
 
 
-def through_actor(path: str, spec: data.RolloutSpec, pool_ref: Any, groups: int, producers: int,
+def through_actor(path: str, schema: Any, pool_ref: Any, groups: int, producers: int,
                   batch: int | None, in_flight: int) -> float:
     """Groups per second committed by ``producers`` producer actors through a buffer actor."""
-    actor = start_buffer_actor(path, config(spec).to_dict(), name=f"bench-{os.path.basename(path)}")
+    actor = start_buffer_actor(path, config(schema).to_dict(), name=f"bench-{os.path.basename(path)}")
     leases = ray.get(actor.admit.remote(list(range(groups))))
     workers = [Producer.remote(actor, pool_ref) for _ in range(producers)]
     ray.get([w.ready.remote() for w in workers])
@@ -112,13 +117,21 @@ def through_actor(path: str, spec: data.RolloutSpec, pool_ref: Any, groups: int,
     return groups / elapsed
 
 
-def run(groups: int, producers: int, batch: int, in_flight: int, seed: int = 0) -> dict[str, Any]:
-    """Measure every mode once, in one Ray session; returns the figures as a dict."""
-    spec = data.RolloutSpec(group_size=8)
+def row_pool(kind: str, seed: int) -> tuple[Any, list[Any], float]:
+    """The schema, 32 distinct groups of rows, and their mean unpadded bytes per group."""
+    if kind == "tiny":
+        pool = [data.tiny_rows(GROUP_SIZE, seed + i) for i in range(32)]
+        nbytes = [sum(t.numel() * t.element_size() for row in rows for t in row.values()) for rows in pool]
+        return data.TINY_SCHEMA, pool, float(np.mean(nbytes))
     rng = np.random.default_rng(seed)
-    padded = [data.make_group(rng, spec) for _ in range(32)]
-    pool = [data.rows_of(g) for g in padded]
-    group_bytes = float(np.mean([data.unpadded_bytes(g) for g in padded]))
+    padded = [data.make_group(rng, data.RolloutSpec(group_size=GROUP_SIZE)) for _ in range(32)]
+    return data.SCHEMA, [data.rows_of(g) for g in padded], float(np.mean([data.unpadded_bytes(g) for g in padded]))
+
+
+def run(groups: int, producers: int, batch: int, in_flight: int, rows: str = "realistic",
+        seed: int = 0) -> dict[str, Any]:
+    """Measure every mode once, in one Ray session; returns the figures as a dict."""
+    schema, pool, group_bytes = row_pool(rows, seed)
     init_local_ray(num_cpus=max(2, producers + 1), object_store_memory=1 << 30)
     pool_ref = ray.put(to_wire(pool))
     rates: dict[str, float] = {}
@@ -126,17 +139,18 @@ def run(groups: int, producers: int, batch: int, in_flight: int, seed: int = 0) 
         def path(name: str) -> str:
             return os.path.join(directory, f"{name}.kv")
 
-        rates["in-process, 1 thread"] = in_process(path("inproc1"), spec, pool, groups, 1)
-        rates[f"in-process, {producers} threads"] = in_process(path("inprocP"), spec, pool, groups, producers)
-        rates["actor, unbatched"] = through_actor(path("unbatched"), spec, pool_ref, groups, producers, None, 1)
+        rates["in-process, 1 thread"] = in_process(path("inproc1"), schema, pool, groups, 1)
+        rates[f"in-process, {producers} threads"] = in_process(path("inprocP"), schema, pool, groups, producers)
+        rates["actor, unbatched"] = through_actor(path("unbatched"), schema, pool_ref, groups, producers, None, 1)
         rates[f"actor, batched {batch} + {in_flight} in flight"] = through_actor(
-            path("batched"), spec, pool_ref, groups, producers, batch, in_flight)
+            path("batched"), schema, pool_ref, groups, producers, batch, in_flight)
         problems = {name: verify_path(path(name)).problems
                     for name in ("inproc1", "inprocP", "unbatched", "batched")}
     ray.shutdown()
     assert not any(problems.values()), problems
     best_in_process = max(v for k, v in rates.items() if k.startswith("in-process"))
-    return {"groups": groups, "producers": producers, "group_bytes": group_bytes, "group_size": spec.group_size,
+    return {"rows": rows, "groups": groups, "producers": producers, "group_bytes": group_bytes,
+            "group_size": GROUP_SIZE,
             "rates": rates, "batched_vs_best_in_process": rates[f"actor, batched {batch} + {in_flight} in flight"]
             / best_in_process}
 
@@ -146,8 +160,8 @@ def table(result: dict[str, Any]) -> str:
     mb = result["group_bytes"] / 1e6
     lines = ["| mode | groups/s | MB/s |", "| --- | ---: | ---: |"]
     lines += [f"| {name} | {rate:,.0f} | {rate * mb:,.0f} |" for name, rate in result["rates"].items()]
-    lines.append(f"\n{result['groups']} groups per mode, {result['group_size']} rows and "
-                 f"{result['group_bytes'] / 1e3:.0f} KB per group; batched+pipelined through the actor reaches "
+    lines.append(f"\n{result['rows']} rows: {result['groups']} groups per mode, {result['group_size']} rows and "
+                 f"{result['group_bytes'] / 1e3:.1f} KB per group; batched+pipelined through the actor reaches "
                  f"{result['batched_vs_best_in_process']:.0%} of the best in-process rate.")
     return "\n".join(lines)
 
@@ -158,9 +172,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--producers", type=int, default=2, help="producer threads / actors")
     parser.add_argument("--batch", type=int, default=8, help="groups per actor call (batched mode)")
     parser.add_argument("--in-flight", type=int, default=4, help="calls outstanding per producer (batched mode)")
+    parser.add_argument("--rows", choices=("realistic", "tiny"), default="realistic",
+                        help="realistic GRPO groups (about 250 KB) or tiny ones (16 tokens: round-trip bound)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
-    result = run(args.groups, args.producers, args.batch, args.in_flight)
+    result = run(args.groups, args.producers, args.batch, args.in_flight, args.rows)
     print(table(result))
     if args.json:
         with open(args.json, "w") as fh:

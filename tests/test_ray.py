@@ -161,6 +161,9 @@ def test_actor_checkpoints_are_ordinary_checkpoint_files(ray_local, tmp_path):
     process, where the trainer's next select returns the groups committed before it."""
     actor = kray.start_buffer_actor(str(tmp_path / "live.kv"), CONFIG, name="ckpt")
     leases = ray.get(actor.admit.remote(list(range(6)), b"dl-6"))
+    second = kray.start_buffer_actor(str(tmp_path / "live.kv"), CONFIG, name="ckpt-second", max_restarts=0)
+    with pytest.raises(ray.exceptions.ActorDiedError, match="StoreLocked"):  # one writer per store
+        ray.get(second.info.remote())
     with kray.BufferClient(actor, batch_groups=4) as client:
         for lease in leases[:4]:
             client.commit(lease, rows(seed_of(lease["group_id"])))
@@ -174,6 +177,15 @@ def test_actor_checkpoints_are_ordinary_checkpoint_files(ray_local, tmp_path):
     stamp = read_stamp(ckpt)
     assert (stamp["checkpoint_id"], stamp["trainer_state"]) == (started["checkpoint_id"], {"step": 0, "seed": 7})
     assert verify_path(ckpt, deep=True).problems == []
+
+    # the actor restores its own live store from the file: a commit made after it is undone
+    session = ray.get(actor.info.remote())["session"]
+    ray.get(actor.commit_group.remote(leases[4], rows(4)))
+    plan = kray.plan_from_dict(ray.get(actor.restore.remote(ckpt)))
+    assert [(x.group_id, x.attempt) for x in plan.leases] == [("a0-p4", 1), ("a0-p5", 1)]
+    assert (plan.checkpoint_id, plan.trainer_state) == (started["checkpoint_id"], {"step": 0, "seed": 7})
+    assert ray.get(actor.info.remote())["session"] != session
+    assert [g["group_id"] for g in ray.get(actor.groups.remote())] == [f"a0-p{i}" for i in range(4)]
     ray.get(actor.close.remote())
     ray.kill(actor)
 
