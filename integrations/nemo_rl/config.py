@@ -1,0 +1,81 @@
+"""NeMo-RL's replay-buffer config keys, read into a kvckpt :class:`~kvckpt.BufferConfig`.
+
+A NeMo-RL user swaps the buffer by configuration: the keys are NeMo-RL's own
+(``max_buffered_rollouts``, a ``sampler`` section discriminated by ``name`` with
+``max_lookahead_versions`` / ``max_staleness_versions`` / ``sample_freshest_first``, and the GRPO
+sizes ``num_generations_per_prompt`` / ``num_prompts_per_step``), plus ``path``, the store file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvckpt import BufferConfig, codec
+from kvckpt.errors import BadArgument
+
+#: The row fields of NeMo-RL's GRPO rollouts (``record_to_train_batch``); token fields are jagged.
+GRPO_SCHEMA: dict[str, tuple[str, str]] = {
+    "input_ids": ("int64", "token"),
+    "generation_logprobs": ("float32", "token"),
+    "token_mask": ("int64", "token"),
+    "sample_mask": ("float32", "row"),
+    "total_reward": ("float32", "row"),
+    "input_lengths": ("int64", "row"),
+}
+
+#: Keys :func:`parse_config` understands; anything else is refused so a typo never goes unnoticed.
+KNOWN_KEYS = frozenset({
+    "backend", "path", "num_generations_per_prompt", "group_size", "num_prompts_per_step", "groups_per_step",
+    "max_buffered_rollouts", "sampler", "schema", "partition_id", "retain_consumed", "compression_level",
+    "durable_checkpoints"})
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """A parsed replay-buffer config: where the store lives, its :class:`BufferConfig`, and the
+    TransferQueue-style partition name reported in batch metadata."""
+
+    path: str
+    buffer: BufferConfig
+    partition_id: str = "rollout_data"
+
+
+def parse_config(config: Mapping[str, Any]) -> AdapterConfig:
+    """Read NeMo-RL-style keys (see the module docstring) into an :class:`AdapterConfig`.
+
+    Args:
+        config: ``path`` (required); ``num_generations_per_prompt`` (or ``group_size``,
+            required); ``num_prompts_per_step`` (or ``groups_per_step``, defaults to 1);
+            ``max_buffered_rollouts`` (defaults to 64, NeMo-RL's default); ``sampler`` (a name or a
+            ``{name: ..., **keys}`` section, defaults to ``in_order``, NeMo-RL's default);
+            ``schema`` (defaults to :data:`GRPO_SCHEMA`); ``partition_id`` (defaults to
+            ``rollout_data``); ``backend`` (``kvckpt`` if given); and kvckpt's own
+            ``retain_consumed``, ``compression_level``, ``durable_checkpoints``.
+
+    Raises:
+        BadArgument: a missing required key, an unknown key, another backend, or a capacity below
+            ``sampler.required_buffer_capacity(num_prompts_per_step)`` (NeMo-RL refuses it too:
+            the rollout pump would deadlock).
+    """
+    unknown = sorted(set(config) - KNOWN_KEYS)
+    if unknown:
+        raise BadArgument(f"unknown replay-buffer config keys {unknown}; known: {sorted(KNOWN_KEYS)}")
+    if config.get("backend", "kvckpt") != "kvckpt":
+        raise BadArgument(f"this adapter is the kvckpt backend, not {config['backend']!r}")
+    if not config.get("path"):
+        raise BadArgument("the kvckpt replay buffer needs `path`, the store file (on a local disk)")
+    group_size = config.get("num_generations_per_prompt", config.get("group_size"))
+    if group_size is None:
+        raise BadArgument("the kvckpt replay buffer needs num_generations_per_prompt (rows per group)")
+    sampler = config.get("sampler", "in_order")
+    buffer = BufferConfig(
+        group_size=group_size, schema=dict(config.get("schema", GRPO_SCHEMA)),
+        sampler=dict(sampler) if isinstance(sampler, Mapping) else sampler,
+        max_buffered_rollouts=config.get("max_buffered_rollouts", 64),
+        groups_per_step=config.get("num_prompts_per_step", config.get("groups_per_step", 1)),
+        retain_consumed=bool(config.get("retain_consumed", False)),
+        compression_level=config.get("compression_level", codec.DEFAULT_LEVEL),
+        durable_checkpoints=config.get("durable_checkpoints", 2))
+    return AdapterConfig(str(config["path"]), buffer, str(config.get("partition_id", "rollout_data")))

@@ -1,0 +1,109 @@
+"""NeMo-RL's ownership-ledger lifecycle (``RolloutRecoveryLedger``) over kvckpt's ledger.
+
+NeMo-RL's ledger owns a prompt from the moment it leaves the dataloader until its group is
+committed (or deliberately discarded), and every mutation must hold a checkpoint-barrier cut. In
+kvckpt the ledger *is* the store's ledger table and every mutation is one transaction, so there is
+no cut to hold:
+
+====================================  =============================================================================
+NeMo-RL                               kvckpt
+====================================  =============================================================================
+``reserve_group`` (phase reserved)    staged in memory; durable at admission, with the dataloader state
+``mark_group_admitted``               ``sampler.admit``: cursor + dataloader state + entries, one transaction
+``reserve_group`` (admitted)          a ledger entry joining the current admission, one transaction
+``discard_group`` (intentional)       :meth:`~kvckpt.ReplayBuffer.abort`: tombstone, shortfall credited
+``discard_group`` (at commit)         nothing to do: the commit transaction released the entry
+``state_dict`` / ``load_state_dict``  the store file (:meth:`~.adapter.KvckptReplayBuffer.save_checkpoint`)
+====================================  =============================================================================
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvckpt.errors import BadArgument, UnknownGroup
+from kvckpt.records import LedgerEntry, Prompt
+
+if TYPE_CHECKING:
+    from .adapter import KvckptReplayBuffer
+
+
+class KvckptLedger:
+    """The ledger of a :class:`~.adapter.KvckptReplayBuffer` (``buffer.ledger``)."""
+
+    def __init__(self, buffer: KvckptReplayBuffer) -> None:
+        self._buffer = buffer
+        self._core = buffer.core
+
+    def reserve_group(self, group_id: str, *, prompt_idx: int, task_name: str = "default",
+                      expected_generations: int | None = None, target_step: int | None = None,
+                      start_weight_version: int | None = None) -> None:
+        """Take ownership of a prompt that left the dataloader (or the spare pool).
+
+        Without ``target_step`` the prompt is staged: the next ``sampler.admit`` makes it a ledger
+        entry in the admission's transaction. With ``target_step`` (its admission already happened,
+        e.g. a replacement prompt) it becomes a ledger entry of that admission now, in one
+        transaction.
+
+        Raises:
+            BadArgument: a duplicate group id, ``expected_generations`` other than the store's group
+                size, or a ``target_step`` no admission of this handle is stamped with.
+        """
+        if expected_generations is not None and expected_generations != self._core.config.group_size:
+            raise BadArgument(f"expected_generations {expected_generations} differs from the store's group size "
+                              f"{self._core.config.group_size}")
+        prompt = Prompt(int(prompt_idx), task_name, group_id)
+        if target_step is None:
+            with self._buffer._lock:
+                if group_id in self._buffer._staged:
+                    raise BadArgument(f"group {group_id!r} is already reserved in the ledger")
+                self._buffer._staged[group_id] = prompt
+            return
+        weight = self._core.state()["weight_version"] if start_weight_version is None else start_weight_version
+        lease = self._buffer._admit_one(prompt, weight, target_step)
+        with self._buffer._lock:
+            self._buffer._idle[lease.group_id] = lease
+
+    def discard_group(self, group_id: str, reason: str = "discarded") -> bool:
+        """Release a prompt deliberately (budget spent, replaced): a staged prompt is dropped, an
+        admitted one becomes an aborted tombstone with ``reason`` and its step's shortfall is
+        credited (one transaction). Returns False if the ledger does not own it (e.g. committed)."""
+        with self._buffer._lock:
+            if self._buffer._staged.pop(group_id, None) is not None:
+                return True
+        try:
+            self._core.abort(group_id, reason)
+        except UnknownGroup:
+            return False
+        with self._buffer._lock:
+            self._buffer._reserved.pop(group_id, None)
+            self._buffer._idle.pop(group_id, None)
+        return True
+
+    def entries(self) -> list[LedgerEntry]:
+        """The durable ledger (admitted, not yet committed prompts), in dispatch order."""
+        return self._core.ledger()
+
+    def staged(self) -> list[Prompt]:
+        """Prompts reserved but not yet admitted (memory only), in reserve order."""
+        with self._buffer._lock:
+            return list(self._buffer._staged.values())
+
+    def __contains__(self, group_id: object) -> bool:
+        with self._buffer._lock:
+            if group_id in self._buffer._staged:
+                return True
+        return any(e.group_id == group_id for e in self.entries())
+
+    def __len__(self) -> int:
+        return len(self.staged()) + len(self.entries())
+
+    def _take_staged(self) -> list[Prompt]:
+        with self._buffer._lock:
+            staged = list(self._buffer._staged.values())
+            self._buffer._staged.clear()
+        return staged
+
+    def _restage(self, prompts: list[Prompt]) -> None:
+        with self._buffer._lock:
+            self._buffer._staged = {**{p.group_id: p for p in prompts}, **self._buffer._staged}

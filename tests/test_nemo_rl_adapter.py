@@ -1,0 +1,423 @@
+"""Contract tests of the NeMo-RL-shaped adapter (``kvckpt.integrations.nemo_rl``).
+
+Written from the public semantics in ``reference/replay_semantics.md`` §B-§D, not by importing
+NeMo-RL: every sampler's admit gate, select and evict through the adapter's calling convention;
+the ledger lifecycle (reserve -> admit -> commit / discard); the split admission; slot removal
+and fencing; ``promote_ready_group`` and ``count_for_target_step``; and checkpoint -> restore in a
+fresh process -> ``select`` returns the restored groups, for all four samplers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from conftest import SCHEMA, dump_store, make_group
+from kvckpt.integrations.nemo_rl import (
+    KvckptReplayBuffer,
+    create_replay_buffer,
+    parse_config,
+    restore_replay_buffer,
+)
+
+from kvckpt import Lease, StaleAttempt
+from kvckpt.errors import BadArgument, CapacityError, GateTimeout, RecoveryError
+from kvckpt.verify import check
+
+SAMPLERS = {
+    "in_order": {"name": "in_order", "max_lookahead_versions": 1},
+    "weight_fifo": {"name": "weight_fifo", "max_staleness_versions": 1},
+    "windowed": {"name": "windowed", "max_staleness_versions": 1, "sample_freshest_first": False},
+    "ready_first": {"name": "ready_first", "max_staleness_versions": 1},
+}
+
+
+def config(path: str, sampler: Any, *, capacity: int = 8, per_step: int = 2) -> dict[str, Any]:
+    """A NeMo-RL-style config dict with the tests' small schema and two rows per group."""
+    return {"backend": "kvckpt", "path": path, "num_generations_per_prompt": 2, "num_prompts_per_step": per_step,
+            "max_buffered_rollouts": capacity, "sampler": sampler, "schema": SCHEMA}
+
+
+@pytest.fixture
+def make(tmp_path: Any):
+    """Factory of adapters on fresh store files; all closed afterwards."""
+    made: list[KvckptReplayBuffer] = []
+
+    def factory(sampler: Any, **kwargs: Any) -> KvckptReplayBuffer:
+        buf = create_replay_buffer(config(str(tmp_path / f"replay{len(made)}.kv"), sampler, **kwargs))
+        made.append(buf)
+        return buf
+
+    yield factory
+    for buf in made:
+        buf.close()
+
+
+def commit(buf: KvckptReplayBuffer, gid: str, weight: int, seed: int = 0) -> None:
+    """Commit two deterministic rows to a reserved group, started and ended at ``weight``."""
+    asyncio.run(buf.commit(gid, make_group(2, seed), weight, weight))
+
+
+def produce(buf: KvckptReplayBuffer, gids: list[str], weight: int, *, leave: tuple[str, ...] = (),
+            dataloader_state: bytes | None = None) -> int | None:
+    """One dataloader batch the NeMo-RL way: reserve_group each prompt, admit, then reserve and
+    commit each (except ``leave``, which stays in flight). Returns the admission's stamp."""
+    for i, gid in enumerate(gids):
+        buf.ledger.reserve_group(gid, prompt_idx=i, expected_generations=2)
+    stamp = buf.sampler.admit(lambda: buf.core.trainer_version, dataloader_state=dataloader_state,
+                              weight_version=weight, timeout=0)
+    for gid in gids:
+        if gid not in leave:
+            buf.reserve(weight_version=weight, target_step=stamp, group_id=gid)
+            commit(buf, gid, weight, seed=len(gid))
+    return stamp
+
+
+# -- config -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(SAMPLERS))
+def test_nemo_config_keys_choose_the_sampler(make: Any, name: str) -> None:
+    buf = make(SAMPLERS[name], capacity=4, per_step=2)
+    sampler = buf.sampler
+    assert sampler.name == name
+    assert sampler.config() == SAMPLERS[name]
+    assert sampler.supports_buffer_checkpoint is True
+    assert sampler.is_on_policy is False
+    assert sampler.required_buffer_capacity(2) == 4
+    assert sampler.dispatch_index == -1
+    assert buf.core.config.group_size == 2 and buf.core.config.max_buffered_rollouts == 4
+
+
+def test_config_refuses_typos_other_backends_and_deadlocking_capacity(tmp_path: Any) -> None:
+    path = str(tmp_path / "r.kv")
+    with pytest.raises(BadArgument, match=r"unknown replay-buffer config keys \['max_bufferd_rollouts'\]"):
+        parse_config({**config(path, "in_order"), "max_bufferd_rollouts": 8})
+    with pytest.raises(BadArgument, match="not 'tq'"):
+        parse_config({**config(path, "in_order"), "backend": "tq"})
+    with pytest.raises(CapacityError, match=r"needs for 4 groups per step \(8 = groups_per_step x \(W\+1\)\)"):
+        parse_config(config(path, SAMPLERS["in_order"], capacity=7, per_step=4))
+    on_policy = parse_config(config(path, {"name": "windowed", "max_staleness_versions": 0}))
+    assert on_policy.buffer.sampler.window == 0
+    assert not os.path.exists(path)
+
+
+def test_reopening_with_another_sampler_is_refused(tmp_path: Any) -> None:
+    path = str(tmp_path / "r.kv")
+    create_replay_buffer(config(path, SAMPLERS["in_order"])).close()
+    with pytest.raises(BadArgument, match="configured with sampler="):
+        create_replay_buffer(config(path, SAMPLERS["windowed"]))
+    create_replay_buffer(config(path, SAMPLERS["in_order"])).close()
+
+
+# -- admission and the ledger ---------------------------------------------------------------------
+def test_in_order_admit_stamps_each_batch_and_gates_at_the_lookahead(make: Any) -> None:
+    buf = make(SAMPLERS["in_order"])
+    version = {"v": 0}
+    assert buf.sampler.admit(lambda: version["v"], timeout=0) == 0
+    assert buf.sampler.admit(lambda: version["v"], timeout=0) == 1
+    with pytest.raises(GateTimeout, match=r"dispatch_index 1 >= trainer version 0 \+ 1"):
+        buf.sampler.admit(lambda: version["v"], timeout=0.02)
+    assert buf.sampler.dispatch_index == 1
+    version["v"] = 1  # the trainer moved on but never told the store
+    with pytest.raises(BadArgument, match=r"store's trainer_version is 0: call buffer\.finish_train_step"):
+        buf.sampler.admit(lambda: version["v"], timeout=0)
+    assert buf.finish_train_step() == 1
+    assert buf.sampler.admit(lambda: version["v"], timeout=0) == 2
+
+
+@pytest.mark.parametrize("name", ["weight_fifo", "ready_first"])
+def test_gated_samplers_without_stamps_return_none_but_advance_the_cursor(make: Any, name: str) -> None:
+    buf = make(SAMPLERS[name])
+    assert [buf.sampler.admit(lambda: 0, timeout=0) for _ in range(2)] == [None, None]
+    assert buf.sampler.dispatch_index == 1  # the live batch plus W=1 lookahead
+    with pytest.raises(GateTimeout):
+        buf.sampler.admit(lambda: 0, timeout=0.01)
+
+
+def test_windowed_admit_returns_at_once_and_writes_nothing(make: Any) -> None:
+    buf = make(SAMPLERS["windowed"])
+    before = dump_store(buf.core)
+    assert [buf.sampler.admit(lambda: 0, timeout=0) for _ in range(5)] == [None] * 5
+    assert dump_store(buf.core) == before
+    gid = buf.reserve(weight_version=0, group_id="w0", prompt_idx=3)
+    assert gid == "w0" and [e.group_id for e in buf.ledger.entries()] == ["w0"]
+    assert buf.sampler.dispatch_index == -1
+
+
+def test_ledger_lifecycle_reserve_admit_commit_discard(make: Any) -> None:
+    buf = make(SAMPLERS["in_order"])
+    for idx, gid in ((70, "batch-0-prompt-70"), (71, "batch-0-prompt-71")):
+        buf.ledger.reserve_group(gid, prompt_idx=idx, task_name="math", expected_generations=2)
+    with pytest.raises(BadArgument, match="already reserved in the ledger"):
+        buf.ledger.reserve_group("batch-0-prompt-70", prompt_idx=70)
+    with pytest.raises(BadArgument, match="expected_generations 3 differs from the store's group size 2"):
+        buf.ledger.reserve_group("x", prompt_idx=1, expected_generations=3)
+    # Reserved (staged) prompts own nothing durable yet: the dataloader state has not moved either.
+    assert len(buf.ledger) == 2 and buf.ledger.entries() == [] and buf.core.dataloader_state() is None
+    assert [p.prompt_idx for p in buf.ledger.staged()] == [70, 71]
+
+    stamp = buf.sampler.admit(lambda: 0, dataloader_state=b"epoch0:2", timeout=0)
+    entries = buf.ledger.entries()
+    assert stamp == 0 and buf.ledger.staged() == []
+    assert [(e.group_id, e.prompt_idx, e.task_name, e.target_step, e.phase, e.attempt) for e in entries] == [
+        ("batch-0-prompt-70", 70, "math", 0, "admitted", 0), ("batch-0-prompt-71", 71, "math", 0, "admitted", 0)]
+    assert len({e.admission_id for e in entries}) == 1
+    assert buf.core.dataloader_state() == b"epoch0:2" and buf.sampler.dispatch_index == 0
+    assert buf.count_for_target_step(0) == 2 and len(buf) == 0
+
+    assert buf.reserve(weight_version=0, target_step=0, group_id="batch-0-prompt-70") == "batch-0-prompt-70"
+    assert len(buf) == 1
+    meta = asyncio.run(buf.commit("batch-0-prompt-70", make_group(2, 1), 0, 0))
+    assert meta.sample_ids == ("batch-0-prompt-70_g0", "batch-0-prompt-70_g1")
+    assert meta.tags[1] == {"group_id": "batch-0-prompt-70", "weight_version": 0, "end_weight": 0,
+                            "target_step": 0, "prompt_idx": 70, "task_name": "math"}
+    assert [e.group_id for e in buf.ledger.entries()] == ["batch-0-prompt-71"]  # released by the commit
+    assert buf.ledger.discard_group("batch-0-prompt-70") is False  # committed: not the ledger's any more
+
+    assert buf.ledger.discard_group("batch-0-prompt-71", reason="data budget spent") is True
+    assert buf.ledger.entries() == [] and buf.core.batch_shortfall() == {0: 1}
+    tomb = buf.core.group("batch-0-prompt-71")
+    assert (tomb.state, tomb.reason) == ("aborted", "data budget spent")
+    assert buf.count_for_target_step(0) == 1 and len(buf) == 1
+    assert buf.core.store.read(check).ok
+
+
+def test_replacement_prompt_joins_the_current_admission(make: Any) -> None:
+    buf = make(SAMPLERS["in_order"], capacity=4)
+    produce(buf, ["p0"], 0, leave=("p0",))
+    buf.ledger.reserve_group("spare-9", prompt_idx=9, target_step=0, start_weight_version=0)
+    first, spare = buf.ledger.entries()
+    assert (spare.admission_id, spare.target_step, spare.prompt_idx) == (first.admission_id, 0, 9)
+    assert buf.sampler.dispatch_index == 0  # joining consumed no admission
+    with pytest.raises(BadArgument, match="no admission of this handle is stamped for target_step 5"):
+        buf.ledger.reserve_group("spare-10", prompt_idx=10, target_step=5)
+
+
+def test_split_admission_joins_reserves_to_the_advanced_cursor(make: Any) -> None:
+    """NeMo-RL's split: ``sampler.admit`` with nothing staged advances the cursor (transaction 1),
+    then each ``reserve`` joins that admission (one more transaction each)."""
+    buf = make(SAMPLERS["in_order"])
+    with pytest.raises(BadArgument, match=r"stamped for target_step 0; call sampler\.admit first"):
+        buf.reserve(weight_version=0, target_step=0)
+    assert buf.sampler.admit(lambda: 0, dataloader_state=b"dl-1", timeout=0) == 0
+    assert buf.ledger.entries() == [] and buf.core.dataloader_state() == b"dl-1"
+    first = buf.reserve(weight_version=0, target_step=0, prompt_idx=5)
+    second = buf.reserve(weight_version=0, target_step=0, prompt_idx=6)
+    entries = buf.ledger.entries()
+    assert [e.group_id for e in entries] == [first, second] and len(first) == 32
+    assert {e.admission_id for e in entries} == {"a0"} and {e.target_step for e in entries} == {0}
+    assert buf.core.state()["admissions"] == 1 and buf.sampler.dispatch_index == 0
+    with pytest.raises(BadArgument, match="stamped for target_step 1"):
+        buf.reserve(weight_version=0, target_step=1)
+    assert buf.core.store.read(check).ok
+
+
+# -- slots ----------------------------------------------------------------------------------------
+def test_remove_group_fences_a_failed_attempt_and_the_retry_commits(make: Any) -> None:
+    buf = make(SAMPLERS["in_order"])
+    produce(buf, ["p0", "p1"], 0, leave=("p1",))
+    buf.reserve(weight_version=0, target_step=0, group_id="p1")
+    with pytest.raises(BadArgument, match="already reserved; remove_group it before retrying"):
+        buf.reserve(weight_version=0, target_step=0, group_id="p1")
+    old = buf._reserved["p1"]
+    assert len(buf) == 2
+    assert asyncio.run(buf.remove_group("p1")) == 1
+    assert len(buf) == 1 and [(e.group_id, e.attempt) for e in buf.ledger.entries()] == [("p1", 1)]
+    with pytest.raises(StaleAttempt, match="under attempt 0 refused: the current attempt is 1"):
+        buf.core.commit_group(old, make_group(2, 5))  # the failed worker can no longer land its rows
+    with pytest.raises(BadArgument, match="stamped for step 0, not 1"):
+        buf.reserve(weight_version=0, target_step=1, group_id="p1")
+    buf.reserve(weight_version=0, target_step=0, group_id="p1")
+    commit(buf, "p1", 0, seed=7)
+    assert buf.core.group("p1").attempt == 1 and buf.ledger.entries() == []
+    assert buf.core.stats()["redispatched"] == 1
+
+
+def test_commit_of_an_unknown_group_writes_nothing(make: Any) -> None:
+    buf = make(SAMPLERS["in_order"])
+    produce(buf, ["p0"], 0, leave=("p0",))
+    before = dump_store(buf.core)
+    with pytest.raises(ValueError, match="commit of unknown group 'nope': reserve it first"):
+        asyncio.run(buf.commit("nope", make_group(2, 0), 0, 0))
+    with pytest.raises(ValueError, match="commit of unknown group 'p0'"):  # admitted, but no slot reserved
+        asyncio.run(buf.commit("p0", make_group(2, 0), 0, 0))
+    buf.reserve(weight_version=0, target_step=0, group_id="p0")
+    with pytest.raises(ValueError, match="reserved at weight 0, not 3"):
+        asyncio.run(buf.commit("p0", make_group(2, 0), 3, 3))
+    assert dump_store(buf.core) == before
+
+
+def test_remove_by_position_validates_first_then_evicts_ready_and_fences_pending(make: Any) -> None:
+    buf = make(SAMPLERS["windowed"])
+    for gid in ("g0", "g1", "g2"):
+        buf.reserve(weight_version=0, group_id=gid)
+    commit(buf, "g0", 0)
+    commit(buf, "g2", 0)
+    before = dump_store(buf.core)
+    with pytest.raises(BadArgument, match=r"slot positions \[0, 3\] must be distinct and in 0..2"):
+        asyncio.run(buf.remove([0, 3]))
+    assert dump_store(buf.core) == before
+    assert asyncio.run(buf.remove([0, 1])) == 2  # g0 (ready) and g1 (pending), in dispatch order
+    assert buf.core.group("g0").state == "evicted" and buf.core.group("g0").rows_stored is False
+    assert [(e.group_id, e.attempt) for e in buf.ledger.entries()] == [("g1", 1)]
+    assert len(buf) == 1 and asyncio.run(buf.remove_group("unknown")) == 0
+    meta, count = buf.sampler.select(0, 1, 4)
+    assert count == 1 and meta.group_ids == ("g2",)
+
+
+def test_promote_ready_group_and_count_for_target_step(make: Any) -> None:
+    buf = make({"name": "in_order", "max_lookahead_versions": 2}, capacity=6)
+    produce(buf, ["p0", "p1"], 0)
+    produce(buf, ["p2", "p3"], 0)
+    assert buf.ledger.discard_group("p4") is False
+    buf.ledger.reserve_group("p9", prompt_idx=9, target_step=0, start_weight_version=0)
+    assert buf.ledger.discard_group("p9", reason="replace-mode drop") is True
+    assert [buf.count_for_target_step(t) for t in (0, 1, 2)] == [2, 2, 0]
+    assert buf.promote_ready_group(0) == 1
+    assert [buf.count_for_target_step(t) for t in (0, 1)] == [3, 1]
+    assert buf.core.group("p3").target_step == 0  # the last-dispatched group of the largest step
+    assert buf.promote_ready_group(1) is None
+    meta, count = buf.sampler.select(0, 1, 8)
+    assert (count, meta.group_ids) == (3, ("p0", "p1", "p3"))
+
+
+# -- select and evict, per sampler ------------------------------------------------------------------
+def _versions(buf: KvckptReplayBuffer) -> dict[str, int]:
+    """Three batches at weights 0, 1, 2 with the trainer at version 2: g0 (w0), g1 (w1), g2 (w2)
+    ready, p2 (w2) in flight. Batch k is admitted at version k (so every gate is open)."""
+    produce(buf, ["g0"], 0)
+    for weight, gids in ((1, ["g1"]), (2, ["g2", "p2"])):
+        buf.finish_train_step()
+        produce(buf, gids, weight, leave=("p2",))
+    return {g.group_id: g.start_weight for g in buf.core.groups(["ready"])}
+
+
+@pytest.mark.parametrize(("name", "selected", "evicted"), [
+    ("windowed", ("g1", "g2"), 1),
+    ("weight_fifo", ("g1",), 1),
+    ("ready_first", ("g0", "g1", "g2"), 0),
+    ("in_order", ("g2",), 2),
+])
+def test_select_and_evict_follow_each_samplers_rule(make: Any, name: str, selected: tuple, evicted: int) -> None:
+    buf = make(SAMPLERS[name])
+    assert _versions(buf) == {"g0": 0, "g1": 1, "g2": 2}
+    assert buf.sampler.select(2, 4, 4) == (None, 0)  # fewer than min eligible: nothing
+    with pytest.raises(BadArgument, match="select at version 1, but the store's trainer_version is 2"):
+        buf.sampler.select(1, 1, 4)
+    with pytest.raises(BadArgument, match="need 1 <= min_groups <= max_groups"):
+        buf.sampler.select(2, 2, 1)
+    assert buf.sampler.evict(2) == evicted
+    meta, count = buf.sampler.select(2, 1, 4)
+    assert (count, meta.group_ids) == (len(selected), selected)
+    assert meta.sample_ids == tuple(f"{g}_g{i}" for g in selected for i in range(2))
+    batch = buf.get_samples(meta, select_fields=["total_reward"])
+    assert batch.group_ids == [g for g in selected for _ in range(2)] and list(batch.tensors) == ["total_reward"]
+    assert buf.sampler.should_abort_inflight(0, 2) is (name == "windowed")
+
+
+def test_windowed_freshest_first_orders_by_weight_gap(make: Any) -> None:
+    buf = make({"name": "windowed", "max_staleness_versions": 2, "sample_freshest_first": True})
+    _versions(buf)
+    meta, count = buf.sampler.select(2, 1, 4)
+    assert (count, meta.group_ids) == (3, ("g2", "g1", "g0"))
+
+
+def test_weight_fifo_waits_for_the_oldest_weights_pending_group(make: Any) -> None:
+    buf = make(SAMPLERS["weight_fifo"])
+    produce(buf, ["a", "b"], 0, leave=("b",))
+    buf.finish_train_step()
+    produce(buf, ["c"], 1)
+    meta, count = buf.sampler.select(1, 1, 4)  # w*=0: 'b' (w0) is still generating, 'c' (w1) waits
+    assert (count, meta.group_ids) == (1, ("a",))
+    assert buf.sampler.select(1, 1, 4) == (None, 0)
+    buf.reserve(weight_version=0, group_id="b")
+    commit(buf, "b", 0)
+    assert buf.sampler.select(1, 1, 4)[0].group_ids == ("b",)
+    assert buf.sampler.select(1, 1, 4)[0].group_ids == ("c",)
+
+
+# -- checkpoint and restore in a fresh process -------------------------------------------------------
+def _save_scenario(buf: KvckptReplayBuffer, dest: str) -> dict[str, Any]:
+    """Step 0 trained; step 1's p2, p3 ready; step 2's p4 ready and p5 in flight; checkpoint at version 1."""
+    produce(buf, ["p0", "p1"], 0)
+    meta, _ = buf.sampler.select(0, 2, 2)
+    assert meta.group_ids == ("p0", "p1")
+    buf.finish_train_step()
+    produce(buf, ["p2", "p3"], 1)
+    stamp = produce(buf, ["p4", "p5"], 1, leave=("p5",), dataloader_state=b"after-batch-2")
+    buf.reserve(weight_version=1, target_step=stamp, group_id="p5")
+    zombie = buf._reserved["p5"]  # the lease the worker generating p5 holds when the run dies
+    result = buf.save_checkpoint(dest, {"step": 1, "sampler_dispatch_index": buf.sampler.dispatch_index})
+    return {"zombie": zombie.to_dict(), "dispatch_index": buf.sampler.dispatch_index,
+            "checkpoint_id": result.checkpoint_id}
+
+
+def test_checkpoint_then_restore_in_a_fresh_process_selects_the_restored_groups(tmp_path: Any) -> None:
+    """One checkpoint per sampler; one fresh interpreter restores each and trains on."""
+    jobs = []
+    for name, sampler in SAMPLERS.items():
+        cfg = config(str(tmp_path / f"{name}-live.kv"), sampler)
+        dest = str(tmp_path / f"{name}-step1.kv")
+        with create_replay_buffer(cfg) as buf:
+            saved = _save_scenario(buf, dest)
+        jobs.append([{**cfg, "path": str(tmp_path / f"{name}-restored.kv")}, dest, saved])
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(jobs)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (name, out), (_, _, saved) in zip(seen.items(), jobs, strict=True):
+        stamped = name == "in_order"
+        assert out == {
+            "trainer_state": {"step": 1, "sampler_dispatch_index": saved["dispatch_index"]},
+            "checkpoint_id": saved["checkpoint_id"],
+            "resume_version": 1, "dispatch_index": 2 if name != "windowed" else -1,
+            "groups_complete_restored": 3, "groups_redispatched": 1,
+            "leases": [["p5", 2 if stamped else None, 1, 1]],
+            "dataloader_state": "after-batch-2", "evicted": 0, "step1": ["p2", "p3"], "zombie": "StaleAttempt",
+            "step2": ["p4", "p5"], "size_after": 0,
+        }, name
+    assert list(seen) == list(SAMPLERS)
+
+
+def _child(cfg: dict[str, Any], checkpoint_file: str, saved: dict[str, Any]) -> dict[str, Any]:
+    """The fresh process: restore, check the cursor, select what the trainer trains next."""
+    buf, plan = restore_replay_buffer(cfg, checkpoint_file)
+    with buf:
+        buf.sampler.restore_dispatch_index(plan.trainer_state["sampler_dispatch_index"])
+        try:
+            buf.sampler.restore_dispatch_index(saved["dispatch_index"] + 1)
+        except RecoveryError:
+            pass
+        else:
+            raise AssertionError("a skewed cursor was accepted")
+        out: dict[str, Any] = {
+            "trainer_state": plan.trainer_state, "checkpoint_id": plan.checkpoint_id,
+            "resume_version": plan.resume_version, "dispatch_index": buf.sampler.dispatch_index,
+            "groups_complete_restored": plan.groups_complete_restored,
+            "groups_redispatched": plan.groups_redispatched,
+            "leases": [[lease.group_id, lease.target_step, lease.start_weight, lease.attempt] for lease in plan.leases],
+            "dataloader_state": plan.dataloader_state.decode(),
+            "evicted": buf.sampler.evict(1)}
+        meta, _ = buf.sampler.select(1, 1, 2)
+        out["step1"] = list(meta.group_ids)
+        buf.finish_train_step()
+        lease = plan.leases[0]
+        buf.reserve(weight_version=lease.start_weight, target_step=lease.target_step, group_id=lease.group_id)
+        try:
+            buf.core.commit_group(Lease.from_dict(saved["zombie"]), make_group(2, 99))
+        except StaleAttempt as exc:
+            out["zombie"] = type(exc).__name__
+        commit(buf, lease.group_id, lease.start_weight, seed=3)
+        meta, _ = buf.sampler.select(2, 1, 2)
+        out["step2"] = list(meta.group_ids)
+        out["size_after"] = len(buf)
+    return out
+
+
+if __name__ == "__main__":
+    jobs = json.loads(sys.argv[1])
+    print(json.dumps({cfg["sampler"]["name"]: _child(cfg, dest, saved) for cfg, dest, saved in jobs}))
