@@ -6,11 +6,11 @@ thread pool, so the guarantees are exactly the synchronous ones (one durable wri
 per state transition, idempotent commit retries, fencing of stale leases) and the event loop never
 blocks on LMDB, fsync, row encoding or a checkpoint copy.
 
-The gate wait of :meth:`AsyncReplayBuffer.admit` happens on the loop, not in a pool thread: each
-try is a non-blocking admission (``timeout=0``), and between tries the coroutine sleeps until a
-write made through this facade completes (or ``poll_interval`` passes, to see writes made by
-other handles). Waiting admissions therefore hold no thread, and cannot starve the commits and
-``finish_step`` calls that open the gate.
+The gate wait of :meth:`AsyncReplayBuffer.admit` (and :meth:`AsyncReplayBuffer.advance_dispatch`)
+happens on the loop, not in a pool thread: each try is a non-blocking admission (``timeout=0``),
+and between tries the coroutine sleeps until a write made through this facade completes (or
+``poll_interval`` passes, to see writes made by other handles). Waiting admissions therefore hold
+no thread, and cannot starve the commits and ``finish_step`` calls that open the gate.
 
 .. note::
    Cancelling an awaited call does not cancel its transaction: a thread cannot be interrupted,
@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 from .buffer import Batch, BufferConfig, ReplayBuffer
 from .checkpoint import CheckpointHandle, CheckpointResult
 from .errors import BadArgument, GateTimeout
-from .records import CommitResult, GroupInfo, Lease, LedgerEntry, Prompt, Selection
+from .records import Admission, CommitResult, GroupInfo, Lease, LedgerEntry, Prompt, Selection
 from .recovery import RecoveryPlan
 
 T = TypeVar("T")
@@ -130,7 +130,8 @@ class AsyncReplayBuffer:
 
     # -- admission -------------------------------------------------------------------------------
     async def admit(self, prompts: Sequence[Prompt | int | Mapping[str, Any]], dataloader_state: bytes | None = None,
-                    *, timeout: float | None = None, weight_version: int | None = None) -> list[Lease]:
+                    *, timeout: float | None = None, weight_version: int | None = None,
+                    admission: Admission | None = None) -> list[Lease]:
         """Admit one dataloader batch (see :meth:`ReplayBuffer.admit`); the gate wait never
         blocks the loop or holds a pool thread.
 
@@ -138,13 +139,28 @@ class AsyncReplayBuffer:
             GateTimeout: the gate or capacity stayed closed for ``timeout`` seconds.
             CapacityError, BadArgument: as :meth:`ReplayBuffer.admit`, at once.
         """
+        return await self._when_open(self.buffer.admit, prompts, dataloader_state, timeout=timeout,
+                                     weight_version=weight_version, admission=admission)
+
+    async def advance_dispatch(self, dataloader_state: bytes | None = None, *,
+                               timeout: float | None = None) -> Admission:
+        """Make an admission without prompts yet (see :meth:`ReplayBuffer.advance_dispatch`); the
+        gate wait happens on the loop, as in :meth:`admit`.
+
+        Raises:
+            GateTimeout: the gate stayed closed for ``timeout`` seconds.
+        """
+        return await self._when_open(self.buffer.advance_dispatch, dataloader_state, timeout=timeout)
+
+    async def _when_open(self, fn: Callable[..., T], *args: Any, timeout: float | None, **kwargs: Any) -> T:
+        """Try ``fn(..., timeout=0)`` until the gate lets it through, sleeping on the loop between
+        tries until a write through this facade lands or ``poll_interval`` passes."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
             changed = self._change_event()
             try:
-                return await self._write(self.buffer.admit, prompts, dataloader_state, timeout=0,
-                                         weight_version=weight_version)
+                return await self._write(fn, *args, timeout=0, **kwargs)
             except GateTimeout as exc:
                 blocked = exc
             remaining = None if deadline is None else deadline - loop.time()
@@ -182,9 +198,18 @@ class AsyncReplayBuffer:
         """Close the current step (see :meth:`ReplayBuffer.finish_step`); wakes gated admissions."""
         return await self._write(self.buffer.finish_step, weight_version=weight_version)
 
-    async def evict(self) -> list[str]:
-        """Remove out-of-window ready groups (see :meth:`ReplayBuffer.evict`)."""
-        return await self._write(self.buffer.evict)
+    async def evict(self, group_ids: Iterable[str] | None = None) -> list[str]:
+        """Remove out-of-window (or the named) ready groups (see :meth:`ReplayBuffer.evict`)."""
+        return await self._write(self.buffer.evict, group_ids)
+
+    async def promote_ready_group(self, to_target_step: int) -> int | None:
+        """Re-stamp the latest-stamped ready group onto ``to_target_step`` (see
+        :meth:`ReplayBuffer.promote_ready_group`)."""
+        return await self._write(self.buffer.promote_ready_group, to_target_step)
+
+    async def redispatch(self, group_id: str, *, start_weight: int | None = None) -> Lease:
+        """Hand an in-flight prompt to a new attempt (see :meth:`ReplayBuffer.redispatch`)."""
+        return await self._write(self.buffer.redispatch, group_id, start_weight=start_weight)
 
     async def abort(self, group_id: str, reason: str) -> None:
         """Give up on an in-flight prompt (see :meth:`ReplayBuffer.abort`)."""
@@ -248,3 +273,7 @@ class AsyncReplayBuffer:
     async def batch_shortfall(self) -> dict[int, int]:
         """Prompts aborted per target step."""
         return await self._run(self.buffer.batch_shortfall)
+
+    async def count_for_target_step(self, step: int) -> int:
+        """In-flight plus ready groups stamped for ``step``."""
+        return await self._run(self.buffer.count_for_target_step, step)

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 from conftest import SCHEMA, make_group
 
-from kvckpt import BufferConfig, GateTimeout, Prompt, StaleAttempt, check, read_stamp, verify_path
+from kvckpt import BufferConfig, GateTimeout, Prompt, StaleAttempt, UnknownGroup, check, read_stamp, verify_path
 from kvckpt.aio import AsyncReplayBuffer
 
 
@@ -143,6 +143,33 @@ def test_stale_lease_is_refused_after_recover(tmp_path):
     assert leases == [("g0", 1), ("g1", 1)]
     assert (result.ready, result.replayed) == (True, False)
     assert (group.state, group.attempt) == ("ready", 1)
+
+
+def test_split_admission_redispatch_and_named_eviction(tmp_path):
+    async def scenario():
+        async with await AsyncReplayBuffer.create(str(tmp_path / "b.kv"), config()) as buf:
+            admission = await buf.advance_dispatch(b"dl-0")
+            [lease] = await buf.admit([Prompt(0, group_id="g0")], admission=admission)
+            await buf.admit([Prompt(1, group_id="g1")])  # dispatch_index 1: the gate is closed now
+            with pytest.raises(GateTimeout):
+                await buf.advance_dispatch(timeout=0.05)
+            fresh = await buf.redispatch("g0", start_weight=3)
+            with pytest.raises(StaleAttempt):
+                await buf.commit_group(lease, make_group(2, 0))
+            await buf.commit_group(fresh, make_group(2, 0))
+            evicted = await buf.evict(["g0"])
+            with pytest.raises(UnknownGroup):
+                await buf.redispatch("g0")
+            return (admission, lease, fresh, evicted, await buf.group("g0"), await buf.count_for_target_step(1),
+                    await buf.promote_ready_group(0))
+
+    admission, lease, fresh, evicted, group, pending_step1, lender = asyncio.run(scenario())
+    assert (admission.admission_id, admission.dispatch_index, admission.target_step) == ("a0", 0, 0)
+    assert (lease.admission_id, lease.target_step, lease.attempt) == ("a0", 0, 0)
+    assert (fresh.attempt, fresh.start_weight) == (1, 3)
+    assert evicted == ["g0"]
+    assert (group.state, group.rows_stored, group.reason) == ("evicted", False, "discarded by the caller")
+    assert (pending_step1, lender) == (1, None)
 
 
 def test_checkpoint_awaited_then_restored_in_a_fresh_process(tmp_path):
