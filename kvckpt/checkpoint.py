@@ -216,10 +216,12 @@ def read_stamp(path: str) -> dict[str, Any]:
 
 
 def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
-            max_buffered_rollouts: int | None = None, overwrite: bool = False) -> tuple[ReplayBuffer, RecoveryPlan]:
+            max_buffered_rollouts: int | None = None, overwrite: bool = False,
+            trusted: bool = False) -> tuple[ReplayBuffer, RecoveryPlan]:
     """Restore a checkpoint file into ``live_path`` and return the open buffer and its plan.
 
-    The checkpoint file is validated read-only first, then copied (temporary name, fsync,
+    The checkpoint file is validated read-only first (an untrusted file is structure-checked in
+    pure Python before liblmdb maps it, see :mod:`kvckpt.safe_open`), then copied (temporary name, fsync,
     rename), opened through a fresh handle and recovered at its stamped version (claims made
     after the stamp are undone, in-flight prompts are fenced and planned for redispatch).
 
@@ -229,6 +231,9 @@ def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
         sampler, max_buffered_rollouts: restore under another sampler or capacity (reported in
             ``plan.changes``).
         overwrite: replace an existing live store (it must not be open for writing).
+        trusted: skip the structural check and the row-payload pass (only for files this
+            process's own :func:`checkpoint` wrote and nothing else touched: a damaged file can
+            then crash the process). Defaults to False.
 
     Raises:
         FormatError / CorruptRecord / RecoveryError: the file is not a valid checkpoint; the live
@@ -236,11 +241,14 @@ def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
         StoreLocked: the live store is open for writing elsewhere.
     """
     from .buffer import ReplayBuffer
+    from .safe_open import check_structure
     from .verify import verify_path
 
     t0 = time.perf_counter()
+    if not trusted:
+        check_structure(checkpoint_file)
     stamp = read_stamp(checkpoint_file)
-    report = verify_path(checkpoint_file)
+    report = verify_path(checkpoint_file, deep=not trusted)
     if not report.ok:
         shown = "; ".join(str(p) for p in report.problems[:10])
         raise RecoveryError(f"checkpoint {checkpoint_file!r} failed verification: {shown}")

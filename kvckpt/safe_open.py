@@ -1,0 +1,124 @@
+"""How kvckpt opens a file it did not write itself: check the bytes before liblmdb maps them.
+
+A checkpoint is untrusted input. liblmdb trusts the pages it maps: a damaged or crafted file can
+make it read out of bounds (SIGSEGV/SIGBUS, which no ``try`` catches) or loop. So before the C
+engine sees an untrusted file, :func:`check_structure` runs two pure-Python passes that read the
+file with ``seek``/``read`` only (never ``mmap``), so no input can crash or hang them:
+
+1. kvckpt's header check: LMDB magic, data format 1, a sane page size, both meta pages, and a
+   file long enough for the committed last page (a truncated file would SIGBUS the engine);
+2. py-lmdb's offline verifier (``lmdb.verify``): every reachable page is parsed and bounds-checked,
+   reachable exactly once, keys are in order, the counters match, and the free and live pages
+   exactly cover the file.
+
+A file that passes is safe to open through liblmdb; :func:`kvckpt.verify.check` (``deep=True``)
+then checks every record's checksum and every kvckpt invariant. :func:`kvckpt.checkpoint.restore`
+does both unless told ``trusted=True``. :func:`verify_untrusted` runs the whole sequence, in a
+child process with a timeout when asked, for tools that must survive anything.
+
+Limit: a check is a statement about the bytes at that moment. Verify files nobody else writes
+(a checkpoint is immutable once renamed; :func:`kvckpt.checkpoint.restore` copies it first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from lmdb import verify as lmdb_verify
+
+from .errors import FormatError, KvckptError, StoreNotFound
+from .store import _check_lmdb_header
+from .verify import Report, verify_path
+
+#: At most this many structural findings are quoted in an error message.
+SHOWN_PROBLEMS = 5
+
+
+def check_structure(path: str | os.PathLike[str]) -> None:
+    """Raise unless ``path`` is a structurally sound, complete LMDB format-1 data file.
+
+    Pure Python: nothing in ``path`` can crash or hang the calling process. Cost: one read of
+    every live page (about 0.1 s per 100 MB here, see ``docs/reliability.md``).
+
+    Raises:
+        StoreNotFound: no file at ``path``.
+        FormatError: not an LMDB file, another data format, truncated, or damaged (the message
+            quotes the verifier's first findings).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise StoreNotFound(f"no checkpoint file at {path!r}")
+    _check_lmdb_header(path)
+    try:
+        problems = lmdb_verify.verify(path, subdir=False)
+    except lmdb_verify.VerifyError as exc:
+        raise FormatError(f"{path!r} is not a sound LMDB file: {exc}") from None
+    except (OSError, ValueError, IndexError, KeyError, OverflowError, MemoryError, RecursionError) as exc:
+        raise FormatError(f"{path!r} could not be parsed as an LMDB file ({type(exc).__name__}: {exc}); "
+                          "it is damaged") from None
+    if problems:
+        shown = "; ".join(problems[:SHOWN_PROBLEMS])
+        more = f" (and {len(problems) - SHOWN_PROBLEMS} more)" if len(problems) > SHOWN_PROBLEMS else ""
+        raise FormatError(f"{path!r} failed LMDB structural verification: {shown}{more}. The file is damaged; "
+                          "use another checkpoint")
+
+
+def verify_untrusted(path: str | os.PathLike[str], *, deep: bool = True, timeout: float | None = None) -> Report:
+    """Structural check, then the kvckpt verifier; never raises for a bad file, returns a Report.
+
+    Args:
+        path: the file to check (opened read-only, no lock file).
+        deep: also decode every row payload. Defaults to True.
+        timeout: run everything in a child process (``python -m kvckpt.safe_open``) killed after
+            this many seconds; a crash or timeout of the child is reported as a problem. Defaults
+            to None: run in this process.
+    """
+    path = os.fspath(path)
+    if timeout is not None:
+        return _verify_in_child(path, deep, timeout)
+    try:
+        check_structure(path)
+    except KvckptError as exc:
+        report = Report()
+        report.add("structure", path, str(exc))
+        return report
+    return verify_path(path, deep=deep)
+
+
+def _verify_in_child(path: str, deep: bool, timeout: float) -> Report:
+    cmd = [sys.executable, "-m", "kvckpt.safe_open", path] + ([] if deep else ["--shallow"])
+    report = Report()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        report.add("timeout", path, f"verification did not finish within {timeout}s; treat the file as damaged")
+        return report
+    try:
+        doc = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        report.add("crash", path, f"the verifier process died (exit status {proc.returncode}): "
+                                  f"{proc.stderr.strip()[-500:]}")
+        return report
+    report.counts.update(doc["counts"])
+    for problem in doc["problems"]:
+        report.add(problem["code"], problem["key"], problem["message"])
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvckpt.safe_open PATH [--shallow]``: print the report as JSON; exit 1 if not ok."""
+    args = sys.argv[1:] if argv is None else argv
+    paths = [a for a in args if not a.startswith("--")]
+    if len(paths) != 1:
+        print("usage: python -m kvckpt.safe_open PATH [--shallow]", file=sys.stderr)
+        return 2
+    report = verify_untrusted(paths[0], deep="--shallow" not in args)
+    print(json.dumps(report.to_dict()))
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The crash campaign: SIGKILL a live workload again and again; every acknowledged operation stays.
+
+The 200-kill run is the CI proof (``python -m kvckpt.campaign --kills 5000`` is the soak); the other
+tests show the checker can fail, that a torn log line is cut, and what a trainer does next after a
+kill, in a fresh process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from kvckpt import Prompt, ReplayBuffer
+from kvckpt.campaign import (
+    SAMPLERS,
+    OpLog,
+    check_history,
+    holdings,
+    make_row,
+    read_log,
+    run_crash_campaign,
+    workload_config,
+)
+
+
+def test_200_kills_break_no_promise(tmp_path: Path) -> None:
+    result = run_crash_campaign(200, seed=1, directory=str(tmp_path))
+    assert result.violations == []
+    assert result.kills == 200
+    assert result.operations_checked > 2 * result.kills
+    assert 100 < result.recoveries < 200  # the parent recovers after about 70% of the kills
+    assert result.checkpoints_restored > 0 and result.checkpoints_verified >= result.checkpoints_restored
+
+
+def test_the_history_check_catches_every_kind_of_lie(tmp_path: Path) -> None:
+    with ReplayBuffer.create(str(tmp_path / "live.kv"), workload_config(SAMPLERS[2])) as buf:
+        leases = buf.admit([Prompt(0), Prompt(1)], dataloader_state=b"2")
+        buf.commit_group(leases[0], [make_row(leases[0].group_id, i) for i in range(4)])
+        buf.commit_sample(leases[1], 0, make_row(leases[1].group_id, 0))
+        digest = buf.group("a0-p0").digest
+        truth = [{"op": "admit", "gids": ["a0-p0", "a0-p1"], "idx": [0, 1], "cursor": 2},
+                 {"op": "commit", "gid": "a0-p0", "index": None, "ready": True, "digest": digest},
+                 {"op": "commit", "gid": "a0-p1", "index": 0, "ready": False, "digest": None}]
+        assert check_history(truth, holdings(buf)) == []
+        lies = [{"op": "admit", "gids": ["a9-p0"], "idx": [9], "cursor": 10},
+                {"op": "commit", "gid": "a0-p0", "index": None, "ready": True, "digest": "0" * 16},
+                {"op": "commit", "gid": "a0-p1", "index": 1, "ready": False, "digest": None},
+                {"op": "evict", "gids": ["a0-p0"]},
+                {"op": "abort", "gid": "a0-p1"},
+                {"op": "finish", "version": 1},
+                {"op": "violation", "what": "checkpoint failed"}]
+        found = check_history(lies, holdings(buf))
+    assert [f.split(" ")[0:3] for f in found] == [
+        ["admitted", "prompt", "9"], ["dataloader", "cursor", "2"], ["acknowledged", "commit", "of"],
+        ["acknowledged", "sample", "a0-p1_g1"], ["acknowledged", "eviction", "of"], ["acknowledged", "abort", "of"],
+        ["trainer_version", "0", "is"], ["the", "workload", "reported:"]]
+
+
+def test_a_torn_last_log_line_is_cut_off(tmp_path: Path) -> None:
+    path = str(tmp_path / "ops.jsonl")
+    log = OpLog(path)
+    log.append(op="finish", version=1)
+    with open(path, "ab") as f:
+        f.write(b'{"op":"fin')
+    assert read_log(path) == [{"op": "finish", "version": 1}]
+    log.append(op="finish", version=2)
+    assert read_log(path) == [{"op": "finish", "version": 1}, {"op": "finish", "version": 2}]
+
+
+def test_after_the_kills_a_fresh_trainer_redispatches_once_and_selects_everything(tmp_path: Path) -> None:
+    result = run_crash_campaign(3, seed=3, chain=3, directory=str(tmp_path))  # seed 3: ready_first
+    assert result.violations == []
+    store = tmp_path / "chain-00000" / "live.kv"
+    code = textwrap.dedent(f"""
+        import json
+        from kvckpt import ReplayBuffer
+        from kvckpt.campaign import make_row
+        buf = ReplayBuffer.open({str(store)!r})
+        assert buf.sampler.name == "ready_first"
+        plan = buf.recover()
+        for lease in plan.leases:
+            buf.commit_group(lease, {{i: make_row(lease.group_id, i) for i in lease.missing}})
+        version = buf.trainer_version
+        expected = [g.group_id for g in buf.groups(["ready"]) if g.start_weight <= version]
+        print(json.dumps({{"leases": [lease.group_id for lease in plan.leases], "ledger": len(buf.ledger()),
+                          "expected": expected, "selected": buf.select(1, 10_000).group_ids,
+                          "prompts": sorted(g.prompt_idx for g in buf.groups()),
+                          "cursor": int(buf.dataloader_state() or b"0")}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert len(out["leases"]) == len(set(out["leases"]))
+    assert out["ledger"] == 0
+    assert set(out["leases"]) <= set(out["expected"])
+    assert out["selected"] == out["expected"] and out["selected"]
+    assert out["prompts"] == list(range(out["cursor"]))
+
+
+def test_command_line_prints_the_summary(tmp_path: Path) -> None:
+    kill = subprocess.run([sys.executable, "-m", "kvckpt.campaign", "--kills", "2", "--dir", str(tmp_path / "k")],
+                          capture_output=True, text=True, timeout=300)
+    assert kill.returncode == 0, kill.stderr
+    assert kill.stdout.startswith("crash campaign: kills 2, operations checked ")
+    assert "violations found 0" in kill.stdout
+    fuzz = subprocess.run([sys.executable, "-m", "kvckpt.campaign", "fuzz", "--cases", "10", "--workers", "1", "--dir",
+                           str(tmp_path / "f")], capture_output=True, text=True, timeout=300)
+    assert fuzz.returncode == 0, fuzz.stderr
+    assert fuzz.stdout.startswith("fuzz: cases 10, corruptions detected ")
+    assert "violations found 0" in fuzz.stdout
