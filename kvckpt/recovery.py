@@ -194,26 +194,27 @@ def _switch_config(buffer: ReplayBuffer, txn: Txn, st: dict[str, Any], config: A
     if old.max_buffered_rollouts != config.max_buffered_rollouts:
         changes.append(f"max_buffered_rollouts {old.max_buffered_rollouts} -> {config.max_buffered_rollouts}")
     if config.sampler.stamps_target_step:
+        # Unstamped ready and in-flight groups get consecutive steps in dispatch order,
+        # groups_per_step each: a step stamped with more groups than it trains would leave the
+        # surplus behind the cursor, where the first evict discards generated work.
         ready = [g for g in buffer._resolve(txn, (v.decode() for _, v in txn.iter_prefix("index", keys.READY_BY_SEQ)))
                  if g.target_step is None]
-        for i, group in enumerate(ready):
+        inflight = [e for e in (buffer._entry(txn, k.decode()) for k, _ in txn.iter_prefix("ledger", b""))
+                    if e.target_step is None]
+        order = sorted([*ready, *inflight], key=lambda record: record.seq)
+        steps = {record.group_id: version + i // config.groups_per_step for i, record in enumerate(order)}
+        for group in ready:
             buffer._ready_index(txn, group, add=False)
-            group = GroupInfo.from_dict({**group.to_dict(), "target_step": version + i // config.groups_per_step})
+            group = GroupInfo.from_dict({**group.to_dict(), "target_step": steps[group.group_id]})
             buffer._put_group(txn, group)
             buffer._ready_index(txn, group, add=True)
-            st["dispatch_index"] = max(st["dispatch_index"], group.target_step)
-        if ready:
-            changes.append(f"stamped {len(ready)} ready groups with target steps {version}.."
-                           f"{version + (len(ready) - 1) // config.groups_per_step}")
-        unstamped = [k for k, v in txn.iter_prefix("ledger", b"")
-                     if buffer._entry(txn, k.decode()).target_step is None]
-        for key in unstamped:
-            entry = buffer._entry(txn, key.decode())
-            step = max(version, st["dispatch_index"])
-            buffer._put_entry(txn, LedgerEntry.from_dict({**entry.to_dict(), "target_step": step}))
-            st["dispatch_index"] = step
-        if unstamped:
-            changes.append(f"stamped {len(unstamped)} in-flight prompts with target step {st['dispatch_index']}")
+        for entry in inflight:
+            buffer._put_entry(txn, LedgerEntry.from_dict({**entry.to_dict(), "target_step": steps[entry.group_id]}))
+        if order:
+            last = version + (len(order) - 1) // config.groups_per_step
+            st["dispatch_index"] = max(st["dispatch_index"], last)
+            changes.append(f"stamped {len(ready)} ready groups and {len(inflight)} in-flight prompts with target "
+                           f"steps {version}..{last} ({config.groups_per_step} per step, in dispatch order)")
     if config.sampler.gate_window is not None and st["dispatch_index"] < version - 1:
         changes.append(f"dispatch_index {st['dispatch_index']} -> {version - 1} (gated sampler)")
         st["dispatch_index"] = version - 1

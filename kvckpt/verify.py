@@ -10,7 +10,19 @@ with the key it concerns. It never repairs anything. What it checks:
   a ledger entry's stored siblings are exactly its recorded progress; no row belongs to nobody;
 * index <-> data agreement in both directions (ready, pending, claimed, consumed indexes);
 * counters in ``meta/state`` equal the real counts; sequence numbers are unique and below the
-  allocator; the dispatch cursor is not behind the largest stamped ``target_step``.
+  allocator; the dispatch cursor is not behind the largest stamped ``target_step``;
+* accounting: every allocated sequence number belongs to exactly one group record or ledger
+  entry (no prompt that left the dataloader is lost), and the admitted, committed, evicted and
+  aborted counters and the shortfall map equal what the records say;
+* states: ready and claimed groups keep their rows, evicted and aborted ones do not; claims
+  belong to the current step and consumption to earlier ones; ready groups fit the capacity;
+  every ledger entry is in a known phase and its recorded digests name exactly its siblings;
+* every ``meta`` record passes its checksum and no unknown ``meta`` key exists; every row key
+  has the ``{group}\\0{index}`` shape; with ``deep=True`` each group's digest (and each ledger
+  sibling's) equals the digest of the stored row bytes.
+
+A record that passes its checksum but lacks a field the checks need is reported as
+``malformed`` instead of raising.
 
 Cost: one pass over the keys of every table and a JSON decode per group and ledger entry (about
 a second per 100,000 groups here); ``deep`` also reads and decompresses every row payload.
@@ -23,9 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import codec, keys
+from .buffer import CHECKPOINT_KEY, CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STATE_KEY, ReplayBuffer
 from .errors import CorruptRecord, KvckptError
-from .records import CLAIMED, CONSUMED, GROUP_STATES, READY
+from .records import ABORTED, CLAIMED, CONSUMED, EVICTED, GROUP_STATES, PHASE_ADMITTED, READY
 from .schema import RowSchema
+
+#: Every key the ``meta`` table may hold; anything else is a damaged key (or a newer kvckpt).
+KNOWN_META_KEYS = frozenset({b"format", CONFIG_KEY, STATE_KEY, DATALOADER_KEY, SHORTFALL_KEY, CHECKPOINT_KEY})
 
 
 @dataclass(frozen=True)
@@ -87,15 +103,37 @@ def check(txn: Any, *, deep: bool = False, progress: Callable[[int], None] | Non
         progress: called with the number of rows checked so far (for progress bars).
     """
     report = Report()
-    try:
-        config = txn.get_json("meta", b"config")
-        state = txn.get_json("meta", b"state")
-    except CorruptRecord as exc:
-        report.add("corrupt-record", exc.key, exc.reason)
-        return report
+    meta = _decode_meta_table(txn, report)
+    config, state = meta.get(CONFIG_KEY), meta.get(STATE_KEY)
     if config is None or state is None:
-        report.add("missing-meta", "meta", "meta/config or meta/state is missing: not a replay buffer store")
+        if not report.problems:
+            report.add("missing-meta", "meta", "meta/config or meta/state is missing: not a replay buffer store")
         return report
+    try:
+        _check_snapshot(txn, report, config, state, meta.get(SHORTFALL_KEY) or {}, deep, progress)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        report.add("malformed", "?", f"a record passes its checksum but lacks a field or has a wrong type "
+                                     f"({type(exc).__name__}: {exc}); the store was not written by kvckpt")
+    return report
+
+
+def _decode_meta_table(txn: Any, report: Report) -> dict[bytes, dict[str, Any]]:
+    """Every ``meta`` record, checksum-verified; unknown keys and corrupt records are reported."""
+    docs = {}
+    for key, value in txn.iter_prefix("meta", b""):
+        name = f"meta/{key.decode(errors='replace')}"
+        if key not in KNOWN_META_KEYS:
+            report.add("unknown-meta", name, "unknown meta key (damaged, or written by a newer kvckpt)")
+            continue
+        try:
+            docs[key] = codec.decode_meta(value, name)
+        except CorruptRecord as exc:
+            report.add("corrupt-record", exc.key, exc.reason)
+    return docs
+
+
+def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dict[str, Any],
+                    shortfall: dict[str, int], deep: bool, progress: Callable[[int], None] | None) -> None:
     n = config["group_size"]
     schema = RowSchema.from_dict(config["schema"])
     groups = _decode_table(txn, "groups", report)
@@ -106,13 +144,18 @@ def check(txn: Any, *, deep: bool = False, progress: Callable[[int], None] | Non
         report.add("double-owner", gid, "prompt is both a committed group and a ledger entry")
 
     rows: dict[str, set[int]] = {}
+    digests: dict[tuple[str, int], str] = {}
     row_count = 0
     for key, value in txn.iter_prefix("rows", b""):
         gid, index = key[:-5].decode(errors="replace"), int.from_bytes(key[-4:], "big")
-        rows.setdefault(gid, set()).add(index)
         row_count += 1
+        if len(key) < 6 or key[-5] != 0:
+            report.add("row-key", key.hex(), "row key is not {group id}\\0{4-byte index}")
+            continue
+        rows.setdefault(gid, set()).add(index)
         if deep:
             _check_row(value, gid, index, schema, report)
+            digests[gid, index] = ReplayBuffer._digest(value)
             if progress is not None:
                 progress(row_count)
     report.counts["rows"] = row_count
@@ -134,8 +177,12 @@ def check(txn: Any, *, deep: bool = False, progress: Callable[[int], None] | Non
         if doc.get("rows_stored"):
             if stored != set(range(n)):
                 report.add("row-set", gid, f"stored rows {sorted(stored)} != 0..{n - 1}")
+            elif deep and doc["digest"] != ReplayBuffer._digest(
+                    "".join(digests[gid, i] for i in range(n)).encode()):
+                report.add("digest", gid, f"digest {doc['digest']!r} does not match the stored rows")
         elif stored:
             report.add("row-set", gid, f"{len(stored)} rows stored for a group marked rows_stored=false")
+        _check_group_state(doc, gid, state["trainer_version"], report)
         seq = doc["seq"]
         if state_name == READY:
             expected_index[keys.index_key(keys.READY_BY_SEQ, None, seq)] = gid
@@ -156,6 +203,15 @@ def check(txn: Any, *, deep: bool = False, progress: Callable[[int], None] | Non
         stored = rows.pop(gid, set())
         if stored != set(doc.get("siblings", ())):
             report.add("row-set", gid, f"stored siblings {sorted(stored)} != recorded {doc.get('siblings')}")
+        if set(doc["digests"]) != {str(i) for i in doc["siblings"]}:
+            report.add("digest", gid, f"digests of rows {sorted(doc['digests'])} recorded for siblings "
+                                      f"{doc['siblings']}")
+        elif deep:
+            for i in sorted(stored & set(doc["siblings"])):
+                if doc["digests"][str(i)] != digests[gid, i]:
+                    report.add("digest", keys.row_id(gid, i), "row bytes do not match the recorded digest")
+        if doc.get("phase") != PHASE_ADMITTED:
+            report.add("phase", gid, f"unknown ledger phase {doc.get('phase')!r}")
         expected_index[keys.index_key(keys.PENDING_BY_WEIGHT, doc["start_weight"], doc["seq"])] = gid
         if doc.get("target_step") is not None:
             max_target = max(max_target, doc["target_step"])
@@ -176,8 +232,44 @@ def check(txn: Any, *, deep: bool = False, progress: Callable[[int], None] | Non
     if config["sampler"].get("name") == "in_order" and max_target > state["dispatch_index"]:
         report.add("cursor", "meta/state.dispatch_index",
                    f"dispatch_index {state['dispatch_index']} is behind the largest target_step {max_target}")
+    if by_state[READY] > config["max_buffered_rollouts"]:
+        report.add("capacity", "meta/config.max_buffered_rollouts",
+                   f"{by_state[READY]} ready groups exceed the capacity {config['max_buffered_rollouts']}")
+    _check_accounting(groups, ledger, state, shortfall, by_state, report)
     report.counts.update({f"groups_{k}": v for k, v in by_state.items()})
-    return report
+
+
+def _check_group_state(doc: dict[str, Any], gid: str, version: int, report: Report) -> None:
+    """Rows present exactly in the states that keep them; claims and consumption at the right steps."""
+    state_name = doc["state"]
+    if state_name in (READY, CLAIMED) and not doc["rows_stored"]:
+        report.add("rows-state", gid, f"a {state_name} group must keep its rows (rows_stored=false)")
+    if state_name in (EVICTED, ABORTED) and doc["rows_stored"]:
+        report.add("rows-state", gid, f"an {state_name} group must not keep rows (rows_stored=true)")
+    if state_name == CLAIMED and doc["claimed_step"] != version:
+        report.add("step", gid, f"claimed by step {doc['claimed_step']}, the current step is {version}")
+    if state_name == CONSUMED and not doc["consumed_step"] < version:
+        report.add("step", gid, f"consumed by step {doc['consumed_step']}, not before the current step {version}")
+
+
+def _check_accounting(groups: dict[str, dict[str, Any]], ledger: dict[str, dict[str, Any]], state: dict[str, Any],
+                      shortfall: dict[str, int], by_state: dict[str, int], report: Report) -> None:
+    """Every admitted prompt is exactly one record; counters and the shortfall map match the records."""
+    allocated, counters = state["seq"], state["counters"]
+    if len(groups) + len(ledger) != allocated:
+        report.add("accounting", "meta/state.seq", f"{allocated} prompts were admitted but {len(groups)} groups + "
+                                                   f"{len(ledger)} ledger entries account for them")
+    committed = by_state[READY] + by_state[CLAIMED] + by_state[CONSUMED] + by_state[EVICTED]
+    for name, real in (("admitted", allocated), ("committed", committed), ("evicted", by_state[EVICTED]),
+                       ("aborted", by_state[ABORTED])):
+        if counters[name] != real:
+            report.add("counter", f"meta/state.counters.{name}", f"says {counters[name]}, the records hold {real}")
+    short: dict[str, int] = {}
+    for doc in groups.values():
+        if doc.get("state") == ABORTED and doc["target_step"] is not None:
+            short[str(doc["target_step"])] = short.get(str(doc["target_step"]), 0) + 1
+    if short != shortfall:
+        report.add("shortfall", "meta/shortfall", f"records {shortfall}, the aborted groups say {short}")
 
 
 def _check_seq(doc: dict[str, Any], gid: str, seqs: dict[int, str], allocated: int, report: Report) -> None:
@@ -200,8 +292,10 @@ def _check_row(value: bytes, gid: str, index: int, schema: RowSchema, report: Re
     if record.meta.get("group_id") != gid or record.meta.get("index") != index:
         report.add("key-mismatch", key, f"payload says group {record.meta.get('group_id')!r} "
                                         f"row {record.meta.get('index')!r}")
+    # bfloat16 fields are stored as uint16; only torch can name their dtype, so only they need it.
+    row = record.tensors() if "bfloat16" in record.dtypes.values() else record.arrays
     try:
-        schema.validate(dict(record.tensors()), key)
+        schema.validate(row, key)
     except KvckptError as exc:
         report.add("schema", key, str(exc))
 
