@@ -322,7 +322,7 @@ def suite(tmp_path_factory):
     for name, path in forge(root, base).items():
         add(("forged", name), ckpt=path)
     windowed = next(c for c in cuts["windowed"] if c["label"] == "commit-completes-step-1")
-    add(("switch", "windowed->in_order"), ckpt=windowed["ckpt"], probe=True, train=True,
+    add(("switch", "windowed->in_order"), ckpt=windowed["ckpt"], probe=True, complete=True, evict=True, train=True,
         sampler={"name": "in_order", "max_lookahead_versions": 1})
     add(("switch", "in_order->ready_first"), ckpt=base, train=True, complete=True,
         sampler={"name": "ready_first", "max_staleness_versions": 1})
@@ -439,14 +439,15 @@ def test_restore_under_another_sampler_restamps_and_reports(suite):
     assert got["plan"]["changes"] == [
         "sampler {'name': 'windowed', 'max_staleness_versions': 1, 'sample_freshest_first': False} -> "
         "{'name': 'in_order', 'max_lookahead_versions': 1}",
-        "stamped 2 ready groups with target steps 1..1",
-        "stamped 4 in-flight prompts with target step 1"]
+        "stamped 2 ready groups and 4 in-flight prompts with target steps 1..2 (3 per step, in dispatch order)"]
     ready = {gid: doc["target_step"] for gid, doc in got["groups"].items() if doc["state"] == "ready"}
     assert ready == {"g03": 1, "g05": 1}
     assert {lease["group_id"]: lease["target_step"] for lease in got["leases"]} == {
-        "g06": 1, "g07": 1, "g08": 1, "g09": 1}
-    assert got["state"]["dispatch_index"] == 1 and got["probe"] == 2
-    assert [step["gids"] for step in got["steps"]] == [["g03", "g05"]]
+        "g06": 1, "g07": 2, "g08": 2, "g09": 2}
+    assert got["state"]["dispatch_index"] == 2 and got["probe"] == "GateTimeout"  # 2 >= version 1 + lookahead 1
+    # every generated group is trained, none stranded behind the cursor and evicted
+    assert got["evicted"] == []
+    assert [step["gids"] for step in got["steps"]] == [["g03", "g05", "g06"], ["g07", "g08", "g09"]]
     assert got["verify"] == []
     other = restored(suite, ("switch", "in_order->ready_first"))
     assert other["plan"]["changes"] == ["sampler {'name': 'in_order', 'max_lookahead_versions': 1} -> "
