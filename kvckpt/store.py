@@ -295,6 +295,8 @@ class Store:
             txn = self.env.begin()
             try:
                 yield Txn(txn, self.dbs, False)
+            except lmdb.Error as exc:  # a damaged page met while reading
+                raise _translate(exc, f"reading {self.path!r} failed") from None
             finally:
                 txn.abort()
 

@@ -304,17 +304,21 @@ def verify_path(path: str, *, deep: bool = False, progress: Callable[[int], None
     """Open ``path`` read-only (no lock file unless a writer holds it) and :func:`check` it.
 
     A file that cannot be opened at all yields a report with one ``open`` problem instead of an
-    exception.
+    exception, and one whose pages LMDB finds damaged while reading a ``read`` problem. This opens
+    the file through liblmdb: check an untrusted file with :func:`kvckpt.safe_open.verify_untrusted`.
     """
     from .store import Store
 
+    report = Report()
     try:
         store = Store(path, readonly=True)
     except KvckptError as exc:
-        report = Report()
         report.add("open", path, str(exc))
         return report
     try:
         return store.read(lambda txn: check(txn, deep=deep, progress=progress))
+    except KvckptError as exc:
+        report.add("read", path, str(exc))
+        return report
     finally:
         store.close()
