@@ -15,7 +15,8 @@ with the key it concerns. It never repairs anything. What it checks:
   entry (no prompt that left the dataloader is lost), and the admitted, committed, evicted and
   aborted counters and the shortfall map equal what the records say;
 * states: ready and claimed groups keep their rows, evicted and aborted ones do not; claims
-  belong to the current step and consumption to earlier ones; ready groups fit the capacity;
+  belong to the current step and consumption to earlier ones (more ready groups than the
+  capacity is not a finding: a rollback legitimately returns them, and admission waits);
   every ledger entry is in a known phase and its recorded digests name exactly its siblings;
 * every ``meta`` record passes its checksum and no unknown ``meta`` key exists; every row key
   has the ``{group}\\0{index}`` shape; with ``deep=True`` each group's digest (and each ledger
@@ -232,9 +233,6 @@ def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dic
     if config["sampler"].get("name") == "in_order" and max_target > state["dispatch_index"]:
         report.add("cursor", "meta/state.dispatch_index",
                    f"dispatch_index {state['dispatch_index']} is behind the largest target_step {max_target}")
-    if by_state[READY] > config["max_buffered_rollouts"]:
-        report.add("capacity", "meta/config.max_buffered_rollouts",
-                   f"{by_state[READY]} ready groups exceed the capacity {config['max_buffered_rollouts']}")
     _check_accounting(groups, ledger, state, shortfall, by_state, report)
     report.counts.update({f"groups_{k}": v for k, v in by_state.items()})
 

@@ -110,9 +110,6 @@ TAMPERING: dict[str, tuple[Callable[[Txn], None], bool, set[str]]] = {
     "a prompt neither a group nor in the ledger": (_drop_group, False, {"accounting", "counter"}),
     "shortfall the aborts do not explain": (lambda t: t.put_json("meta", b"shortfall", {"3": 1}), False,
                                             {"shortfall"}),
-    "more ready groups than the capacity": (
-        lambda t: t.put_json("meta", b"config", {**t.get_json("meta", b"config"), "max_buffered_rollouts": 1}),
-        False, {"capacity"}),
     "record with a valid checksum but a missing field": (_drop_field, False, {"malformed"}),
 }
 
