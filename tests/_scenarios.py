@@ -678,20 +678,21 @@ def recover_again(store: str, resume: int, ckpt: str, restored: str) -> dict[str
 
 
 def main(argv: list[str]) -> None:
-    """Child entry points: ``jobs MANIFEST``, ``live-workload STORE LOG DIR``,
-    ``live-recover STORE RESUME TOO_OLD ZOMBIES_JSON``, ``recover-again STORE RESUME CKPT RESTORED``."""
+    """Child entry points: ``jobs MANIFEST``, ``live-workload STORE LOG DIR``, and
+    ``live-recover STORE RESUME TOO_OLD ZOMBIES_JSON STORE2 RESUME2`` (``STORE2`` goes through
+    :func:`recover_again`)."""
     if argv[0] == "jobs":
         with open(argv[1]) as f:
             jobs = json.load(f)
         json.dump([run_job(job) for job in jobs], sys.stdout)
     elif argv[0] == "live-workload":
         live_workload(*argv[1:4])
-    elif argv[0] == "recover-again":
-        json.dump(recover_again(argv[1], int(argv[2]), argv[3], argv[4]), sys.stdout)
     elif argv[0] == "live-recover":
         with open(argv[4]) as f:
             zombies = json.load(f)
-        json.dump(live_recover(argv[1], int(argv[2]), int(argv[3]), zombies), sys.stdout)
+        out = live_recover(argv[1], int(argv[2]), int(argv[3]), zombies)
+        out["recover_again"] = recover_again(argv[5], int(argv[6]), f"{argv[5]}.kvckpt", f"{argv[5]}.restored")
+        json.dump(out, sys.stdout)
     else:
         raise SystemExit(f"unknown command {argv[0]!r}")
 

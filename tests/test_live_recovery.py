@@ -41,9 +41,12 @@ def crash(tmp_path_factory):
     zombies = [lease for op in ops if op["op"] == "admit" for lease in op["leases"] if lease["target_step"] == 7]
     with open(root / "zombies.json", "w") as f:
         json.dump(zombies, f)
+    over_capacity = str(root / "over-capacity.kv")  # see test_a_second_crash_after_a_rollback_over_capacity_...
+    with new_buffer(over_capacity, "in_order", lag=1, capacity=6) as buf:
+        Driver(buf).warmup(4)  # steps 0..3 trained on 12 groups; trainer version 4
     recovering = subprocess.run([sys.executable, HERE, "live-recover", store, str(LIVE_K), str(DROP_FLOOR - 1),
-                                 str(root / "zombies.json")], capture_output=True, text=True, timeout=120,
-                                env=CHILD_ENV)
+                                 str(root / "zombies.json"), over_capacity, "1"], capture_output=True, text=True,
+                                timeout=120, env=CHILD_ENV)
     assert recovering.returncode == 0, recovering.stderr[-4000:]
     return writer, ops, json.loads(recovering.stdout)
 
@@ -140,17 +143,11 @@ def test_consumption_is_soft_until_durable_checkpoints_cover_it(crash):
             assert got["after"][gid] == ["consumed", step >= DROP_FLOOR], gid
 
 
-def test_a_second_crash_after_a_rollback_over_capacity_is_recoverable(tmp_path):
-    # Rolling back returns every group trained since the resume point to ready, which may exceed
-    # the capacity (admission then waits until training drains them). A crash before that happens,
+def test_a_second_crash_after_a_rollback_over_capacity_is_recoverable(crash):
+    # Rolling back to version 1 returns the 9 groups trained in steps 1..3 to ready, more than the
+    # capacity of 6 (admission then waits until training drains them). A crash before that happens,
     # or a checkpoint taken meanwhile, must still recover: that state is legitimate, not damage.
-    store = str(tmp_path / "live.kv")
-    with new_buffer(store, "in_order", lag=1, capacity=6) as buf:
-        Driver(buf).warmup(4)  # steps 0..3 trained on 12 groups; trainer version 4
-    proc = subprocess.run([sys.executable, HERE, "recover-again", store, "1", str(tmp_path / "v1.kvckpt"),
-                           str(tmp_path / "restored.kv")], capture_output=True, text=True, timeout=120, env=CHILD_ENV)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(proc.stdout)
+    got = crash[2]["recover_again"]
     over = ["9 ready groups exceed max_buffered_rollouts 6: admission waits until training drains them"]
     assert got["first"] == {"changes": over, "ready": 9, "verify": []}
     assert got["second"] == {"changes": over, "ready": 9, "verify": []}
