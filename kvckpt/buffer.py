@@ -440,6 +440,16 @@ class ReplayBuffer:
                               f"past the store's dispatch_index {st['dispatch_index']}")
 
     @staticmethod
+    def _free_id(txn: Txn, gid: str) -> str:
+        """``gid``, or ``gid.N`` if a caller already chose it: a generated id never blocks admission."""
+        candidate, n = gid, 0
+        while txn.get("ledger", keys.group_key(candidate)) is not None \
+                or txn.get("groups", keys.group_key(candidate)) is not None:
+            n += 1
+            candidate = f"{gid}.{n}"
+        return candidate
+
+    @staticmethod
     def _put_dataloader_state(txn: Txn, dataloader_state: bytes | None) -> None:
         if dataloader_state is not None:
             txn.put("meta", DATALOADER_KEY, codec.encode(
@@ -461,7 +471,7 @@ class ReplayBuffer:
         start_weight = st["weight_version"] if weight_version is None else int(weight_version)
         leases = []
         for j, prompt in enumerate(batch):
-            gid = prompt.group_id or id_format.format(j=j, seq=st["seq"])
+            gid = prompt.group_id or self._free_id(txn, id_format.format(j=j, seq=st["seq"]))
             gkey = keys.group_key(gid)
             if txn.get("ledger", gkey) is not None or txn.get("groups", gkey) is not None:
                 raise BadArgument(f"group id {gid!r} is already in use in this store")
