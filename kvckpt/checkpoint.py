@@ -221,9 +221,10 @@ def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
     """Restore a checkpoint file into ``live_path`` and return the open buffer and its plan.
 
     The checkpoint file is validated read-only first (an untrusted file is structure-checked in
-    pure Python before liblmdb maps it, see :mod:`kvckpt.safe_open`), then copied (temporary name, fsync,
-    rename), opened through a fresh handle and recovered at its stamped version (claims made
-    after the stamp are undone, in-flight prompts are fenced and planned for redispatch).
+    pure Python before liblmdb maps it, see :mod:`kvckpt.safe_open`), then copied under a temporary
+    name (fsync) and recovered there at its stamped version (claims made after the stamp are
+    undone, in-flight prompts are fenced and planned for redispatch); only then is the copy renamed
+    to ``live_path`` and opened through a fresh handle. The checkpoint file is never written.
 
     Args:
         checkpoint_file: a file written by :func:`checkpoint`.
@@ -236,8 +237,9 @@ def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
             then crash the process). Defaults to False.
 
     Raises:
-        FormatError / CorruptRecord / RecoveryError: the file is not a valid checkpoint; the live
-            store is left untouched in that case.
+        FormatError / CorruptRecord / RecoveryError: the file is not a valid checkpoint, or recovery
+            refused the requested sampler or capacity (``CapacityError`` when it would deadlock).
+            The live store is left untouched whenever ``restore`` raises.
         StoreLocked: the live store is open for writing elsewhere.
     """
     from .buffer import ReplayBuffer
