@@ -316,8 +316,7 @@ def suite(tmp_path_factory):
     race = run_race(root)
     for k, c in enumerate(race):
         add(("race", k), ckpt=c["ckpt"])
-    base_view = build_scenario(root, "in_order", next(sc for sc in SCENARIOS
-                                                      if sc.name == "lag1-next-step-partly-generated"))
+    build_scenario(root, "in_order", next(sc for sc in SCENARIOS if sc.name == "lag1-next-step-partly-generated"))
     base = os.path.join(root, "lag1-next-step-partly-generated.kvckpt")
     for name, path in forge(root, base).items():
         add(("forged", name), ckpt=path)
@@ -337,7 +336,7 @@ def suite(tmp_path_factory):
     jobs[-1]["live"] = existing
     add(("capacity", "unfinished-need-not-fit"), ckpt=capacity, capacity=10, probe=True, train=True)
     results = run_fresh(jobs, root)
-    return {"cuts": cuts, "race": race, "base": base_view, "jobs": {key: jobs[i] for key, i in index.items()},
+    return {"cuts": cuts, "race": race, "jobs": {key: jobs[i] for key, i in index.items()},
             "get": lambda key: results[index[key]]}
 
 
