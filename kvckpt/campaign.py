@@ -283,6 +283,7 @@ class CampaignResult:
     recoveries: int = 0
     violations: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    directory: str | None = None  #: the campaign's files, kept when given or when a violation was found
 
     def summary(self) -> str:
         """The one-line summary the CLI prints."""
@@ -517,7 +518,7 @@ def _run_child(chain: _Chain, seed: int, rng: random.Random, max_delay: float, f
 
 
 def run_crash_campaign(kills: int, *, seed: int = 0, directory: str | None = None, chain: int = 25,
-                       max_delay: float = 0.5, fresh_interpreter: bool = False,
+                       max_delay: float = 0.5, fresh_interpreter: bool = False, minutes: float | None = None,
                        progress: Callable[[CampaignResult], None] | None = None) -> CampaignResult:
     """SIGKILL a live workload ``kills`` times and check every promise after each kill.
 
@@ -532,17 +533,24 @@ def run_crash_campaign(kills: int, *, seed: int = 0, directory: str | None = Non
         max_delay: longest wait (seconds) between the child's readiness and its kill.
         fresh_interpreter: start every child as a new ``python`` process instead of forking it
             from a fork server (slower start, same workload). Defaults to False.
+        minutes: start no kill cycle after this many minutes (``result.kills`` says how many ran).
         progress: called after every kill with the running result.
     """
     rng = random.Random(seed)
     result = CampaignResult()
     t0 = time.perf_counter()
     owned = directory is None
-    root = tempfile.mkdtemp(prefix="kvckpt-campaign-") if owned else directory
+    root = tempfile.mkdtemp(prefix="kvckpt-campaign-") if owned else os.path.abspath(directory)
     current: _Chain | None = None
+    clean = 0  # violations so far: a chain that added none is deleted when the campaign owns it
     try:
         for k in range(kills):
+            if minutes is not None and time.perf_counter() - t0 > minutes * 60:
+                break
             if k % chain == 0:
+                if owned and current is not None and len(result.violations) == clean:
+                    shutil.rmtree(current.run, ignore_errors=True)
+                clean = len(result.violations)
                 current = _Chain.start(os.path.join(root, f"chain-{k // chain:05d}"),
                                        SAMPLERS[(k // chain + seed) % len(SAMPLERS)])
             where = f"kill {k} ({os.path.basename(current.run)})"
@@ -558,12 +566,15 @@ def run_crash_campaign(kills: int, *, seed: int = 0, directory: str | None = Non
             except Exception as exc:  # a checker crash is a finding, not a reason to stop
                 bad(f"checking raised {type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}")
             result.kills += 1
+            result.seconds = time.perf_counter() - t0
             if progress is not None:
                 progress(result)
     finally:
         result.seconds = time.perf_counter() - t0
-        if owned:
+        if owned and not result.violations:
             shutil.rmtree(root, ignore_errors=True)
+        else:
+            result.directory = root
     return result
 
 
@@ -586,6 +597,7 @@ class FuzzResult:
     errors: dict[str, int] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    directory: str | None = None  #: the campaign's files, kept when given or when a violation was found
 
     def add(self, case: dict[str, Any], outcome: str, detail: str) -> None:
         """Record one case's outcome (``detected``, ``harmless`` or ``violation``)."""
@@ -809,7 +821,7 @@ def fuzz_cases(count: int, seed: int) -> list[dict[str, Any]]:
 
 
 def run_fuzz_campaign(cases: int, *, seed: int = 0, workers: int = 2, directory: str | None = None,
-                      trusted: bool = False, timeout: float = 60.0,
+                      trusted: bool = False, timeout: float = 60.0, minutes: float | None = None,
                       progress: Callable[[FuzzResult], None] | None = None) -> FuzzResult:
     """Damage valid checkpoints ``cases`` times and restore each in a worker process.
 
@@ -821,12 +833,13 @@ def run_fuzz_campaign(cases: int, *, seed: int = 0, workers: int = 2, directory:
         trusted: restore with ``trusted=True`` (skipping :mod:`kvckpt.safe_open`) to measure what
             that costs; such a campaign is expected to report violations.
         timeout: seconds one case may take before its worker counts as hung.
+        minutes: start no case after this many minutes (``result.cases`` says how many ran).
         progress: called after every case with the running result.
     """
     result = FuzzResult()
     t0 = time.perf_counter()
     owned = directory is None
-    root = tempfile.mkdtemp(prefix="kvckpt-fuzz-") if owned else directory
+    root = tempfile.mkdtemp(prefix="kvckpt-fuzz-") if owned else os.path.abspath(directory)
     os.makedirs(root, exist_ok=True)
     todo: queue.Queue[dict[str, Any]] = queue.Queue()
     for case in fuzz_cases(cases, seed):
@@ -845,9 +858,12 @@ def run_fuzz_campaign(cases: int, *, seed: int = 0, workers: int = 2, directory:
                     case = todo.get_nowait()
                 except queue.Empty:
                     return
+                if minutes is not None and time.perf_counter() - t0 > minutes * 60:
+                    return
                 outcome, detail = worker.run(case, timeout)
                 with lock:
                     result.add(case, outcome, detail)
+                    result.seconds = time.perf_counter() - t0
                     if progress is not None:
                         progress(result)
         finally:
@@ -863,8 +879,10 @@ def run_fuzz_campaign(cases: int, *, seed: int = 0, workers: int = 2, directory:
             thread.join()
     finally:
         result.seconds = time.perf_counter() - t0
-        if owned:
+        if owned and not result.violations:
             shutil.rmtree(root, ignore_errors=True)
+        else:
+            result.directory = root
     return result
 
 
@@ -891,24 +909,29 @@ def main(argv: list[str] | None = None) -> int:
         _fuzz_worker(opts.directory, opts.trusted)
         return 0
     parser.add_argument("--dir", default=None, help="keep the campaign's files here (default: a temp dir)")
+    parser.add_argument("--minutes", type=float, default=None, help="start nothing new after this long")
     if command == "fuzz":
         parser.add_argument("--cases", type=int, default=1000)
         parser.add_argument("--workers", type=int, default=2)
         parser.add_argument("--trusted", action="store_true", help="skip safe_open, to measure what it prevents")
         opts = parser.parse_args(args)
         result: Any = run_fuzz_campaign(opts.cases, seed=opts.seed, workers=opts.workers, directory=opts.dir,
-                                        trusted=opts.trusted, progress=_every(500, lambda r: r.cases))
+                                        trusted=opts.trusted, minutes=opts.minutes,
+                                        progress=_every(500, lambda r: r.cases))
     elif command == "kill":
         parser.add_argument("--kills", type=int, default=200)
         parser.add_argument("--chain", type=int, default=25, help="kills per live store before a fresh one")
         parser.add_argument("--exec", action="store_true", help="start each child as a fresh interpreter")
         opts = parser.parse_args(args)
         result = run_crash_campaign(opts.kills, seed=opts.seed, directory=opts.dir, chain=opts.chain,
-                                    fresh_interpreter=opts.exec, progress=_every(100, lambda r: r.kills))
+                                    fresh_interpreter=opts.exec, minutes=opts.minutes,
+                                    progress=_every(100, lambda r: r.kills))
     else:
         parser.error(f"unknown command {command!r} (use fuzz, or --kills N)")
     for violation in result.violations[:50]:
         print("VIOLATION", violation)
+    if result.violations:
+        print(f"files kept in {result.directory}")
     print(result.summary(), flush=True)
     return 1 if result.violations else 0
 
