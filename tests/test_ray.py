@@ -169,7 +169,7 @@ def test_actor_checkpoints_are_ordinary_checkpoint_files(ray_local, tmp_path):
             client.commit(lease, rows(seed_of(lease["group_id"])))
     ckpt = str(tmp_path / "step0.kvckpt")
     started = ray.get(actor.checkpoint.remote(ckpt, {"step": 0, "seed": 7}, wait=False))
-    assert started["done"] is False
+    assert list(started) == ["checkpoint_id"]
     finished = ray.get(actor.checkpoint_status.remote(started["checkpoint_id"], wait=True))
     assert (finished["done"], finished["result"]["path"], finished["result"]["trainer_version"]) == (True, ckpt, 0)
     with pytest.raises(BadArgument, match="unknown checkpoint id"):  # reported once, then forgotten
@@ -256,7 +256,16 @@ def test_ray_kill_restart_fences_leases_and_voids_the_open_selection(ray_local, 
     assert [g["group_id"] for g in again["groups"]] == [g["group_id"] for g in selection["groups"]]
     assert ray.get(actor.finish_step.remote(session=again["session"])) == 1
     assert [g["group_id"] for g in ray.get(actor.groups.remote(["ready"]))] == ["a0-p4", "a0-p5"]
-    assert_partition(actor, {f"a0-p{i}" for i in range(6)}, {"a0-p6", "a0-p7"})
+
+    # split admission and an explicit redispatch go through the actor as single transactions too
+    admission = ray.get(actor.advance_dispatch.remote(b"dl-next", timeout=0))
+    [joined] = ray.get(actor.admit.remote([8], admission=admission))
+    fresh = ray.get(actor.redispatch.remote(joined["group_id"], start_weight=1))
+    assert (joined["group_id"], joined["attempt"], fresh["attempt"], fresh["start_weight"]) == ("a1-s8", 0, 1, 1)
+    with pytest.raises(StaleAttempt):
+        ray.get(actor.commit_group.remote(joined, rows(8)))
+    assert ray.get(actor.commit_group.remote(fresh, rows(8)))["ready"]
+    assert_partition(actor, {f"a0-p{i}" for i in range(6)} | {"a1-s8"}, {"a0-p6", "a0-p7"})
     ray.kill(actor)
 
 

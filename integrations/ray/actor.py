@@ -46,7 +46,7 @@ from kvckpt.aio import DEFAULT_WORKERS, AsyncReplayBuffer
 from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer
 from kvckpt.checkpoint import CheckpointHandle, restore
 from kvckpt.errors import BadArgument, RecoveryError, StaleAttempt
-from kvckpt.records import Lease
+from kvckpt.records import Admission, Lease
 from kvckpt.recovery import RecoveryPlan
 from kvckpt.verify import check
 
@@ -236,10 +236,23 @@ class BufferActor:
 
     # -- producers -------------------------------------------------------------------------------
     async def admit(self, prompts: Sequence[Any], dataloader_state: bytes | None = None,
-                    timeout: float | None = None, weight_version: int | None = None) -> list[dict[str, Any]]:
-        """Admit one dataloader batch; returns the leases as dicts (see :meth:`kvckpt.ReplayBuffer.admit`)."""
-        leases = await self._abuf.admit(prompts, dataloader_state, timeout=timeout, weight_version=weight_version)
+                    timeout: float | None = None, weight_version: int | None = None,
+                    admission: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Admit one dataloader batch (or join ``admission``, a dict from :meth:`advance_dispatch`);
+        returns the leases as dicts (see :meth:`kvckpt.ReplayBuffer.admit`)."""
+        joined = None if admission is None else Admission.from_dict(dict(admission))
+        leases = await self._abuf.admit(prompts, dataloader_state, timeout=timeout, weight_version=weight_version,
+                                        admission=joined)
         return [lease.to_dict() for lease in leases]
+
+    async def advance_dispatch(self, dataloader_state: bytes | None = None,
+                               timeout: float | None = None) -> dict[str, Any]:
+        """Make an admission without prompts yet (see :meth:`kvckpt.ReplayBuffer.advance_dispatch`)."""
+        return (await self._abuf.advance_dispatch(dataloader_state, timeout=timeout)).to_dict()
+
+    async def redispatch(self, group_id: str, start_weight: int | None = None) -> dict[str, Any]:
+        """Fence an in-flight prompt's lease and return a new one (see :meth:`kvckpt.ReplayBuffer.redispatch`)."""
+        return (await self._abuf.redispatch(group_id, start_weight=start_weight)).to_dict()
 
     async def commit_group(self, lease: Mapping[str, Any], rows: Any, end_weight: int | None = None,
                            ) -> dict[str, Any]:
@@ -303,9 +316,17 @@ class BufferActor:
                                "select again before finishing the step")
         return await self._abuf.finish_step(weight_version=weight_version)
 
-    async def evict(self) -> list[str]:
-        """Remove out-of-window ready groups (see :meth:`kvckpt.ReplayBuffer.evict`)."""
-        return await self._abuf.evict()
+    async def evict(self, group_ids: Iterable[str] | None = None) -> list[str]:
+        """Remove out-of-window (or the named) ready groups (see :meth:`kvckpt.ReplayBuffer.evict`)."""
+        return await self._abuf.evict(None if group_ids is None else list(group_ids))
+
+    async def promote_ready_group(self, to_target_step: int) -> int | None:
+        """See :meth:`kvckpt.ReplayBuffer.promote_ready_group`."""
+        return await self._abuf.promote_ready_group(to_target_step)
+
+    async def count_for_target_step(self, step: int) -> int:
+        """In-flight plus ready groups stamped for ``step``."""
+        return await self._abuf.count_for_target_step(step)
 
     async def abort_stale_inflight(self) -> list[str]:
         """Abort in-flight prompts the sampler says are useless now."""
@@ -317,15 +338,17 @@ class BufferActor:
         """Stamp a checkpoint and copy it to ``dest`` (a path on the actor's node).
 
         With ``wait`` the call returns once the file is complete: ``{"checkpoint_id", "done":
-        True, "result": CheckpointResult as dict}``. Without it, it returns right after the stamp
-        with ``"done": False``; poll :meth:`checkpoint_status` with the id.
+        True, "result": CheckpointResult as dict}``. Without it, it returns ``{"checkpoint_id"}``
+        right after the stamp; poll :meth:`checkpoint_status` with the id.
 
         Raises:
             CheckpointError: the destination is unusable, or (``wait``) the copy failed.
         """
         handle = await self._abuf.checkpoint(dest, trainer_state, overwrite=overwrite)
         self._checkpoints[handle.checkpoint_id] = handle
-        return await self.checkpoint_status(handle.checkpoint_id, wait=wait)
+        if not wait:
+            return {"checkpoint_id": handle.checkpoint_id}
+        return await self.checkpoint_status(handle.checkpoint_id, wait=True)
 
     async def checkpoint_status(self, checkpoint_id: str, wait: bool = False) -> dict[str, Any]:
         """Whether a checkpoint started with ``wait=False`` has finished (``wait``: until it has).
