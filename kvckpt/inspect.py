@@ -1,0 +1,168 @@
+"""Inspection of a store or checkpoint file: what it is, what it holds, where its cursors are.
+
+:func:`inspect_path` opens the file read-only (no lock file unless a writer holds it, in which
+case the writer's lock file is shared), reads **one snapshot** and returns a JSON-able dict:
+identity, config, group counts by state, the ledger (count and the first few entries), cursors,
+the last checkpoint stamp, bytes (raw, stored, file), the oldest and newest weight versions, and
+histograms by weight version and by training step. It never writes.
+
+Records that fail their checksum are counted under ``problems`` instead of aborting the scan
+(``kvckpt verify`` lists them all). Cost: one JSON decode per group and ledger entry; row payloads
+are never read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from . import codec
+from .buffer import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STATE_KEY
+from .checkpoint import STAMP_KEY
+from .errors import CorruptRecord
+from .records import CLAIMED, CONSUMED, GROUP_STATES, READY
+from .store import Store, Txn, writer_active
+
+INFLIGHT = "inflight"
+#: Column order of the by-weight histogram: in flight first, then the group states.
+HISTOGRAM_STATES = (INFLIGHT, *GROUP_STATES)
+
+Progress = Callable[[int, int], None]
+"""A progress callback: ``progress(done, total)``."""
+
+
+def table_entries(txn: Txn, table: str) -> int:
+    """Number of keys in ``table`` (LMDB keeps the count: no scan)."""
+    return int(txn.raw.stat(txn.db(table))["entries"])
+
+
+def _scan(txn: Txn, table: str, problems: list[dict[str, str]], progress: Progress | None,
+          done: list[int], total: int) -> Any:
+    """Yield the decoded JSON documents of ``table``; damaged records go to ``problems``."""
+    for key, value in txn.iter_prefix(table, b""):
+        name = f"{table}/{key.decode(errors='replace')}"
+        done[0] += 1
+        if progress is not None and done[0] % 4096 == 0:
+            progress(done[0], total)
+        try:
+            yield codec.decode_meta(value, name)
+        except CorruptRecord as exc:
+            problems.append({"key": name, "problem": exc.reason})
+
+
+def _span(values: list[int]) -> dict[str, int | None]:
+    return {"oldest": min(values) if values else None, "newest": max(values) if values else None}
+
+
+def inspect_path(path: str, *, ledger_limit: int = 5, progress: Progress | None = None) -> dict[str, Any]:
+    """Describe the store or checkpoint at ``path`` from one read snapshot (see the module doc).
+
+    Args:
+        path: a live store or a checkpoint file.
+        ledger_limit: how many ledger entries to list (in dispatch order). Defaults to 5.
+        progress: called with ``(records scanned, records in all)`` during the scan.
+
+    Raises:
+        StoreNotFound / FormatError: no file, or not a kvckpt store.
+    """
+    path = os.fspath(path)
+    live = writer_active(path)
+    with Store(path, readonly=True) as store:
+        info = store.env.info()
+        page = store.env.stat()["psize"]
+        with store.reader() as txn:
+            out = _describe(txn, ledger_limit, progress)
+        out.update(path=path, live=live)
+        out["identity"] = {k: store.info.get(k) for k in ("store_id", "format", "version", "created")}
+        out["bytes"].update(file=os.path.getsize(path), lmdb_pages_used=(info["last_pgno"] + 1) * page,
+                            page_size=page)
+    return out
+
+
+def _describe(txn: Txn, ledger_limit: int, progress: Progress | None) -> dict[str, Any]:
+    problems: list[dict[str, str]] = []
+    out: dict[str, Any] = {"problems": problems}
+    try:
+        config = txn.get_json("meta", CONFIG_KEY)
+        state = txn.get_json("meta", STATE_KEY)
+        stamp = txn.get_json("meta", STAMP_KEY)
+        shortfall = txn.get_json("meta", SHORTFALL_KEY)
+    except CorruptRecord as exc:
+        problems.append({"key": exc.key, "problem": exc.reason})
+        config = state = stamp = shortfall = None
+    out["config"] = config
+    dataloader = None
+    try:
+        value = txn.get("meta", DATALOADER_KEY)
+        dataloader = None if value is None else codec.decode(value, "meta/dataloader").arrays["state"].nbytes
+    except CorruptRecord as exc:
+        problems.append({"key": exc.key, "problem": exc.reason})
+    total = table_entries(txn, "groups") + table_entries(txn, "ledger")
+    rows = table_entries(txn, "rows")
+    done = [0]
+
+    counts: Counter[str] = Counter()
+    by_weight: dict[int, Counter[str]] = defaultdict(Counter)
+    by_step: dict[int, Counter[str]] = defaultdict(Counter)
+    held_weights: list[int] = []
+    all_weights: list[int] = []
+    raw = stored = 0
+    for doc in _scan(txn, "groups", problems, progress, done, total):
+        name = doc.get("state")
+        counts[name] += 1
+        weight = doc.get("start_weight")
+        if isinstance(weight, int):
+            by_weight[weight][name] += 1
+            all_weights.append(weight)
+        if name == CLAIMED:
+            by_step[doc["claimed_step"]][CLAIMED] += 1
+        elif name == CONSUMED:
+            by_step[doc["consumed_step"]][CONSUMED] += 1
+        if doc.get("target_step") is not None and name == READY:
+            by_step[doc["target_step"]]["target_ready"] += 1
+        if doc.get("rows_stored"):
+            raw += doc.get("raw_bytes", 0)
+            stored += doc.get("stored_bytes", 0)
+            if isinstance(weight, int):
+                held_weights.append(weight)
+
+    entries = []
+    for doc in _scan(txn, "ledger", problems, progress, done, total):
+        entries.append(doc)
+        counts[INFLIGHT] += 1
+        by_weight[doc["start_weight"]][INFLIGHT] += 1
+        all_weights.append(doc["start_weight"])
+        held_weights.append(doc["start_weight"])
+        if doc.get("target_step") is not None:
+            by_step[doc["target_step"]]["target_inflight"] += 1
+        raw += doc.get("raw_bytes", 0)
+        stored += doc.get("stored_bytes", 0)
+    if progress is not None:
+        progress(done[0], total)
+    entries.sort(key=lambda e: e.get("seq", 0))
+
+    out["counts"] = {name: counts.get(name, 0) for name in HISTOGRAM_STATES}
+    out["counts"].update(groups=sum(counts[s] for s in GROUP_STATES), rows=rows)
+    out["ledger"] = {
+        "count": len(entries), "partial": sum(1 for e in entries if e.get("siblings")),
+        "first": [{k: e.get(k) for k in ("group_id", "prompt_idx", "task_name", "target_step", "start_weight",
+                                          "attempt", "siblings")} for e in entries[:ledger_limit]]}
+    cursor_keys = ("dispatch_index", "trainer_version", "weight_version", "admissions", "seq", "drop_floor",
+                   "durable")
+    out["cursors"] = {k: state.get(k) for k in cursor_keys} if state else None
+    out["counters"] = dict(state.get("counters", {})) if state else None
+    out["batch_shortfall"] = shortfall or {}
+    out["dataloader_state_bytes"] = dataloader
+    out["checkpoint"] = None if stamp is None else {
+        k: stamp.get(k) for k in ("checkpoint_id", "trainer_version", "dispatch_index", "created", "file",
+                                  "trainer_state")}
+    out["bytes"] = {"raw": raw, "stored": stored}
+    out["weights"] = {"held": _span(held_weights), "all": _span(all_weights)}
+    step_columns = ("target_inflight", "target_ready", CLAIMED, CONSUMED)
+    out["histogram"] = {
+        "by_weight": [{"weight": w, **{s: by_weight[w].get(s, 0) for s in HISTOGRAM_STATES}}
+                      for w in sorted(by_weight)],
+        "by_step": [{"step": s, **{c: by_step[s].get(c, 0) for c in step_columns}} for s in sorted(by_step)]}
+    return out
