@@ -179,7 +179,7 @@ def _mark_durable(buffer: ReplayBuffer, version: int) -> None:
     def txn_fn(txn: Txn) -> None:
         st = buffer._state(txn)
         if not st["durable"] or st["durable"][-1] < version:
-            st["durable"] = (st["durable"] + [version])[-16:]
+            st["durable"] = (st["durable"] + [version])[-max(16, buffer.config.durable_checkpoints):]
             txn.put_json("meta", STATE_KEY, st)
 
     with contextlib.suppress(KvckptError):  # closed meanwhile: the file is complete, the marker is skipped
@@ -257,6 +257,9 @@ def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
     t1 = time.perf_counter()
     live_path = os.path.abspath(live_path)
     if os.path.exists(live_path):
+        if os.path.samefile(live_path, checkpoint_file):
+            raise BadArgument(f"live path {live_path!r} is the checkpoint file itself; restore into another path "
+                              "(a checkpoint stays immutable)")
         if not overwrite:
             raise RecoveryError(f"live store {live_path!r} exists; pass overwrite=True to replace it with "
                                 f"the checkpoint (or recover it in place with ReplayBuffer.recover)")
