@@ -44,8 +44,9 @@ class RecoveryPlan:
     """What a trainer does next after recovery, with NeMo-RL's telemetry names.
 
     ``leases`` are the in-flight prompts to redispatch, each once, in dispatch order.
-    ``trainer_state`` is the JSON the trainer stamped into the checkpoint (``None`` for a live
-    store never checkpointed); ``dataloader_state`` is the state stored with the last admission:
+    ``trainer_state`` is the JSON the trainer stamped into the checkpoint at ``resume_version``
+    (``None`` when the store's last stamp is at another version, or for a live store never
+    checkpointed); ``dataloader_state`` is the state stored with the last admission:
     resume the dataloader from it, not from an older copy, or prompts are served twice.
     """
 
@@ -150,9 +151,12 @@ def recover(buffer: ReplayBuffer, resume_version: int | None = None, *, sampler:
         st["counters"]["redispatched"] += len(entries)
         txn.put_json("meta", STATE_KEY, st)
         stamp = txn.get_json("meta", b"checkpoint")
-        if stamp is not None:
+        if stamp is not None and stamp.get("trainer_version") == target:
             plan.trainer_state = stamp.get("trainer_state")
             plan.checkpoint_id = stamp.get("checkpoint_id")
+        elif stamp is not None:
+            plan.changes.append(f"the last checkpoint stamp (version {stamp.get('trainer_version')}) is not the "
+                                f"resume version {target}: its trainer_state is not returned")
         return plan
 
     plan = buffer._write(txn_fn)
