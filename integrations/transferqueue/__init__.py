@@ -1,0 +1,35 @@
+"""kvckpt as a TransferQueue storage backend (``backend.storage_backend: kvckpt``).
+
+Install with ``pip install 'kvckpt[tq]'`` (TransferQueue 0.1.11). TransferQueue finds storage
+plugins through class-level registries, not entry points, so **import this package in every
+process before** ``tq.init``; the import registers:
+
+* ``StorageManagerFactory["kvckpt"]`` -> :class:`KvckptStorageManager`,
+* ``StorageClientFactory["KvckptStorageClient"]`` -> :class:`KvckptStorageClient`,
+* ``StorageBootstrapProvider["kvckpt"]`` -> :func:`start_value_store`.
+
+Examples:
+    >>> import kvckpt.integrations.transferqueue  # doctest: +SKIP
+    >>> import transfer_queue as tq  # doctest: +SKIP
+    >>> tq.init({"backend": {"storage_backend": "kvckpt",
+    ...                      "kvckpt": {"path": "/local/tq_values.kv"}}})  # doctest: +SKIP
+
+See ``docs/integrations.md`` for what the backend makes crash-consistent and what it does not.
+"""
+
+import importlib.util
+
+if importlib.util.find_spec("transfer_queue") is None:
+    raise ModuleNotFoundError("kvckpt.integrations.transferqueue needs TransferQueue: pip install 'kvckpt[tq]'",
+                              name="transfer_queue")
+
+from .backend import BACKEND_NAME, KvckptStorageManager, start_value_store, stop_value_store
+from .client import CLIENT_NAME, BackendSettings, KvckptStorageClient
+from .errors import ValueMissing, WriteIdentityMismatch
+from .owner import CHECKPOINT_FILE, ValueStore, ValueStoreActor
+
+__all__ = [
+    "BACKEND_NAME", "CHECKPOINT_FILE", "CLIENT_NAME", "BackendSettings", "KvckptStorageClient",
+    "KvckptStorageManager", "ValueMissing", "ValueStore", "ValueStoreActor", "WriteIdentityMismatch",
+    "start_value_store", "stop_value_store",
+]
