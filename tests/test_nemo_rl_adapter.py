@@ -25,7 +25,7 @@ from kvckpt.integrations.nemo_rl import (
     restore_replay_buffer,
 )
 
-from kvckpt import Lease, StaleAttempt
+from kvckpt import Lease, Prompt, StaleAttempt
 from kvckpt.errors import BadArgument, CapacityError, GateTimeout, RecoveryError
 from kvckpt.verify import check
 
@@ -184,6 +184,22 @@ def test_ledger_lifecycle_reserve_admit_commit_discard(make: Any) -> None:
     assert (tomb.state, tomb.reason) == ("aborted", "data budget spent")
     assert buf.count_for_target_step(0) == 1 and len(buf) == 1
     assert buf.core.store.read(check).ok
+
+
+def test_admit_batch_is_one_transaction_and_workers_reserve_its_groups(make: Any) -> None:
+    buf = make(SAMPLERS["in_order"])
+    gids = buf.admit_batch([Prompt(11, "math", "b0-p11"), Prompt(12, "math", "b0-p12")],
+                           dataloader_state=b"epoch0:2", timeout=0)
+    assert gids == ["b0-p11", "b0-p12"] and buf.sampler.dispatch_index == 0
+    assert [(e.group_id, e.target_step, e.prompt_idx) for e in buf.ledger.entries()] == [
+        ("b0-p11", 0, 11), ("b0-p12", 0, 12)]
+    assert buf.core.dataloader_state() == b"epoch0:2" and buf.core.stats()["admitted"] == 2
+    assert buf.admit_batch([1], timeout=0) == ["a1-p0"]  # the lookahead batch
+    with pytest.raises(GateTimeout, match="gate closed: dispatch_index 1 >= trainer_version 0 \\+ window 1"):
+        buf.admit_batch([2], timeout=0)
+    buf.reserve(weight_version=0, target_step=0, group_id="b0-p12")
+    commit(buf, "b0-p12", 0)
+    assert buf.count_for_target_step(0) == 2 and len(buf) == 1
 
 
 def test_replacement_prompt_joins_the_current_admission(make: Any) -> None:

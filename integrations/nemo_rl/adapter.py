@@ -15,6 +15,12 @@ How NeMo-RL's objects map onto kvckpt's one store:
   checkpoint (:meth:`KvckptReplayBuffer.save_checkpoint`, one stamp transaction and one file) holds
   the buffer, the ledger and the cursors of one instant, with no barrier.
 
+Admission: :meth:`KvckptReplayBuffer.admit_batch` (or ``ledger.reserve_group`` per prompt, then
+``sampler.admit``) makes the cursor advance, the dataloader state and the batch's ledger entries
+one transaction, and is the recommended path. ``sampler.admit`` with nothing staged followed by
+one ``reserve`` per prompt is NeMo-RL's split admission: one transaction for the cursor, then one
+per prompt, so a crash in between leaves a stamped admission that no prompt owns.
+
 Every state change below is one kvckpt write transaction. Two of NeMo-RL's calls are deliberately
 *not* state changes: ``ledger.reserve_group`` of a prompt not yet admitted only stages it in memory
 (nothing durable owns it yet, and the dataloader state is not advanced either, so a crash loses
@@ -66,6 +72,36 @@ class KvckptReplayBuffer:
         self._admissions: dict[int | None, Admission] = {}  # the latest admission per stamp, for joins
         self.sampler = KvckptSampler(self)
         self.ledger = KvckptLedger(self)
+
+    # -- admission -------------------------------------------------------------------------------
+    def admit_batch(self, prompts: Sequence[Prompt | int | Mapping[str, Any]], *, dataloader_state: bytes | None = None,
+                    weight_version: int | None = None, timeout: float | None = None) -> list[str]:
+        """Admit a whole dataloader batch in one transaction: the recommended admission.
+
+        The gate wait (gated samplers) happens outside any transaction; then the cursor advance,
+        ``dataloader_state`` and one ledger entry per prompt are one transaction, so no checkpoint
+        or crash can separate them. Returns the group ids; a worker takes each with
+        ``reserve(group_id=..., target_step=..., weight_version=...)``. Equivalent to
+        ``ledger.reserve_group`` per prompt followed by ``sampler.admit``, without the trainer
+        version callback.
+
+        Args:
+            prompts: :class:`~kvckpt.Prompt` objects (``prompt_idx``, ``task_name``, ``group_id``),
+                prompt indices, or dicts of those fields.
+            dataloader_state: the dataloader state after this batch.
+            weight_version: the prompts' ``start_weight``. Defaults to the store's weight version.
+            timeout: seconds to wait for the gate and capacity. Defaults to forever.
+
+        Raises:
+            GateTimeout: still closed after ``timeout``. CapacityError: a batch larger than the
+            capacity. BadArgument: a duplicate or already-used group id.
+        """
+        leases = self.core.admit(prompts, dataloader_state, timeout=timeout, weight_version=weight_version)
+        stamp = leases[0].target_step
+        with self._lock:
+            self._admissions[stamp] = Admission(leases[0].admission_id, self.core.state()["dispatch_index"], stamp)
+            self._idle.update((lease.group_id, lease) for lease in leases)
+        return [lease.group_id for lease in leases]
 
     # -- slots -----------------------------------------------------------------------------------
     def reserve(self, *, weight_version: int, target_step: int | None = None, group_id: str | None = None,
