@@ -180,7 +180,9 @@ def test_actor_checkpoints_are_ordinary_checkpoint_files(ray_local, tmp_path):
 
     # the actor restores its own live store from the file: a commit made after it is undone
     session = ray.get(actor.info.remote())["session"]
-    ray.get(actor.commit_group.remote(leases[4], rows(4)))
+    with kray.BufferClient(actor, batch_groups=2) as client:  # one call, two single-row transactions
+        halves = [client.commit_sample(leases[4], i, row) for i, row in enumerate(rows(4))]
+    assert sorted((f.result().ready, f.result().rows_written) for f in halves) == [(False, 1), (True, 1)]
     plan = kray.plan_from_dict(ray.get(actor.restore.remote(ckpt)))
     assert [(x.group_id, x.attempt) for x in plan.leases] == [("a0-p4", 1), ("a0-p5", 1)]
     assert (plan.checkpoint_id, plan.trainer_state) == (started["checkpoint_id"], {"step": 0, "seed": 7})
