@@ -1,0 +1,18 @@
+"""The reference asynchronous GRPO trainer: a small but real RL loop with kvckpt as its replay buffer.
+
+* :class:`GRPOTrainer` — rollout pump and train pump over one buffer, checkpoints of model,
+  optimizer and buffer in one ``step_N/`` directory, resume from the live store or a checkpoint.
+* :class:`TrainerConfig` — the configuration (dict or YAML); ``replay_buffer.backend`` picks
+  ``kvckpt`` or the in-memory :class:`MemoryReplayBuffer`.
+* :mod:`.faults` — test-only fault injection hooks (crash points, parked rollouts).
+
+See docs/trainer.md.
+"""
+
+from .config import TrainerConfig
+from .faults import CrashAt, Hooks, ParkRollout
+from .grpo import GRPOTrainer, group_advantages, grpo_loss, sft_warmup
+from .memory_buffer import MemoryReplayBuffer
+
+__all__ = ["CrashAt", "GRPOTrainer", "Hooks", "MemoryReplayBuffer", "ParkRollout", "TrainerConfig",
+           "group_advantages", "grpo_loss", "sft_warmup"]

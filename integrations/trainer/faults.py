@@ -1,0 +1,122 @@
+"""Test-only fault injection for the reference trainer: hooks passed in, never read from the environment.
+
+The trainer calls ``hooks.at(point, **info)`` at named points of its loop and
+``hooks.before_commit(lease)`` right before each rollout commit. Production runs pass nothing
+and get :class:`Hooks`, whose methods do nothing. Tests pass one of the classes below, or run
+this module as a program to crash a trainer in a fresh process::
+
+    python -m kvckpt.integrations.trainer.faults CONFIG.yaml --crash-at after_finish_step:5
+
+Points, in the order one step meets them (``step`` is the trainer version the point belongs to):
+
+==========================  =====================================================================
+``after_admit``             the rollout pump admitted a batch (its leases are in the ledger)
+``after_commit``            a worker committed the leases of one batch
+``after_select``            the train pump claimed this step's groups
+``after_optimizer_step``    the policy was updated; the buffer does not know yet
+``after_finish_step``       ``finish_step`` is durable (the step's groups are consumed)
+``after_model_save``        ``step_N/model.pt`` is complete; the buffer is not stamped yet
+``after_checkpoint``        ``step_N/`` is complete (model and buffer file)
+==========================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from collections import Counter
+from typing import Any
+
+from kvckpt.records import Lease
+
+POINTS = ("after_admit", "after_commit", "after_select", "after_optimizer_step", "after_finish_step",
+          "after_model_save", "after_checkpoint")
+
+
+class Hooks:
+    """The no-op hooks a production run gets."""
+
+    def at(self, point: str, **info: Any) -> None:
+        """Called at each named point (see the module docstring)."""
+
+    def before_commit(self, lease: Lease) -> None:
+        """Called by the rollout pump right before ``lease``'s rows are committed."""
+
+
+class CrashAt(Hooks):
+    """Kill this process with ``SIGKILL`` at the ``count``-th arrival at ``point`` (no cleanup,
+    no ``finally``, no flush: exactly what a machine failure leaves behind).
+
+    Args:
+        point: one of :data:`POINTS`.
+        count: which arrival kills. Defaults to 1.
+    """
+
+    def __init__(self, point: str, count: int = 1) -> None:
+        if point not in POINTS:
+            raise ValueError(f"unknown point {point!r}; choose one of {POINTS}")
+        self.point, self.count = point, count
+        self._seen: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def at(self, point: str, **info: Any) -> None:
+        with self._lock:
+            self._seen[point] += 1
+            hit = point == self.point and self._seen[point] == self.count
+        if hit:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ParkRollout(Hooks):
+    """Hold the commit of one rollout until :meth:`release` (the others go on).
+
+    The first lease whose ``prompt_idx`` is ``prompt_idx`` (or the first lease at all, if
+    ``None``) is parked: its worker blocks before committing, so the prompt stays in flight while
+    training continues around it.
+    """
+
+    def __init__(self, prompt_idx: int | None = None) -> None:
+        self.prompt_idx = prompt_idx
+        self.parked = threading.Event()
+        self._release = threading.Event()
+        self._taken = False
+        self._lock = threading.Lock()
+        self.lease: Lease | None = None
+
+    def before_commit(self, lease: Lease) -> None:
+        with self._lock:
+            mine = not self._taken and self.prompt_idx in (None, lease.prompt_idx)
+            if mine:
+                self._taken, self.lease = True, lease
+        if mine:
+            self.parked.set()
+            self._release.wait()
+
+    def release(self) -> None:
+        """Let the parked commit go on."""
+        self._release.set()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the trainer with a crash point; prints the run summary as JSON if it survives."""
+    from .grpo import GRPOTrainer
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="YAML or JSON trainer config")
+    parser.add_argument("--crash-at", help="POINT[:COUNT], e.g. after_finish_step:5")
+    args = parser.parse_args(argv)
+    hooks: Hooks = Hooks()
+    if args.crash_at:
+        point, _, count = args.crash_at.partition(":")
+        hooks = CrashAt(point, int(count or 1))
+    summary = GRPOTrainer(args.config, hooks=hooks).run()
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

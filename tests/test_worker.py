@@ -1,0 +1,168 @@
+"""The rollout worker: rows it commits, logprobs it stores, refusals it reports, weights it takes.
+
+Real generation on the tiny model (built at run time, no hub), real LMDB stores. The
+transformers backend runs in the main environment; the vLLM tests (marker ``vllm``) run inside
+``.venv-vllm`` (``scripts/setup_vllm_env.sh``) and skip where vLLM is not importable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from kvckpt.integrations.vllm import DEFAULT_SCHEMA, AdditionTask, RolloutWorker, ensure_tiny_model
+
+from kvckpt import BufferConfig, ReplayBuffer, StaleAttempt
+
+GROUP = 4
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return ensure_tiny_model(str(tmp_path_factory.getbasetemp() / "tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def hf_worker(model_path: str) -> RolloutWorker:
+    return RolloutWorker(model_path, backend="transformers", max_tokens=5, seed=1)
+
+
+def _buffer(tmp_path, name: str = "buf.kv") -> ReplayBuffer:
+    return ReplayBuffer.create(str(tmp_path / name), BufferConfig(
+        group_size=GROUP, schema=DEFAULT_SCHEMA, sampler="ready_first", max_buffered_rollouts=8))
+
+
+def _reference_model(model_path: str, state: dict | None = None) -> torch.nn.Module:
+    """A fresh transformers copy of the policy (optionally with ``state`` loaded)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def _teacher_forced_logprobs(model: torch.nn.Module, sample) -> torch.Tensor:
+    """The completion tokens' logprobs recomputed by teacher forcing: what the engine must report."""
+    ids = torch.tensor([list(sample.prompt_ids) + list(sample.completion_ids)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return logp[len(sample.prompt_ids) - 1:]
+
+
+def _check_committed_group(buf: ReplayBuffer, worker: RolloutWorker, model_path: str, backend_tol: float) -> None:
+    leases = buf.admit([3, 17])
+    samples, version = worker.generate(leases)
+    assert version == worker.weight_version == 0
+    assert [len(g) for g in samples] == [GROUP, GROUP]
+    for lease, group in zip(leases, samples, strict=True):
+        assert worker.commit(buf, lease, worker.rows(lease, group), version).ready
+    batch = buf.read_batch(leases_ids := [lease.group_id for lease in leases], layout="list")
+    assert batch.group_ids == [g for g in leases_ids for _ in range(GROUP)]
+    task, reference = AdditionTask(), _reference_model(model_path)
+    for n, row in enumerate(batch.rows):
+        lease, sample = leases[n // GROUP], samples[n // GROUP][n % GROUP]
+        prompt = worker.prompt_ids(lease)
+        assert list(sample.prompt_ids) == prompt
+        plen, clen = len(prompt), len(sample.completion_ids)
+        assert 1 <= clen <= worker.max_tokens
+        assert set(row) == set(DEFAULT_SCHEMA)
+        assert row["input_ids"].tolist() == prompt + list(sample.completion_ids)
+        assert row["input_lengths"].item() == plen + clen
+        assert row["token_mask"].tolist() == [0] * plen + [1] * clen
+        assert row["sample_mask"].item() == 1.0
+        assert row["total_reward"].item() == task.reward(lease.prompt_idx, sample.text)
+        # Stored generation logprobs are exactly what the engine reported (float32)...
+        assert row["generation_logprobs"][:plen].tolist() == [0.0] * plen
+        assert row["generation_logprobs"][plen:].tolist() == torch.tensor(sample.logprobs, dtype=torch.float32).tolist()
+        # ...and the engine reported the generating policy's logprobs of the sampled tokens.
+        expected = _teacher_forced_logprobs(reference, sample)
+        assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=backend_tol)
+        if sample.finish_reason == "stop":
+            assert sample.completion_ids[-1] == worker.tokenizer.eos_token_id
+        else:
+            assert clen == worker.max_tokens
+
+
+def test_transformers_worker_commits_well_formed_groups(tmp_path, hf_worker, model_path):
+    with _buffer(tmp_path) as buf:
+        _check_committed_group(buf, hf_worker, model_path, backend_tol=1e-4)
+        assert buf.stats()["committed"] == 2
+
+
+def test_commit_per_sample_and_regenerate_only_missing_siblings(tmp_path, model_path):
+    worker = RolloutWorker(model_path, max_tokens=3, commit="sample", seed=2)
+    path = str(tmp_path / "buf.kv")
+    with _buffer(tmp_path) as buf:
+        [lease] = buf.admit([5])
+        samples, _ = worker.generate([lease])
+        rows = worker.rows(lease, samples[0])
+        for index in (0, 1):
+            assert not buf.commit_sample(lease, index, rows[index]).ready
+    with ReplayBuffer.open(path) as buf:  # a crash: siblings 0 and 1 are kept, 2 and 3 redispatched
+        [again] = buf.recover().leases
+        assert again.missing == (2, 3) and again.attempt == 1
+        [result] = worker.run(buf, [again])
+        assert result.ready and result.rows_written == 1  # the last commit_sample wrote one row
+        assert buf.stats()["samples_committed"] == 4
+        stored = buf.read_batch([lease.group_id], layout="list").rows
+        assert [r["input_ids"].tolist() for r in stored[:2]] == [rows[i]["input_ids"].tolist() for i in (0, 1)]
+        assert [r["token_mask"].sum().item() >= 1 for r in stored] == [True] * GROUP
+
+
+def test_run_reports_a_fenced_lease_and_writes_nothing(tmp_path, hf_worker):
+    path = str(tmp_path / "buf.kv")
+    with _buffer(tmp_path) as buf:
+        old = buf.admit([1, 2])
+    with ReplayBuffer.open(path) as buf:
+        fresh = buf.recover().leases
+        results = hf_worker.run(buf, [old[0], fresh[1]])
+        assert isinstance(results[0], StaleAttempt)
+        assert results[1].ready
+        assert [e.group_id for e in buf.ledger()] == [old[0].group_id]
+        assert buf.stats()["committed"] == 1
+
+
+def test_new_weights_reach_generation(tmp_path, model_path):
+    worker = RolloutWorker(model_path, max_tokens=4, seed=3)
+    state = {k: v.clone() for k, v in worker.backend.model.state_dict().items()}
+    torch.manual_seed(7)
+    state = {k: v + 0.05 * torch.randn_like(v) if v.is_floating_point() else v for k, v in state.items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied
+    worker.load_weights(state, version=5)
+    assert worker.weight_version == 5
+    with _buffer(tmp_path) as buf:
+        [lease] = buf.admit([9], weight_version=worker.weight_version)
+        [result] = worker.run(buf, [lease])
+        assert result.ready and buf.group(lease.group_id).end_weight == 5
+        [row] = buf.read_batch([lease.group_id], layout="list").rows[:1]
+    samples, _ = worker.generate([lease])
+    expected = _teacher_forced_logprobs(_reference_model(model_path, state), samples[0][0])
+    assert torch.allclose(torch.tensor(samples[0][0].logprobs), expected, atol=1e-4)
+    assert row["generation_logprobs"].shape == row["input_ids"].shape
+
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed (run in .venv-vllm: scripts/setup_vllm_env.sh)")
+def test_vllm_worker_commits_engine_logprobs_and_takes_weights(tmp_path, model_path):
+    worker = RolloutWorker(model_path, backend="vllm", max_tokens=5, seed=1)
+    with _buffer(tmp_path) as buf:
+        _check_committed_group(buf, worker, model_path, backend_tol=1e-3)
+    state = _reference_model(model_path).state_dict()
+    torch.manual_seed(11)
+    state = {k: v + 0.05 * torch.randn_like(v) for k, v in state.items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    worker.load_weights(state, version=1)
+    with _buffer(tmp_path, "after.kv") as buf:
+        [lease] = buf.admit([4], weight_version=worker.weight_version)
+        samples, version = worker.generate([lease])
+        assert version == 1
+        reference = _reference_model(model_path, state)
+        for sample in samples[0]:
+            expected = _teacher_forced_logprobs(reference, sample)
+            assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=1e-3)
+        assert worker.commit(buf, lease, worker.rows(lease, samples[0]), version).ready
