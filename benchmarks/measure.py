@@ -1,0 +1,705 @@
+"""The measurements behind every benchmark figure, kvckpt and its baselines side by side.
+
+Each function returns plain JSON-able dicts (seconds and bytes, no formatting);
+:mod:`benchmarks.figures` turns them into tables and :mod:`benchmarks.plots` into PNGs.
+
+* :func:`measure_size` builds one buffer size (kvckpt store, bare LMDB file and the in-memory
+  baseline from the same groups, interleaved so they share the machine's noise) and measures
+  ingest (figure 4), bytes on disk (5), checkpoints under a steady producer/trainer load (1, 2)
+  and restore to the first batch in a fresh process (3).
+* :func:`measure_select` measures select latency against the number of buffered groups (6).
+* :func:`measure_crashes` kills a real training loop at chosen points and counts the committed
+  groups each recovery mode loses (7).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from kvckpt import BufferConfig, Prompt, ReplayBuffer, codec, keys, restore
+from kvckpt.checkpoint import read_stamp
+from kvckpt.records import CLAIMED, CONSUMED, READY
+
+from . import baselines, data
+
+GB = 1e9
+CHUNK = 32  # groups per admission while ingesting
+
+
+@dataclass
+class Settings:
+    """Knobs of one benchmark run (the defaults are the full run; :meth:`quick` is CI's)."""
+
+    sizes_gb: tuple[float, ...] = (0.25, 1.0, 4.0)
+    spec: data.RolloutSpec = field(default_factory=data.RolloutSpec)
+    level: int = codec.DEFAULT_LEVEL
+    seed: int = 0
+    threads: int = 2  # producer threads of the multi-producer ingest
+    rate: float = 20.0  # groups/s the producer offers during the latency phases (at most)
+    groups_per_step: int = 8
+    phase_seconds: float = 4.0
+    min_checkpoints: int = 2
+    restore_repeats: int = 3
+    restore_fresh_process: bool = True
+    cold: str = "fadvise"  # or "drop_caches"
+    select_counts: tuple[int, ...] = (1_000, 10_000, 100_000)
+    select_repeats: int = 30
+    crash_steps_per_checkpoint: int = 4
+    crash_groups_per_step: int = 4
+    crash_points: tuple[str, ...] = ("after-checkpoint", "mid-interval", "before-checkpoint", "during-copy")
+    fsync_samples: int = 2000
+
+    @classmethod
+    def quick(cls) -> Settings:
+        """A few seconds per figure: proves the benchmarks run, measures nothing meaningful."""
+        return cls(sizes_gb=(0.02,), spec=data.RolloutSpec(group_size=8, response_median=300),
+                   rate=40.0, phase_seconds=0.5, min_checkpoints=1, restore_repeats=1, restore_fresh_process=False,
+                   select_counts=(300, 1_000), select_repeats=5, crash_steps_per_checkpoint=2,
+                   crash_groups_per_step=2, crash_points=("mid-interval", "during-copy"), fsync_samples=100)
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """Count, p50, p99, max and mean of a list of seconds (zeros when empty)."""
+    if not values:
+        return {"n": 0, "p50": 0.0, "p99": 0.0, "max": 0.0, "mean": 0.0}
+    arr = np.asarray(values)
+    return {"n": len(values), "p50": float(np.percentile(arr, 50)), "p99": float(np.percentile(arr, 99)),
+            "max": float(arr.max()), "mean": float(arr.mean())}
+
+
+def _child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c code args...`` from the repository root (a fresh interpreter)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=root)
+
+
+def buffer_config(settings: Settings) -> BufferConfig:
+    """The realistic buffer: ungated ``windowed`` sampler with a window wide enough that nothing
+    is evicted or held back, and capacity for every group a run commits."""
+    return BufferConfig(group_size=settings.spec.group_size, schema=data.SCHEMA,
+                        sampler={"name": "windowed", "max_staleness_versions": 1 << 20},
+                        max_buffered_rollouts=1 << 24, groups_per_step=settings.groups_per_step,
+                        compression_level=settings.level)
+
+
+def _chunks(groups: Iterator[data.Group], size: int) -> Iterator[list[data.Group]]:
+    chunk: list[data.Group] = []
+    for group in groups:
+        chunk.append(group)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _encoded(gid: str, group: data.Group, level: int) -> list[tuple[bytes, bytes]]:
+    """The row keys and values kvckpt stores for ``group`` (same codec call, same meta)."""
+    return [(keys.row_key(gid, i), codec.encode(data.SCHEMA.validate(row, gid), {"group_id": gid, "index": i},
+                                                level=level))
+            for i, row in enumerate(data.rows_of(group))]
+
+
+# -- figure 4 (ingest) and the shared setup ------------------------------------------------------
+@dataclass
+class Built:
+    """One buffer size, built: the live kvckpt buffer and the in-memory baseline, same groups."""
+
+    directory: str
+    buffer: ReplayBuffer
+    baseline: baselines.LockedTensorBuffer
+    pool: list[data.Group]  # fresh groups producers commit during the latency phases
+    next_prompt: int
+
+
+def ingest(size_gb: float, directory: str, settings: Settings) -> tuple[Built, dict[str, Any]]:
+    """Fill a kvckpt buffer, a bare LMDB file and the in-memory baseline with the same groups.
+
+    Per chunk of :data:`CHUNK` groups: kvckpt admits them (one transaction) and commits each
+    (``commit_group``: validation, encoding, one durable transaction); the same rows are encoded
+    with the same codec call (timed apart) and put in the bare LMDB file one transaction per
+    group; the padded tensors go into the baseline dict. Then a second kvckpt store is filled
+    from ``settings.threads`` producer threads, and the disk's own limits are measured.
+    """
+    os.makedirs(directory, exist_ok=True)
+    config = buffer_config(settings)
+    buf = ReplayBuffer.create(os.path.join(directory, "live.kv"), config)
+    bare = baselines.BareLmdb(os.path.join(directory, "bare.lmdb"))
+    base = baselines.LockedTensorBuffer()
+    out: dict[str, Any] = {"groups": 0, "raw_bytes": 0, "unpadded_bytes": 0, "response_tokens": 0,
+                           "kvckpt_seconds": 0.0, "encode_seconds": 0.0, "bare_seconds": 0.0}
+    commit_lat, bare_lat = [], []
+    prompt = 0
+    groups = data.iter_groups(int(size_gb * GB), settings.seed, settings.spec)
+    for chunk in _chunks(groups, CHUNK):
+        t0 = time.perf_counter()
+        leases = buf.admit(list(range(prompt, prompt + len(chunk))))
+        for lease, group in zip(leases, chunk, strict=True):
+            t1 = time.perf_counter()
+            buf.commit_group(lease, data.rows_of(group))
+            commit_lat.append(time.perf_counter() - t1)
+        out["kvckpt_seconds"] += time.perf_counter() - t0
+        for lease, group in zip(leases, chunk, strict=True):
+            t1 = time.perf_counter()
+            items = _encoded(lease.group_id, group, settings.level)
+            out["encode_seconds"] += time.perf_counter() - t1
+            bare_lat.append(bare.put_group(items))
+            base.commit(lease.group_id, data.as_tensors(group))
+            out["raw_bytes"] += data.raw_bytes(group)
+            out["unpadded_bytes"] += data.unpadded_bytes(group)
+            out["response_tokens"] += data.response_tokens(group)
+        prompt += len(chunk)
+    out["groups"] = prompt
+    out["bare_seconds"] = sum(bare_lat)
+    out["kvckpt_commit"] = summary(commit_lat)
+    out["bare_commit"] = summary(bare_lat)
+    out["kvckpt_file_bytes"] = buf.store.file_size()
+    out["kvckpt_stored_bytes"] = buf.stats()["stored_bytes"]
+    bare.close()
+    out["bare_file_bytes"] = os.path.getsize(bare.path)
+    os.unlink(bare.path)
+    os.unlink(bare.path + "-lock")
+    held = [{k: v.numpy() for k, v in g.items()} for g in base.groups.values()]
+    out.update(_ingest_threads(directory, config, held, settings.threads))
+    out["disk_seq_write_MBps"] = baselines.sequential_write(os.path.join(directory, "seq.bin"),
+                                                            min(out["raw_bytes"], 1 << 30))
+    out["disk_fsync_4k"] = summary(baselines.fsync_latency(os.path.join(directory, "fsync.bin"),
+                                                           settings.fsync_samples))
+    pool_rng = np.random.default_rng(settings.seed + 1)
+    pool = [data.make_group(pool_rng, settings.spec) for _ in range(16)]
+    return Built(directory, buf, base, pool, prompt), out
+
+
+def _ingest_threads(directory: str, config: BufferConfig, groups: list[data.Group], threads: int) -> dict[str, Any]:
+    """The same groups committed to a fresh store by ``threads`` producers (8-prompt admissions)."""
+    path = os.path.join(directory, "threads.kv")
+    buf = ReplayBuffer.create(path, config)
+    lock = threading.Lock()
+    cursor = iter(enumerate(groups))
+
+    def producer() -> None:
+        while True:
+            with lock:
+                batch = [item for _, item in zip(range(8), cursor, strict=False)]
+            if not batch:
+                return
+            leases = buf.admit([i for i, _ in batch])
+            for lease, (_, group) in zip(leases, batch, strict=True):
+                buf.commit_group(lease, data.rows_of(group))
+
+    workers = [threading.Thread(target=producer) for _ in range(threads)]
+    t0 = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    elapsed = time.perf_counter() - t0
+    committed = buf.stats()["committed"]
+    buf.close()
+    size = os.path.getsize(path)
+    os.unlink(path)
+    os.unlink(path + "-lock")
+    return {"threads": threads, "threads_seconds": elapsed, "threads_groups": committed, "threads_file_bytes": size}
+
+
+# -- cache control -------------------------------------------------------------------------------
+def evict_cache(paths: list[str], how: str) -> None:
+    """Drop the page cache of ``paths`` (``fadvise``) or of the whole machine (``drop_caches``)."""
+    if how == "drop_caches":
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+# -- figures 1 and 2 (checkpoints under load) ----------------------------------------------------
+class _Paced(threading.Thread):
+    """Calls ``fn(i)`` at ``rate`` per second until stopped; records (scheduled, end) of each call.
+
+    Latency is measured from the *scheduled* time, so a call delayed by a stalled predecessor
+    counts its wait (no coordinated omission). ``between(i)`` runs after call ``i`` (untimed
+    housekeeping such as admitting the next prompts).
+    """
+
+    def __init__(self, fn: Callable[[int], Any], rate: float, between: Callable[[int], Any] | None = None) -> None:
+        super().__init__(daemon=True)
+        self.fn, self.period, self.between = fn, 1.0 / rate, between
+        self.stop = threading.Event()
+        self.records: list[tuple[float, float]] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            due = time.perf_counter()
+            i = 0
+            while not self.stop.is_set():
+                delay = due - time.perf_counter()
+                if delay > 0 and self.stop.wait(delay):
+                    return
+                self.fn(i)
+                self.records.append((due, time.perf_counter()))
+                if self.between is not None:
+                    self.between(i)
+                i += 1
+                due += self.period
+        except BaseException as exc:
+            self.error = exc
+
+    def finish(self) -> list[tuple[float, float]]:
+        self.stop.set()
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.records
+
+
+def _latencies(records: list[tuple[float, float]], windows: list[tuple[float, float]] | None) -> list[float]:
+    """Latencies of calls overlapping any window (all calls when ``windows`` is None)."""
+    return [end - due for due, end in records
+            if windows is None or any(due < w_end and end > w_start for w_start, w_end in windows)]
+
+
+class _KvckptLoad:
+    """Producers committing and a trainer consuming at the same group rate, on the live buffer."""
+
+    def __init__(self, built: Built, settings: Settings) -> None:
+        self.built, self.settings = built, settings
+        self.leases: list[Any] = []
+        self.lock = threading.Lock()
+
+    def _lease(self) -> Any:
+        with self.lock:
+            if not self.leases:
+                n = self.built.next_prompt
+                self.leases = self.built.buffer.admit(list(range(n, n + self.settings.groups_per_step)))
+                self.built.next_prompt = n + self.settings.groups_per_step
+            return self.leases.pop(0)
+
+    def start(self) -> list[_Paced]:
+        buf, pool, gps = self.built.buffer, self.built.pool, self.settings.groups_per_step
+        pending = [self._lease()]
+
+        def commit(i: int) -> None:
+            buf.commit_group(pending.pop(), data.rows_of(pool[i % len(pool)]))
+
+        def step(_: int) -> None:
+            buf.select(1, gps)
+            buf.finish_step()
+
+        threads = [_Paced(commit, self.settings.rate, lambda _: pending.append(self._lease())),
+                   _Paced(step, self.settings.rate / gps)]
+        for t in threads:
+            t.start()
+        return threads
+
+
+class _BaselineLoad:
+    """The same load on the in-memory baseline: dict inserts and pops under its lock."""
+
+    def __init__(self, built: Built, settings: Settings) -> None:
+        self.built, self.settings = built, settings
+
+    def start(self) -> list[_Paced]:
+        base, pool, gps = self.built.baseline, self.built.pool, self.settings.groups_per_step
+        fresh = [data.as_tensors(pool[0], copy=True)]
+
+        def commit(i: int) -> None:
+            base.commit(f"load-{i}", fresh.pop())
+
+        def refill(i: int) -> None:
+            fresh.append(data.as_tensors(pool[(i + 1) % len(pool)], copy=True))
+
+        threads = [_Paced(commit, self.settings.rate, refill),
+                   _Paced(lambda _: base.take(gps), self.settings.rate / gps)]
+        for t in threads:
+            t.start()
+        return threads
+
+
+def _phase(load: Any, checkpoint: Callable[[int], dict[str, float]] | None, settings: Settings) -> dict[str, Any]:
+    """Run ``load`` for ``phase_seconds`` with back-to-back checkpoints (or none)."""
+    threads = load.start()
+    t0 = time.perf_counter()
+    windows, ckpts = [], []
+    if checkpoint is None:
+        time.sleep(settings.phase_seconds)
+    else:
+        while True:
+            start = time.perf_counter()
+            ckpts.append(checkpoint(len(ckpts)))
+            windows.append((start, time.perf_counter()))
+            if time.perf_counter() - t0 >= settings.phase_seconds and len(ckpts) >= settings.min_checkpoints:
+                break
+    commits, steps = (t.finish() for t in threads)
+    return {"commit": summary(_latencies(commits, windows or None)), "commit_all": summary(_latencies(commits, None)),
+            "trainer_step": summary(_latencies(steps, windows or None)), "checkpoints": ckpts,
+            "seconds": time.perf_counter() - t0}
+
+
+def checkpoints_under_load(built: Built, settings: Settings) -> dict[str, Any]:
+    """Figures 1 and 2: producer commit latency and trainer-blocked time while checkpoints run.
+
+    For each system: a phase without checkpoints, then a phase with checkpoints back to back,
+    under the same paced load (``rate`` groups/s committed by a producer, the same consumed by
+    a trainer in steps of ``groups_per_step``). kvckpt's blocked time is ``checkpoint()``'s return
+    (the stamp); the baseline's is the time ``torch.save`` holds the lock.
+    """
+    d = built.directory
+
+    def kv_checkpoint(i: int) -> dict[str, float]:
+        path = os.path.join(d, f"load-{i}.kvckpt")
+        t0 = time.perf_counter()
+        handle = built.buffer.checkpoint(path, {"step": i})
+        blocked = time.perf_counter() - t0
+        result = handle.wait()
+        out = {"blocked": blocked, "total": time.perf_counter() - t0, "file_bytes": result.file_bytes}
+        os.unlink(path)
+        return out
+
+    def base_checkpoint(i: int) -> dict[str, float]:
+        path = os.path.join(d, f"load-{i}.pt")
+        blocked, total = built.baseline.checkpoint(path)
+        out = {"blocked": blocked, "total": total, "file_bytes": os.path.getsize(path)}
+        os.unlink(path)
+        return out
+
+    kv, base = _KvckptLoad(built, settings), _BaselineLoad(built, settings)
+    return {"kvckpt": {"idle": _phase(kv, None, settings), "ckpt": _phase(kv, kv_checkpoint, settings)},
+            "baseline": {"idle": _phase(base, None, settings), "ckpt": _phase(base, base_checkpoint, settings)}}
+
+
+# -- figure 3 (restore to the first batch) -------------------------------------------------------
+RESTORE_MODES = ("kvckpt", "kvckpt_trusted", "torch", "torch_mmap")
+
+
+def restore_child(jobs: str) -> None:
+    """Runs in a fresh process (imports done). For each job ``[mode, source, live, count, cold]``
+    of the JSON list ``jobs``: drop the source's page cache, restore, build the first batch of
+    ``count`` groups, print one JSON line of timings."""
+    for mode, source, live, count, cold in json.loads(jobs):
+        for path in (live, live + "-lock"):
+            if os.path.exists(path):
+                os.unlink(path)
+        evict_cache([source], cold)
+        t0 = time.perf_counter()
+        if mode in ("kvckpt", "kvckpt_trusted"):
+            buf, plan = restore(source, live, overwrite=True, trusted=mode == "kvckpt_trusted")
+            t1 = time.perf_counter()
+            batch = buf.read_batch(buf.select(1, count))
+            rows = int(batch.lengths.numel())
+            extra = {"restore": t1 - t0, **plan.timings}
+            buf.close()
+        else:
+            batch = baselines.load_first_batch(source, count, mmap=mode == "torch_mmap")
+            rows = int(batch["input_ids"].shape[0])
+            extra = {}
+        print(json.dumps({"seconds": time.perf_counter() - t0, "mode": mode, "rows": rows, **extra}), flush=True)
+
+
+def _run_restores(jobs: list[list[Any]]) -> list[dict[str, Any]]:
+    proc = _child("import sys; from benchmarks.measure import restore_child; restore_child(sys.argv[1])",
+                  json.dumps(jobs))
+    if proc.returncode != 0:
+        raise RuntimeError(f"restore child failed: {proc.stderr[-2000:]}")
+    return [json.loads(line) for line in proc.stdout.strip().splitlines()[-len(jobs):]]
+
+
+def restore_first_batch(ckpt: str, pt: str, directory: str, settings: Settings) -> dict[str, Any]:
+    """Figure 3: restore start -> first training batch, page cache of the file dropped first;
+    kvckpt (``restore`` + ``select`` + ``read_batch``; default, and ``trusted=True`` for a file of
+    known provenance) vs ``torch.load`` of the same rows (plain and ``mmap=True``) + building the
+    same batch. Each run is a fresh process (imports excluded from the time) unless
+    ``settings.restore_fresh_process`` is off (quick mode: one process for all); repeats alternate
+    modes."""
+    live = os.path.join(directory, "restored.kv")
+    jobs = [[mode, ckpt if mode.startswith("kvckpt") else pt, live, settings.groups_per_step, settings.cold]
+            for _ in range(settings.restore_repeats) for mode in RESTORE_MODES]
+    if settings.restore_fresh_process:
+        done = [run for job in jobs for run in _run_restores([job])]
+    else:
+        done = _run_restores(jobs)
+    runs = {mode: [r for r in done if r["mode"] == mode] for mode in RESTORE_MODES}
+    return {mode: {"seconds": summary([r["seconds"] for r in rs]), "rows": rs[0]["rows"],
+                   "breakdown": {k: float(np.median([r[k] for r in rs])) for k in rs[0]
+                                 if k not in ("seconds", "rows", "mode")}}
+            for mode, rs in runs.items()}
+
+
+def measure_size(size_gb: float, work: str, settings: Settings, log: Callable[[str], None]) -> dict[str, Any]:
+    """Figures 1-5 at one buffer size (``size_gb`` GB of raw padded rows)."""
+    directory = os.path.join(work, f"size-{size_gb:g}")
+    t0 = time.perf_counter()
+    built, ingested = ingest(size_gb, directory, settings)
+    log(f"  ingest {ingested['groups']} groups, {ingested['raw_bytes'] / GB:.2f} GB raw "
+        f"({time.perf_counter() - t0:.0f} s)")
+    try:
+        ckpt, pt = os.path.join(directory, "first.kvckpt"), os.path.join(directory, "first.pt")
+        t1 = time.perf_counter()
+        result = built.buffer.checkpoint(ckpt, {"step": 0}).wait()
+        kv_idle = {"blocked": result.timings["stamp"], "total": time.perf_counter() - t1,
+                   "file_bytes": result.file_bytes, "timings": result.timings}
+        blocked, total = built.baseline.checkpoint(pt)
+        base_idle = {"blocked": blocked, "total": total, "file_bytes": os.path.getsize(pt)}
+        restored = restore_first_batch(ckpt, pt, directory, settings)
+        log(f"  restore kvckpt {restored['kvckpt']['seconds']['p50']:.3f} s, "
+            f"torch.load {restored['torch']['seconds']['p50']:.3f} s")
+        for path in (pt, ckpt):
+            os.unlink(path)
+        rate = min(settings.rate, 0.25 * ingested["groups"] / ingested["kvckpt_seconds"])
+        loaded = checkpoints_under_load(built, replace(settings, rate=rate))
+        loaded["rate"] = rate
+        log(f"  load phases done ({time.perf_counter() - t0:.0f} s)")
+        return {"size_gb": size_gb, "ingest": ingested, "restore": restored, "load": loaded,
+                "checkpoint_no_load": {"kvckpt": kv_idle, "baseline": base_idle}}
+    finally:
+        built.buffer.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# -- figure 6 (select latency vs buffered groups) ------------------------------------------------
+SAMPLERS = ("in_order", "weight_fifo", "windowed", "ready_first")
+SELECT_BATCH = 8
+WEIGHTS = 8
+
+
+def _select_store(path: str, count: int) -> dict[str, Any]:
+    """``count`` ready groups of 2 tiny rows over 8 weight versions, trainer at version 7.
+
+    Built under ``in_order`` (about 100 admissions, one target step each, at least 8 prompts
+    each) with every window wide enough to hold them all; the other samplers reuse the file via
+    ``recover(sampler=...)``.
+    """
+    batch = max(SELECT_BATCH, count // 100)
+    admits = -(-count // batch)
+    config = BufferConfig(group_size=2, schema=data.TINY_SCHEMA,
+                          sampler={"name": "in_order", "max_lookahead_versions": admits + 1},
+                          max_buffered_rollouts=(admits + 2) * batch, groups_per_step=batch)
+    t0 = time.perf_counter()
+    with ReplayBuffer.create(path, config) as buf:
+        done = 0
+        for b in range(admits):
+            n = min(batch, count - done)
+            leases = buf.admit(list(range(done, done + n)), weight_version=b * WEIGHTS // admits)
+            for lease in leases:
+                buf.commit_group(lease, data.tiny_rows(2, lease.prompt_idx))
+            done += n
+        for _ in range(WEIGHTS - 1):
+            buf.finish_step()
+    return {"groups": count, "build_seconds": time.perf_counter() - t0, "admits": admits, "admit_batch": batch,
+            "file_bytes": os.path.getsize(path)}
+
+
+def _sampler_config(name: str, window: int) -> dict[str, Any]:
+    key = "max_lookahead_versions" if name == "in_order" else "max_staleness_versions"
+    return {"name": name, key: window}
+
+
+def _scratch_dir(work: str) -> tuple[str, str]:
+    """A directory on tmpfs (``/dev/shm``, where fsync costs nothing) if there is one, else under
+    ``work``; and the kind of filesystem it is on."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return tempfile.mkdtemp(prefix="kvckpt-bench-", dir="/dev/shm"), "tmpfs"
+    return tempfile.mkdtemp(prefix="select-", dir=work), "disk"
+
+
+def measure_select(work: str, settings: Settings, log: Callable[[str], None]) -> dict[str, Any]:
+    """Figure 6: ``select`` latency (claim up to 8 groups, one durable transaction) per sampler at
+    each buffered-group count; ``finish_step`` between selects (untimed) moves the step on.
+
+    Stores are built once per count (on tmpfs when available: one fsync per commit would make
+    100,000 commits take minutes on a busy disk), then copied, switched to each sampler with
+    ``recover(sampler=...)`` and measured in two places: the work directory's disk (what a trainer
+    sees, fsync included) and tmpfs (the CPU cost alone, where an index scan would show). For one
+    sampler every count and place is open at once and the selects go round-robin across them,
+    so the machine's noise falls on all of them alike.
+    """
+    scratch, scratch_kind = _scratch_dir(work)
+    places = {"disk": tempfile.mkdtemp(prefix="select-", dir=work)}
+    if scratch_kind == "tmpfs":
+        places["tmpfs"] = scratch
+    out: dict[str, Any] = {"stores": {}, "build_on": scratch_kind,
+                           "latency": {place: {name: {} for name in SAMPLERS} for place in places}}
+    try:
+        bases = {}
+        for count in settings.select_counts:
+            bases[count] = os.path.join(scratch, f"base-{count}.kv")
+            out["stores"][str(count)] = _select_store(bases[count], count)
+            log(f"  select store of {count} groups built in {out['stores'][str(count)]['build_seconds']:.1f} s "
+                f"on {scratch_kind}")
+        for name in SAMPLERS:
+            cells = list(itertools.product(places.items(), settings.select_counts))
+            buffers = []
+            for (_, directory), count in cells:
+                path = os.path.join(directory, f"{name}-{count}.kv")
+                shutil.copyfile(bases[count], path)
+                buffers.append(ReplayBuffer.open(path))
+                buffers[-1].recover(sampler=_sampler_config(name, out["stores"][str(count)]["admits"] + 1))
+            lat: list[list[float]] = [[] for _ in cells]
+            sizes: list[list[int]] = [[] for _ in cells]
+            for _ in range(settings.select_repeats):
+                for i, buf in enumerate(buffers):
+                    t0 = time.perf_counter()
+                    sel = buf.select(1, SELECT_BATCH)
+                    lat[i].append(time.perf_counter() - t0)
+                    sizes[i].append(len(sel))
+                    buf.finish_step()
+            for i, ((place, _), count) in enumerate(cells):
+                out["latency"][place][name][str(count)] = {**summary(lat[i]), "selected": sizes[i]}
+                path = buffers[i].path
+                buffers[i].close()
+                for p in (path, path + "-lock"):
+                    os.unlink(p)
+    finally:
+        for directory in {scratch, *places.values()}:
+            shutil.rmtree(directory, ignore_errors=True)
+    return out
+
+
+# -- figure 7 (generation work lost per crash) ---------------------------------------------------
+def crash_child(directory: str, crash_at: str, steps_per_ckpt: int, gps: int, seed: int) -> None:
+    """A small async GRPO loop that SIGKILLs itself at ``crash_at``.
+
+    Producers stay one step ahead: each step commits ``gps`` new groups, then the trainer selects
+    ``gps`` and finishes the step; every ``steps_per_ckpt`` steps a checkpoint is written (and
+    waited for). Each acknowledged commit is appended to ``acked.txt`` with its generated tokens,
+    each completed checkpoint as ``# <file name>``.
+    ``crash_at``: ``after-checkpoint`` (right after the second checkpoint completes),
+    ``mid-interval`` (half an interval of commits later), ``before-checkpoint`` (the last commit
+    before the third checkpoint) or ``during-copy`` (the third checkpoint stamped, its copy running).
+    """
+    spec = data.RolloutSpec(group_size=8, response_median=400)
+    config = BufferConfig(group_size=spec.group_size, schema=data.SCHEMA,
+                          sampler={"name": "windowed", "max_staleness_versions": 4},
+                          max_buffered_rollouts=(2 * steps_per_ckpt + 4) * gps, groups_per_step=gps)
+    rng = np.random.default_rng(seed)
+    buf = ReplayBuffer.create(os.path.join(directory, "live.kv"), config)
+    interval = steps_per_ckpt * gps
+    crash_commit = {"after-checkpoint": 0, "mid-interval": interval // 2, "before-checkpoint": interval}.get(crash_at)
+    acked = open(os.path.join(directory, "acked.txt"), "w")  # noqa: SIM115 - must survive until SIGKILL
+    since_ckpt, ckpts, prompt = None, 0, 0
+
+    def produce() -> None:
+        nonlocal prompt, since_ckpt
+        for lease in buf.admit([Prompt(prompt_idx=prompt + j) for j in range(gps)]):
+            group = data.make_group(rng, spec)
+            buf.commit_group(lease, data.rows_of(group))
+            acked.write(f"{lease.group_id} {data.response_tokens(group)}\n")
+            acked.flush()
+            if since_ckpt is not None:
+                since_ckpt += 1
+                if ckpts == 2 and since_ckpt == crash_commit:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        prompt += gps
+
+    produce()
+    step = 0
+    while True:
+        produce()
+        buf.read_batch(buf.select(gps, gps))
+        buf.finish_step()
+        step += 1
+        if step % steps_per_ckpt == 0:
+            handle = buf.checkpoint(os.path.join(directory, f"step-{step:04d}.kvckpt"), {"step": step})
+            if ckpts == 2 and crash_at == "during-copy":
+                os.kill(os.getpid(), signal.SIGKILL)
+            acked.write(f"# {os.path.basename(handle.wait().path)}\n")
+            acked.flush()
+            ckpts += 1
+            since_ckpt = 0
+            if ckpts == 2 and crash_commit == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def count_child(crashed: str) -> None:
+    """Runs in a fresh process after the crashes. For each ``[directory, checkpoint file]`` of the
+    JSON list ``crashed``: recover both ways (the live store in place; the checkpoint file restored
+    to another path) and print, per mode, which groups are committed after recovery (ready,
+    claimed, or consumed by a step the resumed model contains) and what the trainer's next
+    ``select`` returns. One JSON line per directory."""
+    for directory, checkpoint_file in json.loads(crashed):
+        stamp = read_stamp(checkpoint_file)
+        out = {}
+        for mode in ("live", "checkpoint"):
+            if mode == "live":
+                buf = ReplayBuffer.open(os.path.join(directory, "live.kv"))
+                plan = buf.recover(stamp["trainer_version"])
+            else:
+                buf, plan = restore(checkpoint_file, os.path.join(directory, "restored.kv"))
+            with buf:
+                out[mode] = {"kept": [g.group_id for g in buf.groups([READY, CLAIMED, CONSUMED])],
+                             "redispatch": len(plan.leases), "resume_version": plan.resume_version,
+                             "selected": buf.select(1, buf.config.groups_per_step).group_ids}
+        print(json.dumps(out), flush=True)
+
+
+def _crash(directory: str, point: str, settings: Settings) -> dict[str, Any]:
+    """Run :func:`crash_child` to its SIGKILL; return what was acknowledged and the last checkpoint."""
+    os.makedirs(directory, exist_ok=True)
+    proc = _child("import sys; from benchmarks.measure import crash_child; "
+                  "crash_child(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))",
+                  directory, point, str(settings.crash_steps_per_checkpoint), str(settings.crash_groups_per_step),
+                  str(settings.seed))
+    if proc.returncode != -signal.SIGKILL:
+        raise RuntimeError(f"crash child did not die of SIGKILL (rc {proc.returncode}): {proc.stderr[-2000:]}")
+    ckpt = sorted(p for p in os.listdir(directory) if p.endswith(".kvckpt"))[-1]
+    acked: dict[str, int] = {}
+    with open(os.path.join(directory, "acked.txt")) as f:
+        for line in f:
+            first, second = line.split()
+            if first != "#":
+                acked[first] = int(second)
+            elif second == ckpt:
+                covered = len(acked)
+    return {"acked": acked, "acked_since_checkpoint": len(acked) - covered, "checkpoint_file": ckpt,
+            "partial_files": sum(p.endswith(".partial") for p in os.listdir(directory))}
+
+
+def measure_crashes(work: str, settings: Settings, log: Callable[[str], None]) -> dict[str, Any]:
+    """Figure 7: for each crash point, the acknowledged groups lost by live-store recovery and by
+    checkpoint-only recovery (the last complete checkpoint file), counted in a fresh process."""
+    dirs = {point: os.path.join(work, f"crash-{point}") for point in settings.crash_points}
+    try:
+        crashes = {point: _crash(d, point, settings) for point, d in dirs.items()}
+        proc = _child("import sys; from benchmarks.measure import count_child; count_child(sys.argv[1])",
+                      json.dumps([[d, os.path.join(d, crashes[p]["checkpoint_file"])] for p, d in dirs.items()]))
+        if proc.returncode != 0:
+            raise RuntimeError(f"recovery after the crash failed: {proc.stderr[-2000:]}")
+        lines = proc.stdout.strip().splitlines()[-len(dirs):]
+    finally:
+        for d in dirs.values():
+            shutil.rmtree(d, ignore_errors=True)
+    out = {}
+    for (point, crash), line in zip(crashes.items(), lines, strict=True):
+        acked = crash.pop("acked")
+        result = {"acked": len(acked), **crash}
+        for mode, doc in json.loads(line).items():
+            kept = set(doc["kept"])
+            lost = [gid for gid in acked if gid not in kept]
+            result[mode] = {"lost_groups": len(lost), "lost_tokens": sum(acked[g] for g in lost),
+                            "redispatch": doc["redispatch"], "resume_version": doc["resume_version"],
+                            "selected": len(doc["selected"])}
+        out[point] = result
+        log(f"  crash {point}: lost live {result['live']['lost_groups']}, "
+            f"checkpoint-only {result['checkpoint']['lost_groups']} of {len(acked)} acked")
+    return out
