@@ -3,13 +3,10 @@
 Run ``python -m benchmarks.codec_bench`` (about 200 MB of padded tensors, < 60 s) or add ``--quick``
 (3 MB, < 5 s). Prints Markdown tables.
 
-Data: groups of 16 rows as an async GRPO trainer holds them. One prompt per group (length lognormal
-around 300 tokens) shared by its 16 responses (lognormal, clipped to 200..4000 tokens). Token ids
-come from a 151,936-entry vocabulary (Qwen2.5-like): a Zipf law over frequency ranks (exponent 1.05,
-10.9 bits of unigram entropy per token), ranks mapped to ids loosely in frequency order (sorted by
-log-rank plus N(0, 1) noise, as BPE merge order does). Tokens are drawn i.i.d., so without the
-repetition of real text: a pessimistic case for zstd. Tensors are padded to the group's longest row
-with the pad id 151643, as trainers produce them:
+Data: groups of 16 rows as an async GRPO trainer holds them, from :mod:`benchmarks.data` (one
+prompt of ~300 tokens shared by 16 lognormal responses of ~900 tokens, ids from a Zipf(1.05) law
+over the 151,936-entry Qwen2.5 vocabulary, i.i.d.: a pessimistic case for zstd), padded to the
+group's longest row with the pad id 151643:
 
 * ``input_ids`` int64 [16, L] — prompt + response, then padding
 * ``generation_logprobs`` float32 [16, L] — negative on response tokens (mostly near 0, long tail),
@@ -39,72 +36,14 @@ import zstandard
 
 from kvckpt import codec
 
-VOCAB = 151_936
-PAD_ID = 151_643
-GROUP = 16
+from .data import ROW_FIELDS, TOKEN_FIELDS, RolloutSpec, iter_groups
+
+GROUP = RolloutSpec().group_size
 PAGE = 4096
 NODE_MAX = 2040  # LMDB 0.9 (4 KiB pages): larger values go to overflow pages
-TOKEN_FIELDS = ("input_ids", "generation_logprobs", "token_mask")
-ROW_FIELDS = ("sample_mask", "total_reward", "input_lengths")
 
 
 # -- data ----------------------------------------------------------------------------------------
-def _vocabulary() -> tuple[np.ndarray, np.ndarray]:
-    """CDF of a Zipf(1.05) law over frequency ranks, and the rank -> token id map."""
-    ranks = np.arange(1, VOCAB + 1, dtype=np.float64)
-    p = ranks ** -ZIPF_S
-    cdf = np.cumsum(p / p.sum())
-    # BPE ids follow merge order, which follows frequency only loosely: sort by log-rank + noise.
-    noise = np.random.default_rng(1234).normal(0.0, 1.0, VOCAB)
-    rank_to_id = np.argsort(np.log(ranks) + noise, kind="stable").argsort().astype(np.int64)
-    return cdf, rank_to_id
-
-
-ZIPF_S = 1.05
-_CDF, _RANK_TO_ID = _vocabulary()
-
-
-def token_ids(rng: np.random.Generator, n: int) -> np.ndarray:
-    ranks = np.minimum(np.searchsorted(_CDF, rng.random(n)), VOCAB - 1)
-    return _RANK_TO_ID[ranks]
-
-
-def make_group(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    prompt_len = int(np.clip(rng.lognormal(np.log(300), 0.5), 32, 2048))
-    resp = np.clip(rng.lognormal(np.log(900), 0.8, GROUP), 200, 4000).astype(np.int64)
-    lengths = prompt_len + resp
-    width = int(lengths.max())
-    prompt = token_ids(rng, prompt_len)
-    ids = np.full((GROUP, width), PAD_ID, np.int64)
-    logprobs = np.zeros((GROUP, width), np.float32)
-    mask = np.zeros((GROUP, width), np.int64)
-    for i, n in enumerate(resp):
-        end = prompt_len + n
-        ids[i, :prompt_len] = prompt
-        ids[i, prompt_len:end] = token_ids(rng, n)
-        # log p of the sampled token: median ~ -0.05, long tail to -20 (temperature-1 sampling)
-        logprobs[i, prompt_len:end] = -np.minimum(np.exp(rng.normal(-3.0, 2.5, n)), 20.0)
-        mask[i, prompt_len:end] = 1
-    return {
-        "input_ids": ids,
-        "generation_logprobs": logprobs,
-        "token_mask": mask,
-        "sample_mask": np.ones(GROUP, np.float32),
-        "total_reward": (rng.random(GROUP) < 0.4).astype(np.float32),
-        "input_lengths": lengths,
-    }
-
-
-def make_groups(target_bytes: int, seed: int) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    groups, total = [], 0
-    while total < target_bytes:
-        group = make_group(rng)
-        groups.append(group)
-        total += sum(a.nbytes for a in group.values())
-    return groups
-
-
 def rows_of(group: dict[str, np.ndarray], jagged: bool) -> list[dict[str, np.ndarray]]:
     rows = []
     for i in range(GROUP):
@@ -213,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     levels = [0, *[int(x) for x in args.levels.split(",") if x.strip()]]
 
     start = time.perf_counter()
-    groups = make_groups(int(mb * 1e6), args.seed)
+    groups = list(iter_groups(int(mb * 1e6), args.seed))
     jagged = [r for g in groups for r in rows_of(g, jagged=True)]
     padded = [r for g in groups for r in rows_of(g, jagged=False)]
     raw = sum(a.nbytes for g in groups for a in g.values())
