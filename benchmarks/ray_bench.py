@@ -16,10 +16,14 @@ commit, is the cost that batching and pipelining hide.
 
 Rows are generated once, put in Ray's object store once and shared by every producer, so the
 actor modes measure transport and commit, not generation. Leases are admitted before the clock
-starts. Each mode's rate is groups committed over the wall time from the start signal to the
-last acknowledgement; every mode's store is verified afterwards.
+starts. A rate is groups committed over the wall time from the start signal to the last
+acknowledgement; every store is verified afterwards.
 
-Run: ``python -m benchmarks.ray_bench [--groups 800] [--producers 2] [--rows tiny] [--json out.json]``.
+Every mode runs ``--repeats`` times, interleaved, and the table shows each mode's median (the
+machines are shared: single runs vary by a factor of two).
+
+Run: ``python -m benchmarks.ray_bench [--groups 400] [--repeats 3] [--producers 2] [--rows tiny]
+[--json out.json]``.
 """
 
 from __future__ import annotations
@@ -121,54 +125,60 @@ def row_pool(kind: str, seed: int) -> tuple[Any, list[Any], float]:
     """The schema, 32 distinct groups of rows, and their mean unpadded bytes per group."""
     if kind == "tiny":
         pool = [data.tiny_rows(GROUP_SIZE, seed + i) for i in range(32)]
-        nbytes = [sum(t.numel() * t.element_size() for row in rows for t in row.values()) for rows in pool]
+        nbytes = [sum(t.nbytes for row in rows for t in row.values()) for rows in pool]
         return data.TINY_SCHEMA, pool, float(np.mean(nbytes))
     rng = np.random.default_rng(seed)
     padded = [data.make_group(rng, data.RolloutSpec(group_size=GROUP_SIZE)) for _ in range(32)]
     return data.SCHEMA, [data.rows_of(g) for g in padded], float(np.mean([data.unpadded_bytes(g) for g in padded]))
 
 
-def run(groups: int, producers: int, batch: int, in_flight: int, rows: str = "realistic",
+def run(groups: int, producers: int, batch: int, in_flight: int, rows: str = "realistic", repeats: int = 3,
         seed: int = 0) -> dict[str, Any]:
-    """Measure every mode once, in one Ray session; returns the figures as a dict."""
+    """Measure every mode ``repeats`` times, interleaved (so all modes share the machine's noise),
+    in one Ray session; returns every rate and each mode's median."""
     schema, pool, group_bytes = row_pool(rows, seed)
     init_local_ray(num_cpus=max(2, producers + 1), object_store_memory=1 << 30)
     pool_ref = ray.put(to_wire(pool))
-    rates: dict[str, float] = {}
+    batched = f"actor, batched {batch} + {in_flight} in flight"
+    modes = {
+        "in-process, 1 thread": lambda p: in_process(p, schema, pool, groups, 1),
+        f"in-process, {producers} threads": lambda p: in_process(p, schema, pool, groups, producers),
+        "actor, unbatched": lambda p: through_actor(p, schema, pool_ref, groups, producers, None, 1),
+        batched: lambda p: through_actor(p, schema, pool_ref, groups, producers, batch, in_flight),
+    }
+    rates: dict[str, list[float]] = {name: [] for name in modes}
     with tempfile.TemporaryDirectory(prefix="kvckpt-ray-bench-") as directory:
-        def path(name: str) -> str:
-            return os.path.join(directory, f"{name}.kv")
-
-        rates["in-process, 1 thread"] = in_process(path("inproc1"), schema, pool, groups, 1)
-        rates[f"in-process, {producers} threads"] = in_process(path("inprocP"), schema, pool, groups, producers)
-        rates["actor, unbatched"] = through_actor(path("unbatched"), schema, pool_ref, groups, producers, None, 1)
-        rates[f"actor, batched {batch} + {in_flight} in flight"] = through_actor(
-            path("batched"), schema, pool_ref, groups, producers, batch, in_flight)
-        problems = {name: verify_path(path(name)).problems
-                    for name in ("inproc1", "inprocP", "unbatched", "batched")}
+        for repeat in range(repeats):
+            for i, (name, measure) in enumerate(modes.items()):
+                path = os.path.join(directory, f"r{repeat}-m{i}.kv")
+                rates[name].append(measure(path))
+                problems = verify_path(path).problems
+                assert not problems, problems
+                os.unlink(path)
     ray.shutdown()
-    assert not any(problems.values()), problems
-    best_in_process = max(v for k, v in rates.items() if k.startswith("in-process"))
-    return {"rows": rows, "groups": groups, "producers": producers, "group_bytes": group_bytes,
-            "group_size": GROUP_SIZE,
-            "rates": rates, "batched_vs_best_in_process": rates[f"actor, batched {batch} + {in_flight} in flight"]
-            / best_in_process}
+    medians = {name: float(np.median(values)) for name, values in rates.items()}
+    best_in_process = max(v for k, v in medians.items() if k.startswith("in-process"))
+    return {"rows": rows, "groups": groups, "repeats": repeats, "producers": producers,
+            "group_bytes": group_bytes, "group_size": GROUP_SIZE, "rates": rates, "medians": medians,
+            "batched_vs_best_in_process": medians[batched] / best_in_process}
 
 
 def table(result: dict[str, Any]) -> str:
     """The figures as a markdown table."""
     mb = result["group_bytes"] / 1e6
-    lines = ["| mode | groups/s | MB/s |", "| --- | ---: | ---: |"]
-    lines += [f"| {name} | {rate:,.0f} | {rate * mb:,.0f} |" for name, rate in result["rates"].items()]
-    lines.append(f"\n{result['rows']} rows: {result['groups']} groups per mode, {result['group_size']} rows and "
-                 f"{result['group_bytes'] / 1e3:.1f} KB per group; batched+pipelined through the actor reaches "
-                 f"{result['batched_vs_best_in_process']:.0%} of the best in-process rate.")
+    lines = ["| mode | groups/s (median) | MB/s | every run |", "| --- | ---: | ---: | --- |"]
+    lines += [f"| {name} | {rate:,.0f} | {rate * mb:,.1f} | {', '.join(f'{r:.0f}' for r in result['rates'][name])} |"
+              for name, rate in result["medians"].items()]
+    lines.append(f"\n{result['rows']} rows: {result['groups']} groups per mode and run, {result['repeats']} runs, "
+                 f"{result['group_size']} rows and {result['group_bytes'] / 1e3:.1f} KB per group; batched+pipelined "
+                 f"through the actor reaches {result['batched_vs_best_in_process']:.0%} of the best in-process rate.")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", type=int, default=800, help="groups committed per mode")
+    parser.add_argument("--groups", type=int, default=400, help="groups committed per mode and run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of every mode, interleaved")
     parser.add_argument("--producers", type=int, default=2, help="producer threads / actors")
     parser.add_argument("--batch", type=int, default=8, help="groups per actor call (batched mode)")
     parser.add_argument("--in-flight", type=int, default=4, help="calls outstanding per producer (batched mode)")
@@ -176,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="realistic GRPO groups (about 250 KB) or tiny ones (16 tokens: round-trip bound)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
-    result = run(args.groups, args.producers, args.batch, args.in_flight, args.rows)
+    result = run(args.groups, args.producers, args.batch, args.in_flight, args.rows, args.repeats)
     print(table(result))
     if args.json:
         with open(args.json, "w") as fh:
