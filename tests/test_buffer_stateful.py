@@ -1,0 +1,548 @@
+"""A Hypothesis state machine drives the real buffer against a small pure-Python model.
+
+Random sequences of admit / commit_group / commit_sample / select / finish_step / evict (the
+sampler's or named groups) / abort / abort_stale_inflight / redispatch / promote_ready_group /
+checkpoint / close-and-reopen / recover run on a real LMDB file, once per sampler. Every operation's outcome (result or exact error) is predicted by the model first; a
+refused operation must leave every table byte-for-byte unchanged. After every step the machine
+checks the invariants of replay_semantics.md §G that apply: single owner (§G.10), capacity
+conservation (§G.6), counters, stamps (§G.9), cursor exactness (§G.12), sampler semantics
+(§G.5: the buffer's eligible and evictable lists equal the model's), and ``kvckpt.verify.check``.
+
+CI runs a short profile (about 30 s in all); ``KVCKPT_HYPOTHESIS_PROFILE=soak`` runs a long one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from conftest import SCHEMA, dump_store, make_row
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvckpt import (
+    BadArgument,
+    BufferConfig,
+    CapacityError,
+    DuplicateCommit,
+    GateTimeout,
+    Prompt,
+    RecoveryError,
+    ReplayBuffer,
+    StaleAttempt,
+    UnknownGroup,
+)
+from kvckpt.samplers import BufferView
+from kvckpt.verify import check, verify_path
+
+PROFILES = {
+    "ci": settings(max_examples=30, stateful_step_count=40, deadline=None, database=None,
+                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]),
+    "soak": settings(max_examples=2000, stateful_step_count=120, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]),
+}
+SETTINGS = PROFILES[os.environ.get("KVCKPT_HYPOTHESIS_PROFILE", "ci")]
+N = 2  # rows per group
+#: Operations with their relative frequency (drawn as a number: sampled_from favours its first item).
+WEIGHTS = {"produce": 4, "commit_group": 3, "select": 3, "admit": 2, "commit_sample": 3, "train": 2, "finish_step": 1,
+           "evict": 1, "abort": 1, "abort_stale_inflight": 1, "redispatch": 1, "promote_ready_group": 1,
+           "checkpoint": 1, "reopen": 1, "recover": 1}
+OPERATIONS = [op for op, weight in WEIGHTS.items() for _ in range(weight)]
+INFLIGHT = "inflight"
+
+
+def row_for(gid: str, index: int, variant: int) -> dict[str, Any]:
+    """Row ``index`` of group ``gid``; the same ``variant`` always gives identical bytes."""
+    return make_row(3 + index, zlib.crc32(f"{gid}/{index}/{variant}".encode()))
+
+
+@dataclass
+class Owned:
+    """The model of one prompt that left the dataloader: a ledger entry or a group record."""
+
+    gid: str
+    seq: int
+    start_weight: int
+    target_step: int | None
+    attempt: int = 0
+    state: str = INFLIGHT
+    rows: dict[int, int] = field(default_factory=dict)  # row index -> content variant
+    end_weight: int | None = None
+    claimed_step: int | None = None
+    consumed_step: int | None = None
+    rows_stored: bool = True
+
+
+class Model:
+    """The replay semantics, in plain Python (replay_semantics.md §B.2, §C, §G)."""
+
+    def __init__(self, sampler: dict[str, Any], capacity: int, retain: bool, durable_checkpoints: int) -> None:
+        self.name = sampler["name"]
+        self.window = sampler.get("max_lookahead_versions", sampler.get("max_staleness_versions", 1))
+        self.freshest = sampler.get("sample_freshest_first", False)
+        self.gated = self.name != "windowed"
+        self.capacity, self.retain, self.keep = capacity, retain, durable_checkpoints
+        self.tv = self.wv = self.seq = self.admissions = self.drop_floor = 0
+        self.dispatch = -1
+        self.durable: list[int] = []
+        self.shortfall: dict[int, int] = {}
+        self.counters = dict.fromkeys(("admitted", "committed", "samples_committed", "selected", "consumed",
+                                       "evicted", "aborted", "redispatched"), 0)
+        self.prompts: dict[str, Owned] = {}
+        self.dataloader: bytes | None = None
+        self.rolled_back = False
+
+    def having(self, *states: str) -> list[Owned]:
+        return sorted((p for p in self.prompts.values() if p.state in states), key=lambda p: p.seq)
+
+    @property
+    def floor(self) -> int:
+        return max(0, self.tv - self.window)
+
+    def eligible(self) -> list[str]:
+        ready, lo, cur = self.having("ready"), self.floor, self.tv
+        if self.name == "in_order":
+            chosen = [p for p in ready if p.target_step == cur]
+        elif self.name == "ready_first":
+            chosen = [p for p in ready if p.start_weight <= cur]
+        elif self.name == "windowed":
+            chosen = [p for p in ready if lo <= p.start_weight <= cur]
+            if self.freshest:
+                chosen.sort(key=lambda p: (cur - p.start_weight, p.seq))
+        else:
+            weights = [p.start_weight for p in self.having("ready", INFLIGHT) if lo <= p.start_weight <= cur]
+            chosen = [p for p in ready if weights and p.start_weight == min(weights)]
+        return [p.gid for p in chosen]
+
+    def evictable(self) -> list[str]:
+        ready = self.having("ready")
+        if self.name == "in_order":
+            found = sorted((p for p in ready if p.target_step < self.tv), key=lambda p: (p.target_step, p.seq))
+        elif self.name == "ready_first":
+            found = []
+        else:
+            found = sorted((p for p in ready if p.start_weight < self.floor), key=lambda p: (p.start_weight, p.seq))
+        return [p.gid for p in found]
+
+    def stale_inflight(self) -> list[str]:
+        if self.name != "windowed":
+            return []
+        found = [p for p in self.having(INFLIGHT) if p.start_weight < self.floor]
+        return [p.gid for p in sorted(found, key=lambda p: (p.start_weight, p.seq))]
+
+    def admit_error(self, count: int) -> type[Exception] | None:
+        if count > self.capacity:
+            return CapacityError
+        if self.gated and self.dispatch >= self.tv + self.window:
+            return GateTimeout
+        if len(self.having(INFLIGHT, "ready")) + count > self.capacity:
+            return GateTimeout
+        return None
+
+    def admit(self, count: int, weight: int, dataloader: bytes) -> list[Owned]:
+        if self.gated:
+            self.dispatch += 1
+        target = self.dispatch if self.name == "in_order" else None
+        admitted = []
+        for j in range(count):
+            prompt = Owned(f"a{self.admissions}-p{j}", self.seq, weight, target)
+            self.seq += 1
+            self.prompts[prompt.gid] = prompt
+            admitted.append(prompt)
+        self.admissions += 1
+        self.counters["admitted"] += count
+        self.dataloader = dataloader
+        return admitted
+
+    def commit_error(self, lease: Any, rows: dict[int, int], whole: bool) -> tuple[type[Exception] | None, bool]:
+        """The error a commit raises (or None), and whether it is a replay that writes nothing."""
+        prompt = self.prompts[lease.group_id]
+        if prompt.state == INFLIGHT:
+            if lease.attempt != prompt.attempt:
+                return StaleAttempt, False
+            if not whole:
+                [(index, variant)] = rows.items()
+                if index in prompt.rows:
+                    return (None, True) if prompt.rows[index] == variant else (DuplicateCommit, False)
+            return None, False
+        if prompt.state in ("evicted", "aborted"):
+            return UnknownGroup, False
+        if lease.attempt < prompt.attempt:
+            return StaleAttempt, False
+        if prompt.rows_stored and lease.attempt == prompt.attempt \
+                and all(prompt.rows[i] == v for i, v in rows.items()):
+            return None, True
+        return DuplicateCommit, False
+
+    def commit(self, gid: str, rows: dict[int, int], whole: bool, end_weight: int | None) -> bool:
+        prompt = self.prompts[gid]
+        prompt.rows.update(rows)
+        if not whole:
+            self.counters["samples_committed"] += len(rows)
+        if len(prompt.rows) < N:
+            return False
+        prompt.state, prompt.end_weight = "ready", self.wv if end_weight is None else end_weight
+        self.counters["committed"] += 1
+        return True
+
+    def select(self, min_groups: int, max_groups: int) -> list[str]:
+        chosen = self.eligible()[:max_groups]
+        if len(chosen) < min_groups:
+            return []
+        for gid in chosen:
+            self.prompts[gid].state, self.prompts[gid].claimed_step = "claimed", self.tv
+        self.counters["selected"] += len(chosen)
+        return chosen
+
+    def finish_step(self) -> None:
+        for prompt in self.having("claimed"):
+            prompt.state, prompt.consumed_step = "consumed", self.tv
+            self.counters["consumed"] += 1
+        self.tv += 1
+        self.wv = self.tv
+        if self.retain or len(self.durable) < self.keep:
+            return
+        floor = self.durable[-self.keep]
+        if floor <= self.drop_floor:
+            return
+        for prompt in self.having("consumed"):
+            if prompt.consumed_step < floor:
+                prompt.rows_stored = False
+        self.drop_floor = floor
+
+    def evict(self, named: list[str] | None = None) -> list[str]:
+        gids = self.evictable() if named is None else named
+        for gid in gids:
+            self.prompts[gid].state, self.prompts[gid].rows_stored = "evicted", False
+        self.counters["evicted"] += len(gids)
+        return gids
+
+    def abort(self, gids: list[str]) -> None:
+        for gid in gids:
+            prompt = self.prompts[gid]
+            prompt.state, prompt.rows_stored, prompt.end_weight, prompt.rows = "aborted", False, -1, {}
+            if prompt.target_step is not None:
+                self.shortfall[prompt.target_step] = self.shortfall.get(prompt.target_step, 0) + 1
+        self.counters["aborted"] += len(gids)
+
+    def redispatch(self, gid: str, start_weight: int | None) -> Owned:
+        prompt = self.prompts[gid]
+        prompt.attempt += 1
+        if start_weight is not None:
+            prompt.start_weight = start_weight
+        self.counters["redispatched"] += 1
+        return prompt
+
+    def promote(self, step: int) -> int | None:
+        stamped = [p for p in self.having("ready") if p.target_step is not None]
+        if not stamped:
+            return None
+        lender = max(stamped, key=lambda p: (p.target_step, p.seq))
+        if lender.target_step <= step:
+            return None
+        lent, lender.target_step = lender.target_step, step
+        return lent
+
+    def checkpoint(self) -> None:
+        if not self.durable or self.durable[-1] < self.tv:
+            self.durable = [*self.durable, self.tv][-16:]
+
+    def recover_error(self, version: int) -> bool:
+        return version > self.tv or version < self.drop_floor
+
+    def recover(self, version: int) -> tuple[int, list[Owned]]:
+        returned = 0
+        for prompt in self.having("claimed", "consumed"):
+            step = prompt.claimed_step if prompt.state == "claimed" else prompt.consumed_step
+            if step >= version:
+                assert prompt.rows_stored, f"{prompt.gid} consumed at {step} >= {version} lost its rows"
+                prompt.state, prompt.claimed_step, prompt.consumed_step = "ready", None, None
+                returned += 1
+        self.rolled_back |= returned > 0
+        self.tv = self.wv = version
+        self.durable = [v for v in self.durable if v <= version]
+        inflight = self.having(INFLIGHT)
+        for prompt in inflight:
+            prompt.attempt += 1
+        self.counters["redispatched"] += len(inflight)
+        return returned, inflight
+
+
+class BufferMachine(RuleBasedStateMachine):
+    """One buffer under random operations; ``SAMPLER`` is set per subclass."""
+
+    SAMPLER = "in_order"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="kvckpt-stateful-")
+        self.path = os.path.join(self.dir, "live.kv")
+        self.buf: ReplayBuffer | None = None
+        self.leases: list[Any] = []
+        self.checkpoints = 0
+
+    # -- setup ---------------------------------------------------------------------------------------
+    @initialize(window=st.sampled_from([1, 2, 0]), freshest=st.booleans(), groups_per_step=st.integers(1, 2),
+                extra=st.integers(0, 3), retain=st.booleans(), keep=st.integers(1, 2))
+    def create(self, window, freshest, groups_per_step, extra, retain, keep):
+        key = "max_lookahead_versions" if self.SAMPLER == "in_order" else "max_staleness_versions"
+        sampler = {"name": self.SAMPLER, key: window}
+        if self.SAMPLER == "windowed":
+            sampler["sample_freshest_first"] = freshest
+        capacity = groups_per_step * (window + 1) + extra
+        self.buf = ReplayBuffer.create(self.path, BufferConfig(
+            group_size=N, schema=SCHEMA, sampler=sampler, max_buffered_rollouts=capacity,
+            groups_per_step=groups_per_step, retain_consumed=retain, durable_checkpoints=keep))
+        self.model = Model(sampler, capacity, retain, keep)
+
+    def teardown(self) -> None:
+        if self.buf is not None:
+            self.buf.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def refused(self, error: type[Exception], fn: Any, *args: Any, **kwargs: Any) -> None:
+        before = dump_store(self.buf)
+        with pytest.raises(error):
+            fn(*args, **kwargs)
+        assert dump_store(self.buf) == before, f"refused {fn.__name__} wrote to the store"
+
+    # -- operations --------------------------------------------------------------------------------
+    # One rule draws the operation, so producers and the trainer run far more often than
+    # checkpoints, reopens and rollbacks (each still appears about once per run).
+    @rule(pick=st.integers(0, 100 * len(OPERATIONS) - 1), data=st.data())
+    def step(self, pick, data):
+        getattr(self, OPERATIONS[pick % len(OPERATIONS)])(data)
+
+    def lease(self, data: Any) -> Any:
+        """Mostly a lease that can still commit; sometimes any lease ever issued (stale, replayed)."""
+        live = [x for x in self.leases if (p := self.model.prompts[x.group_id]).state == INFLIGHT
+                and p.attempt == x.attempt]
+        pool = live if live and data.draw(st.sampled_from([True, True, True, False]), label="live") else self.leases
+        return data.draw(st.sampled_from(pool), label="lease")
+
+    def admit(self, data) -> list[Any]:
+        m = self.model
+        count = data.draw(st.integers(1, 3), label="count")
+        lag = data.draw(st.none() | st.integers(-1, 2), label="weight lag (-1: a future weight)")
+        weight = m.wv if lag is None else max(0, m.wv - lag)
+        dataloader = f"dl-{m.admissions}-{count}".encode()
+        prompts = [Prompt(prompt_idx=m.seq + j) for j in range(count)]
+        kwargs = {} if lag is None else {"weight_version": weight}
+        error = m.admit_error(count)
+        if error is not None:
+            self.refused(error, self.buf.admit, prompts, dataloader, timeout=0, **kwargs)
+            return []
+        leases = self.buf.admit(prompts, dataloader, timeout=0, **kwargs)
+        expected = m.admit(count, weight, dataloader)
+        assert [(x.group_id, x.attempt, x.target_step, x.start_weight, x.missing) for x in leases] == [
+            (p.gid, 0, p.target_step, weight, tuple(range(N))) for p in expected]
+        self.leases += leases
+        return leases
+
+    def produce(self, data):
+        """A rollout batch: admit, then commit most of the groups at once."""
+        for lease in self.admit(data):
+            if data.draw(st.sampled_from([True, True, False]), label="commit it"):
+                self.commit_lease(lease, 0, False, None)
+
+    def train(self, data):
+        """A training step: select, then finish the step."""
+        self.select(data)
+        self.finish_step(data)
+
+    def commit_group(self, data):
+        if not self.leases:
+            return
+        lease = self.lease(data)
+        variant = data.draw(st.integers(0, 1), label="variant")
+        missing_only = data.draw(st.booleans(), label="missing rows only")
+        end_weight = data.draw(st.none() | st.integers(0, 9), label="end_weight")
+        self.commit_lease(lease, variant, missing_only, end_weight)
+
+    def commit_lease(self, lease: Any, variant: int, missing_only: bool, end_weight: int | None) -> None:
+        indices = list(lease.missing) if missing_only and len(lease.missing) < N else list(range(N))
+        rows = {i: variant for i in indices}
+        payload = [row_for(lease.group_id, i, variant) for i in indices]
+        error, replay = self.model.commit_error(lease, rows, whole=True)
+        if error is not None:
+            self.refused(error, self.buf.commit_group, lease, payload, end_weight=end_weight)
+            return
+        before = dump_store(self.buf) if replay else None
+        result = self.buf.commit_group(lease, payload, end_weight=end_weight)
+        if replay:
+            assert (result.ready, result.replayed, result.rows_written) == (True, True, 0)
+            assert dump_store(self.buf) == before
+            return
+        assert self.model.commit(lease.group_id, rows, whole=True, end_weight=end_weight)
+        assert (result.ready, result.replayed, result.rows_written) == (True, False, len(indices))
+
+    def commit_sample(self, data):
+        if not self.leases:
+            return
+        lease = self.lease(data)
+        index = data.draw(st.integers(0, N - 1), label="index")
+        rows = {index: data.draw(st.integers(0, 1), label="variant")}
+        error, replay = self.model.commit_error(lease, rows, whole=False)
+        payload = row_for(lease.group_id, index, rows[index])
+        if error is not None:
+            self.refused(error, self.buf.commit_sample, lease, index, payload)
+            return
+        before = dump_store(self.buf) if replay else None
+        result = self.buf.commit_sample(lease, index, payload)
+        if replay:
+            assert result.replayed and result.ready == (self.model.prompts[lease.group_id].state != INFLIGHT)
+            assert dump_store(self.buf) == before
+            return
+        ready = self.model.commit(lease.group_id, rows, whole=False, end_weight=None)
+        assert (result.ready, result.replayed, result.rows_written) == (ready, False, 1)
+
+    def abort(self, data):
+        inflight = [p.gid for p in self.model.having(INFLIGHT)]
+        if inflight and data.draw(st.booleans(), label="in flight"):
+            gid = data.draw(st.sampled_from(inflight), label="gid")
+        else:
+            gid = data.draw(st.sampled_from(sorted(self.model.prompts) or ["nobody"]), label="gid")
+            if gid not in inflight:
+                self.refused(UnknownGroup, self.buf.abort, gid, "test")
+                return
+        self.buf.abort(gid, "test")
+        self.model.abort([gid])
+
+    def abort_stale_inflight(self, data):
+        expected = self.model.stale_inflight()
+        assert self.buf.abort_stale_inflight() == expected
+        self.model.abort(expected)
+
+    def select(self, data):
+        min_groups = data.draw(st.sampled_from([1, 2, 3]), label="min_groups")
+        max_groups = min_groups + data.draw(st.integers(0, 2), label="extra")
+        selection = self.buf.select(min_groups, max_groups)
+        assert selection.group_ids == self.model.select(min_groups, max_groups)
+        assert selection.step == self.model.tv
+
+    def finish_step(self, data):
+        assert self.buf.finish_step() == self.model.tv + 1
+        self.model.finish_step()
+
+    def evict(self, data):
+        if not data.draw(st.sampled_from([False, False, True]), label="named"):
+            assert self.buf.evict() == self.model.evict()
+            return
+        named = data.draw(st.lists(st.sampled_from(sorted(self.model.prompts) or ["nobody"]), max_size=2), label="gids")
+        named = list(dict.fromkeys(named))
+        if any(gid not in self.model.prompts or self.model.prompts[gid].state != "ready" for gid in named):
+            self.refused(BadArgument, self.buf.evict, named)
+            return
+        assert self.buf.evict(named) == self.model.evict(named)
+
+    def redispatch(self, data):
+        inflight = [p.gid for p in self.model.having(INFLIGHT)]
+        gid = data.draw(st.sampled_from(inflight or sorted(self.model.prompts) or ["nobody"]), label="gid")
+        weight = data.draw(st.none() | st.integers(0, self.model.wv), label="new start_weight")
+        if gid not in inflight:
+            self.refused(UnknownGroup, self.buf.redispatch, gid, start_weight=weight)
+            return
+        lease = self.buf.redispatch(gid, start_weight=weight)
+        prompt = self.model.redispatch(gid, weight)
+        assert (lease.group_id, lease.attempt, lease.start_weight, lease.target_step, lease.missing) == (
+            gid, prompt.attempt, prompt.start_weight, prompt.target_step,
+            tuple(i for i in range(N) if i not in prompt.rows))
+        self.leases.append(lease)
+
+    def promote_ready_group(self, data):
+        step = self.model.tv + data.draw(st.integers(0, 2), label="step - trainer_version")
+        assert self.buf.promote_ready_group(step) == self.model.promote(step)
+
+    def checkpoint(self, data):
+        self.checkpoints += 1
+        dest = os.path.join(self.dir, f"ckpt{self.checkpoints}.kv")
+        result = self.buf.checkpoint(dest, {"n": self.checkpoints}).wait()
+        assert result.trainer_version == self.model.tv
+        self.model.checkpoint()
+        assert verify_path(dest).ok
+
+    def reopen(self, data):
+        self.buf.close()
+        self.buf = ReplayBuffer.open(self.path)
+
+    def recover(self, data):
+        m = self.model
+        back = data.draw(st.none() | st.integers(-1, 3), label="versions back (None: default)")
+        version = m.tv if back is None else m.tv - back
+        if m.recover_error(version):
+            self.refused(RecoveryError, self.buf.recover, version)
+            return
+        plan = self.buf.recover(None if back is None else version)
+        returned, redispatch = m.recover(version)
+        assert (plan.resume_version, plan.groups_returned_to_ready) == (version, returned)
+        assert plan.groups_complete_restored == len(m.having("ready"))
+        assert [(x.group_id, x.attempt, x.target_step, x.start_weight) for x in plan.leases] == [
+            (p.gid, p.attempt, p.target_step, p.start_weight) for p in redispatch]
+        assert [x.missing for x in plan.leases] == [tuple(i for i in range(N) if i not in p.rows) for p in redispatch]
+        assert plan.siblings_reused == sum(len(p.rows) for p in redispatch)
+        assert plan.dispatch_index == m.dispatch
+        assert plan.dataloader_state == m.dataloader
+        self.leases += plan.leases
+
+    # -- invariants ----------------------------------------------------------------------------------
+    @invariant()
+    def store_matches_model(self):
+        if self.buf is None:
+            return
+        m, buf = self.model, self.buf
+        report = buf.store.read(check)
+        assert report.problems == []
+        st_ = buf.state()
+        assert {k: st_[k] for k in ("dispatch_index", "trainer_version", "weight_version", "seq", "admissions",
+                                    "durable", "drop_floor")} == {
+            "dispatch_index": m.dispatch, "trainer_version": m.tv, "weight_version": m.wv, "seq": m.seq,
+            "admissions": m.admissions, "durable": m.durable, "drop_floor": m.drop_floor}
+        assert {k: st_["counters"][k] for k in m.counters} == m.counters
+        inflight, ready, claimed = (m.having(s) for s in (INFLIGHT, "ready", "claimed"))
+        assert (st_["inflight"], st_["ready"], st_["claimed"]) == (len(inflight), len(ready), len(claimed))
+        # Capacity conservation (§G.6): only a rollback may return more groups than fit.
+        assert len(inflight) + len(ready) <= m.capacity or m.rolled_back
+        # Single owner (§G.10): every admitted prompt is a ledger entry xor a group record.
+        ledger = buf.ledger()
+        groups = buf.groups()
+        assert not {e.group_id for e in ledger} & {g.group_id for g in groups}
+        assert sorted([e.group_id for e in ledger] + [g.group_id for g in groups]) == sorted(m.prompts)
+        assert [(e.group_id, e.seq, e.attempt, e.target_step, e.start_weight, e.siblings) for e in ledger] == [
+            (p.gid, p.seq, p.attempt, p.target_step, p.start_weight, tuple(sorted(p.rows))) for p in inflight]
+        # Stamps (§G.9) and states of every group record, tombstones included.
+        assert [(g.group_id, g.seq, g.state, g.start_weight, g.end_weight, g.target_step, g.attempt, g.claimed_step,
+                 g.consumed_step, g.rows_stored) for g in groups] == [
+            (p.gid, p.seq, p.state, p.start_weight, p.end_weight, p.target_step, p.attempt, p.claimed_step,
+             p.consumed_step, p.rows_stored) for p in sorted(m.prompts.values(), key=lambda p: p.seq)
+            if p.state != INFLIGHT]
+        # Cursor exactness (§G.12): no owned work is stamped past the cursor.
+        targets = [p.target_step for p in inflight + ready + claimed if p.target_step is not None]
+        assert max(targets, default=-1) <= m.dispatch
+        assert buf.batch_shortfall() == m.shortfall
+        assert buf.dataloader_state() == m.dataloader
+        # Sampler semantics (§G.5): read-only views of what select / evict / abort would take.
+        view = buf.store.read(lambda t: (list(buf.sampler.eligible(BufferView(t), m.tv)),
+                                         list(buf.sampler.evictable(BufferView(t), m.tv)),
+                                         list(buf.sampler.inflight_to_abort(BufferView(t), m.tv))))
+        assert view == (m.eligible(), m.evictable(), m.stale_inflight())
+
+
+def machine_for(sampler: str) -> type[BufferMachine]:
+    return type(f"BufferMachine_{sampler}", (BufferMachine,), {"SAMPLER": sampler})
+
+
+@pytest.mark.parametrize("sampler", ["in_order", "weight_fifo", "windowed", "ready_first"])
+def test_buffer_matches_the_model(sampler):
+    run_state_machine_as_test(machine_for(sampler), settings=SETTINGS)
