@@ -246,7 +246,7 @@ def _child_main(run: str, seed: int, recover_first: bool, ready: Callable[[], No
 
 def _forked_child(run: str, seed: int, recover_first: bool, ready: Any) -> None:
     """Entry of a child forked by the fork server: stderr to the chain's file, readiness on a pipe."""
-    fd = os.open(os.path.join(run, "child.stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(os.path.join(run, "child.stderr"), os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 2)
     try:
         _child_main(run, seed, recover_first, lambda: ready.send(True))
@@ -475,11 +475,12 @@ def _run_child(chain: _Chain, seed: int, rng: random.Random, max_delay: float, f
     otherwise the fork server forks it.
     """
     errpath = os.path.join(chain.run, "child.stderr")
+    open(errpath, "wb").close()  # here, not in the child: a kill may land before the child runs a line
     if fresh:
         cmd = [sys.executable, "-m", "kvckpt.campaign", "child", chain.run, "--seed", str(seed)]
         if not chain.recovered:
             cmd.append("--recover")
-        with open(errpath, "wb") as err:
+        with open(errpath, "ab") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
         channel, pid = proc.stdout, proc.pid
 
@@ -558,13 +559,13 @@ def run_crash_campaign(kills: int, *, seed: int = 0, directory: str | None = Non
             def bad(message: str, where: str = where) -> None:
                 result.violations.append(f"{where}: {message}")
 
-            status, stderr = _run_child(current, rng.randrange(1 << 30), rng, max_delay, fresh_interpreter)
-            if status != -signal.SIGKILL:
-                bad(f"child exited by itself with status {status}: {stderr}")
             try:
+                status, stderr = _run_child(current, rng.randrange(1 << 30), rng, max_delay, fresh_interpreter)
+                if status != -signal.SIGKILL:
+                    bad(f"child exited by itself with status {status}: {stderr}")
                 _check_after_kill(current, result, rng.random() < 0.7, bad)
-            except Exception as exc:  # a checker crash is a finding, not a reason to stop
-                bad(f"checking raised {type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}")
+            except Exception as exc:  # a crash of the harness is a finding, not a reason to stop
+                bad(f"the kill cycle raised {type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}")
             result.kills += 1
             result.seconds = time.perf_counter() - t0
             if progress is not None:

@@ -8,15 +8,21 @@ kill, in a fresh process.
 from __future__ import annotations
 
 import json
+import random
+import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from kvckpt import Prompt, ReplayBuffer
 from kvckpt.campaign import (
     SAMPLERS,
     OpLog,
+    _Chain,
+    _run_child,
     check_history,
     holdings,
     make_row,
@@ -111,3 +117,17 @@ def test_command_line_prints_the_summary(tmp_path: Path) -> None:
     assert fuzz.returncode == 0, fuzz.stderr
     assert fuzz.stdout.startswith("fuzz: cases 10, corruptions detected ")
     assert "violations found 0" in fuzz.stdout
+
+
+class _AtOnce(random.Random):
+    """An rng whose every draw is 0: the campaign's kill lands at once, before the child runs."""
+
+    def random(self) -> float:
+        return 0.0
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_kill_before_the_child_runs_a_line(tmp_path: Path, fresh: bool) -> None:
+    """Regression: a kill that beat the forked child to creating its stderr file crashed the parent."""
+    chain = _Chain.start(str(tmp_path / "chain"), SAMPLERS[0])
+    assert _run_child(chain, 1, _AtOnce(), 0.5, fresh) == (-signal.SIGKILL, "")
