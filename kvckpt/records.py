@@ -6,7 +6,8 @@ boundaries (Ray, asyncio executors) as JSON-able dicts, never as pickled objects
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+import functools
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # Group states, in lifecycle order. A prompt that left the dataloader is either a ledger entry
@@ -16,16 +17,32 @@ GROUP_STATES = (READY, CLAIMED, CONSUMED, EVICTED, ABORTED)
 PHASE_ADMITTED = "admitted"
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+def _plain(value: Any) -> Any:
+    """``dataclasses.asdict``'s conversion for the value types documents hold (nested documents
+    become dicts, containers are copied, scalars shared), without its per-value ``deepcopy``."""
+    if isinstance(value, _Doc):
+        return value.to_dict()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 class _Doc:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict of every field."""
-        return asdict(self)
+        return {name: _plain(getattr(self, name)) for name in _field_names(type(self))}
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> Any:
         """Rebuild from :meth:`to_dict` output (unknown keys are ignored)."""
-        names = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in doc.items() if k in names}
+        kwargs = {k: doc[k] for k in _field_names(cls) if k in doc}
         for name in ("missing", "siblings"):
             if name in kwargs and isinstance(kwargs[name], list):
                 kwargs[name] = tuple(kwargs[name])
