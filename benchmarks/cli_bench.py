@@ -109,7 +109,8 @@ def build_churned(path: str, steps: int) -> dict[str, Any]:
     buf.close()
     os.unlink(path + "-lock")
     os.unlink(ckpt)
-    return {"steps": steps, "groups_committed": stats["committed"], "file_bytes": os.path.getsize(path)}
+    return {"steps": steps, "groups_committed": stats["committed"], "raw_bytes_committed": stats["raw_bytes"],
+            "groups_held": stats["ready"] + stats["claimed"], "file_bytes": os.path.getsize(path)}
 
 
 def _child(flag: str, args: list[str]) -> dict[str, Any]:
@@ -166,20 +167,24 @@ def _measure_here(args: list[str]) -> None:
     if args == ["imports"]:
         for module in ("pyarrow.parquet", "kvckpt.export", "kvckpt.tools.cli"):
             importlib.import_module(module)
-        report, code, seconds, peaks = None, 0, 0.0, {}
+        report, code, seconds, cpu, peaks = None, 0, 0.0, 0.0, {}
     else:
         from kvckpt.tools.cli import main
 
         out = io.StringIO()
         sampler = _PeakSampler()
+        before = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(out):
             code = main([*args, "--json"])
         seconds = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
         peaks = sampler.stop()
         report = json.loads(out.getvalue())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    print(json.dumps({"exit": code, "seconds": seconds, "max_rss": rss, "vm_hwm": _status("VmHWM")["VmHWM"],
+    print(json.dumps({"exit": code, "seconds": seconds, "cpu_seconds": cpu, "max_rss": rss,
+                      "vm_hwm": _status("VmHWM")["VmHWM"],
                       "peak_anon": peaks["RssAnon"] if args != ["imports"] else 0,
                       "peak_file": peaks["RssFile"] if args != ["imports"] else 0, "report": report}))
 
@@ -197,12 +202,16 @@ def run(gb: float, directory: str, churn_steps: int) -> dict[str, Any]:
     rep = export["report"]
     results["export"] = {"rows": rep["rows"], "raw_bytes": rep["raw_bytes"], "file_bytes": rep["file_bytes"],
                          "seconds": rep["seconds"], "raw_mb_per_s": rep["raw_bytes"] / rep["seconds"] / 1e6,
+                         "cpu_seconds": export["cpu_seconds"],
+                         "raw_mb_per_cpu_s": rep["raw_bytes"] / export["cpu_seconds"] / 1e6,
+                         "load_average": os.getloadavg()[0],
                          "max_rss": export["max_rss"], "vm_hwm": export["vm_hwm"], "peak_anon": export["peak_anon"],
                          "peak_file": export["peak_file"],
                          "imports_max_rss": base["max_rss"]}
     e = results["export"]
     print(f"export parquet: {e['rows']} rows, {e['raw_bytes'] / 1e9:.2f} GB raw in {e['seconds']:.1f} s = "
-          f"{e['raw_mb_per_s']:.0f} MB/s raw; peak RSS {e['max_rss'] / 2**20:.0f} MiB (VmHWM "
+          f"{e['raw_mb_per_s']:.0f} MB/s raw ({e['cpu_seconds']:.1f} CPU s: {e['raw_mb_per_cpu_s']:.0f} MB per CPU "
+          f"second; load average {e['load_average']:.1f}); peak RSS {e['max_rss'] / 2**20:.0f} MiB (VmHWM "
           f"{e['vm_hwm'] / 2**20:.0f} MiB; peaks: private {e['peak_anon'] / 2**20:.0f} MiB, file-backed "
           f"{e['peak_file'] / 2**20:.0f} MiB) "
           f"(imports alone {e['imports_max_rss'] / 2**20:.0f} MiB); file {e['file_bytes'] / 1e9:.2f} GB", flush=True)
@@ -212,15 +221,18 @@ def run(gb: float, directory: str, churn_steps: int) -> dict[str, Any]:
 
     churn = _child("--build-churned", [os.path.join(directory, "churn.kv"), str(churn_steps)])
     results["churned"] = churn
+    print(f"churned store: {churn['groups_committed']} groups ({churn['raw_bytes_committed'] / 1e9:.2f} GB raw) "
+          f"committed over {churn['steps']} steps, file {churn['file_bytes'] / 1e6:.1f} MB", flush=True)
     for level in (None, 3):
         dest = os.path.join(directory, f"compact-{level}.kv")
         args = ["compact", os.path.join(directory, "churn.kv"), dest] + (["--level", str(level)] if level else [])
         m = measure(args)
         rep = m["report"]
-        results[f"compact_level_{level}"] = {**rep, "max_rss": m["max_rss"]}
+        results[f"compact_level_{level}"] = {**rep, "max_rss": m["max_rss"], "cpu_seconds": m["cpu_seconds"]}
         print(f"compact{'' if level is None else f' --level {level}'}: {rep['bytes_before'] / 1e6:.1f} MB -> "
               f"{rep['bytes_after'] / 1e6:.1f} MB ({rep['bytes_after'] / rep['bytes_before']:.1%}) in "
-              f"{rep['seconds']:.2f} s; peak RSS {m['max_rss'] / 2**20:.0f} MiB", flush=True)
+              f"{rep['seconds']:.2f} s ({m['cpu_seconds']:.2f} CPU s); peak RSS {m['max_rss'] / 2**20:.0f} MiB",
+              flush=True)
         os.unlink(dest)
     return results
 

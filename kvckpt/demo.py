@@ -140,6 +140,7 @@ class _Run:
         self.errors: list[BaseException] = []
         self.threads: list[threading.Thread] = []
         self.handle: Any = None
+        self.deadline = float("inf")
 
     # producers
     def start(self, redispatch: list[Lease]) -> None:
@@ -205,8 +206,8 @@ class _Run:
         if self.errors:
             raise self.errors[0]
         if time.monotonic() > self.deadline:
-            raise KvckptError(f"demo stalled: no progress within {self.cfg.deadline_seconds:.0f}s "
-                              f"(trainer at step {self.buf.trainer_version})")
+            raise KvckptError(f"the demo did not finish training within {self.cfg.deadline_seconds:.0f} s "
+                              f"(trainer at step {self.buf.trainer_version}); is the machine overloaded?")
 
     def select(self) -> Any:
         """Block until a batch can be claimed for the current step (or nothing is left)."""
@@ -282,7 +283,7 @@ class _Run:
                 break
             self.buf.wait_for_change(0.02)
         self.emit({"event": CRASH_EVENT, "step": step})
-        time.sleep(3600)
+        threading.Event().wait()  # "computing" until the SIGKILL (or the parent's death, see _child)
 
 
 # -- the child process ---------------------------------------------------------------------------
@@ -290,6 +291,15 @@ def _child(out: str, cfg: DemoConfig) -> None:
     """Create the store and run until the parent kills this process."""
     def emit(event: dict[str, Any]) -> None:
         print(json.dumps(event), flush=True)
+
+    parent = os.getppid()
+
+    def orphaned() -> None:  # never outlive the parent, even if it dies without killing this process
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=orphaned, daemon=True).start()
 
     buf = ReplayBuffer.create(os.path.join(out, LIVE_FILE), BufferConfig(
         group_size=cfg.group_size, schema=SCHEMA, sampler=cfg.sampler, max_buffered_rollouts=cfg.capacity,
@@ -331,11 +341,13 @@ def _run_child(out: str, cfg: DemoConfig, log: Callable[[str], None]) -> dict[st
         child.kill()
         child.wait()
         child.stdout.close()
+    with open(stderr_path) as f:
+        tail = f.read()[-2000:]
     if "killed_mid_step" not in seen:
-        with open(stderr_path) as f:
-            tail = f.read()[-2000:]
         raise KvckptError(f"the demo's child process ended before its crash point (exit {child.returncode}): "
                           f"{tail.strip() or 'no output'}")
+    if not tail:
+        os.unlink(stderr_path)
     log(f"crash     SIGKILL mid-step {seen['killed_mid_step']} (checkpoints at steps "
         f"{', '.join(map(str, seen['checkpoints'])) or 'none'})")
     return seen

@@ -45,12 +45,14 @@ def _size(n: int | None) -> str:
     """Bytes for people: ``1.23 MiB``."""
     if n is None:
         return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+    if abs(n) < 1024:
+        return f"{n} B"
+    value = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.2f} {unit}"
         value /= 1024
-    return f"{n} B"
+    return f"{value:.2f} TiB"
 
 
 def _num(value: Any) -> str:
