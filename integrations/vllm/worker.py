@@ -155,6 +155,10 @@ class VLLMBackend:
                  temperature: float) -> list[list[Sample]]:
         from vllm import SamplingParams
 
+        # OpenMP's thread count is per OS thread: called from a thread other than the one that
+        # built the engine (a rollout pump), vLLM's CPU attention would plan for that thread's
+        # default count but run with torch's ("Check failed: thread_num"). Align the two.
+        torch.set_num_threads(torch.get_num_threads())
         requests = [{"prompt_token_ids": list(p)} for p, k in zip(prompts, counts, strict=True) if k]
         params = [SamplingParams(n=k, logprobs=1, max_tokens=max_tokens, temperature=temperature)
                   for k in counts if k]
