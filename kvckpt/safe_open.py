@@ -41,16 +41,18 @@ def check_structure(path: str | os.PathLike[str]) -> None:
     """Raise unless ``path`` is a structurally sound, complete LMDB format-1 data file.
 
     Pure Python: nothing in ``path`` can crash or hang the calling process. Cost: one read of
-    every live page (about 0.1 s per 100 MB here, see ``docs/reliability.md``).
+    every live page (about 0.2 s per 100 MB here, see ``docs/reliability.md``).
 
     Raises:
-        StoreNotFound: no file at ``path``.
-        FormatError: not an LMDB file, another data format, truncated, or damaged (the message
-            quotes the verifier's first findings).
+        StoreNotFound: nothing at ``path``.
+        FormatError: not a regular file, not an LMDB file, another data format, truncated, or
+            damaged (the message quotes the verifier's first findings).
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise StoreNotFound(f"no checkpoint file at {path!r}")
+    if not os.path.isfile(path):
+        raise FormatError(f"{path!r} is not a regular file; a kvckpt checkpoint is one file")
     _check_lmdb_header(path)
     try:
         problems = lmdb_verify.verify(path, subdir=False)

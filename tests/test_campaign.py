@@ -34,6 +34,7 @@ from kvckpt.campaign import (
 
 def test_200_kills_break_no_promise(tmp_path: Path) -> None:
     result = run_crash_campaign(200, seed=1, directory=str(tmp_path))
+    print(result.summary())  # the figures docs/reliability.md quotes (pytest -s)
     assert result.violations == []
     assert result.kills == 200
     assert result.operations_checked > 2 * result.kills

@@ -28,6 +28,7 @@ PAGE = 4096
 
 def test_fuzz_campaign_1000_cases_end_in_an_error_or_identical_data(tmp_path: Path) -> None:
     result = run_fuzz_campaign(1000, seed=0, workers=2, directory=str(tmp_path))
+    print(result.summary())  # the figures docs/reliability.md quotes (pytest -s)
     assert result.violations == []
     assert result.cases == 1000
     assert result.detected + result.harmless == 1000
@@ -214,3 +215,5 @@ def test_foreign_lmdb_files_are_refused_by_name(tmp_path: Path) -> None:
         restore(same_tables, str(tmp_path / "b.kv"))
     with pytest.raises(FormatError, match="format version 99"):
         restore(future, str(tmp_path / "c.kv"))
+    with pytest.raises(FormatError, match="not a regular file"):
+        restore(str(tmp_path), str(tmp_path / "d.kv"))
