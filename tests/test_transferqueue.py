@@ -27,6 +27,7 @@ import kvckpt.integrations.transferqueue as ktq  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 import transfer_queue as tq  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 from kvckpt.errors import BadArgument, CorruptRecord, FormatError, RecoveryError  # noqa: E402
@@ -226,6 +227,9 @@ def test_kv_api_through_transferqueue_and_a_recycled_global_index(ray_local: Any
     try:
         client = tq.get_client()
         assert type(client.storage_manager).__name__ == "KvckptStorageManager"
+        other = OmegaConf.create({"backend": {"storage_backend": "kvckpt", "kvckpt": {"path": "other.kv"}}})
+        with pytest.raises(BadArgument, match=r"'KvckptValueStore' already serves '.*/live\.kv'"):
+            ktq.start_value_store(other)  # a second TransferQueue must not silently share the first's file
         meta = tq.kv_batch_put(keys=["k0", "k1", "k2"], partition_id=PARTITION, fields=batch([0, 1, 2]))
         assert sorted(meta.fields) == ["hidden", "input_ids", "logprobs", "reward", "text"]
         check_batch(tq.kv_batch_get(keys=["k0", "k1", "k2"], partition_id=PARTITION), [0, 1, 2])
