@@ -484,8 +484,8 @@ def _demo(out: str, cfg: DemoConfig, mode: str, log: Callable[[str], None]) -> d
         "work_lost": {k: lost[k] for k in ("groups", "rows", "raw_bytes")},
         "prompts_readmitted": work["admitted"] - next_prompt,
         "recover_seconds": t_recovered - t0}
-    log(f"recover   {mode}: resume at step {plan.resume_version}, {plan.groups_complete_restored} groups ready, "
-        f"{len(plan.leases)} prompts to redispatch")
+    log(f"recover   {mode}: resume at step {plan.resume_version}; ready groups: {plan.groups_complete_restored}; "
+        f"prompts to redispatch: {len(plan.leases)}")
     try:
         run.start(plan.leases)
         run.train(first_batch=lambda: first.setdefault("t", time.perf_counter()))
