@@ -28,6 +28,7 @@ ray = pytest.importorskip("ray")
 from kvckpt import (  # noqa: E402
     BadArgument,
     CorruptRecord,
+    SchemaMismatch,
     StaleAttempt,
     read_stamp,
     verify_path,
@@ -167,6 +168,8 @@ def test_actor_checkpoints_are_ordinary_checkpoint_files(ray_local, tmp_path):
     with kray.BufferClient(actor, batch_groups=4) as client:
         for lease in leases[:4]:
             client.commit(lease, rows(seed_of(lease["group_id"])))
+        refused = client.commit(leases[5], rows(5)[:1])  # one row of two: refused in its own slot
+    assert isinstance(refused.exception(), SchemaMismatch)
     ckpt = str(tmp_path / "step0.kvckpt")
     started = ray.get(actor.checkpoint.remote(ckpt, {"step": 0, "seed": 7}, wait=False))
     assert list(started) == ["checkpoint_id"]

@@ -136,11 +136,13 @@ class BufferClient:
                 break
             except RayActorError as exc:  # the actor died with this call in flight: it may have landed
                 if call.attempts > self.retries or not self._actor_back():
-                    for future in call.futures:
-                        future.set_exception(exc)
+                    _fail(call, exc)
                     return
                 call.attempts += 1
                 call.result = self.actor.commit_many.remote(call.payload)
+            except Exception as exc:  # the whole call was refused (e.g. its payload did not deserialise)
+                _fail(call, exc)
+                return
         for future, reply in zip(call.futures, replies, strict=True):
             if isinstance(reply, BaseException):
                 future.set_exception(reply)
@@ -172,6 +174,11 @@ def wait_for_actor(actor: Any, timeout: float = 60.0) -> dict[str, Any]:
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.1)
+
+
+def _fail(call: _Call, exc: BaseException) -> None:
+    for future in call.futures:
+        future.set_exception(exc)
 
 
 def _lease_dict(lease: Lease | Mapping[str, Any]) -> dict[str, Any]:
