@@ -48,7 +48,10 @@ def _ray_module():
 
 @pytest.fixture
 def ray_local(_ray_module):
-    """The module's single-node Ray (started on first use, again if a test shut it down)."""
+    """The module's single-node Ray (started on first use, again if a test shut it down or another
+    module left its own session running)."""
+    if ray.is_initialized() and ray.get_runtime_context().namespace != "kvckpt-test":
+        ray.shutdown()
     if not ray.is_initialized():
         kray.init_local_ray(num_cpus=4, object_store_memory=256 << 20, namespace="kvckpt-test")
 
