@@ -23,6 +23,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,11 +31,14 @@ from . import codec, keys
 from .buffer import CONFIG_KEY, STATE_KEY, ReplayBuffer
 from .checkpoint import PARTIAL_SUFFIX, _fsync_dir, _fsync_file
 from .errors import BadArgument, StoreLocked
-from .inspect import Progress, table_entries
+from .inspect import table_entries
 from .store import Store, Txn, writer_active
 
 #: Bytes of stored row payloads re-encoded per write transaction.
-BATCH_BYTES = 64 << 20
+BATCH_BYTES = 16 << 20
+
+PhasedProgress = Callable[[str, int, int], None]
+"""``progress(phase, done, total)``: phase ``"copy"`` counts bytes written, ``"re-encode"`` rows."""
 
 
 @dataclass
@@ -79,7 +83,7 @@ def check_destination(src: str, dest: str, force: bool) -> None:
 
 
 def compact(src: str, dest: str, *, level: int | None = None, force: bool = False,
-            progress: Progress | None = None) -> CompactResult:
+            progress: PhasedProgress | None = None) -> CompactResult:
     """Write a compacted copy of ``src`` (a live store or a checkpoint) to ``dest``.
 
     Args:
@@ -88,7 +92,7 @@ def compact(src: str, dest: str, *, level: int | None = None, force: bool = Fals
         level: re-encode row payloads with this zstd level (0 = uncompressed). Defaults to None
             (payloads are copied as they are).
         force: replace an existing ``dest``. Defaults to False.
-        progress: called with ``(done, total)``: bytes copied, then rows re-encoded.
+        progress: called with ``(phase, done, total)``, see :data:`PhasedProgress`.
 
     Raises:
         BadArgument: bad ``level`` or destination (see :func:`check_destination`).
@@ -127,7 +131,7 @@ def compact(src: str, dest: str, *, level: int | None = None, force: bool = Fals
     return result
 
 
-def _copy(store: Store, dest: str, progress: Progress | None) -> None:
+def _copy(store: Store, dest: str, progress: PhasedProgress | None) -> None:
     """LMDB's compacting copy of one snapshot; progress follows the growing file."""
     info = store.env.info()
     estimate = (info["last_pgno"] + 1) * store.env.stat()["psize"]
@@ -136,7 +140,7 @@ def _copy(store: Store, dest: str, progress: Progress | None) -> None:
     def watch() -> None:
         while not done.wait(0.2):
             with contextlib.suppress(OSError):
-                progress(os.path.getsize(dest), estimate)
+                progress("copy", os.path.getsize(dest), estimate)
 
     watcher = threading.Thread(target=watch, daemon=True) if progress is not None else None
     with store.reader() as txn:
@@ -150,7 +154,7 @@ def _copy(store: Store, dest: str, progress: Progress | None) -> None:
                 watcher.join()
     if progress is not None:
         size = os.path.getsize(dest)
-        progress(size, size)
+        progress("copy", size, size)
 
 
 def reencode(value: bytes, key: str, level: int) -> bytes:
@@ -174,7 +178,7 @@ def _reencode_rows(txn: Txn, gid: str, level: int) -> tuple[dict[str, str], int,
     return digests, before, after
 
 
-def _reencode_file(path: str, level: int, result: CompactResult, progress: Progress | None) -> None:
+def _reencode_file(path: str, level: int, result: CompactResult, progress: PhasedProgress | None) -> None:
     """Re-encode every stored row of the private copy at ``path`` in bounded transactions."""
     with Store(path) as store:
         if store.read(lambda t: t.get_json("meta", CONFIG_KEY)) is None:
@@ -189,7 +193,7 @@ def _reencode_file(path: str, level: int, result: CompactResult, progress: Progr
                 result.stored_before += before
                 result.stored_after += after
                 if progress is not None:
-                    progress(result.rows_reencoded, total)
+                    progress("re-encode", result.rows_reencoded, total)
 
         def finish(txn: Txn) -> None:
             config = txn.get_json("meta", CONFIG_KEY)

@@ -165,7 +165,7 @@ def export(path: str, out: str, *, fmt: str = "parquet", states: Sequence[str] |
                 batch = _Batch(arrays={n: [] for n in names})
                 for done, (key, value) in enumerate(txn.iter_prefix("groups", b""), 1):
                     doc = codec.decode_meta(value, f"groups/{key.decode(errors='replace')}")
-                    if progress is not None and done % 256 == 0:
+                    if progress is not None:
                         progress(done, total)
                     if doc["state"] not in wanted or not doc.get("rows_stored"):
                         continue

@@ -127,6 +127,23 @@ def _progress(args: argparse.Namespace, desc: str, unit: str = "it", scale: bool
     return _Bar(desc, unit, enabled=not args.json, scale=scale)
 
 
+class _PhasedBar:
+    """One bar per phase of a ``progress(phase, done, total)`` callback (a phase has its own unit)."""
+
+    def __init__(self, args: argparse.Namespace, phases: dict[str, tuple[str, bool]]) -> None:
+        self._bars = {name: _progress(args, name, unit, scale) for name, (unit, scale) in phases.items()}
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        for name, bar in self._bars.items():
+            if name != phase:
+                bar.close()  # phases run one after the other: one line on the terminal
+        self._bars[phase](done, total)
+
+    def close(self) -> None:
+        for bar in self._bars.values():
+            bar.close()
+
+
 def _emit(args: argparse.Namespace, doc: dict[str, Any], render: Callable[[dict[str, Any]], list[str]]) -> None:
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
@@ -282,7 +299,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
     from kvckpt.compact import compact
 
     _require_file(args.src)
-    bar = _progress(args, "compacting", "B", scale=True)
+    bar = _PhasedBar(args, {"copy": ("B", True), "re-encode": ("rows", False)})
     try:
         result = compact(args.src, args.dest, level=args.level, force=args.force, progress=bar)
     finally:
