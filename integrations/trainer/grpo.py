@@ -49,7 +49,7 @@ import torch
 
 from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer
 from kvckpt.checkpoint import restore
-from kvckpt.errors import GateTimeout, KvckptError
+from kvckpt.errors import BadArgument, GateTimeout
 from kvckpt.records import GroupInfo, Lease, Selection
 
 from ..vllm.tiny_model import AdditionTask, TinyModelSpec, ensure_tiny_model
@@ -410,7 +410,7 @@ class GRPOTrainer:
 
             exists = os.path.exists(rb.path)
             if ck.resume == "never" and exists:
-                raise KvckptError(f"{rb.path!r} already exists and checkpoint.resume is 'never'")
+                raise BadArgument(f"{rb.path!r} already exists and checkpoint.resume is 'never'")
             actor = start_buffer_actor(rb.path, self._buffer_config().to_dict(),
                                        name=f"kvckpt-buffer-{uuid.uuid4().hex[:8]}", get_if_exists=False,
                                        resume_version=step if exists else None, max_restarts=1)
