@@ -386,14 +386,14 @@ def test_diff_detects_a_changed_store(store: dict, tmp_path) -> None:
 
 # -- demo ----------------------------------------------------------------------------------------
 def test_demo_fast_trains_every_prompt_exactly_once() -> None:
-    out = " ".join(kv("demo", "--fast").stdout.split())
+    out = " ".join(kv("demo", "--fast", "--no-model").stdout.split())
     assert "exactly once 48 prompts: 48 trained once, 0 discarded by the sampler, 0 lost, 0 doubled" in out
     assert "generation work lost 0 rows: the " in out and "final store verifies clean" in out
     assert "result: ok" in out
 
 
 def test_demo_fast_from_a_checkpoint_file(tmp_path) -> None:
-    doc = kv_json("demo", "--fast", "--recovery", "checkpoint", "--out", tmp_path / "run")
+    doc = kv_json("demo", "--fast", "--no-model", "--recovery", "checkpoint", "--out", tmp_path / "run")
     check, rec = doc["check"], doc["recovery"]
     assert doc["ok"] is True and check["lost"] == 0 and check["doubled"] == 0 and check["verify_ok"] is True
     assert check["trained_once"] + check["discarded"] == 48

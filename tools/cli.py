@@ -431,11 +431,18 @@ def _render_demo(doc: dict[str, Any]) -> list[str]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvckpt.demo import run_demo
-
     log = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
-    report = run_demo(args.out, fast=args.fast, sampler=args.sampler, recovery=args.recovery, log=log)
-    _emit(args, report, _render_demo)
+    if args.no_model:
+        from kvckpt.demo import run_demo
+
+        report = run_demo(args.out, fast=args.fast, sampler=args.sampler, recovery=args.recovery, log=log)
+        _emit(args, report, _render_demo)
+    else:
+        from kvckpt.integrations.trainer.demo import render, run_demo
+
+        report = run_demo(args.out, fast=args.fast, sampler=args.sampler, recovery=args.recovery,
+                          backend=args.backend, log=log)
+        _emit(args, report, render)
     return EXIT_OK if report["ok"] else EXIT_PROBLEMS
 
 
@@ -534,9 +541,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", action="store_true", help="compare decoded rows instead of digests")
     p.set_defaults(func=cmd_diff)
 
-    p = command("demo", "Run a producer/consumer job, SIGKILL it mid-step, recover, finish and check it",
+    p = command("demo", "Train the reference GRPO setup, SIGKILL it mid-step, resume in a new process and audit it",
                 "kvckpt demo --fast --recovery checkpoint")
-    p.add_argument("--fast", action="store_true", help="the small run (about 15 s instead of under a minute)")
+    p.add_argument("--fast", action="store_true", help="the small run (about a minute instead of a few)")
+    p.add_argument("--backend", choices=("transformers", "vllm"),
+                   help="generation backend (default: vllm when importable, else transformers)")
+    p.add_argument("--no-model", action="store_true",
+                   help="the model-free producer/consumer demo instead (numpy rollouts, about 15 s with --fast)")
     p.add_argument("--sampler", choices=SAMPLERS, default="in_order", help="the sampler (default in_order)")
     p.add_argument("--recovery", choices=RECOVERY_MODES, default="live",
                    help="recover the crashed live store (default) or restore the latest checkpoint file")

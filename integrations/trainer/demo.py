@@ -1,0 +1,437 @@
+"""The demo (``kvckpt demo``): the reference GRPO trainer, SIGKILLed mid-step, resumed, audited.
+
+1. **Run.** A child process trains the reference async GRPO setup (tiny model, addition task,
+   transformers or vLLM generation) on a kvckpt live store, checkpointing every few steps.
+2. **Crash.** Mid-step (its groups claimed), with groups buffered and rollouts in flight — one
+   of them parked by a test hook just before its commit, so the crash always finds one — the
+   parent SIGKILLs the child.
+3. **Resume** in a new child process, from the live store (``recovery="live"``: nothing generated
+   is lost) or from the checkpoint file (``"checkpoint"``: work after it is regenerated), and
+   train to the end.
+4. **Report** what recovery restored, redispatched and reused, the generation work lost (and what
+   a checkpoint-only recovery loses), the time to the first batch after the restart, an
+   exactly-once audit of every prompt over both runs, and a learning-curve PNG.
+
+The children run :func:`child_main` (``python -m kvckpt.integrations.trainer.demo child ...``),
+whose :class:`DemoHooks` are the trainer's test-only hooks (:mod:`.faults`), passed in by the
+parent on the command line, never through environment variables. tests/test_functional_recovery.py
+drives the same children.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvckpt.buffer import ReplayBuffer
+from kvckpt.errors import LeaseError
+from kvckpt.records import ABORTED, CONSUMED, EVICTED, Lease
+from kvckpt.verify import verify_path
+
+from .faults import Hooks, ParkRollout
+
+SAMPLERS = {
+    "in_order": {"name": "in_order", "max_lookahead_versions": 1},
+    "weight_fifo": {"name": "weight_fifo", "max_staleness_versions": 1},
+    "windowed": {"name": "windowed", "max_staleness_versions": 1},
+    "ready_first": {"name": "ready_first", "max_staleness_versions": 1},
+}
+RECOVERY_MODES = ("live", "checkpoint")
+BACKENDS = ("transformers", "vllm")
+#: The two sizes: steps, groups per step, completions per group, checkpoint period, crash step, warm-up.
+PRESETS = {
+    "full": {"steps": 30, "groups_per_step": 4, "group_size": 8, "every_steps": 10, "crash_step": 24,
+             "sft_steps": 100},
+    "fast": {"steps": 12, "groups_per_step": 4, "group_size": 8, "every_steps": 5, "crash_step": 8,
+             "sft_steps": 40},
+}
+PARK_WAIT_SECONDS = 60.0
+
+
+class ParkedCommitDropped(LeaseError):
+    """The parked commit of a run that stopped meanwhile: refused, nothing written (as if its
+    worker had died with the process)."""
+
+
+class DemoHooks(Hooks):
+    """The demo's (and the functional test's) fault injection, one event log line per fact.
+
+    Args:
+        events: a JSON-lines file this process appends ``{"event": ...}`` records to: ``commit``
+            (each successful commit: prompt_idx, group_id, attempt), ``parked`` (the parked lease),
+            ``first-batch`` (the first selection, with ``time.time()``), ``crash-point``.
+        park_prompt: park (block before committing) the first lease with ``prompt_idx >=`` this.
+        crash_step: at ``after_select`` of this step, wait for the park (up to
+            :data:`PARK_WAIT_SECONDS`), log ``crash-point`` and wait to be SIGKILLed by the parent
+            (or kill this process itself if the parent is gone).
+        stop_step: at ``after_finish_step`` of this step, wait for the park and then set the
+            trainer's time limit to 0: the run ends with its final checkpoint taken while the
+            rollout is parked; the parked commit is then refused (:class:`ParkedCommitDropped`).
+    """
+
+    def __init__(self, events: str, *, park_prompt: int | None = None, crash_step: int | None = None,
+                 stop_step: int | None = None) -> None:
+        self.events, self.crash_step, self.stop_step = events, crash_step, stop_step
+        self.park_prompt = park_prompt
+        self.park = ParkRollout()
+        self.trainer: Any = None
+        self._lock = threading.Lock()
+        self._selected = False
+        self._stopping = False
+        self._parent = os.getppid()
+
+    def log(self, event: str, **fields: Any) -> None:
+        """Append one event line (one ``write``: it survives a SIGKILL right after)."""
+        line = json.dumps({"event": event, "time": time.time(), **fields}) + "\n"
+        with self._lock:
+            fd = os.open(self.events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+
+    def before_commit(self, lease: Lease) -> None:
+        if self.park_prompt is None or lease.prompt_idx < self.park_prompt or self.park.parked.is_set():
+            return
+        self.log("parked", prompt_idx=lease.prompt_idx, group_id=lease.group_id, attempt=lease.attempt,
+                 target_step=lease.target_step)
+        self.park.before_commit(lease)
+        raise ParkedCommitDropped(f"{lease.group_id}: the run stopped while its commit was parked")
+
+    def at(self, point: str, **info: Any) -> None:
+        if point == "after_commit":
+            for lease, result in zip(info["leases"], info["results"], strict=True):
+                if not isinstance(result, BaseException):
+                    self.log("commit", prompt_idx=lease.prompt_idx, group_id=lease.group_id, attempt=lease.attempt)
+        elif point == "after_select":
+            if not self._selected:
+                self._selected = True
+                self.log("first-batch", step=info["step"])
+            if info["step"] == self.crash_step:
+                self.park.parked.wait(PARK_WAIT_SECONDS)
+                self.log("crash-point", step=info["step"])
+                while os.getppid() == self._parent:  # the parent SIGKILLs this process now
+                    time.sleep(0.2)
+                os.kill(os.getpid(), signal.SIGKILL)
+        elif point == "after_finish_step" and info["step"] == self.stop_step:
+            self.park.parked.wait(PARK_WAIT_SECONDS)
+            self._stopping = True
+            self.trainer.config.train.time_limit_seconds = 0.0
+        elif point == "after_checkpoint" and self._stopping:
+            self.log("stopped", step=info["step"])
+            self.park.release()
+
+
+# -- child processes ------------------------------------------------------------------------------
+def child_main(argv: Sequence[str]) -> int:
+    """One training process: the trainer with :class:`DemoHooks`; writes its summary as JSON."""
+    parser = argparse.ArgumentParser(prog="kvckpt.integrations.trainer.demo child")
+    parser.add_argument("config")
+    parser.add_argument("events")
+    parser.add_argument("--summary")
+    parser.add_argument("--park-prompt", type=int)
+    parser.add_argument("--crash-step", type=int)
+    parser.add_argument("--stop-step", type=int)
+    args = parser.parse_args(argv)
+    from .grpo import GRPOTrainer
+
+    hooks = DemoHooks(args.events, park_prompt=args.park_prompt, crash_step=args.crash_step,
+                      stop_step=args.stop_step)
+    trainer = GRPOTrainer(args.config, hooks=hooks)
+    hooks.trainer = trainer
+    summary = trainer.run()
+    if args.summary:
+        with open(args.summary, "w") as fh:
+            json.dump(summary, fh, sort_keys=True, default=str)
+    return 0
+
+
+def spawn_child(config_path: str, events: str, *, summary: str | None = None, park_prompt: int | None = None,
+                crash_step: int | None = None, stop_step: int | None = None,
+                stderr: str | None = None) -> subprocess.Popen[bytes]:
+    """Start a training process running :func:`child_main` (its stderr to the file ``stderr``)."""
+    cmd = [sys.executable, "-m", "kvckpt.integrations.trainer.demo", "child", config_path, events]
+    for flag, value in (("--summary", summary), ("--park-prompt", park_prompt), ("--crash-step", crash_step),
+                        ("--stop-step", stop_step)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    err = open(stderr or os.devnull, "wb")  # noqa: SIM115 - handed to the child
+    try:
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+    finally:
+        err.close()
+
+
+def read_events(path: str, event: str | None = None) -> list[dict[str, Any]]:
+    """The events logged so far (only those named ``event`` if given)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        docs = [json.loads(line) for line in fh if line.endswith("\n")]
+    return [d for d in docs if event is None or d["event"] == event]
+
+
+def wait_event(path: str, event: str, proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
+    """Wait for the first ``event`` in ``path``; raises if the process exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = read_events(path, event)
+        if found:
+            return found[0]
+        if proc.poll() is not None:
+            raise RuntimeError(f"the training process exited ({proc.returncode}) before {event!r}")
+        time.sleep(0.1)
+    raise TimeoutError(f"no {event!r} within {timeout:.0f} s")
+
+
+# -- reading the stores ---------------------------------------------------------------------------
+def store_view(path: str) -> dict[str, Any]:
+    """A store's group records, ledger, state and dataloader cursor, read-only."""
+    with ReplayBuffer.open(path, readonly=True) as buf:
+        dl = buf.dataloader_state()
+        return {"groups": buf.groups(), "ledger": buf.ledger(), "state": buf.state(),
+                "cursor": json.loads(dl)["cursor"] if dl else 0}
+
+
+def work_after_checkpoint(live: dict[str, Any], ckpt: dict[str, Any] | None) -> dict[str, Any]:
+    """Groups the live store committed after the checkpoint (a checkpoint-only recovery regenerates
+    them) and the prompts admitted after it (re-admitted by the rewound dataloader)."""
+    old = {g.group_id for g in ckpt["groups"]} if ckpt else set()
+    new = [g for g in live["groups"] if g.group_id not in old and g.state not in (EVICTED, ABORTED)]
+    return {"groups": len(new), "group_ids": [g.group_id for g in new], "rows": sum(g.group_size for g in new),
+            "raw_bytes": sum(g.raw_bytes for g in new),
+            "prompts_admitted": live["cursor"] - (ckpt["cursor"] if ckpt else 0)}
+
+
+def audit(path: str) -> dict[str, Any]:
+    """Every prompt the dataloader served (``0..cursor``) accounted for exactly once in the store:
+    trained once (one consumed group), discarded by the sampler (evicted/aborted), still buffered
+    or in flight; ``lost`` (no record) and ``doubled`` (several records) must be empty."""
+    view = store_view(path)
+    records = Counter(g.prompt_idx for g in view["groups"]) + Counter(e.prompt_idx for e in view["ledger"])
+    states = Counter(g.state for g in view["groups"])
+    cursor = view["cursor"]
+    consumed = [g.prompt_idx for g in view["groups"] if g.state == CONSUMED]
+    return {"prompts": cursor, "trained_once": sum(1 for c in Counter(consumed).values() if c == 1),
+            "discarded": states[EVICTED] + states[ABORTED],
+            "pending": cursor - len(consumed) - states[EVICTED] - states[ABORTED],
+            "lost": [p for p in range(cursor) if records[p] == 0],
+            "doubled": sorted(p for p, c in records.items() if c > 1),
+            "trained_by_step": _by_step(view["groups"])}
+
+
+def _by_step(groups: Sequence[Any]) -> dict[int, list[int]]:
+    steps: dict[int, list[int]] = {}
+    for g in groups:
+        if g.state == CONSUMED:
+            steps.setdefault(g.consumed_step, []).append(g.prompt_idx)
+    return {k: sorted(v) for k, v in sorted(steps.items())}
+
+
+# -- the demo -------------------------------------------------------------------------------------
+def demo_config(out: str, preset: dict[str, Any], sampler: str, recovery: str, backend: str,
+                cache_dir: str | None = None) -> dict[str, Any]:
+    """The trainer config of a demo run in ``out``."""
+    gps = preset["groups_per_step"]
+    return {"output_dir": out, "seed": 0,
+            "model": {"cache_dir": cache_dir, "sft_steps": preset["sft_steps"]},
+            "generation": {"backend": backend, "group_size": preset["group_size"], "max_tokens": 4},
+            "train": {"steps": preset["steps"], "groups_per_step": gps, "lr": 2e-4},
+            "replay_buffer": {"sampler": SAMPLERS[sampler], "max_buffered_rollouts": 3 * gps},
+            "checkpoint": {"every_steps": preset["every_steps"], "keep": 2, "resume_from": recovery}}
+
+
+def run_demo(out: str | None = None, *, fast: bool = False, sampler: str = "in_order", recovery: str = "live",
+             backend: str | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train, SIGKILL mid-step, resume in a new process, audit; returns the report (see :func:`render`).
+
+    ``out`` keeps every file (config, live store, checkpoints, metrics, events, the PNG); without
+    it a temporary directory is used and removed, except the PNG, copied to the working directory.
+    ``backend`` defaults to ``"vllm"`` when vLLM is importable, else ``"transformers"``.
+    """
+    from .grpo import BUFFER_FILE, checkpoint_steps
+
+    if sampler not in SAMPLERS or recovery not in RECOVERY_MODES:
+        raise ValueError(f"sampler must be one of {sorted(SAMPLERS)}, recovery one of {RECOVERY_MODES}")
+    backend = backend or ("vllm" if importlib.util.find_spec("vllm") else "transformers")
+    keep = out is not None
+    out = os.path.abspath(out) if out else tempfile.mkdtemp(prefix="kvckpt-demo-")
+    os.makedirs(out, exist_ok=True)
+    preset = PRESETS["fast" if fast else "full"]
+    cfg = demo_config(out, preset, sampler, recovery, backend)
+    config_path = os.path.join(out, "config.json")
+    with open(config_path, "w") as fh:
+        json.dump(cfg, fh, indent=1)
+    gps, crash = preset["groups_per_step"], preset["crash_step"]
+    live, ckpt_dir = os.path.join(out, "buffer.kvckpt"), os.path.join(out, "checkpoints")
+    try:
+        log(f"run 1: {backend} GRPO, {sampler}, {gps} prompts x {preset['group_size']} completions per step, "
+            f"checkpoint every {preset['every_steps']} steps; SIGKILL in step {crash}")
+        t0 = time.monotonic()
+        proc = spawn_child(config_path, os.path.join(out, "events-1.jsonl"), park_prompt=(crash + 1) * gps + 1,
+                           crash_step=crash, stderr=os.path.join(out, "run-1.stderr"))
+        try:
+            wait_event(os.path.join(out, "events-1.jsonl"), "crash-point", proc, timeout=900)
+        finally:
+            proc.kill()
+            proc.wait()
+        log(f"  killed (SIGKILL) in step {crash} after {time.monotonic() - t0:.0f} s")
+        at_kill = store_view(live)
+        ckpt_step = checkpoint_steps(ckpt_dir)[-1]
+        ckpt = store_view(os.path.join(ckpt_dir, f"step_{ckpt_step}", BUFFER_FILE))
+        after = work_after_checkpoint(at_kill, ckpt)
+        metrics_before = _metrics(out)
+        source = at_kill if recovery == "live" else ckpt
+        redispatch = [{"prompt_idx": e.prompt_idx, "group_id": e.group_id} for e in source["ledger"]]
+
+        log(f"run 2: resume from step_{ckpt_step} and the {'live store' if recovery == 'live' else 'checkpoint file'}")
+        events2, summary_path = os.path.join(out, "events-2.jsonl"), os.path.join(out, "summary-2.json")
+        t_restart = time.time()
+        proc = spawn_child(config_path, events2, summary=summary_path, stderr=os.path.join(out, "run-2.stderr"))
+        if proc.wait() != 0:
+            raise RuntimeError(f"the resumed run failed ({proc.returncode}); see {out}/run-2.stderr")
+        with open(summary_path) as fh:
+            summary = json.load(fh)
+        first = read_events(events2, "first-batch")
+        commits2 = {e["group_id"] for e in read_events(events2, "commit")}
+        check = audit(live)
+        verify = verify_path(live)
+        metrics = _metrics(out)
+        png = plot_learning_curve(metrics, len(metrics_before), crash, ckpt_step,
+                                  os.path.join(out if keep else os.getcwd(), "kvckpt-demo-learning-curve.png"))
+        rec = summary["recovery"]
+        report = {
+            "backend": backend, "sampler": sampler, "out": out if keep else None, "learning_curve": png,
+            "run": {"steps": preset["steps"], "groups_per_step": gps, "group_size": preset["group_size"],
+                    "killed_mid_step": crash, "checkpoint_step": ckpt_step,
+                    "at_kill": {"claimed": at_kill["state"]["claimed"], "ready": at_kill["state"]["ready"],
+                                "inflight": at_kill["state"]["inflight"]}},
+            "recovery": {"mode": recovery, "resume_step": summary["resumed_from"], **rec,
+                         "prompts_redispatched": redispatch,
+                         "work_after_checkpoint": {k: after[k] for k in ("groups", "rows", "raw_bytes",
+                                                                         "prompts_admitted")},
+                         "work_lost": {"groups": 0 if recovery == "live" else after["groups"],
+                                       "rows": 0 if recovery == "live" else after["rows"],
+                                       "raw_bytes": 0 if recovery == "live" else after["raw_bytes"]},
+                         "groups_after_checkpoint_recommitted": len(set(after["group_ids"]) & commits2),
+                         "time_to_first_batch_seconds": first[0]["time"] - t_restart if first else None},
+            "finish": {"final_step": summary["steps_done"], "steps_trained": summary["steps_done"] - ckpt_step,
+                       "reward_first": summary["reward_first"], "reward_last": summary["reward_last"]},
+            "check": {**{k: v for k, v in check.items() if k != "trained_by_step"},
+                      "verify_ok": verify.ok, "verify_problems": [str(p) for p in verify.problems]},
+        }
+        report["ok"] = bool(not check["lost"] and not check["doubled"] and verify.ok
+                            and len(redispatch) == rec["groups_redispatched"])
+        return report
+    finally:
+        if not keep:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def _metrics(out: str) -> list[dict[str, Any]]:
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def plot_learning_curve(metrics: Sequence[dict[str, Any]], first_run_lines: int, crash_step: int,
+                        resume_step: int, path: str) -> str:
+    """Mean reward per step of both runs, the crash and the retrained steps marked; returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for rows, label, color in ((metrics[:first_run_lines], "run 1 (killed)", "tab:blue"),
+                               (metrics[first_run_lines:], "run 2 (resumed)", "tab:orange")):
+        ax.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], "o-", ms=3, label=label, color=color)
+    ax.axvline(crash_step, color="tab:red", ls="--", label=f"SIGKILL (mid-step {crash_step})")
+    ax.axvspan(resume_step - 0.5, crash_step - 0.5, color="grey", alpha=0.15,
+               label=f"trained again from checkpoint step_{resume_step}")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("mean reward (exact answer)")
+    ax.set_title("kvckpt demo: GRPO across a SIGKILL")
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- the report -----------------------------------------------------------------------------------
+def _size(n: int) -> str:
+    return f"{n / 1024:.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"
+
+
+def render(doc: dict[str, Any]) -> list[str]:
+    """The report a person reads at a glance, as lines."""
+    run, rec, check, fin = doc["run"], doc["recovery"], doc["check"], doc["finish"]
+    work, kill = rec["work_after_checkpoint"], run["at_kill"]
+    ids = [str(p["prompt_idx"]) for p in rec["prompts_redispatched"]]
+    committed = f"{work['groups']} groups ({work['rows']} completions, {_size(work['raw_bytes'])})"
+    if rec["mode"] == "live":
+        lost = [f"0 completions: the {committed} committed after step_{run['checkpoint_step']} were reused",
+                f"({rec['groups_after_checkpoint_recommitted']} regenerated); a checkpoint-only recovery would "
+                f"regenerate all {work['rows']}"]
+    else:
+        lost = [f"{rec['work_lost']['rows']} completions: the {committed} committed after "
+                f"step_{run['checkpoint_step']}", f"are regenerated; {work['prompts_admitted']} prompts re-admitted"]
+    first = rec["time_to_first_batch_seconds"]
+    recover_ms = rec.get("recover_seconds", 0) * 1000
+    pairs = [
+        ("run", f"{doc['backend']} GRPO, sampler {doc['sampler']}, {run['groups_per_step']} prompts x "
+                f"{run['group_size']} completions per step, {run['steps']} steps"),
+        ("at the kill", f"mid-step {run['killed_mid_step']}: {kill['claimed']} groups claimed, {kill['ready']} "
+                        f"buffered, {kill['inflight']} rollouts in flight"),
+        ("resumed from", f"step_{rec['resume_step']} + " + ("the live store" if rec["mode"] == "live"
+                                                             else "its buffer file")),
+        ("groups restored", f"{rec['groups_complete_restored']} ready ({rec['groups_returned_to_ready']} claimed or "
+                            f"consumed at steps >= {rec['resume_step']} returned to ready)"),
+        ("prompts redispatched", f"{len(ids)}" + (f": prompt_idx {', '.join(ids)}" if ids else "")),
+        ("siblings reused", f"{rec['siblings_reused']} rows ({rec['siblings_rerun']} left to generate)"),
+        ("generation work lost", lost[0]), ("", lost[1]),
+        ("time to first batch", "-" if first is None else f"{first:.1f} s after the restart (process start, model "
+                                                          f"load, recover {recover_ms:.0f} ms)"),
+        ("finished", f"to step {fin['final_step']} ({fin['steps_trained']} steps after the resume); mean reward "
+                     f"{fin['reward_first']:.2f} -> {fin['reward_last']:.2f}"),
+        ("exactly once", f"{check['prompts']} prompts served: {check['trained_once']} trained once, "
+                         f"{check['discarded']} discarded by the sampler, {check['pending']} buffered, "
+                         f"{len(check['lost'])} lost, {len(check['doubled'])} doubled"),
+        ("final store", "verifies clean" if check["verify_ok"] else "; ".join(check["verify_problems"])),
+        ("learning curve", doc["learning_curve"]),
+    ]
+    width = max(len(k) for k, _ in pairs)
+    lines = ["", "recovery report", *[f"  {k:<{width}}  {v}" for k, v in pairs]]
+    lines += ["", f"result: {'ok' if doc['ok'] else 'FAILED'}"]
+    if doc.get("out"):
+        lines.append(f"  files kept in {doc['out']}")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvckpt.integrations.trainer.demo child ...``: one training process of the demo."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] != ["child"]:
+        print("usage: python -m kvckpt.integrations.trainer.demo child CONFIG EVENTS [options]; "
+              "run the demo with `kvckpt demo`", file=sys.stderr)
+        return 2
+    return child_main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
