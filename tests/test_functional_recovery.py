@@ -35,9 +35,9 @@ from kvckpt.records import CONSUMED
 GPS, N = 2, 2
 SAMPLERS = {
     "in_order": {"name": "in_order", "max_lookahead_versions": 1},
-    "weight_fifo": {"name": "weight_fifo", "max_staleness_versions": 2},
-    "windowed": {"name": "windowed", "max_staleness_versions": 2},
-    "ready_first": {"name": "ready_first", "max_staleness_versions": 2},
+    "weight_fifo": {"name": "weight_fifo", "max_staleness_versions": 1},
+    "windowed": {"name": "windowed", "max_staleness_versions": 1},
+    "ready_first": {"name": "ready_first", "max_staleness_versions": 1},
 }
 CI_SAMPLERS = [pytest.param(s, marks=[] if s in ("in_order", "weight_fifo") else [pytest.mark.slow])
                for s in SAMPLERS]
