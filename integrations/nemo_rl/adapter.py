@@ -96,12 +96,16 @@ class KvckptReplayBuffer:
             GateTimeout: still closed after ``timeout``. CapacityError: a batch larger than the
             capacity. BadArgument: a duplicate or already-used group id.
         """
+        return [lease.group_id for lease in self._admit(prompts, dataloader_state, weight_version, timeout)]
+
+    def _admit(self, prompts: Sequence[Prompt | int | Mapping[str, Any]], dataloader_state: bytes | None,
+               weight_version: int | None, timeout: float | None) -> list[Lease]:
         leases = self.core.admit(prompts, dataloader_state, timeout=timeout, weight_version=weight_version)
         stamp = leases[0].target_step
         with self._lock:
             self._admissions[stamp] = Admission(leases[0].admission_id, self.core.state()["dispatch_index"], stamp)
             self._idle.update((lease.group_id, lease) for lease in leases)
-        return [lease.group_id for lease in leases]
+        return leases
 
     # -- slots -----------------------------------------------------------------------------------
     def reserve(self, *, weight_version: int, target_step: int | None = None, group_id: str | None = None,

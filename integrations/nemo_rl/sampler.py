@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvckpt.errors import BadArgument, GateTimeout, RecoveryError
-from kvckpt.records import Admission
 
 from .meta import ReplayMeta
 
@@ -128,15 +127,11 @@ class KvckptSampler:
             return admission.target_step
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            leases = self._core.admit(staged, dataloader_state, timeout=remaining, weight_version=weight_version)
+            leases = self._buffer._admit(staged, dataloader_state, weight_version, remaining)
         except BaseException:
             self._buffer.ledger._restage(staged)
             raise
-        stamp = leases[0].target_step
-        self._buffer._admissions[stamp] = Admission(leases[0].admission_id, self.dispatch_index, stamp)
-        with self._buffer._lock:
-            self._buffer._idle.update((lease.group_id, lease) for lease in leases)
-        return stamp
+        return leases[0].target_step
 
     def select(self, current_train_weight: int, min_prompt_groups: int,
                max_prompt_groups: int) -> tuple[ReplayMeta | None, int]:
