@@ -4,9 +4,10 @@ Random sequences of admit / commit_group / commit_sample / select / finish_step 
 sampler's or named groups) / abort / abort_stale_inflight / redispatch / promote_ready_group /
 checkpoint / close-and-reopen / recover run on a real LMDB file, once per sampler. Every
 operation's outcome (result or exact error) is predicted by the model first; a refused operation
-must leave every table byte-for-byte unchanged. After every step the machine checks the invariants of replay_semantics.md §G that apply: single owner (§G.10), capacity
-conservation (§G.6), counters, stamps (§G.9), cursor exactness (§G.12), sampler semantics
-(§G.5: the buffer's eligible and evictable lists equal the model's), and ``kvckpt.verify.check``.
+must leave every table byte-for-byte unchanged. After every step the machine checks the
+invariants of replay_semantics.md §G that apply: single owner (§G.10), capacity conservation
+(§G.6), counters, stamps (§G.9), cursor exactness (§G.12), sampler semantics (§G.5: the
+buffer's eligible and evictable lists equal the model's), and ``kvckpt.verify.check``.
 
 CI runs a short profile (about 30 s in all); ``KVCKPT_HYPOTHESIS_PROFILE=soak`` runs a long one.
 """
