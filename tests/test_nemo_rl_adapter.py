@@ -27,6 +27,7 @@ from kvckpt.integrations.nemo_rl import (
 
 from kvckpt import Lease, Prompt, StaleAttempt
 from kvckpt.errors import BadArgument, CapacityError, GateTimeout, RecoveryError
+from kvckpt.records import Admission
 from kvckpt.verify import check
 
 SAMPLERS = {
@@ -230,6 +231,22 @@ def test_split_admission_joins_reserves_to_the_advanced_cursor(make: Any) -> Non
     with pytest.raises(BadArgument, match="stamped for target_step 1"):
         buf.reserve(weight_version=0, target_step=1)
     assert buf.core.store.read(check).ok
+
+
+def test_a_join_needs_an_admission_this_store_issued(make: Any) -> None:
+    """The core side of the split: ``admit(admission=...)`` refuses admissions the store never made
+    and stamps past its cursor, writing nothing."""
+    core = make(SAMPLERS["in_order"]).core
+    issued = core.advance_dispatch(timeout=0)
+    assert (issued.admission_id, issued.dispatch_index, issued.target_step) == ("a0", 0, 0)
+    before = dump_store(core)
+    with pytest.raises(BadArgument, match=r"admission 'a1' was not issued by this store \(1 admissions so far\)"):
+        core.admit([Prompt(1)], admission=Admission("a1", 1, 1))
+    with pytest.raises(BadArgument, match="stamped for step 3, past the store's dispatch_index 0"):
+        core.admit([Prompt(1)], admission=Admission("a0", 0, 3))
+    assert dump_store(core) == before
+    [lease] = core.admit([Prompt(1)], admission=issued, timeout=0)
+    assert (lease.group_id, lease.admission_id, lease.target_step) == ("a0-s0", "a0", 0)
 
 
 # -- slots ----------------------------------------------------------------------------------------
