@@ -17,6 +17,7 @@ from conftest import SCHEMA, dump_store, make_group, make_row
 
 from kvckpt import (
     BadArgument,
+    BufferConfig,
     DuplicateCommit,
     Lease,
     NotSelectable,
@@ -131,6 +132,51 @@ def test_commit_after_abort_or_evict_is_refused(buffer_factory, exit_path):
     error = refused(buf, UnknownGroup, buf.commit_group, lease, rows)
     assert f"was {exit_path}ed" in str(error)
 
+
+
+def test_a_commit_failing_midway_leaves_no_row(buffer_factory, monkeypatch):
+    """§G.2: a commit that fails after writing some rows leaves no row and the prompt in flight."""
+    from kvckpt.store import Txn
+
+    buf = buffer_factory("in_order")
+    lease = admit_one(buf, "g1")
+    put = Txn.put
+    calls = []
+
+    def failing_put(self, table, key, value):
+        calls.append(table)
+        if table == "rows" and calls.count("rows") == 2:
+            raise OSError("injected: the second row's write fails")
+        return put(self, table, key, value)
+
+    monkeypatch.setattr(Txn, "put", failing_put)
+    refused(buf, OSError, buf.commit_group, lease, make_group(2, 1))
+    monkeypatch.setattr(Txn, "put", put)
+    assert calls.count("rows") == 2
+    assert buf.store.read(lambda t: list(t.iter_prefix("rows", b""))) == []
+    assert [e.group_id for e in buf.ledger()] == ["g1"]
+    assert buf.commit_group(lease, make_group(2, 1)).ready
+
+
+def test_commits_replayed_after_map_full_land_once(tmp_path):
+    """A full map aborts the transaction, grows the map and replays it: nothing may be counted twice."""
+    buf = ReplayBuffer.create(str(tmp_path / "tiny.kv"), BufferConfig(
+        group_size=2, schema=SCHEMA, sampler="windowed", max_buffered_rollouts=64, compression_level=0),
+        map_size=1 << 16)
+    try:
+        raw = 0
+        for i in range(24):
+            [lease] = buf.admit([Prompt(i)], dataloader_state=bytes(2000), timeout=0)
+            rows = [make_row(2000, i), make_row(1500, i + 100)]
+            raw += sum(t.numpy().nbytes for row in rows for t in row.values())
+            assert buf.commit_group(lease, rows).ready
+        assert buf.store.env.info()["map_size"] > 1 << 16
+        stats = buf.stats()
+        assert (stats["admitted"], stats["committed"], stats["ready"], stats["raw_bytes"]) == (24, 24, 24, raw)
+        assert buf.state()["seq"] == 24
+        assert ok(buf, deep=True)
+    finally:
+        buf.close()
 
 # -- per-sample commits --------------------------------------------------------------------------------
 def test_commit_sample_tracks_sibling_progress_and_readies_on_the_last(buffer_factory):
