@@ -90,6 +90,7 @@ class DemoHooks(Hooks):
         self._lock = threading.Lock()
         self._selected = False
         self._stopping = False
+        self._crashing = False
         self._parent = os.getppid()
 
     def log(self, event: str, **fields: Any) -> None:
@@ -107,8 +108,25 @@ class DemoHooks(Hooks):
             return
         self.log("parked", prompt_idx=lease.prompt_idx, group_id=lease.group_id, attempt=lease.attempt,
                  target_step=lease.target_step)
+        if self.crash_step is not None:
+            threading.Thread(target=self._watchdog, name="demo-watchdog", daemon=True).start()
         self.park.before_commit(lease)
         raise ParkedCommitDropped(f"{lease.group_id}: the run stopped while its commit was parked")
+
+    def _crash(self, step: int | None) -> None:
+        with self._lock:
+            first, self._crashing = not self._crashing, True
+        if first:
+            self.log("crash-point", step=step)
+        while os.getppid() == self._parent:  # the parent SIGKILLs this process now
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _watchdog(self) -> None:
+        """A sampler that discarded groups the crash step needed starves the trainer while the
+        rollout is parked: crash anyway (``step: null``) after :data:`PARK_WAIT_SECONDS`."""
+        time.sleep(PARK_WAIT_SECONDS)
+        self._crash(None)
 
     def at(self, point: str, **info: Any) -> None:
         if point == "after_commit":
@@ -121,10 +139,7 @@ class DemoHooks(Hooks):
                 self.log("first-batch", step=info["step"])
             if info["step"] == self.crash_step:
                 self.park.parked.wait(PARK_WAIT_SECONDS)
-                self.log("crash-point", step=info["step"])
-                while os.getppid() == self._parent:  # the parent SIGKILLs this process now
-                    time.sleep(0.2)
-                os.kill(os.getpid(), signal.SIGKILL)
+                self._crash(info["step"])
         elif point == "after_finish_step" and info["step"] == self.stop_step:
             self.park.parked.wait(PARK_WAIT_SECONDS)
             self._stopping = True
