@@ -1,7 +1,8 @@
 """The demo (``kvckpt demo``): the reference GRPO trainer, SIGKILLed mid-step, resumed, audited.
 
 1. **Run.** A child process trains the reference async GRPO setup (tiny model, addition task,
-   transformers or vLLM generation) on a kvckpt live store, checkpointing every few steps.
+   transformers or vLLM generation, two rollout workers) on a kvckpt live store, checkpointing
+   every few steps.
 2. **Crash.** Mid-step (its groups claimed), with groups buffered and rollouts in flight — one
    of them parked by a test hook just before its commit, so the crash always finds one — the
    parent SIGKILLs the child.
@@ -52,7 +53,7 @@ RECOVERY_MODES = ("live", "checkpoint")
 BACKENDS = ("transformers", "vllm")
 #: The two sizes: steps, groups per step, completions per group, checkpoint period, crash step, warm-up.
 PRESETS = {
-    "full": {"steps": 30, "groups_per_step": 4, "group_size": 8, "every_steps": 10, "crash_step": 24,
+    "full": {"steps": 60, "groups_per_step": 4, "group_size": 8, "every_steps": 20, "crash_step": 47,
              "sft_steps": 100},
     "fast": {"steps": 12, "groups_per_step": 4, "group_size": 8, "every_steps": 5, "crash_step": 8,
              "sft_steps": 40},
@@ -262,7 +263,7 @@ def demo_config(out: str, preset: dict[str, Any], sampler: str, recovery: str, b
     gps = preset["groups_per_step"]
     return {"output_dir": out, "seed": 0,
             "model": {"cache_dir": cache_dir, "sft_steps": preset["sft_steps"]},
-            "generation": {"backend": backend, "group_size": preset["group_size"], "max_tokens": 4},
+            "generation": {"backend": backend, "group_size": preset["group_size"], "max_tokens": 4, "workers": 2},
             "train": {"steps": preset["steps"], "groups_per_step": gps, "lr": 2e-4},
             "replay_buffer": {"sampler": SAMPLERS[sampler], "max_buffered_rollouts": 3 * gps},
             "checkpoint": {"every_steps": preset["every_steps"], "keep": 2, "resume_from": recovery}}
@@ -298,12 +299,13 @@ def run_demo(out: str | None = None, *, fast: bool = False, sampler: str = "in_o
         proc = spawn_child(config_path, os.path.join(out, "events-1.jsonl"), park_prompt=(crash + 1) * gps + 1,
                            crash_step=crash, stderr=os.path.join(out, "run-1.stderr"))
         try:
-            wait_event(os.path.join(out, "events-1.jsonl"), "crash-point", proc, timeout=900)
+            killed_in = wait_event(os.path.join(out, "events-1.jsonl"), "crash-point", proc, timeout=900)["step"]
         finally:
             proc.kill()
             proc.wait()
-        log(f"  killed (SIGKILL) in step {crash} after {time.monotonic() - t0:.0f} s")
         at_kill = store_view(live)
+        killed_in = at_kill["state"]["trainer_version"] if killed_in is None else killed_in
+        log(f"  killed (SIGKILL) in step {killed_in} after {time.monotonic() - t0:.0f} s")
         ckpt_step = checkpoint_steps(ckpt_dir)[-1]
         ckpt = store_view(os.path.join(ckpt_dir, f"step_{ckpt_step}", BUFFER_FILE))
         after = work_after_checkpoint(at_kill, ckpt)
@@ -324,13 +326,13 @@ def run_demo(out: str | None = None, *, fast: bool = False, sampler: str = "in_o
         check = audit(live)
         verify = verify_path(live)
         metrics = _metrics(out)
-        png = plot_learning_curve(metrics, len(metrics_before), crash, ckpt_step,
+        png = plot_learning_curve(metrics, len(metrics_before), killed_in, ckpt_step,
                                   os.path.join(out if keep else os.getcwd(), "kvckpt-demo-learning-curve.png"))
         rec = summary["recovery"]
         report = {
             "backend": backend, "sampler": sampler, "out": out if keep else None, "learning_curve": png,
             "run": {"steps": preset["steps"], "groups_per_step": gps, "group_size": preset["group_size"],
-                    "killed_mid_step": crash, "checkpoint_step": ckpt_step,
+                    "killed_mid_step": killed_in, "checkpoint_step": ckpt_step,
                     "at_kill": {"claimed": at_kill["state"]["claimed"], "ready": at_kill["state"]["ready"],
                                 "inflight": at_kill["state"]["inflight"]}},
             "recovery": {"mode": recovery, "resume_step": summary["resumed_from"], **rec,
@@ -423,7 +425,7 @@ def render(doc: dict[str, Any]) -> list[str]:
         ("time to first batch", "-" if first is None else f"{first:.1f} s after the restart (process start, model "
                                                           f"load, recover {recover_ms:.0f} ms)"),
         ("finished", f"to step {fin['final_step']} ({fin['steps_trained']} steps after the resume); mean reward "
-                     f"{fin['reward_first']:.2f} -> {fin['reward_last']:.2f}"),
+                     f"{fin['reward_first']:.2f} -> {fin['reward_last']:.2f} (first -> last steps of run 2)"),
         ("exactly once", f"{check['prompts']} prompts served: {check['trained_once']} trained once, "
                          f"{check['discarded']} discarded by the sampler, {check['pending']} buffered, "
                          f"{len(check['lost'])} lost, {len(check['doubled'])} doubled"),
