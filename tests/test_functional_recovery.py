@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections import Counter
 from typing import Any
 
@@ -212,3 +214,22 @@ def test_sigkill_mid_step_then_resume_from_the_live_store(tmp_path, cache_dir, s
     steps = run.metric_steps()
     assert steps[-4:] == [2, 3, 4, 5] and steps[:-4] == [0, 1, 2]  # step 2 retrained: its model was lost
     _assert_every_prompt_once(run, steps=6)
+
+
+@pytest.mark.slow
+def test_kvckpt_demo_fast_reports_exactly_once_and_writes_the_learning_curve(tmp_path):
+    """The real ``kvckpt demo --fast`` end to end (slow: two trainer processes with a warm-up)."""
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "kvckpt.tools.cli", "demo", "--fast", "--backend", "transformers",
+                           "--out", str(out), "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    check, rec = doc["check"], doc["recovery"]
+    assert doc["ok"] is True and check["lost"] == [] and check["doubled"] == [] and check["verify_ok"] is True
+    assert check["trained_once"] == 12 * 4 and doc["run"]["killed_mid_step"] == 8
+    assert rec["mode"] == "live" and rec["resume_step"] == 5 and rec["work_lost"]["rows"] == 0
+    assert rec["groups_after_checkpoint_recommitted"] == 0 and rec["work_after_checkpoint"]["groups"] >= 1
+    assert len(rec["prompts_redispatched"]) == rec["groups_redispatched"] >= 1
+    assert doc["learning_curve"] == str(out / "kvckpt-demo-learning-curve.png")
+    with open(doc["learning_curve"], "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
