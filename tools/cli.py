@@ -20,8 +20,9 @@ export PATH OUT --format parquet|jsonl [--state S,...] [--steps A:B] [--fields F
 diff A B [--rows]
     Groups added, removed and changed, ledger and cursor differences.
     ``kvckpt diff ckpt/step_0090.kvckpt ckpt/step_0100.kvckpt``
-demo [--fast] [--sampler NAME] [--recovery live|checkpoint] [--out DIR]
-    A producer/consumer run, SIGKILLed mid-step, recovered, finished and checked.
+demo [--fast] [--sampler NAME] [--recovery live|checkpoint] [--backend B] [--no-model] [--out DIR]
+    The reference GRPO trainer SIGKILLed mid-step, resumed in a new process, audited (a recovery
+    report and a learning-curve PNG); ``--no-model``: the model-free producer/consumer run.
     ``kvckpt demo --fast --recovery checkpoint``
 """
 
