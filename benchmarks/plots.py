@@ -104,8 +104,10 @@ def fig6(results: dict[str, Any], ax: Any) -> None:
     for place, samplers in results["select"]["latency"].items():
         for name, by_count in samplers.items():
             counts = [int(c) for c in by_count]
-            ax.plot(counts, [s["p50"] * 1e3 for s in by_count.values()], "-" if place == "disk" else "--",
-                    color=colors.get(name, OTHER), marker="o", label=f"{name} ({place})")
+            cpu = place != "disk"
+            ax.plot(counts, [(s["cpu"] if cpu else s)["p50"] * 1e3 for s in by_count.values()], "--" if cpu else "-",
+                    color=colors.get(name, OTHER), marker="o",
+                    label=f"{name} ({'tmpfs, CPU' if cpu else 'disk, wall'})")
     ax.legend(fontsize=7, ncol=2)
 
 
@@ -140,6 +142,11 @@ def plot_all(results: dict[str, Any], directory: str) -> list[str]:
     for name, title, ylabel, log, xlabel, draw in PLOTS:
         fig, ax = _axes(title, ylabel, log, xlabel) if xlabel else _axes(title, ylabel, log)
         draw(results, ax)
+        if not xlabel:  # a curve over buffer sizes: log axis, ticks at the measured sizes
+            sizes = _sizes(results)
+            ax.set_xscale("log")
+            ax.set_xticks(sizes, labels=[f"{x:g}" for x in sizes])
+            ax.set_xticks([], minor=True)
         fig.tight_layout()
         path = os.path.join(directory, f"{name}.png")
         fig.savefig(path, dpi=110)

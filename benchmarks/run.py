@@ -3,6 +3,7 @@
     python -m benchmarks.run                  # 0.25, 1 and 4 GB of raw rows (about 20 minutes)
     python -m benchmarks.run --quick          # seconds: proves the benchmarks run (CI)
     python -m benchmarks.run --sizes 0.25,1   # choose the buffer sizes (GB of raw padded rows)
+    python -m benchmarks.run --from-json r.json --plots DIR   # report and plots of an earlier run
 
 Prints the machine, the exact command, one Markdown table per figure and the targets; writes the
 raw results as JSON (``--json``) and one PNG per figure (``--plots``; ``docs/img`` for a full run).
@@ -85,7 +86,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="how to drop the page cache before a restore (drop_caches needs root)")
     parser.add_argument("--rate", type=float, help="producer groups/s during the latency phases")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--from-json", metavar="PATH", help="measure nothing: print the report and redraw the "
+                                                             "plots of an earlier run's JSON")
     args = parser.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            results = json.load(f)
+        paths = plots.plot_all(results, args.plots or os.path.join(ROOT, "docs", "img"))
+        print(report(results))
+        print(f"plots: {', '.join(paths)}", file=sys.stderr)
+        return 0
 
     settings = measure.Settings.quick() if args.quick else measure.Settings()
     settings = replace(settings, cold=args.cold, seed=args.seed)
