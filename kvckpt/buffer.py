@@ -859,6 +859,9 @@ class ReplayBuffer:
         """
         if layout not in ("padded", "packed", "list"):
             raise BadArgument(f"layout must be padded, packed or list, got {layout!r}")
+        unknown = sorted(set(fields or ()) - set(self.schema.fields))
+        if unknown:
+            raise BadArgument(f"fields {unknown} are not in the store's schema {list(self.schema.fields)}")
         gids = groups.group_ids if isinstance(groups, Selection) else list(groups)
 
         def txn_fn(txn: Txn) -> tuple[list[GroupInfo], list[tuple[str, int, bytes]]]:

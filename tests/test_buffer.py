@@ -576,3 +576,9 @@ def test_the_example_in_docs_buffer_md_runs():
     doc = pathlib.Path(__file__).parents[1] / "docs" / "buffer.md"
     result = doctest.testfile(str(doc), module_relative=False, optionflags=doctest.ELLIPSIS, verbose=False)
     assert (result.failed, result.attempted > 20) == (0, True)
+
+
+def test_read_batch_refuses_fields_outside_the_schema(buffer_factory):
+    buf = buffer_factory()
+    with pytest.raises(BadArgument, match=r"fields \['nope'\] are not in the store's schema"):
+        buf.read_batch([], fields=["nope"])
