@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
-from .base import BufferView, Sampler, check_window
+from .base import BufferView, GatedStalenessSampler
 
 
-class ReadyFirstSampler(Sampler):
+class ReadyFirstSampler(GatedStalenessSampler):
     """Eligible: ready and ``start_weight <= cur`` (no lower bound); dispatch order. Gated by W;
     never evicts, never aborts. Needs importance-sampling correction in the trainer.
 
@@ -17,20 +16,6 @@ class ReadyFirstSampler(Sampler):
     """
 
     name = "ready_first"
-
-    def __init__(self, max_staleness_versions: int = 1) -> None:
-        self.max_staleness_versions = check_window("max_staleness_versions", max_staleness_versions)
-
-    @property
-    def window(self) -> int:
-        return self.max_staleness_versions
-
-    @property
-    def gate_window(self) -> int:
-        return self.max_staleness_versions
-
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name, "max_staleness_versions": self.max_staleness_versions}
 
     def eligible(self, view: BufferView, current: int) -> Iterator[str]:
         # start_weight > current only happens after a rollback to an older model; those groups

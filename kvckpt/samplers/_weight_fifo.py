@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
-from .base import BufferView, Sampler, check_window, window_floor
+from .base import BufferView, GatedStalenessSampler, window_floor
 
 
-class WeightFifoSampler(Sampler):
+class WeightFifoSampler(GatedStalenessSampler):
     """w* = the smallest ``start_weight`` in the window over ready *and in-flight* groups;
     eligible: ready groups with ``start_weight == w*`` in dispatch order. An in-flight group of
     the oldest weight therefore holds back younger weights ("waits for the oldest weight's batch
@@ -19,20 +18,6 @@ class WeightFifoSampler(Sampler):
     """
 
     name = "weight_fifo"
-
-    def __init__(self, max_staleness_versions: int = 1) -> None:
-        self.max_staleness_versions = check_window("max_staleness_versions", max_staleness_versions)
-
-    @property
-    def window(self) -> int:
-        return self.max_staleness_versions
-
-    @property
-    def gate_window(self) -> int:
-        return self.max_staleness_versions
-
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name, "max_staleness_versions": self.max_staleness_versions}
 
     def eligible(self, view: BufferView, current: int) -> Iterator[str]:
         oldest = view.min_weight(window_floor(current, self.window), current, include_pending=True)

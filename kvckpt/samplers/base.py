@@ -178,6 +178,29 @@ class Sampler:
         return f"{type(self).__name__}({args})"
 
 
+class GatedStalenessSampler(Sampler):
+    """Shared shape of the samplers configured by ``max_staleness_versions`` alone, which is both
+    their staleness window W and their admission gate.
+
+    Args:
+        max_staleness_versions: W. Defaults to 1.
+    """
+
+    def __init__(self, max_staleness_versions: int = 1) -> None:
+        self.max_staleness_versions = check_window("max_staleness_versions", max_staleness_versions)
+
+    @property
+    def window(self) -> int:
+        return self.max_staleness_versions
+
+    @property
+    def gate_window(self) -> int:
+        return self.max_staleness_versions
+
+    def config(self) -> dict[str, Any]:
+        return {"name": self.name, "max_staleness_versions": self.max_staleness_versions}
+
+
 def window_floor(current: int, window: int) -> int:
     """The lowest selectable weight version: ``max(0, current - window)``."""
     return max(0, current - window)
