@@ -4,7 +4,7 @@ Builds each buffer through the real API on tmpfs (``/dev/shm``, so fsync costs n
 the selection's own CPU shows), then claims 8 groups per ``select`` and reports the median CPU
 time of the calling thread. An O(buffer) scan would grow 100x from the smallest to the largest.
 
-Run: ``python -m benchmarks.select_scaling [--sizes 1000,10000,100000] [--dir /dev/shm/kvckpt-sel]``.
+Run: ``python -m benchmarks.select_scaling [--sizes 1000,10000,100000] [--samplers ...] [--dir DIR]``.
 """
 
 from __future__ import annotations
@@ -53,14 +53,16 @@ def main() -> None:
     """Print a Markdown table of select CPU per sampler and size, with the max/min ratio."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1000,10000,100000")
+    parser.add_argument("--samplers", default="in_order,weight_fifo,windowed,ready_first")
     parser.add_argument("--dir", default="/dev/shm/kvckpt-sel")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    os.makedirs(args.dir, exist_ok=True)
+    shutil.rmtree(args.dir, ignore_errors=True)  # leftovers of an interrupted run
+    os.makedirs(args.dir)
     print("| sampler | " + " | ".join(f"{s:,} groups" for s in sizes) + " | max / min |")
     print("| --- |" + " ---: |" * (len(sizes) + 1))
     try:
-        for sampler in ("in_order", "weight_fifo", "windowed", "ready_first"):
+        for sampler in args.samplers.split(","):
             cpu = [measure(args.dir, sampler, size)[0] for size in sizes]
             cells = " | ".join(f"{c:.2f} ms" for c in cpu)
             print(f"| {sampler} | {cells} | {max(cpu) / min(cpu):.2f}x |", flush=True)
