@@ -188,6 +188,7 @@ def ingest(size_gb: float, directory: str, settings: Settings) -> tuple[Built, d
                                                             min(out["raw_bytes"], 1 << 30))
     out["disk_fsync_4k"] = summary(baselines.fsync_latency(os.path.join(directory, "fsync.bin"),
                                                            settings.fsync_samples))
+    settle()
     pool_rng = np.random.default_rng(settings.seed + 1)
     pool = [data.make_group(pool_rng, settings.spec) for _ in range(16)]
     return Built(directory, buf, base, pool, prompt), out
@@ -346,8 +347,21 @@ class _BaselineLoad:
         return threads
 
 
-def _phase(load: Any, checkpoint: Callable[[int], dict[str, float]] | None, settings: Settings) -> dict[str, Any]:
-    """Run ``load`` for ``phase_seconds`` with back-to-back checkpoints (or none)."""
+def settle(paths: list[str] = ()) -> None:
+    """Delete ``paths``, flush the page cache to disk and pause a second, so that one phase's
+    writes and deletions (a 4 GB unlink is a burst of TRIMs on a ``discard`` mount) do not land
+    in the next phase's fsyncs."""
+    for path in paths:
+        if os.path.exists(path):
+            os.unlink(path)
+    os.sync()
+    time.sleep(1.0)
+
+
+def _phase(load: Any, checkpoint: Callable[[int], dict[str, Any]] | None, settings: Settings) -> dict[str, Any]:
+    """Run ``load`` for ``phase_seconds`` with back-to-back checkpoints (or none); checkpoint files
+    are deleted only after the phase, then the disk is let settle."""
+    settle()
     threads = load.start()
     t0 = time.perf_counter()
     windows, ckpts = [], []
@@ -361,9 +375,10 @@ def _phase(load: Any, checkpoint: Callable[[int], dict[str, float]] | None, sett
             if time.perf_counter() - t0 >= settings.phase_seconds and len(ckpts) >= settings.min_checkpoints:
                 break
     commits, steps = (t.finish() for t in threads)
+    elapsed = time.perf_counter() - t0
+    settle([c.pop("path") for c in ckpts])
     return {"commit": summary(_latencies(commits, windows or None)), "commit_all": summary(_latencies(commits, None)),
-            "trainer_step": summary(_latencies(steps, windows or None)), "checkpoints": ckpts,
-            "seconds": time.perf_counter() - t0}
+            "trainer_step": summary(_latencies(steps, windows or None)), "checkpoints": ckpts, "seconds": elapsed}
 
 
 def checkpoints_under_load(built: Built, settings: Settings) -> dict[str, Any]:
@@ -376,22 +391,18 @@ def checkpoints_under_load(built: Built, settings: Settings) -> dict[str, Any]:
     """
     d = built.directory
 
-    def kv_checkpoint(i: int) -> dict[str, float]:
+    def kv_checkpoint(i: int) -> dict[str, Any]:
         path = os.path.join(d, f"load-{i}.kvckpt")
         t0 = time.perf_counter()
         handle = built.buffer.checkpoint(path, {"step": i})
         blocked = time.perf_counter() - t0
         result = handle.wait()
-        out = {"blocked": blocked, "total": time.perf_counter() - t0, "file_bytes": result.file_bytes}
-        os.unlink(path)
-        return out
+        return {"blocked": blocked, "total": time.perf_counter() - t0, "file_bytes": result.file_bytes, "path": path}
 
-    def base_checkpoint(i: int) -> dict[str, float]:
+    def base_checkpoint(i: int) -> dict[str, Any]:
         path = os.path.join(d, f"load-{i}.pt")
         blocked, total = built.baseline.checkpoint(path)
-        out = {"blocked": blocked, "total": total, "file_bytes": os.path.getsize(path)}
-        os.unlink(path)
-        return out
+        return {"blocked": blocked, "total": total, "file_bytes": os.path.getsize(path), "path": path}
 
     kv, base = _KvckptLoad(built, settings), _BaselineLoad(built, settings)
     return {"kvckpt": {"idle": _phase(kv, None, settings), "ckpt": _phase(kv, kv_checkpoint, settings)},
@@ -473,8 +484,7 @@ def measure_size(size_gb: float, work: str, settings: Settings, log: Callable[[s
         restored = restore_first_batch(ckpt, pt, directory, settings)
         log(f"  restore kvckpt {restored['kvckpt']['seconds']['p50']:.3f} s, "
             f"torch.load {restored['torch']['seconds']['p50']:.3f} s")
-        for path in (pt, ckpt):
-            os.unlink(path)
+        settle([pt, ckpt])
         rate = min(settings.rate, 0.25 * ingested["groups"] / ingested["kvckpt_seconds"])
         loaded = checkpoints_under_load(built, replace(settings, rate=rate))
         loaded["rate"] = rate
@@ -484,6 +494,7 @@ def measure_size(size_gb: float, work: str, settings: Settings, log: Callable[[s
     finally:
         built.buffer.close()
         shutil.rmtree(directory, ignore_errors=True)
+        settle()
 
 
 # -- figure 6 (select latency vs buffered groups) ------------------------------------------------
