@@ -52,6 +52,7 @@ class Settings:
     rate: float = 20.0  # groups/s the producer offers during the latency phases (at most)
     groups_per_step: int = 8
     phase_seconds: float = 15.0
+    warmup_seconds: float = 5.0
     min_checkpoints: int = 2
     restore_repeats: int = 3
     restore_fresh_process: bool = True
@@ -68,7 +69,8 @@ class Settings:
     def quick(cls) -> Settings:
         """A few seconds per figure: proves the benchmarks run, measures nothing meaningful."""
         return cls(sizes_gb=(0.02,), spec=data.RolloutSpec(group_size=8, response_median=300),
-                   rate=40.0, phase_seconds=0.5, min_checkpoints=1, restore_repeats=1, restore_fresh_process=False,
+                   rate=40.0, phase_seconds=0.5, warmup_seconds=0.2, min_checkpoints=1, restore_repeats=1,
+                   restore_fresh_process=False,
                    select_counts=(300, 1_000), select_repeats=5, crash_steps_per_checkpoint=2,
                    crash_groups_per_step=2, crash_points=("mid-interval", "during-copy"), fsync_samples=100,
                    small_txns=20)
@@ -384,10 +386,12 @@ def _phase(load: Any, checkpoint: Callable[[int], dict[str, Any]] | None, settin
 def checkpoints_under_load(built: Built, settings: Settings) -> dict[str, Any]:
     """Figures 1 and 2: producer commit latency and trainer-blocked time while checkpoints run.
 
-    For each system: a phase without checkpoints, then a phase with checkpoints back to back,
-    under the same paced load (``rate`` groups/s committed by a producer, the same consumed by
-    a trainer in steps of ``groups_per_step``). kvckpt's blocked time is ``checkpoint()``'s return
-    (the stamp); the baseline's is the time ``torch.save`` holds the lock.
+    For each system: a warm-up (the first seconds of load after ingest show one-off commit
+    outliers, kept in the results but not compared), a phase without checkpoints, then a phase
+    with checkpoints back to back, under the same paced load (``rate`` groups/s committed by a
+    producer, the same consumed by a trainer in steps of ``groups_per_step``). kvckpt's blocked
+    time is ``checkpoint()``'s return (the stamp); the baseline's is the time ``torch.save`` holds
+    the lock.
     """
     d = built.directory
 
@@ -404,9 +408,13 @@ def checkpoints_under_load(built: Built, settings: Settings) -> dict[str, Any]:
         blocked, total = built.baseline.checkpoint(path)
         return {"blocked": blocked, "total": total, "file_bytes": os.path.getsize(path), "path": path}
 
-    kv, base = _KvckptLoad(built, settings), _BaselineLoad(built, settings)
-    return {"kvckpt": {"idle": _phase(kv, None, settings), "ckpt": _phase(kv, kv_checkpoint, settings)},
-            "baseline": {"idle": _phase(base, None, settings), "ckpt": _phase(base, base_checkpoint, settings)}}
+    warm = replace(settings, phase_seconds=settings.warmup_seconds)
+    out = {}
+    for name, load, checkpoint in (("kvckpt", _KvckptLoad(built, settings), kv_checkpoint),
+                                   ("baseline", _BaselineLoad(built, settings), base_checkpoint)):
+        out[name] = {"warmup": _phase(load, None, warm), "idle": _phase(load, None, settings),
+                     "ckpt": _phase(load, checkpoint, settings)}
+    return out
 
 
 # -- figure 3 (restore to the first batch) -------------------------------------------------------
