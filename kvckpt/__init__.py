@@ -27,6 +27,7 @@ from .errors import (
     StoreLocked,
     StoreNotFound,
     UnknownGroup,
+    VerificationFailed,
 )
 from .records import CommitResult, GroupInfo, Lease, LedgerEntry, Prompt, Selection
 from .recovery import RecoveryPlan, recover
@@ -43,6 +44,6 @@ __all__ = [
     "GateTimeout", "GroupInfo", "InvariantViolation", "KvckptError", "Lease", "LeaseError", "LedgerEntry",
     "NotSelectable", "Prompt", "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer", "Report",
     "RowSchema", "Sampler", "SchemaMismatch", "Selection", "StaleAttempt", "Store", "StoreLocked",
-    "StoreNotFound", "UnknownGroup", "check", "checkpoint", "create_sampler", "keep_latest", "read_stamp",
-    "recover", "register", "restore", "split_padded", "verify_path",
+    "StoreNotFound", "UnknownGroup", "VerificationFailed", "check", "checkpoint", "create_sampler", "keep_latest",
+    "read_stamp", "recover", "register", "restore", "split_padded", "verify_path",
 ]

@@ -44,6 +44,7 @@ from . import codec, keys
 from .errors import (
     BadArgument,
     CapacityError,
+    CorruptRecord,
     DuplicateCommit,
     GateTimeout,
     InvariantViolation,
@@ -855,7 +856,8 @@ class ReplayBuffer:
 
         Raises:
             NotSelectable: a group has no stored rows (evicted, aborted, dropped or unknown).
-            CorruptRecord: a row failed its checksum.
+            CorruptRecord: a row failed its checksum or does not match the store's schema.
+            InvariantViolation: a row's payload names another group or index than its key.
         """
         if layout not in ("padded", "packed", "list"):
             raise BadArgument(f"layout must be padded, packed or list, got {layout!r}")
@@ -884,6 +886,10 @@ class ReplayBuffer:
                 raise InvariantViolation(f"row {keys.row_id(gid, index)} holds the payload of "
                                          f"{record.meta.get('group_id')!r} row {record.meta.get('index')!r}")
             tensors = record.tensors()
+            try:
+                self.schema.validate(tensors, f"rows/{keys.row_id(gid, index)}")
+            except SchemaMismatch as exc:  # a stored row the store's own schema refuses is damage
+                raise CorruptRecord(f"rows/{keys.row_id(gid, index)}", str(exc)) from None
             decoded.append({k: v for k, v in tensors.items() if fields is None or k in fields})
         return _assemble(self.schema, infos, raw, decoded, layout, pad_value)
 
@@ -953,14 +959,15 @@ class ReplayBuffer:
 
     # -- recovery --------------------------------------------------------------------------------
     def recover(self, resume_version: int | None = None, *, sampler: Any = None,
-                max_buffered_rollouts: int | None = None) -> Any:
+                max_buffered_rollouts: int | None = None, checksums: bool = False, deep: bool = False) -> Any:
         """Reconcile the store to a trainer version and fence in-flight work (one transaction).
 
         See :func:`kvckpt.recovery.recover` for the full contract; this is its method form.
         """
         from .recovery import recover
 
-        return recover(self, resume_version, sampler=sampler, max_buffered_rollouts=max_buffered_rollouts)
+        return recover(self, resume_version, sampler=sampler, max_buffered_rollouts=max_buffered_rollouts,
+                       checksums=checksums, deep=deep)
 
     def checkpoint(self, dest: str, trainer_state: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
         """Stamp and copy a checkpoint in the background; see :func:`kvckpt.checkpoint.checkpoint`."""

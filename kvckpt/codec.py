@@ -28,6 +28,7 @@ naming the key. Decoded arrays own their memory (they never alias an LMDB page).
 from __future__ import annotations
 
 import json
+import re
 import struct
 import threading
 import zlib
@@ -243,7 +244,8 @@ def encode_json(meta: Mapping[str, Any]) -> bytes:
     return encode(None, meta, level=0)
 
 
-def _parse_header(buf: memoryview, key: str) -> tuple[dict, int]:
+def _checked_header_bytes(buf: memoryview, key: str) -> bytes:
+    """The header's JSON bytes, after the magic, the checksum and the header length are checked."""
     if len(buf) < _PREFIX.size:
         raise CorruptRecord(key, f"value of {len(buf)} bytes is shorter than the record prefix")
     magic, crc, hlen = _PREFIX.unpack_from(buf)
@@ -253,14 +255,44 @@ def _parse_header(buf: memoryview, key: str) -> tuple[dict, int]:
         raise CorruptRecord(key, "checksum mismatch")
     if hlen > MAX_HEADER_BYTES or _PREFIX.size + hlen > len(buf):
         raise CorruptRecord(key, f"header length {hlen} exceeds the value")
+    return bytes(buf[_PREFIX.size:_PREFIX.size + hlen])
+
+
+#: The start of every header :func:`encode` writes; ``"meta"`` follows it.
+_HEADER_START = re.compile(rb'\{"z":\d{1,2},"raw":\d{1,20},')
+
+
+def has_meta(value: bytes | memoryview, meta: Mapping[str, Any], key: str = "?") -> bool:
+    """Verify a record's checksum and tell whether its ``meta`` is exactly ``meta``.
+
+    Nothing is decompressed. For a header laid out as :func:`encode` writes it the meta bytes
+    are compared directly (no JSON parse); any other header is parsed.
+
+    Raises:
+        CorruptRecord: bad magic, checksum or header, naming ``key``.
+    """
+    raw = _checked_header_bytes(memoryview(value), key)
+    start = _HEADER_START.match(raw)
+    needle = b'"meta":' + json.dumps(dict(meta), separators=(",", ":")).encode() + b","
+    if start is not None and raw.startswith(needle, start.end()):
+        return True
+    return _header_json(raw, key)["meta"] == dict(meta)
+
+
+def _parse_header(buf: memoryview, key: str) -> tuple[dict, int]:
+    raw = _checked_header_bytes(buf, key)
+    return _header_json(raw, key), _PREFIX.size + len(raw)
+
+
+def _header_json(raw: bytes, key: str) -> dict:
     try:
-        header = json.loads(bytes(buf[_PREFIX.size:_PREFIX.size + hlen]))
+        header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CorruptRecord(key, f"header is not JSON: {exc}") from None
     if not isinstance(header, dict) or not isinstance(header.get("meta"), dict) \
             or not isinstance(header.get("fields"), list):
         raise CorruptRecord(key, "header lacks meta/fields")
-    return header, _PREFIX.size + hlen
+    return header
 
 
 def decode_meta(value: bytes | memoryview, key: str = "?") -> dict[str, Any]:

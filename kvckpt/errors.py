@@ -9,6 +9,9 @@ never escapes unwrapped from a public call.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 
 class KvckptError(Exception):
     """Base class of every error kvckpt raises deliberately."""
@@ -104,3 +107,22 @@ class CheckpointError(KvckptError):
 
 class RecoveryError(KvckptError):
     """A store or checkpoint cannot be restored as asked (the message says which rule failed)."""
+
+
+class VerificationFailed(RecoveryError):
+    """The verifier found problems in a store or checkpoint, so it was not recovered or restored.
+
+    ``subject`` names what was checked; ``problems`` lists every finding
+    (:class:`kvckpt.verify.Problem`: a stable code, the key, a sentence); the message quotes the
+    first ten.
+    """
+
+    def __init__(self, subject: str, problems: Sequence[Any]) -> None:
+        self.subject = subject
+        self.problems = list(problems)
+        shown = "; ".join(str(p) for p in self.problems[:10])
+        more = f" (and {len(self.problems) - 10} more)" if len(self.problems) > 10 else ""
+        super().__init__(f"{subject} failed verification, refusing to recover: {shown}{more}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, list[Any]]]:
+        return (type(self), (self.subject, self.problems))

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import keys
-from .errors import RecoveryError
+from .errors import RecoveryError, VerificationFailed
 from .records import CLAIMED, CONSUMED, READY, GroupInfo, Lease, LedgerEntry
 from .samplers import create_sampler
 from .verify import check
@@ -77,7 +77,7 @@ class RecoveryPlan:
 
 
 def recover(buffer: ReplayBuffer, resume_version: int | None = None, *, sampler: Any = None,
-            max_buffered_rollouts: int | None = None) -> RecoveryPlan:
+            max_buffered_rollouts: int | None = None, checksums: bool = False, deep: bool = False) -> RecoveryPlan:
     """Reconcile ``buffer`` to ``resume_version`` in one transaction and plan the redispatch.
 
     Args:
@@ -88,10 +88,14 @@ def recover(buffer: ReplayBuffer, resume_version: int | None = None, *, sampler:
         sampler: switch to another sampler (config dict or name). Groups lacking the stamps it
             needs are stamped (``in_order``: ``groups_per_step`` per step from ``resume_version``).
         max_buffered_rollouts: switch capacity (checked against the sampler and the groups held).
+        checksums, deep: how much of the row payloads the verification reads first (see
+            :func:`kvckpt.verify.check`). Defaults to neither: a live store's rows were checksummed
+            when written and are verified again whenever they are read.
 
     Raises:
-        RecoveryError: the store fails verification; ``resume_version`` is ahead of the store
-            or older than consumed rows still kept; more ready groups than the capacity.
+        VerificationFailed (a RecoveryError): the store fails verification.
+        RecoveryError: ``resume_version`` is ahead of the store or older than consumed rows still
+            kept; more ready groups than the capacity.
     """
     from .buffer import STATE_KEY, BufferConfig
 
@@ -106,12 +110,10 @@ def recover(buffer: ReplayBuffer, resume_version: int | None = None, *, sampler:
 
     def txn_fn(txn: Txn) -> RecoveryPlan:
         tv = time.perf_counter()
-        report = check(txn)
+        report = check(txn, checksums=checksums, deep=deep)
         timings["validate"] = time.perf_counter() - tv
         if not report.ok:
-            shown = "; ".join(str(p) for p in report.problems[:10])
-            more = f" (and {len(report.problems) - 10} more)" if len(report.problems) > 10 else ""
-            raise RecoveryError(f"{buffer.path!r} failed verification, refusing to recover: {shown}{more}")
+            raise VerificationFailed(repr(buffer.path), report.problems)
         st = buffer._state(txn)
         target = st["trainer_version"] if resume_version is None else int(resume_version)
         if target > st["trainer_version"]:

@@ -105,6 +105,17 @@ class Txn:
                 return
             yield key, value
 
+    def iter_keys(self, table: str, prefix: bytes) -> Iterator[bytes]:
+        """Yield the keys starting with ``prefix`` in order, without touching their values (a large
+        value's overflow pages are never read)."""
+        cur = self.cursor(table)
+        if not cur.set_range(prefix):
+            return
+        for key in cur.iternext(keys=True, values=False):
+            if not key.startswith(prefix):
+                return
+            yield key
+
 
 class _ReadersGate:
     """Readers share; a map resize waits until no read transaction of this handle is open."""
@@ -391,36 +402,37 @@ _META = struct.Struct("<II8x8xI44x48xQQ")
 _META_OFFSET = 16
 
 
-def _check_lmdb_header(path: str) -> None:
+def _check_lmdb_header(path: str, name: str | None = None) -> None:
     """Refuse files that are not complete LMDB v1 data files before the C engine maps them.
 
     Pages 0 and 1 are meta pages; LMDB uses the one with the larger transaction id, and that meta
     names the last page in use. A file shorter than that is truncated: mapping it would crash the
     process with SIGBUS on the first read past the end, so it is reported here instead.
     """
+    shown = repr(name if name is not None else path)
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(_META_OFFSET + _META.size)
         if len(head) < _META_OFFSET + _META.size:
-            raise FormatError(f"{path!r} is {size} bytes: truncated, or not a kvckpt store")
+            raise FormatError(f"{shown} is {size} bytes: truncated, or not a kvckpt store")
         magic, version, psize, _, _ = _META.unpack_from(head, _META_OFFSET)
         if magic != _LMDB_MAGIC:
-            raise FormatError(f"{path!r} is not an LMDB file, so not a kvckpt store")
+            raise FormatError(f"{shown} is not an LMDB file, so not a kvckpt store")
         if version != 1:
-            raise FormatError(f"{path!r} is LMDB data format {version}; kvckpt stores use format 1")
+            raise FormatError(f"{shown} is LMDB data format {version}; kvckpt stores use format 1")
         if psize < 512 or psize > 1 << 16 or psize & (psize - 1):
-            raise FormatError(f"{path!r} has an invalid LMDB page size {psize}: damaged")
+            raise FormatError(f"{shown} has an invalid LMDB page size {psize}: damaged")
         if size < 2 * psize:
-            raise FormatError(f"{path!r} is {size} bytes, less than its two {psize}-byte meta pages: "
+            raise FormatError(f"{shown} is {size} bytes, less than its two {psize}-byte meta pages: "
                               "truncated")
         f.seek(psize)
         second = f.read(_META_OFFSET + _META.size)
     metas = [_META.unpack_from(head, _META_OFFSET), _META.unpack_from(second, _META_OFFSET)]
     if metas[1][0] != _LMDB_MAGIC or metas[1][1] != 1:
-        raise FormatError(f"{path!r} has a damaged second LMDB meta page")
+        raise FormatError(f"{shown} has a damaged second LMDB meta page")
     last_pg = max(metas, key=lambda m: m[4])[3]  # ties go to page 0, as in LMDB
     if size < (last_pg + 1) * psize:
-        raise FormatError(f"{path!r} is {size} bytes but its last committed page ends at byte "
+        raise FormatError(f"{shown} is {size} bytes but its last committed page ends at byte "
                           f"{(last_pg + 1) * psize}: the file is truncated (copied while being "
                           "written, or cut short); restore from a checkpoint")
 

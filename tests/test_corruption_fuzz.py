@@ -16,9 +16,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
-from kvckpt import FormatError, Prompt, RecoveryError, ReplayBuffer, check, keys, restore
+from kvckpt import (
+    FormatError,
+    KvckptError,
+    Prompt,
+    RecoveryError,
+    ReplayBuffer,
+    VerificationFailed,
+    check,
+    codec,
+    keys,
+    restore,
+)
 from kvckpt.campaign import build_base, build_foreign, make_row, run_fuzz_campaign, workload_config
 from kvckpt.safe_open import check_structure, verify_untrusted
 from kvckpt.store import Txn
@@ -32,7 +44,7 @@ def test_fuzz_campaign_1000_cases_end_in_an_error_or_identical_data(tmp_path: Pa
     assert result.violations == []
     assert result.cases == 1000
     assert result.detected + result.harmless == 1000
-    assert set(result.errors) <= {"FormatError", "RecoveryError", "CorruptRecord"}
+    assert set(result.errors) <= {"FormatError", "VerificationFailed", "RecoveryError", "CorruptRecord"}
     # Damage that always breaks the file is always detected; appended bytes never matter.
     for kind in ("foreign", "random", "random-body", "truncate", "zero-page"):
         assert set(result.by_kind[kind]) == {"detected"}, (kind, result.by_kind[kind])
@@ -139,6 +151,25 @@ def test_a_damaged_row_fails_an_untrusted_restore(store: ReplayBuffer, tmp_path:
     # trusted=True skips the row pass: the damage surfaces only when the rows are read.
     restored, _ = restore(str(tmp_path / "ckpt.kvckpt"), str(tmp_path / "restored.kv"), trusted=True)
     restored.close()
+
+
+def test_a_row_that_passes_its_checksum_but_not_the_schema(store: ReplayBuffer, tmp_path: Path) -> None:
+    """A default restore checksums rows without decoding them: a well-formed row of the wrong
+    shape is refused when it is read, never returned; ``deep=True`` refuses it up front."""
+    forged = codec.encode({"input_ids": np.zeros(3, dtype=np.float32)}, {"group_id": "a0-p3", "index": 1})
+    store.store.write(lambda t: t.put("rows", keys.row_key("a0-p3", 1), forged))
+    ckpt = str(tmp_path / "ckpt.kvckpt")
+    store.checkpoint(ckpt, background=False).wait()
+    with pytest.raises(VerificationFailed, match=r"\[schema\] rows/a0-p3_g1") as caught:
+        restore(ckpt, str(tmp_path / "deep.kv"), deep=True)
+    assert [p.code for p in caught.value.problems] == ["schema", "digest"]
+    restored, _ = restore(ckpt, str(tmp_path / "restored.kv"))
+    try:
+        with pytest.raises(KvckptError, match="a0-p3"):
+            restored.read_batch(["a0-p3"])
+        assert restored.read_batch(["a0-p2"]).lengths.numel() == 4  # the other groups still read
+    finally:
+        restored.close()
 
 
 # -- safe_open and the trusted path on damaged pages ----------------------------------------------
