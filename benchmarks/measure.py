@@ -418,20 +418,29 @@ def checkpoints_under_load(built: Built, settings: Settings) -> dict[str, Any]:
 
 
 # -- figure 3 (restore to the first batch) -------------------------------------------------------
-RESTORE_MODES = ("kvckpt", "kvckpt_trusted", "torch", "torch_mmap")
+RESTORE_MODES = ("kvckpt", "kvckpt_trusted", "kvckpt_live", "torch", "torch_mmap")
 
 
 def restore_child(jobs: str) -> None:
     """Runs in a fresh process (imports done). For each job ``[mode, source, live, count, cold]``
     of the JSON list ``jobs``: drop the source's page cache, restore, build the first batch of
-    ``count`` groups, print one JSON line of timings."""
+    ``count`` groups, print one JSON line of timings. ``kvckpt_live`` is the crash path instead:
+    open the live store ``source`` in place and ``recover()`` it (no file is copied)."""
     for mode, source, live, count, cold in json.loads(jobs):
         for path in (live, live + "-lock"):
             if os.path.exists(path):
                 os.unlink(path)
         evict_cache([source], cold)
         t0 = time.perf_counter()
-        if mode in ("kvckpt", "kvckpt_trusted"):
+        if mode == "kvckpt_live":
+            buf = ReplayBuffer.open(source)
+            plan = buf.recover()
+            t1 = time.perf_counter()
+            batch = buf.read_batch(buf.select(1, count))
+            rows = int(batch.lengths.numel())
+            extra = {"restore": t1 - t0, **plan.timings}
+            buf.close()
+        elif mode in ("kvckpt", "kvckpt_trusted"):
             buf, plan = restore(source, live, overwrite=True, trusted=mode == "kvckpt_trusted")
             t1 = time.perf_counter()
             batch = buf.read_batch(buf.select(1, count))
@@ -456,12 +465,15 @@ def _run_restores(jobs: list[list[Any]]) -> list[dict[str, Any]]:
 def restore_first_batch(ckpt: str, pt: str, directory: str, settings: Settings) -> dict[str, Any]:
     """Figure 3: restore start -> first training batch, page cache of the file dropped first;
     kvckpt (``restore`` + ``select`` + ``read_batch``; default, and ``trusted=True`` for a file of
-    known provenance) vs ``torch.load`` of the same rows (plain and ``mmap=True``) + building the
-    same batch. Each run is a fresh process (imports excluded from the time) unless
-    ``settings.restore_fresh_process`` is off (quick mode: one process for all); repeats alternate
-    modes."""
+    known provenance; and the crash path, live-store ``recover()`` of the same state in place) vs
+    ``torch.load`` of the same rows (plain and ``mmap=True``) + building the same batch. Each run
+    is a fresh process (imports excluded from the time) unless ``settings.restore_fresh_process``
+    is off (quick mode: one process for all); repeats alternate modes."""
     live = os.path.join(directory, "restored.kv")
-    jobs = [[mode, ckpt if mode.startswith("kvckpt") else pt, live, settings.groups_per_step, settings.cold]
+    crashed = os.path.join(directory, "crashed-live.kv")  # the live store a crashed trainer left
+    restore(ckpt, crashed, trusted=True)[0].close()
+    sources = {"kvckpt": ckpt, "kvckpt_trusted": ckpt, "kvckpt_live": crashed, "torch": pt, "torch_mmap": pt}
+    jobs = [[mode, sources[mode], live, settings.groups_per_step, settings.cold]
             for _ in range(settings.restore_repeats) for mode in RESTORE_MODES]
     if settings.restore_fresh_process:
         done = [run for job in jobs for run in _run_restores([job])]

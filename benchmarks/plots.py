@@ -59,8 +59,11 @@ def fig3(results: dict[str, Any], ax: Any) -> None:
     x = _sizes(results)
     for mode, color, style, name in (("kvckpt", KV, "-", "kvckpt restore + select + read_batch"),
                                      ("kvckpt_trusted", KV, "--", "same, restore(trusted=True)"),
+                                     ("kvckpt_live", KV, ":", "kvckpt live-store recover() + batch (crash path)"),
                                      ("torch", BASE, "-", "torch.load + batch"),
                                      ("torch_mmap", BASE, "--", "torch.load(mmap=True) + batch")):
+        if any(mode not in r["restore"] for r in results["sizes"]):
+            continue
         ax.plot(x, [r["restore"][mode]["seconds"]["p50"] for r in results["sizes"]], style, color=color, marker="o",
                 label=name)
     ax.legend(fontsize=8)

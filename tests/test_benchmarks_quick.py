@@ -51,7 +51,7 @@ def test_restore_builds_the_same_batch_shape_in_every_mode(run: tuple[dict[str, 
     results, _, _ = run
     rows = settings(run)["groups_per_step"] * settings(run)["spec"]["group_size"]
     assert {mode: r["rows"] for mode, r in results["sizes"][0]["restore"].items()} == {
-        "kvckpt": rows, "kvckpt_trusted": rows, "torch": rows, "torch_mmap": rows}
+        "kvckpt": rows, "kvckpt_trusted": rows, "kvckpt_live": rows, "torch": rows, "torch_mmap": rows}
 
 
 def test_checkpoints_ran_under_load_for_both_systems(run: tuple[dict[str, Any], str, str]) -> None:
