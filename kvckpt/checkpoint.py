@@ -3,7 +3,8 @@
 :func:`checkpoint` blocks the caller only for the stamp transaction (step, trainer state,
 checkpoint id). It pins a read snapshot of exactly that state before releasing the writer lock,
 then a background thread copies the snapshot with LMDB's compacting copy (which releases the
-GIL and never blocks writers), fsyncs the copy, renames it to its final name and fsyncs the
+GIL and never blocks writers; on Linux it runs at nice 19 so that it only takes CPU the
+producers and the trainer leave idle), fsyncs the copy, renames it to its final name and fsyncs the
 directory. A file under the final name is therefore always complete; a failed or interrupted
 copy leaves only a ``.partial`` file, never a half-written checkpoint.
 
@@ -18,10 +19,11 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -138,7 +140,10 @@ def checkpoint(buffer: ReplayBuffer, dest: str | os.PathLike[str], trainer_state
         partial = f"{dest}.{checkpoint_id[:8]}{PARTIAL_SUFFIX}"
         try:
             t1 = time.perf_counter()
-            buffer.store.copy_snapshot(partial, snapshot.txn)
+            if background:
+                _at_lowest_cpu_priority(lambda: buffer.store.copy_snapshot(partial, snapshot.txn))
+            else:
+                buffer.store.copy_snapshot(partial, snapshot.txn)
             snapshot.close()
             t2 = time.perf_counter()
             _fsync_file(partial)
@@ -170,6 +175,34 @@ def checkpoint(buffer: ReplayBuffer, dest: str | os.PathLike[str], trainer_state
     else:
         copy()
     return handle
+
+
+def _at_lowest_cpu_priority(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on a fresh thread at nice 19 and wait for it; re-raise what it raised.
+
+    The compact copy is CPU-bound C code that releases the GIL: at normal priority it takes a
+    whole core from the producers and the trainer for seconds per GB (on 2 cores, producer commit
+    p99 grew 2-5x during a copy). At nice 19 it gets the CPU nobody else wants. Only the copy runs
+    there: the writes that follow (marking the checkpoint durable) take the writer lock, and a
+    low-priority thread holding it would stall everyone. Linux only (a thread has its own nice
+    value there); elsewhere ``fn`` runs at normal priority.
+    """
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        if sys.platform.startswith("linux"):
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="kvckpt-checkpoint-copy", daemon=True)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
 
 
 def _mark_durable(buffer: ReplayBuffer, version: int) -> None:
