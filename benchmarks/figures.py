@@ -80,7 +80,9 @@ def fig1_commit_latency(results: dict[str, Any]) -> Table:
         "\"Checkpoint running\" are commits overlapping a checkpoint, with checkpoints back to back for the phase. "
         "kvckpt's commit is durable (fsync); the baseline's is a dict insert (not durable). Each system first "
         f"runs the load for {results['settings']['warmup_seconds']:g} s unmeasured (\"warm-up max\"): right after "
-        "a large ingest the first seconds show one-off commit outliers, checkpoint or not.")
+        "a large ingest the first seconds show one-off commit outliers, checkpoint or not. \"No checkpoint\" "
+        "pools two phases, one before and one after the checkpoint phase. kvckpt's compact copy runs at nice 19 "
+        "(Linux); the machine has 2 cores, so producer, trainer and copy share them.")
     return table
 
 

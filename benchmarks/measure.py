@@ -379,17 +379,32 @@ def _phase(load: Any, checkpoint: Callable[[int], dict[str, Any]] | None, settin
     commits, steps = (t.finish() for t in threads)
     elapsed = time.perf_counter() - t0
     settle([c.pop("path") for c in ckpts])
-    return {"commit": summary(_latencies(commits, windows or None)), "commit_all": summary(_latencies(commits, None)),
-            "trainer_step": summary(_latencies(steps, windows or None)), "checkpoints": ckpts, "seconds": elapsed}
+    return _phase_result(_latencies(commits, windows or None), _latencies(commits, None),
+                         _latencies(steps, windows or None), ckpts, elapsed)
+
+
+def _phase_result(commit: list[float], commit_all: list[float], step: list[float], ckpts: list[dict[str, Any]],
+                  seconds: float) -> dict[str, Any]:
+    return {"commit": summary(commit), "commit_all": summary(commit_all), "trainer_step": summary(step),
+            "checkpoints": ckpts, "seconds": seconds, "raw": {"commit": commit, "commit_all": commit_all, "step": step}}
+
+
+def _pooled(phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Phases without checkpoints pooled into one (their latencies together)."""
+    raw = [p.pop("raw") for p in phases]
+    return _phase_result([v for r in raw for v in r["commit"]], [v for r in raw for v in r["commit_all"]],
+                         [v for r in raw for v in r["step"]], [], sum(p["seconds"] for p in phases))
 
 
 def checkpoints_under_load(built: Built, settings: Settings) -> dict[str, Any]:
     """Figures 1 and 2: producer commit latency and trainer-blocked time while checkpoints run.
 
     For each system: a warm-up (the first seconds of load after ingest show one-off commit
-    outliers, kept in the results but not compared), a phase without checkpoints, then a phase
-    with checkpoints back to back, under the same paced load (``rate`` groups/s committed by a
-    producer, the same consumed by a trainer in steps of ``groups_per_step``). kvckpt's blocked
+    outliers, kept in the results but not compared), a phase without checkpoints, a phase with
+    checkpoints back to back, and a second phase without (pooled with the first, so that noise
+    drifting over the run lands on both sides of the comparison), under the same paced load
+    (``rate`` groups/s committed by a producer, the same consumed by a trainer in steps of
+    ``groups_per_step``). kvckpt's blocked
     time is ``checkpoint()``'s return (the stamp); the baseline's is the time ``torch.save`` holds
     the lock.
     """
@@ -412,8 +427,12 @@ def checkpoints_under_load(built: Built, settings: Settings) -> dict[str, Any]:
     out = {}
     for name, load, checkpoint in (("kvckpt", _KvckptLoad(built, settings), kv_checkpoint),
                                    ("baseline", _BaselineLoad(built, settings), base_checkpoint)):
-        out[name] = {"warmup": _phase(load, None, warm), "idle": _phase(load, None, settings),
-                     "ckpt": _phase(load, checkpoint, settings)}
+        warmup, before = _phase(load, None, warm), _phase(load, None, settings)
+        ckpt = _phase(load, checkpoint, settings)
+        idle = _pooled([before, _phase(load, None, settings)])
+        for phase in (warmup, ckpt, idle):
+            phase.pop("raw")
+        out[name] = {"warmup": warmup, "idle": idle, "ckpt": ckpt}
     return out
 
 
