@@ -19,6 +19,8 @@ with the key it concerns. It never repairs anything. What it checks:
   belong to the current step and consumption to earlier ones (more ready groups than the
   capacity is not a finding: a rollback legitimately returns them, and admission waits);
   every ledger entry is in a known phase and its recorded digests name exactly its siblings;
+* every key that iteration finds is found by a lookup (a damaged branch page can misroute
+  lookups while iteration still finds every key);
 * every ``meta`` record passes its checksum and no unknown ``meta`` key exists; every row key
   has the ``{group}\\0{index}`` shape; with ``deep=True`` each group's digest (and each ledger
   sibling's) equals the digest of the stored row bytes.
@@ -44,6 +46,7 @@ from .buffer import CHECKPOINT_KEY, CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, S
 from .errors import CorruptRecord, KvckptError
 from .records import ABORTED, CLAIMED, CONSUMED, EVICTED, GROUP_STATES, PHASE_ADMITTED, READY
 from .schema import RowSchema
+from .store import TABLES
 
 #: Every key the ``meta`` table may hold; anything else is a damaged key (or a newer kvckpt).
 KNOWN_META_KEYS = frozenset({b"format", CONFIG_KEY, STATE_KEY, DATALOADER_KEY, SHORTFALL_KEY, CHECKPOINT_KEY})
@@ -113,6 +116,7 @@ def check(txn: Any, *, deep: bool = False, checksums: bool = False,
         progress: called with the number of rows checked so far (for progress bars).
     """
     report = Report()
+    _check_lookups(txn, report)
     meta = _decode_meta_table(txn, report)
     config, state = meta.get(CONFIG_KEY), meta.get(STATE_KEY)
     if config is None or state is None:
@@ -125,6 +129,18 @@ def check(txn: Any, *, deep: bool = False, checksums: bool = False,
         report.add("malformed", "?", f"a record passes its checksum but lacks a field or has a wrong type "
                                      f"({type(exc).__name__}: {exc}); the store was not written by kvckpt")
     return report
+
+
+def _check_lookups(txn: Any, report: Report) -> None:
+    """Every key that iteration finds must be found by a lookup too. A damaged separator key in a
+    branch page passes LMDB's own structure check and leaves iteration intact, but misroutes
+    lookups (``get``, ``set_range``), so records would silently go missing."""
+    for table in TABLES:
+        cur = txn.cursor(table)
+        for key in txn.iter_keys(table, b""):
+            if not cur.set_key(key):
+                report.add("unreachable", f"{table}/{key!r}", "iteration finds this key but a lookup does not: a "
+                                                              "branch page of the B-tree is damaged")
 
 
 def _decode_meta_table(txn: Any, report: Report) -> dict[bytes, dict[str, Any]]:
