@@ -67,7 +67,15 @@ import numpy as np
 from . import codec
 from .buffer import BufferConfig, ReplayBuffer
 from .checkpoint import keep_latest, restore
-from .errors import DuplicateCommit, GateTimeout, KvckptError, UnknownGroup
+from .errors import (
+    CorruptRecord,
+    DuplicateCommit,
+    FormatError,
+    GateTimeout,
+    KvckptError,
+    RecoveryError,
+    UnknownGroup,
+)
 from .records import ABORTED, CLAIMED, CONSUMED, EVICTED, READY, Prompt
 from .safe_open import verify_untrusted
 from .store import TABLES, Store
@@ -748,6 +756,11 @@ def dump(buf: ReplayBuffer, plan: Any) -> str:
     return h.hexdigest()
 
 
+#: The errors that say "this file is damaged" (a generic KvckptError or a BadArgument about the
+#: temporary copy does not: a fuzz case ending in one is a violation).
+DAMAGE_ERRORS = (FormatError, CorruptRecord, RecoveryError)
+
+
 def _fuzz_worker(directory: str, trusted: bool) -> None:
     """Serve fuzz cases read as JSON lines on stdin; answer one JSON line each on stdout."""
     bases, foreign, live = {}, build_foreign(directory), os.path.join(directory, "live.kv")
@@ -773,8 +786,10 @@ def _fuzz_worker(directory: str, trusted: bool) -> None:
             finally:
                 buf.close()
             outcome, detail = ("harmless", "") if got == reference else ("violation", f"restored different data: {got}")
-        except KvckptError as exc:
+        except DAMAGE_ERRORS as exc:
             outcome, detail = "detected", type(exc).__name__
+        except KvckptError as exc:
+            outcome, detail = "violation", f"{type(exc).__name__} does not say the file is damaged: {exc}"
         except Exception as exc:
             outcome, detail = "violation", f"{type(exc).__name__} escaped: {exc}"
         print(json.dumps({"outcome": outcome, "detail": detail}), flush=True)

@@ -27,7 +27,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import BadArgument, CheckpointError, KvckptError, RecoveryError, StoreLocked, VerificationFailed
+from .errors import (
+    BadArgument,
+    CheckpointError,
+    FormatError,
+    KvckptError,
+    RecoveryError,
+    StoreLocked,
+    VerificationFailed,
+)
 from .store import Store, writer_active
 
 if TYPE_CHECKING:
@@ -344,7 +352,11 @@ def _recover_copy(tmp: str, checkpoint_file: str, sampler: Any, max_buffered_rol
     """Open the private copy, read its stamp and recover it at the stamped version."""
     from .buffer import ReplayBuffer
 
-    buffer = ReplayBuffer.open(tmp)
+    try:
+        buffer = ReplayBuffer.open(tmp)
+    except BadArgument:
+        raise FormatError(f"{checkpoint_file!r} is a kvckpt store without a replay buffer config (meta/config): "
+                          "damaged, or not a replay buffer checkpoint") from None
     try:
         stamp = buffer.store.read(lambda t: t.get_json("meta", STAMP_KEY))
         if stamp is None:

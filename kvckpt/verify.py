@@ -41,6 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import lmdb
+
 from . import codec, keys
 from .buffer import CHECKPOINT_KEY, CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STATE_KEY, ReplayBuffer
 from .errors import CorruptRecord, KvckptError
@@ -138,7 +140,13 @@ def _check_lookups(txn: Any, report: Report) -> None:
     for table in TABLES:
         cur = txn.cursor(table)
         for key in txn.iter_keys(table, b""):
-            if not cur.set_key(key):
+            try:
+                found = cur.set_key(key)
+            except lmdb.BadValsizeError:  # a damaged node length: no valid key has this size
+                report.add("bad-key", f"{table}/{key[:64]!r}", f"a key of {len(key)} bytes cannot exist in LMDB: "
+                                                               "a page of the B-tree is damaged")
+                continue
+            if not found:
                 report.add("unreachable", f"{table}/{key!r}", "iteration finds this key but a lookup does not: a "
                                                               "branch page of the B-tree is damaged")
 

@@ -251,6 +251,9 @@ FORGERIES = {
     "stamp-checksum": (lambda t: _flip_last_byte(t, "meta", b"checkpoint"), "CorruptRecord", "meta/checkpoint"),
     "newer-format-version": (lambda t: _put_doc(t, "meta", b"format", version=2), "FormatError",
                              "format version 2"),
+    # found by the fuzz soak: the error named the temporary copy and said "create it"
+    "config-missing": (lambda t: t.delete("meta", b"config"), "FormatError",
+                       "forged-config-missing.kvckpt' is a kvckpt store without a replay buffer config"),
 }
 
 
