@@ -349,15 +349,27 @@ class _BaselineLoad:
         return threads
 
 
-def settle(paths: list[str] = ()) -> None:
-    """Delete ``paths``, flush the page cache to disk and pause a second, so that one phase's
-    writes and deletions (a 4 GB unlink is a burst of TRIMs on a ``discard`` mount) do not land
-    in the next phase's fsyncs."""
+#: settle() waits until this many 4 KiB write+fsync probes in a row each take under QUIET_FSYNC.
+QUIET_PROBES, QUIET_FSYNC, QUIET_MAX_SECONDS = 20, 0.010, 90.0
+
+
+def settle(paths: list[str] = (), directory: str = "/var/tmp") -> float:
+    """Delete ``paths``, flush the page cache to disk, then wait until the disk is quiet, so that
+    one phase's writes and deletions (a 4 GB unlink is seconds of TRIMs on a ``discard`` mount,
+    during which every fsync waits) do not land in the next phase's fsyncs. Quiet: QUIET_PROBES
+    write+fsync probes in a row under QUIET_FSYNC each (at most QUIET_MAX_SECONDS). Returns the
+    seconds waited."""
     for path in paths:
         if os.path.exists(path):
             os.unlink(path)
     os.sync()
-    time.sleep(1.0)
+    t0 = time.perf_counter()
+    probe = os.path.join(os.path.dirname(paths[0]) if paths else directory, ".settle-probe")
+    quiet = 0
+    while quiet < QUIET_PROBES and time.perf_counter() - t0 < QUIET_MAX_SECONDS:
+        quiet = quiet + 1 if baselines.fsync_latency(probe, 1)[0] < QUIET_FSYNC else 0
+        time.sleep(0.05)
+    return time.perf_counter() - t0
 
 
 def _phase(load: Any, checkpoint: Callable[[int], dict[str, Any]] | None, settings: Settings) -> dict[str, Any]:
