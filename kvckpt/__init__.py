@@ -5,6 +5,7 @@ file; every state transition is one durable write transaction; a checkpoint is o
 transaction plus a background copy to one file; restore opens a fresh handle on a copy.
 """
 
+from .aio import AsyncReplayBuffer
 from .buffer import Batch, BufferConfig, ReplayBuffer
 from .checkpoint import CheckpointHandle, CheckpointResult, checkpoint, keep_latest, read_stamp, restore
 from .errors import (
@@ -39,7 +40,7 @@ from .verify import Report, check, verify_path
 __version__ = "0.1.0"
 
 __all__ = [
-    "BadArgument", "Batch", "BufferConfig", "CapacityError", "CheckpointError", "CheckpointHandle",
+    "AsyncReplayBuffer", "BadArgument", "Batch", "BufferConfig", "CapacityError", "CheckpointError", "CheckpointHandle",
     "CheckpointResult", "CommitResult", "CorruptRecord", "DiskFull", "DuplicateCommit", "Field", "FormatError",
     "GateTimeout", "GroupInfo", "InvariantViolation", "KvckptError", "Lease", "LeaseError", "LedgerEntry",
     "NotSelectable", "Prompt", "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer", "Report",

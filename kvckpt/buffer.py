@@ -194,7 +194,7 @@ class ReplayBuffer:
     # -- lifecycle -------------------------------------------------------------------------------
     @classmethod
     def create(cls, path: str, config: BufferConfig, *, map_size: int | None = None) -> ReplayBuffer:
-        """Create a new store file holding an empty buffer.
+        """Create a new store file holding an empty buffer (and its parent directory, if missing).
 
         Raises:
             BadArgument: the file already exists (open it with :meth:`open`).
@@ -204,6 +204,7 @@ class ReplayBuffer:
         if os.path.exists(path):
             raise BadArgument(f"{path!r} already exists; use ReplayBuffer.open to reopen it")
         kwargs = {"map_size": map_size} if map_size else {}
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         store = Store(path, create=True, **kwargs)
         try:
             def init(txn: Txn) -> None:
