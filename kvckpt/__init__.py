@@ -9,17 +9,20 @@ from .aio import AsyncReplayBuffer
 from .buffer import Batch, BufferConfig, ReplayBuffer
 from .checkpoint import CheckpointHandle, CheckpointResult, checkpoint, keep_latest, read_stamp, restore
 from .errors import (
+    AbandonedTimeline,
     BadArgument,
     CapacityError,
     CheckpointError,
     CorruptRecord,
     DiskFull,
     DuplicateCommit,
+    ForeignLease,
     FormatError,
     GateTimeout,
     InvariantViolation,
     KvckptError,
     LeaseError,
+    LeaseMismatch,
     NotSelectable,
     ReadOnlyStore,
     RecoveryError,
@@ -40,9 +43,9 @@ from .verify import Report, check, verify_path
 __version__ = "0.1.0"
 
 __all__ = [
-    "AsyncReplayBuffer", "BadArgument", "Batch", "BufferConfig", "CapacityError", "CheckpointError", "CheckpointHandle",
-    "CheckpointResult", "CommitResult", "CorruptRecord", "DiskFull", "DuplicateCommit", "Field", "FormatError",
-    "GateTimeout", "GroupInfo", "InvariantViolation", "KvckptError", "Lease", "LeaseError", "LedgerEntry",
+    "AbandonedTimeline", "AsyncReplayBuffer", "BadArgument", "Batch", "BufferConfig", "CapacityError", "CheckpointError", "CheckpointHandle",
+    "CheckpointResult", "CommitResult", "CorruptRecord", "DiskFull", "DuplicateCommit", "Field", "ForeignLease", "FormatError",
+    "GateTimeout", "GroupInfo", "InvariantViolation", "KvckptError", "Lease", "LeaseError", "LeaseMismatch", "LedgerEntry",
     "NotSelectable", "Prompt", "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer", "Report",
     "RowSchema", "Sampler", "SchemaMismatch", "Selection", "StaleAttempt", "Store", "StoreLocked",
     "StoreNotFound", "UnknownGroup", "VerificationFailed", "check", "checkpoint", "create_sampler", "keep_latest",

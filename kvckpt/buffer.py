@@ -30,9 +30,9 @@ the dataloader remains accounted for.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,17 +40,24 @@ from typing import Any
 
 import numpy as np
 
-from . import codec, keys
+from . import args, codec, keys
+from .digest import check_group_rows, row_digest
 from .errors import (
+    AbandonedTimeline,
     BadArgument,
     CapacityError,
     CorruptRecord,
     DuplicateCommit,
+    ForeignLease,
+    FormatError,
     GateTimeout,
     InvariantViolation,
+    KvckptError,
+    LeaseMismatch,
     NotSelectable,
     SchemaMismatch,
     StaleAttempt,
+    StoreNotFound,
     UnknownGroup,
 )
 from .records import (
@@ -69,7 +76,7 @@ from .records import (
 )
 from .samplers import BufferView, Sampler, create_sampler
 from .schema import RowSchema
-from .store import Store, Txn
+from .store import FORMAT_VERSION, Store, Txn
 
 CONFIG_KEY, STATE_KEY, DATALOADER_KEY, SHORTFALL_KEY, CHECKPOINT_KEY = (
     b"config", b"state", b"dataloader", b"shortfall", b"checkpoint")
@@ -129,7 +136,12 @@ class BufferConfig:
 def _new_state() -> dict[str, Any]:
     return {"dispatch_index": -1, "trainer_version": 0, "weight_version": 0, "admissions": 0, "seq": 0,
             "inflight": 0, "ready": 0, "claimed": 0, "durable": [], "drop_floor": 0,
-            "counters": dict.fromkeys(COUNTERS, 0)}
+            "timeline": new_timeline(), "counters": dict.fromkeys(COUNTERS, 0)}
+
+
+def new_timeline() -> str:
+    """A fresh random timeline id: one per create, restore and recovery (see :class:`Lease`)."""
+    return uuid.uuid4().hex
 
 
 @dataclass
@@ -185,6 +197,8 @@ class ReplayBuffer:
         if doc is None:
             raise BadArgument(f"{store.path!r} is a kvckpt store without a replay buffer config; "
                               "create it with ReplayBuffer.create")
+        if store.info.get("version") == 1 and not store.readonly:
+            _upgrade_from_v1(store)
         self.config = BufferConfig.from_dict(doc)
         self.sampler: Sampler = self.config.sampler
         self.schema: RowSchema = self.config.schema
@@ -218,11 +232,35 @@ class ReplayBuffer:
             raise
 
     @classmethod
-    def open(cls, path: str, *, readonly: bool = False) -> ReplayBuffer:
-        """Reopen an existing buffer (its config comes from the store)."""
-        store = Store(path, readonly=readonly)
+    def open(cls, path: str, *, readonly: bool = False, map_size: int | None = None) -> ReplayBuffer:
+        """Reopen an existing buffer (its config comes from the store).
+
+        ``readonly=True`` never writes, and works on a store another handle (in this process or
+        another) has open for writing: it reads consistent snapshots of it. A file no writer holds
+        (a checkpoint, a copy) is untrusted: it is opened through
+        :func:`kvckpt.safe_open.open_readonly` (structure-checked before liblmdb maps it; the map
+        is the file's size, or ``map_size``).
+
+        Raises:
+            StoreNotFound: no store at ``path`` (make one with :meth:`create`).
+            StoreLocked: another writable handle holds it (open it ``readonly=True`` to look at it).
+            FormatError: not a sound kvckpt store, or its config passes its checksum but is not
+                one kvckpt writes (a damaged or crafted file).
+        """
+        from .safe_open import open_readonly
+
+        try:
+            store = open_readonly(path, map_size=map_size) if readonly else Store(path, map_size=map_size)
+        except StoreNotFound:
+            raise StoreNotFound(f"no kvckpt store at {path!r}; make one with ReplayBuffer.create") from None
         try:
             return cls(store)
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
+            store.close()
+            if isinstance(exc, KvckptError):
+                raise
+            raise FormatError(f"{path!r}: meta/config passes its checksum but is not a config kvckpt writes "
+                              f"({type(exc).__name__}: {str(exc)[:200]}); the file is damaged or crafted") from None
         except BaseException:
             store.close()
             raise
@@ -366,8 +404,12 @@ class ReplayBuffer:
             BadArgument: a duplicate or already-used group id, or an ``admission`` this store did
                 not issue.
         """
-        batch = [p if isinstance(p, Prompt) else Prompt(prompt_idx=p) if isinstance(p, int) else Prompt(**p)
-                 for p in prompts]
+        batch = [_as_prompt(p) for p in prompts]
+        weight_version = args.optional_integer("weight_version", weight_version)
+        timeout = args.timeout("timeout", timeout)
+        _check_dataloader_state(dataloader_state)
+        if admission is not None and not isinstance(admission, Admission):
+            raise BadArgument(f"admission must be an Admission from advance_dispatch, got {type(admission).__name__}")
         if not batch:
             raise BadArgument("admit needs at least one prompt")
         if len(batch) > self.config.max_buffered_rollouts:
@@ -395,6 +437,9 @@ class ReplayBuffer:
         Raises:
             GateTimeout: the gate stayed closed for ``timeout`` seconds.
         """
+        timeout = args.timeout("timeout", timeout)
+        _check_dataloader_state(dataloader_state)
+
         def txn_fn(txn: Txn) -> Admission | str:
             st = self._state(txn)
             blocker = self._admission_blocker(st, 0)
@@ -470,19 +515,19 @@ class ReplayBuffer:
             self._check_joined(st, admission)
             id_format = f"{admission.admission_id}-s{{seq}}"  # a joined admission's prompts arrive over many calls
         admission_id, target = admission.admission_id, admission.target_step
-        start_weight = st["weight_version"] if weight_version is None else int(weight_version)
+        start_weight = st["weight_version"] if weight_version is None else weight_version
         leases = []
         for j, prompt in enumerate(batch):
             gid = prompt.group_id or self._free_id(txn, id_format.format(j=j, seq=st["seq"]))
             gkey = keys.group_key(gid)
             if txn.get("ledger", gkey) is not None or txn.get("groups", gkey) is not None:
                 raise BadArgument(f"group id {gid!r} is already in use in this store")
-            entry = LedgerEntry(gid, admission_id, int(prompt.prompt_idx), prompt.task_name,
-                                self.config.group_size, target, start_weight, attempt=0, seq=st["seq"])
+            entry = LedgerEntry(gid, admission_id, prompt.prompt_idx, prompt.task_name, self.config.group_size,
+                                target, start_weight, attempt=0, seq=st["seq"], timeline=st["timeline"])
             st["seq"] += 1
             self._put_entry(txn, entry)
             self._pending_index(txn, entry, add=True)
-            leases.append(entry.lease())
+            leases.append(entry.lease(self.store.store_id))
         st["inflight"] += len(batch)
         st["counters"]["admitted"] += len(batch)
         self._put_dataloader_state(txn, dataloader_state)
@@ -492,7 +537,7 @@ class ReplayBuffer:
     # -- commits ---------------------------------------------------------------------------------
     def _encode_rows(self, lease: Lease, rows: Sequence[Mapping[str, Any]] | Mapping[int, Mapping[str, Any]],
                      ) -> list[_EncodedRow]:
-        n = lease.group_size
+        n = self.config.group_size  # the store's, never the lease's: the ledger entry is the authority
         if isinstance(rows, Mapping):
             items = sorted(rows.items())
         elif len(rows) == n:
@@ -519,7 +564,7 @@ class ReplayBuffer:
 
     @staticmethod
     def _digest(value: bytes) -> str:
-        return hashlib.blake2b(value, digest_size=8).hexdigest()
+        return row_digest(value)
 
     def commit_group(self, lease: Lease, rows: Sequence[Mapping[str, Any]] | Mapping[int, Mapping[str, Any]],
                      *, end_weight: int | None = None) -> CommitResult:
@@ -538,6 +583,8 @@ class ReplayBuffer:
             SchemaMismatch: wrong row count, missing/extra field, wrong dtype.
         """
         t0 = time.perf_counter()
+        self._check_lease(lease)
+        end_weight = args.optional_integer("end_weight", end_weight)
         encoded = self._encode_rows(lease, rows)
         result = self._write(lambda txn: self._commit_txn(txn, lease, encoded, end_weight, whole=True))
         self._latencies.append(time.perf_counter() - t0)
@@ -548,10 +595,23 @@ class ReplayBuffer:
         """Commit one row (sibling) of a group; the group becomes ready in the transaction that
         adds its last row. Same refusals and idempotence as :meth:`commit_group`."""
         t0 = time.perf_counter()
+        self._check_lease(lease)
+        end_weight = args.optional_integer("end_weight", end_weight)
+        index = args.integer("index", index, minimum=None)
         encoded = self._encode_rows(lease, {index: row})
         result = self._write(lambda txn: self._commit_txn(txn, lease, encoded, end_weight, whole=False))
         self._latencies.append(time.perf_counter() - t0)
         return result
+
+    def _check_lease(self, lease: Any) -> None:
+        """What can be refused before encoding: not a lease, or a group size the store does not have."""
+        if not isinstance(lease, Lease):
+            raise BadArgument(f"commits take a Lease (from admit, redispatch or a recovery plan; Lease.from_dict "
+                              f"for one sent over the wire), got {type(lease).__name__}")
+        if lease.group_size != self.config.group_size:
+            raise LeaseMismatch(f"commit of group {lease.group_id!r} refused: the lease says group_size="
+                                f"{lease.group_size!r} but this store's groups have {self.config.group_size} rows; "
+                                "nothing was written", "group_size")
 
     def _commit_txn(self, txn: Txn, lease: Lease, encoded: list[_EncodedRow], end_weight: int | None,
                     whole: bool) -> CommitResult:
@@ -560,12 +620,8 @@ class ReplayBuffer:
         digests = {str(r.index): self._digest(r.value) for r in encoded}
         if entry is None:
             return self._replayed_commit(txn, lease, digests)
-        if lease.attempt < entry.attempt:
-            raise StaleAttempt(f"commit of group {gid!r} under attempt {lease.attempt} refused: the current "
-                               f"attempt is {entry.attempt} (this worker's lease was fenced by recovery)")
-        if lease.attempt > entry.attempt:
-            raise StaleAttempt(f"commit of group {gid!r} under attempt {lease.attempt}, but the store only "
-                               f"issued up to attempt {entry.attempt}: this lease belongs to another store")
+        _fence(lease, self.store.store_id, entry.timeline, entry.attempt, "in flight")
+        _check_against_entry(lease, entry)
         siblings = set(entry.siblings)
         merged = dict(entry.digests)
         if not whole:
@@ -603,7 +659,7 @@ class ReplayBuffer:
             entry.start_weight, st["weight_version"] if end_weight is None else int(end_weight),
             entry.target_step, entry.attempt,
             self._digest("".join(merged[str(i)] for i in range(entry.group_size)).encode()),
-            raw_bytes=raw, stored_bytes=stored)
+            raw_bytes=raw, stored_bytes=stored, timeline=entry.timeline)
         txn.delete("ledger", keys.group_key(gid))
         self._pending_index(txn, entry, add=False)
         self._put_group(txn, group)
@@ -623,10 +679,8 @@ class ReplayBuffer:
         if group.state in (EVICTED, ABORTED):
             raise UnknownGroup(f"group {gid!r} was {group.state} ({group.reason or 'no reason'}); "
                                "the commit was refused and wrote nothing")
-        if lease.attempt < group.attempt:
-            raise StaleAttempt(f"group {gid!r} was committed by attempt {group.attempt}; attempt "
-                               f"{lease.attempt} is fenced and wrote nothing")
-        if lease.attempt == group.attempt and group.rows_stored:
+        _fence(lease, self.store.store_id, group.timeline, group.attempt, f"committed ({group.state})")
+        if group.rows_stored:
             stored = {str(int.from_bytes(k[-4:], "big")): self._digest(v)
                       for k, v in txn.iter_prefix("rows", keys.row_prefix(gid))}
             if all(stored.get(i) == d for i, d in digests.items()):
@@ -785,20 +839,23 @@ class ReplayBuffer:
         Raises:
             UnknownGroup: no ledger entry for ``group_id``.
         """
+        args.identifier("group_id", group_id)
+        start_weight = args.optional_integer("start_weight", start_weight)
+
         def txn_fn(txn: Txn) -> Lease:
             entry = self._entry(txn, group_id)
             if entry is None:
                 raise UnknownGroup(f"group {group_id!r} is not in flight; nothing to redispatch")
             self._pending_index(txn, entry, add=False)
+            st = self._state(txn)
             entry = LedgerEntry.from_dict({
-                **entry.to_dict(), "attempt": entry.attempt + 1,
-                "start_weight": entry.start_weight if start_weight is None else int(start_weight)})
+                **entry.to_dict(), "attempt": entry.attempt + 1, "timeline": st["timeline"],
+                "start_weight": entry.start_weight if start_weight is None else start_weight})
             self._put_entry(txn, entry)
             self._pending_index(txn, entry, add=True)
-            st = self._state(txn)
             st["counters"]["redispatched"] += 1
             txn.put_json("meta", STATE_KEY, st)
-            return entry.lease()
+            return entry.lease(self.store.store_id)
 
         return self._write(txn_fn)
 
@@ -835,7 +892,7 @@ class ReplayBuffer:
             self._put_group(txn, GroupInfo(
                 gid, entry.prompt_idx, entry.task_name, entry.admission_id, entry.seq, entry.group_size,
                 ABORTED, entry.start_weight, -1, entry.target_step, entry.attempt, "", rows_stored=False,
-                reason=reason))
+                reason=reason, timeline=entry.timeline))
             if entry.target_step is not None:
                 shortfall[str(entry.target_step)] = shortfall.get(str(entry.target_step), 0) + 1
         st["inflight"] -= len(gids)
@@ -880,6 +937,7 @@ class ReplayBuffer:
             return infos, raw
 
         infos, raw = self.store.read(txn_fn)
+        check_group_rows(infos, raw)
         decoded = []
         for gid, index, value in raw:
             record = codec.decode(value, f"rows/{keys.row_id(gid, index)}")
@@ -1009,3 +1067,71 @@ def _assemble(schema: RowSchema, infos: list[GroupInfo], raw: list[tuple[str, in
     if layout == "packed":
         batch.cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
     return batch
+
+
+def _as_prompt(value: Any) -> Prompt:
+    """A :class:`Prompt` from what ``admit`` accepts; anything else is a :class:`BadArgument`."""
+    if isinstance(value, Prompt):
+        return value
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"prompt_idx", "task_name", "group_id"})
+        if unknown or "prompt_idx" not in value:
+            raise BadArgument(f"a prompt dict needs prompt_idx (and optionally task_name, group_id); "
+                              f"got keys {sorted(value)}")
+        return Prompt(**value)
+    return Prompt(prompt_idx=value)
+
+
+def _check_dataloader_state(value: Any) -> None:
+    if value is not None and not isinstance(value, (bytes, bytearray, memoryview)):
+        raise BadArgument(f"dataloader_state must be bytes (the trainer's opaque state), got {type(value).__name__}")
+
+
+def _fence(lease: Lease, store_id: str, timeline: str, attempt: int, where: str) -> None:
+    """Refuse ``lease`` unless its store id, timeline and attempt are exactly the current ones."""
+    gid = lease.group_id
+    if lease.store_id != store_id:
+        issued = f"store {lease.store_id}" if lease.store_id else "a kvckpt that issued no store id"
+        raise ForeignLease(f"commit of group {gid!r} refused: the lease was issued by {issued}, not by this "
+                           f"store ({store_id}); nothing was written")
+    if lease.timeline != timeline:
+        raise AbandonedTimeline(
+            f"commit of group {gid!r} refused: the lease belongs to timeline {lease.timeline or '(none)'}, but the "
+            f"group is {where} on timeline {timeline} (a restore or recovery came after the lease was issued: "
+            "this worker is a zombie); nothing was written")
+    if lease.attempt != attempt:
+        older = "older than" if lease.attempt < attempt else "newer than"
+        raise StaleAttempt(f"commit of group {gid!r} under attempt {lease.attempt} refused: it is {older} the "
+                           f"current attempt {attempt} (the lease was fenced by a redispatch); nothing was written")
+
+
+_LEASE_AUTHORITY = ("group_size", "prompt_idx", "task_name", "admission_id", "target_step", "start_weight")
+
+
+def _check_against_entry(lease: Lease, entry: LedgerEntry) -> None:
+    """Refuse a lease whose description of the group differs from its ledger entry's."""
+    for name in _LEASE_AUTHORITY:
+        if getattr(lease, name) != getattr(entry, name):
+            raise LeaseMismatch(f"commit of group {lease.group_id!r} refused: the lease says {name}="
+                                f"{getattr(lease, name)!r} but the ledger entry holds {getattr(entry, name)!r}; "
+                                "nothing was written", name)
+
+
+def _upgrade_from_v1(store: Store) -> None:
+    """Upgrade a format-1 store in place, in one transaction: give it a timeline and move every
+    ledger entry onto it with its attempt bumped, so leases a version-1 kvckpt issued (which
+    carry no store id or timeline) are fenced rather than trusted."""
+    def txn_fn(txn: Txn) -> None:
+        st = txn.get_json("meta", STATE_KEY)
+        if st is None:
+            raise InvariantViolation("meta/state is missing")
+        st["timeline"] = new_timeline()
+        for key, value in list(txn.iter_prefix("ledger", b"")):
+            entry = LedgerEntry.from_dict(codec.decode_meta(value, f"ledger/{key!r}"))
+            txn.put_json("ledger", key, LedgerEntry.from_dict(
+                {**entry.to_dict(), "attempt": entry.attempt + 1, "timeline": st["timeline"]}).to_dict())
+        txn.put_json("meta", STATE_KEY, st)
+        txn.put_json("meta", b"format", {**store.info, "version": FORMAT_VERSION, "upgraded_from": 1})
+
+    store.write(txn_fn)
+    store.info = {**store.info, "version": FORMAT_VERSION, "upgraded_from": 1}

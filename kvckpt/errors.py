@@ -62,6 +62,11 @@ class DiskFull(KvckptError, OSError):
     """The filesystem ran out of space; the failed transaction wrote nothing."""
 
 
+class ResourceLimit(KvckptError, OSError):
+    """A process limit stopped kvckpt: the address space for the memory map (``ulimit -v``) or the
+    number of open files (``ulimit -n``). Nothing was written; the message says which limit."""
+
+
 class BadArgument(KvckptError, ValueError):
     """An argument is invalid (wrong group size, schema mismatch, unknown sampler, ...)."""
 
@@ -86,7 +91,36 @@ class UnknownGroup(LeaseError, KeyError):
 
 
 class StaleAttempt(LeaseError):
-    """The lease's attempt is older than the group's current attempt (a zombie worker)."""
+    """The lease is fenced: its store id, timeline or attempt is not the group's current one.
+
+    ``differs`` names which of the three (``"store_id"``, ``"timeline"`` or ``"attempt"``); the
+    subclasses :class:`ForeignLease` and :class:`AbandonedTimeline` say the same in their type.
+    """
+
+    differs = "attempt"
+
+
+class ForeignLease(StaleAttempt):
+    """The lease was issued by another store (or an older kvckpt that issued no store id)."""
+
+    differs = "store_id"
+
+
+class AbandonedTimeline(StaleAttempt):
+    """The lease belongs to a timeline the store has left: a restore or recovery came after it."""
+
+    differs = "timeline"
+
+
+class LeaseMismatch(LeaseError, BadArgument):
+    """The lease disagrees with its ledger entry about the group (size, prompt, stamps).
+
+    The ledger entry is the only authority; ``field`` names the first field that differs.
+    """
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class DuplicateCommit(LeaseError):

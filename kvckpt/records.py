@@ -7,8 +7,11 @@ boundaries (Ray, asyncio executors) as JSON-able dicts, never as pickled objects
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
+
+from . import args
+from .errors import BadArgument
 
 # Group states, in lifecycle order. A prompt that left the dataloader is either a ledger entry
 # (in flight) or a record in ``groups`` in exactly one of these states.
@@ -41,11 +44,21 @@ class _Doc:
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> Any:
-        """Rebuild from :meth:`to_dict` output (unknown keys are ignored)."""
+        """Rebuild from :meth:`to_dict` output (unknown keys are ignored).
+
+        Raises:
+            BadArgument: ``doc`` is not a dict or lacks a required field.
+        """
+        if not isinstance(doc, dict):
+            raise BadArgument(f"a {cls.__name__} document must be a dict, got {type(doc).__name__}")
         kwargs = {k: doc[k] for k in _field_names(cls) if k in doc}
         for name in ("missing", "siblings"):
             if name in kwargs and isinstance(kwargs[name], list):
                 kwargs[name] = tuple(kwargs[name])
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        lacking = [name for name in required if name not in kwargs]
+        if lacking:
+            raise BadArgument(f"a {cls.__name__} document lacks {', '.join(lacking)}")
         return cls(**kwargs)
 
 
@@ -57,14 +70,34 @@ class Prompt(_Doc):
     task_name: str = "default"
     group_id: str | None = None
 
+    def __post_init__(self) -> None:
+        """Refuse what the store cannot keep exactly (a negative or fractional index, odd ids)."""
+        object.__setattr__(self, "prompt_idx", args.integer("prompt_idx", self.prompt_idx))
+        args.identifier("task_name", self.task_name)
+        if self.group_id is not None:
+            args.identifier("group_id", self.group_id)
+
 
 @dataclass(frozen=True)
 class Lease(_Doc):
-    """The right to commit one group: returned by admission and by recovery.
+    """The right to commit one group: returned by admission, redispatch and recovery.
 
-    ``attempt`` is the fencing epoch; recovery bumps it, so a worker still holding an older lease
-    (a zombie) is refused. ``missing`` lists the row indices still to generate (siblings already
-    committed under an earlier attempt are kept).
+    A lease is fenced by three things together, and a commit is accepted only when all three match
+    the group's ledger entry as it is *now* (see docs/recovery.md, "Fencing"):
+
+    * ``store_id``: the random identity of the store that issued it (a lease of another store is
+      refused even if the group id exists there);
+    * ``timeline``: the random id of the run history it was issued in; every restore and every
+      recovery starts a new one, so restoring the same checkpoint twice still fences the leases of
+      the first restore;
+    * ``attempt``: the fencing epoch within a timeline; :meth:`~kvckpt.buffer.ReplayBuffer.redispatch`
+      and recovery bump it.
+
+    Everything else a lease carries (group size, prompt identity, stamps) is informational: the
+    ledger entry is the only authority, and a lease that disagrees with it is refused.
+    ``missing`` lists the row indices still to generate (siblings already committed under an
+    earlier attempt are kept). Leases cross process boundaries as :meth:`to_dict` documents;
+    one without ``store_id``/``timeline`` (an older kvckpt's) is refused when it commits.
     """
 
     group_id: str
@@ -76,6 +109,8 @@ class Lease(_Doc):
     task_name: str
     admission_id: str
     missing: tuple[int, ...] = ()
+    store_id: str = ""
+    timeline: str = ""
 
 
 @dataclass(frozen=True)
@@ -100,6 +135,7 @@ class GroupInfo(_Doc):
     reason: str | None = None
     raw_bytes: int = 0
     stored_bytes: int = 0
+    timeline: str = ""
 
 
 @dataclass(frozen=True)
@@ -107,7 +143,8 @@ class LedgerEntry(_Doc):
     """A prompt that left the dataloader and is not yet a committed group.
 
     ``siblings`` holds the row indices already committed one by one (sibling progress) and
-    ``digests`` their content digests (for idempotent retries).
+    ``digests`` their content digests (for idempotent retries). ``timeline`` and ``attempt`` are
+    the fencing identity of the one lease that may commit it now (with the store's id).
     """
 
     group_id: str
@@ -124,13 +161,14 @@ class LedgerEntry(_Doc):
     digests: dict[str, str] = field(default_factory=dict)
     raw_bytes: int = 0
     stored_bytes: int = 0
+    timeline: str = ""
 
-    def lease(self) -> Lease:
-        """The lease a worker needs to finish this entry."""
+    def lease(self, store_id: str) -> Lease:
+        """The lease a worker needs to finish this entry, issued by the store ``store_id``."""
         done = set(self.siblings)
         return Lease(self.group_id, self.attempt, self.group_size, self.target_step, self.start_weight,
-                      self.prompt_idx, self.task_name, self.admission_id,
-                      tuple(i for i in range(self.group_size) if i not in done))
+                     self.prompt_idx, self.task_name, self.admission_id,
+                     tuple(i for i in range(self.group_size) if i not in done), store_id, self.timeline)
 
 
 @dataclass(frozen=True)

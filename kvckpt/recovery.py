@@ -14,9 +14,11 @@ Both recovery modes end here:
    stamps untouched), since the model that trained on it is lost;
 3. sets ``trainer_version`` (and the rollout weight version) to ``resume_version``;
 4. optionally switches sampler or capacity, re-stamping and re-checking what that needs;
-5. bumps the ``attempt`` of every ledger entry and returns their leases: each in-flight prompt
-   is redispatched exactly once, at its saved ``target_step``, without a new admission, and any
-   worker that outlived the crash is fenced (its commits raise ``StaleAttempt``).
+5. starts a new *timeline* (a fresh random id), moves every ledger entry onto it with its
+   ``attempt`` bumped and returns their leases: each in-flight prompt is redispatched exactly
+   once, at its saved ``target_step``, without a new admission, and any worker that outlived the
+   crash is fenced (its commits raise ``AbandonedTimeline``) — even one leased by an earlier
+   restore of the same checkpoint file, whose attempts equal the new ones.
 
 Groups committed after the checkpoint are kept; finished siblings of partial groups are kept
 (``siblings_reused``). Restore never applies staleness: the first ``evict`` does.
@@ -62,6 +64,7 @@ class RecoveryPlan:
     trainer_state: dict[str, Any] | None = None
     dataloader_state: bytes | None = None
     checkpoint_id: str | None = None
+    timeline: str = ""
     changes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -73,6 +76,7 @@ class RecoveryPlan:
                 "groups_returned_to_ready": self.groups_returned_to_ready,
                 "siblings_reused": self.siblings_reused, "siblings_rerun": self.siblings_rerun,
                 "dispatch_index": self.dispatch_index, "checkpoint_id": self.checkpoint_id,
+                "timeline": self.timeline,
                 "changes": list(self.changes), **{f"{k}_seconds": v for k, v in self.timings.items()}}
 
 
@@ -97,7 +101,7 @@ def recover(buffer: ReplayBuffer, resume_version: int | None = None, *, sampler:
         RecoveryError: ``resume_version`` is ahead of the store or older than consumed rows still
             kept; more ready groups than the capacity.
     """
-    from .buffer import STATE_KEY, BufferConfig
+    from .buffer import STATE_KEY, BufferConfig, new_timeline
 
     t0 = time.perf_counter()
     config = buffer.config
@@ -140,10 +144,12 @@ def recover(buffer: ReplayBuffer, resume_version: int | None = None, *, sampler:
                                 f"{config.max_buffered_rollouts}: admission waits until training drains them")
         entries = sorted((buffer._entry(txn, k.decode()) for k, _ in txn.iter_prefix("ledger", b"")),
                          key=lambda e: e.seq)
+        st["timeline"] = plan.timeline = new_timeline()
         for entry in entries:
-            bumped = LedgerEntry.from_dict({**entry.to_dict(), "attempt": entry.attempt + 1})
+            bumped = LedgerEntry.from_dict({**entry.to_dict(), "attempt": entry.attempt + 1,
+                                            "timeline": st["timeline"]})
             buffer._put_entry(txn, bumped)
-            lease = bumped.lease()
+            lease = bumped.lease(buffer.store.store_id)
             plan.leases.append(lease)
             plan.siblings_reused += len(entry.siblings)
             plan.siblings_rerun += len(lease.missing)

@@ -16,8 +16,9 @@ sub-databases (:data:`TABLES`). It guarantees:
   them and refuses foreign LMDB files, other formats and other versions with
   :class:`~kvckpt.errors.FormatError`.
 * **Read-only opens write nothing.** ``readonly=True`` on a file no writer holds opens it without
-  a lock file (the way to open a finished checkpoint); on a file a writer holds it shares that
-  writer's lock file so the snapshot stays consistent.
+  a lock file (the way to open a finished checkpoint); on a file a writer in another process
+  holds it shares that writer's lock file so the snapshot stays consistent; in the writer's own
+  process it is a view through the writer's environment (LMDB allows one per file per process).
 
 Limits: local disks only (not NFS/CIFS/FUSE); keys are at most 511 bytes; never carry an open
 ``Store`` across ``fork`` (open it in the child). Values are always kvckpt records
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import struct
 import threading
@@ -40,15 +42,26 @@ from typing import Any, TypeVar
 import lmdb
 
 from . import codec
-from .errors import DiskFull, FormatError, KvckptError, ReadOnlyStore, StoreLocked, StoreNotFound
+from .errors import DiskFull, FormatError, KvckptError, ReadOnlyStore, ResourceLimit, StoreLocked, StoreNotFound
 
 FORMAT_NAME = "kvckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Versions this code opens. Version 1 (kvckpt before lease fencing by timeline) has the same
+#: tables and records; :class:`~kvckpt.buffer.ReplayBuffer` upgrades it in place on a writable open.
+READABLE_VERSIONS = (1, 2)
 #: Named sub-databases; ``max_dbs`` is not stored in the file, so every opener uses this list.
 TABLES = ("meta", "groups", "rows", "ledger", "index")
 MAX_DBS = 8
 DEFAULT_MAP_SIZE = 64 << 30
 MAX_KEY_BYTES = 511
+#: Every this many commits a writer clears the reader slots of dead processes and measures how far
+#: the oldest live reader's snapshot lags (a pinned snapshot stops LMDB reusing freed pages).
+READER_CHECK_COMMITS = 256
+#: A reader this many commits behind is logged as pinning old pages (``Store.readers`` reports it).
+PIN_WARN_COMMITS = 1000
+log = logging.getLogger("kvckpt.store")
+#: Mode of the store, lock and checkpoint files kvckpt creates (before the umask): owner only.
+FILE_MODE = 0o600
 
 T = TypeVar("T")
 
@@ -159,8 +172,11 @@ class Store:
         path: the data file. The lock file, when one is used, is ``path + "-lock"``.
         create: create the store if the file does not exist. Defaults to False.
         readonly: open without write access. Defaults to False.
-        map_size: initial LMDB map size in bytes; it doubles on demand. Defaults to 64 GiB
-            (address space only: the file grows with its data).
+        map_size: initial LMDB map size in bytes; it doubles on demand. Defaults to 64 GiB of
+            address space for a writer (the file grows with its data) and, for a read-only open
+            of a file no writer holds, to exactly the bytes the file uses (so ``ulimit -v`` far
+            below 64 GiB still opens checkpoints). New files are created mode 0600 (rollouts can
+            be sensitive); ``chmod`` them to share.
 
     Raises:
         StoreNotFound: no file at ``path`` and ``create`` is False.
@@ -169,19 +185,29 @@ class Store:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, create: bool = False, readonly: bool = False,
-                 map_size: int = DEFAULT_MAP_SIZE) -> None:
+                 map_size: int | None = None) -> None:
         self.path = os.fspath(path)
         self.readonly = readonly
         self._flock_fd: int | None = None
         self._write_lock = threading.RLock()
         self._gate = _ReadersGate()
+        self._owner: Store | None = None
+        self._commits = 0
+        #: The figures of the last :meth:`check_readers` (writers only).
+        self.reader_stats = {"stale_readers_cleared": 0, "readers": 0, "oldest_reader_lag": 0}
         exists = os.path.exists(self.path)
+        if exists and readonly:
+            owner = _writer_in_this_process(self.path)
+            if owner is not None:
+                self._share(owner)
+                return
         if not exists and (readonly or not create):
             raise StoreNotFound(f"no kvckpt store at {self.path!r} (pass create=True to make one)")
         if exists and not os.path.isfile(self.path):
             raise FormatError(f"{self.path!r} is not a regular file; a kvckpt store is one file")
-        if exists:
-            _check_lmdb_header(self.path)
+        used = _check_lmdb_header(self.path) if exists else 0
+        if map_size is None:  # a reader of a file no writer holds maps only what the file uses
+            map_size = used if readonly and not writer_active(self.path) else DEFAULT_MAP_SIZE
         if not readonly:
             self._take_writer_lock(create and not exists)
         try:
@@ -193,13 +219,30 @@ class Store:
         except BaseException:
             self._release()
             raise
+        if not readonly:
+            self._key = _identity(self.path)
+            with _WRITERS_LOCK:
+                _WRITERS[self._key] = self
+
+    def _share(self, owner: Store) -> None:
+        """Become a read-only view of ``owner``, this process's writable handle of the same file.
+
+        LMDB allows one environment per file per process, so the view reads through the owner's
+        environment (its snapshots are as consistent as any reader's); closing the view leaves the
+        owner open, and closing the owner closes the view.
+        """
+        self._owner = owner
+        self.env, self.dbs, self.info, self._gate = owner.env, owner.dbs, owner.info, owner._gate
 
     # -- opening ---------------------------------------------------------------------------
     def _take_writer_lock(self, creating: bool) -> None:
         flags = os.O_RDWR | (os.O_CREAT if creating else 0)
         try:
-            fd = os.open(self.path, flags, 0o644)
+            fd = os.open(self.path, flags, FILE_MODE)
         except OSError as exc:  # EROFS (a read-only mount) is not a PermissionError
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise ResourceLimit(exc.errno, f"cannot open {self.path!r}: too many open files; close "
+                                               "stores or raise `ulimit -n`") from None
             if not isinstance(exc, PermissionError) and exc.errno != errno.EROFS:
                 raise
             raise ReadOnlyStore(f"cannot open {self.path!r} for writing: {exc.strerror}; "
@@ -218,7 +261,7 @@ class Store:
             return lmdb.open(self.path, subdir=False, readonly=self.readonly,
                              lock=(not self.readonly) or shared_lock, max_dbs=MAX_DBS,
                              map_size=map_size, sync=True, metasync=True, writemap=False,
-                             meminit=False, max_spare_txns=4)
+                             meminit=False, max_spare_txns=4, mode=FILE_MODE)
         except lmdb.Error as exc:
             raise _translate(exc, f"cannot open {self.path!r}") from None
 
@@ -243,9 +286,10 @@ class Store:
         info = self.read(lambda txn: txn.get_json("meta", b"format"))
         if not info or info.get("format") != FORMAT_NAME:
             raise FormatError(f"{self.path!r} is not a kvckpt store (no format record)")
-        if info.get("version") != FORMAT_VERSION:
+        if info.get("version") not in READABLE_VERSIONS:
             raise FormatError(f"{self.path!r} has kvckpt format version {info.get('version')!r}; this "
-                              f"kvckpt reads version {FORMAT_VERSION}. Use a matching kvckpt release")
+                              f"kvckpt reads versions {', '.join(map(str, READABLE_VERSIONS))}. Use a matching "
+                              "kvckpt release")
         return info
 
     @property
@@ -274,6 +318,9 @@ class Store:
                 try:
                     result = fn(Txn(txn, self.dbs, True))
                     txn.commit()
+                    self._commits += 1
+                    if self._commits % READER_CHECK_COMMITS == 0:
+                        self.check_readers()
                     return result
                 except lmdb.MapFullError:
                     txn.abort()
@@ -284,6 +331,28 @@ class Store:
                 except BaseException:
                     txn.abort()
                     raise
+
+    def check_readers(self) -> dict[str, int]:
+        """Clear reader slots left by dead processes and measure the oldest live snapshot.
+
+        A writer runs this every :data:`READER_CHECK_COMMITS` commits; it logs a warning on
+        ``kvckpt.store`` when a reader is :data:`PIN_WARN_COMMITS` or more commits behind (the
+        file then grows, since pages freed after that snapshot cannot be reused). Returns (and
+        keeps in :attr:`reader_stats`): ``stale_readers_cleared`` (total so far), ``readers``
+        (live read transactions) and ``oldest_reader_lag`` (commits behind, 0 if none).
+        """
+        cleared = self.env.reader_check()
+        last = self.env.info()["last_txnid"]
+        txnids = [int(parts[2]) for parts in (line.split() for line in self.env.readers().splitlines()[1:])
+                  if len(parts) == 3 and parts[2].isdigit()]
+        lag = last - min(txnids) if txnids else 0
+        stats = self.reader_stats
+        stats.update(stale_readers_cleared=stats["stale_readers_cleared"] + cleared, readers=len(txnids),
+                     oldest_reader_lag=lag)
+        if lag >= PIN_WARN_COMMITS:
+            log.warning("%s: a reader has held a snapshot for %d commits; pages freed since cannot be reused, "
+                        "so the file grows until it ends its read transaction", self.path, lag)
+        return dict(stats)
 
     def _grow(self) -> None:
         new_size = self.env.info()["map_size"] * 2
@@ -303,6 +372,8 @@ class Store:
     def reader(self) -> Iterator[Txn]:
         """A read transaction as a context manager; it ends (and frees its snapshot) on exit."""
         with self._gate.reading():
+            if self.env is None or (self._owner is not None and self._owner.env is None):
+                raise KvckptError(f"{self.path!r} is closed")
             txn = self.env.begin()
             try:
                 yield Txn(txn, self.dbs, False)
@@ -322,13 +393,21 @@ class Store:
             result = self.write(fn)
             return result, Snapshot(self)
 
-    def copy_snapshot(self, dest: str, txn: Txn) -> None:
-        """Write a compacted copy of ``txn``'s snapshot to ``dest`` (which must not exist).
+    def copy_snapshot(self, dest: str | int, txn: Txn) -> None:
+        """Write a compacted copy of ``txn``'s snapshot to ``dest``: a path that must not exist
+        (created mode :data:`FILE_MODE`), or an open file descriptor written from its offset.
 
         LMDB does not fsync the copy: the caller fsyncs and renames it (see :mod:`kvckpt.checkpoint`).
         """
         try:
-            self.env.copy(dest, compact=True, txn=txn.raw)
+            if isinstance(dest, int):
+                self.env.copyfd(dest, compact=True, txn=txn.raw)
+                return
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+            try:
+                self.env.copyfd(fd, compact=True, txn=txn.raw)
+            finally:
+                os.close(fd)
         except lmdb.Error as exc:
             raise _translate(exc, f"copying {self.path!r} to {dest!r} failed") from None
 
@@ -342,8 +421,14 @@ class Store:
         Waits for open read transactions of this handle (e.g. a background checkpoint copy) to
         end first: closing an environment under a running copy is undefined behaviour in LMDB.
         """
+        if getattr(self, "_owner", None) is not None:
+            self.env = None  # a view: the owner's environment stays open
+            return
         env = getattr(self, "env", None)
         if env is not None:
+            with _WRITERS_LOCK:
+                if _WRITERS.get(getattr(self, "_key", None)) is self:
+                    del _WRITERS[self._key]
             with self._write_lock, self._gate.resizing():
                 env.close()
                 self.env = None
@@ -363,6 +448,26 @@ class Store:
     def __repr__(self) -> str:
         mode = "readonly" if self.readonly else "writable"
         return f"Store({self.path!r}, {mode})"
+
+
+_WRITERS: dict[tuple[int, int], Store] = {}
+_WRITERS_LOCK = threading.Lock()
+
+
+def _identity(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _writer_in_this_process(path: str) -> Store | None:
+    """This process's open writable handle of ``path`` (the same file by device and inode), if any."""
+    try:
+        key = _identity(path)
+    except OSError:
+        return None
+    with _WRITERS_LOCK:
+        owner = _WRITERS.get(key)
+    return owner if owner is not None and owner.env is not None else None
 
 
 def writer_active(path: str) -> bool:
@@ -402,12 +507,13 @@ _META = struct.Struct("<II8x8xI44x48xQQ")
 _META_OFFSET = 16
 
 
-def _check_lmdb_header(path: str, name: str | None = None) -> None:
+def _check_lmdb_header(path: str, name: str | None = None) -> int:
     """Refuse files that are not complete LMDB v1 data files before the C engine maps them.
 
     Pages 0 and 1 are meta pages; LMDB uses the one with the larger transaction id, and that meta
     names the last page in use. A file shorter than that is truncated: mapping it would crash the
-    process with SIGBUS on the first read past the end, so it is reported here instead.
+    process with SIGBUS on the first read past the end, so it is reported here instead. Returns
+    the bytes in use, ``(last page + 1) * page size`` (what a read-only map needs).
     """
     shown = repr(name if name is not None else path)
     size = os.path.getsize(path)
@@ -435,6 +541,7 @@ def _check_lmdb_header(path: str, name: str | None = None) -> None:
         raise FormatError(f"{shown} is {size} bytes but its last committed page ends at byte "
                           f"{(last_pg + 1) * psize}: the file is truncated (copied while being "
                           "written, or cut short); restore from a checkpoint")
+    return (last_pg + 1) * psize
 
 
 #: A commit that fails with EIO while less than this is free on the store's filesystem hit a full disk.
@@ -455,6 +562,13 @@ def _translate(exc: lmdb.Error, what: str, path: str | None = None) -> KvckptErr
         return DiskFull(errno.ENOSPC, f"{what}: the disk is full; nothing was written. Free space and retry")
     if code in (errno.EACCES, errno.EROFS) or "Permission denied" in text or "Read-only" in text:
         return ReadOnlyStore(f"{what}: {text}")
+    if code == errno.ENOMEM or "Cannot allocate memory" in text:
+        return ResourceLimit(errno.ENOMEM, f"{what}: the memory map could not be reserved ({text}); the "
+                             "address-space limit (`ulimit -v`) is probably below the map size: raise it, or "
+                             "pass a smaller map_size= to open (a reader needs only the file's size)")
+    if code in (errno.EMFILE, errno.ENFILE) or "Too many open files" in text:
+        return ResourceLimit(errno.EMFILE, f"{what}: too many open files ({text}); close stores or raise "
+                             "`ulimit -n`")
     if isinstance(exc, (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.CorruptedError,
                         lmdb.PageNotFoundError)):
         return FormatError(f"{what}: {text}. The file is damaged or not a kvckpt store")

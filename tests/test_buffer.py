@@ -16,6 +16,7 @@ import torch
 from conftest import SCHEMA, dump_store, make_group, make_row
 
 from kvckpt import (
+    AbandonedTimeline,
     BadArgument,
     BufferConfig,
     DuplicateCommit,
@@ -60,8 +61,8 @@ def test_zombie_commit_after_recover_is_refused_and_writes_nothing(buffer_factor
     plan = buf.recover()
     [new] = plan.leases
     assert (new.attempt, new.missing, plan.siblings_reused, plan.siblings_rerun) == (1, (1,), 1, 1)
-    error = refused(buf, StaleAttempt, buf.commit_group, old, rows)
-    assert "attempt 0 refused: the current attempt is 1" in str(error)
+    error = refused(buf, AbandonedTimeline, buf.commit_group, old, rows)
+    assert "a restore or recovery came after the lease was issued" in str(error)
     refused(buf, StaleAttempt, buf.commit_sample, old, 1, rows[1])
     assert buf.commit_group(new, [rows[1]]).ready  # only the missing sibling
     # The zombie comes back after the redispatched attempt landed: still fenced.
@@ -78,7 +79,7 @@ def test_lease_from_the_future_is_refused(buffer_factory):
     lease = admit_one(buf, "g1")
     forged = Lease(**{**lease.to_dict(), "attempt": 3})
     error = refused(buf, StaleAttempt, buf.commit_group, forged, make_group(2, 1))
-    assert "belongs to another store" in str(error)
+    assert "attempt 3 refused: it is newer than the current attempt 0" in str(error)
 
 
 def test_duplicate_identical_commit_is_idempotent(buffer_factory):
@@ -186,7 +187,7 @@ def test_commit_sample_tracks_sibling_progress_and_readies_on_the_last(buffer_fa
     first = buf.commit_sample(lease, 2, rows[2])
     assert (first.ready, first.replayed, first.rows_written) == (False, False, 1)
     [entry] = buf.ledger()
-    assert (entry.siblings, entry.lease().missing) == ((2,), (0, 1))
+    assert (entry.siblings, entry.lease(buf.store.store_id).missing) == ((2,), (0, 1))
     assert buf.group("g1") is None
     with pytest.raises(NotSelectable):
         buf.read_batch(["g1"])

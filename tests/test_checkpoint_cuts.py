@@ -249,8 +249,8 @@ FORGERIES = {
     "row-checksum": (lambda t: _flip_last_byte(t, "rows", b"g13\0" + (0).to_bytes(4, "big")), "VerificationFailed",
                      "[corrupt-record] rows/g13_g0"),
     "stamp-checksum": (lambda t: _flip_last_byte(t, "meta", b"checkpoint"), "CorruptRecord", "meta/checkpoint"),
-    "newer-format-version": (lambda t: _put_doc(t, "meta", b"format", version=2), "FormatError",
-                             "format version 2"),
+    "newer-format-version": (lambda t: _put_doc(t, "meta", b"format", version=3), "FormatError",
+                             "format version 3"),
     # found by the fuzz soak: the error named the temporary copy and said "create it"
     "config-missing": (lambda t: t.delete("meta", b"config"), "FormatError",
                        "forged-config-missing.kvckpt' is a kvckpt store without a replay buffer config"),
@@ -413,7 +413,7 @@ def test_zombie_commits_after_restore_are_refused_and_write_nothing(suite, sampl
         if not c["zombies"]:
             continue
         seen += len(c["zombies"])
-        assert got["zombies"] == {"results": ["StaleAttempt"] * len(c["zombies"]), "unchanged": True}, c["label"]
+        assert got["zombies"] == {"results": ["AbandonedTimeline"] * len(c["zombies"]), "unchanged": True}, c["label"]
     assert seen > 30  # whole-group and one-sibling zombies at most boundaries
 
 

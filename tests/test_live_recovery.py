@@ -131,7 +131,7 @@ def test_ledger_entries_are_redispatched_with_bumped_attempts(crash):
     assert plan["siblings_reused"] + plan["siblings_rerun"] == N * len(leases)
     assert got["completed"] == [True] * len(leases)
     zombies = [lease["group_id"] for op in acked(ops, "admit") if op["target"] == 7 for lease in op["leases"]]
-    expected = ["StaleAttempt" if gid in leases else "accepted" for gid in zombies]  # accepted = idempotent replay
+    expected = ["AbandonedTimeline" if gid in leases else "accepted" for gid in zombies]  # accepted = idempotent replay
     assert got["zombies"] == {"results": expected, "unchanged": True}
 
 

@@ -163,7 +163,7 @@ class MemoryReplayBuffer:
                 st["seq"] += 1
                 self._ledger[gid] = entry
                 self._partial[gid] = {}
-                leases.append(entry.lease())
+                leases.append(entry.lease("memory"))  # one process, no restore: nothing to fence by
             self._counters["admitted"] += len(batch)
             if dataloader_state is not None:
                 self._dataloader = bytes(dataloader_state)
