@@ -43,11 +43,12 @@ from .verify import Report, check, verify_path
 __version__ = "0.1.0"
 
 __all__ = [
-    "AbandonedTimeline", "AsyncReplayBuffer", "BadArgument", "Batch", "BufferConfig", "CapacityError", "CheckpointError", "CheckpointHandle",
-    "CheckpointResult", "CommitResult", "CorruptRecord", "DiskFull", "DuplicateCommit", "Field", "ForeignLease", "FormatError",
-    "GateTimeout", "GroupInfo", "InvariantViolation", "KvckptError", "Lease", "LeaseError", "LeaseMismatch", "LedgerEntry",
-    "NotSelectable", "Prompt", "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer", "Report",
-    "RowSchema", "Sampler", "SchemaMismatch", "Selection", "StaleAttempt", "Store", "StoreLocked",
-    "StoreNotFound", "UnknownGroup", "VerificationFailed", "check", "checkpoint", "create_sampler", "keep_latest",
-    "read_stamp", "recover", "register", "restore", "split_padded", "verify_path",
+    "AbandonedTimeline", "AsyncReplayBuffer", "BadArgument", "Batch", "BufferConfig", "CapacityError",
+    "CheckpointError", "CheckpointHandle", "CheckpointResult", "CommitResult", "CorruptRecord", "DiskFull",
+    "DuplicateCommit", "Field", "ForeignLease", "FormatError", "GateTimeout", "GroupInfo", "InvariantViolation",
+    "KvckptError", "Lease", "LeaseError", "LeaseMismatch", "LedgerEntry", "NotSelectable", "Prompt",
+    "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer", "Report", "RowSchema", "Sampler",
+    "SchemaMismatch", "Selection", "StaleAttempt", "Store", "StoreLocked", "StoreNotFound", "UnknownGroup",
+    "VerificationFailed", "check", "checkpoint", "create_sampler", "keep_latest", "read_stamp", "recover",
+    "register", "restore", "split_padded", "verify_path",
 ]
