@@ -16,6 +16,15 @@ then checks every record's checksum and every kvckpt invariant. :func:`kvckpt.ch
 does both unless told ``trusted=True``. :func:`verify_untrusted` runs the whole sequence, in a
 child process with a timeout when asked, for tools that must survive anything.
 
+:func:`open_readonly` is the one door every reader of a file kvckpt did not just write goes through
+(``ReplayBuffer.open(readonly=True)``, every ``kvckpt`` verb, export, diff, compact, the
+TransferQueue backend's load): the header and allocation checks, the structure check, then a
+read-only handle whose map is exactly the bytes the file uses. Before anything is copied or mapped,
+:func:`check_header` also refuses sparse files whose used pages are mostly holes (``truncate -s``,
+a meta page claiming a million pages): kvckpt never writes holes, and copying them costs gigabytes.
+A file held by a live writer (this process or another) is a store kvckpt is writing right now: it
+cannot be structure-checked while it changes, so only its header is (``docs/reliability.md``).
+
 Limit: a check is a statement about the bytes at that moment. Verify files nobody else writes
 (a checkpoint is immutable once renamed; :func:`kvckpt.checkpoint.restore` copies it first).
 """
@@ -30,7 +39,7 @@ import sys
 from lmdb import verify as lmdb_verify
 
 from .errors import FormatError, KvckptError, StoreNotFound
-from .store import _check_lmdb_header
+from .store import Store, _check_lmdb_header, writer_active
 from .verify import Report, verify_path
 
 #: At most this many structural findings are quoted in an error message.
@@ -67,16 +76,73 @@ def check_structure(path: str | os.PathLike[str], *, name: str | None = None) ->
                           "use another checkpoint")
 
 
-def check_header(path: str | os.PathLike[str], *, name: str | None = None) -> None:
+def check_header(path: str | os.PathLike[str], *, name: str | None = None) -> int:
     """The cheap first half of :func:`check_structure`: a regular file with LMDB format-1 meta
-    pages, long enough for its last committed page (a few page reads, whatever the size)."""
+    pages, long enough for its last committed page, whose used pages are not mostly holes (a few
+    page reads and one ``SEEK_HOLE`` walk, whatever the size). Returns the bytes in use (what a
+    copy or a read-only map needs; bytes past them are never read)."""
     path = os.fspath(path)
     shown_as = repr(name if name is not None else path)
     if not os.path.exists(path):
         raise StoreNotFound(f"no checkpoint file at {shown_as}")
     if not os.path.isfile(path):
         raise FormatError(f"{shown_as} is not a regular file; a kvckpt checkpoint is one file")
-    _check_lmdb_header(path, name)
+    used = _check_lmdb_header(path, name)
+    holes = hole_bytes(path, used)
+    if holes > max(MAX_HOLE_BYTES, used // 4):
+        raise FormatError(f"{shown_as} claims {used:,} bytes of pages but {holes:,} of them are holes (a sparse "
+                          "file: extended with truncate, or a meta page claiming pages that were never "
+                          "written); kvckpt never writes holes, so it is damaged or crafted. Nothing was copied")
+    return used
+
+
+#: Holes (never-written ranges) tolerated inside a file's used pages; filesystems that store
+#: all-zero blocks as holes (ZFS with compression) can make a few. Above this, and above a
+#: quarter of the used bytes, :func:`check_header` refuses the file.
+MAX_HOLE_BYTES = 1 << 20
+
+
+def hole_bytes(path: str, limit: int) -> int:
+    """Bytes of holes in ``path``'s first ``limit`` bytes (``SEEK_DATA``/``SEEK_HOLE``; 0 where the
+    filesystem does not report holes)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        holes, pos = 0, 0
+        while pos < limit:
+            try:
+                data = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:  # ENXIO: only a hole remains
+                return holes + limit - pos
+            holes += min(data, limit) - pos
+            if data >= limit:
+                return holes
+            pos = os.lseek(fd, data, os.SEEK_HOLE)
+        return holes
+    except OSError:  # EINVAL: no hole reporting here
+        return 0
+    finally:
+        os.close(fd)
+
+
+def open_readonly(path: str | os.PathLike[str], *, map_size: int | None = None,
+                  name: str | None = None) -> Store:
+    """Open a store or checkpoint file kvckpt did not just write, read-only, after checking it.
+
+    The file gets :func:`check_header` and, unless a live writer holds it, :func:`check_structure`;
+    then a read-only :class:`~kvckpt.store.Store` with no lock file whose map is the file's used
+    bytes (or ``map_size``). Nothing in the file can then crash the process through liblmdb;
+    records are still checksum-verified as they are read.
+
+    Raises:
+        StoreNotFound: nothing at ``path``.
+        FormatError: not a sound LMDB file, sparse, or not a kvckpt store of a readable version.
+        ResourceLimit: the map cannot be reserved (``ulimit -v``) or no file descriptor is left.
+    """
+    path = os.fspath(path)
+    if writer_active(path):
+        return Store(path, readonly=True, map_size=map_size)
+    check_structure(path, name=name)
+    return Store(path, readonly=True, map_size=map_size)
 
 
 def verify_untrusted(path: str | os.PathLike[str], *, deep: bool = True, timeout: float | None = None) -> Report:

@@ -22,8 +22,8 @@ with the key it concerns. It never repairs anything. What it checks:
 * every key that iteration finds is found by a lookup (a damaged branch page can misroute
   lookups while iteration still finds every key);
 * every ``meta`` record passes its checksum and no unknown ``meta`` key exists; every row key
-  has the ``{group}\\0{index}`` shape; with ``deep=True`` each group's digest (and each ledger
-  sibling's) equals the digest of the stored row bytes.
+  has the ``{group}\\0{index}`` shape; with ``checksums`` or ``deep`` each group's digest (and
+  each ledger sibling's) equals the digest of the stored row bytes (:mod:`kvckpt.digest`).
 
 A record that passes its checksum but lacks a field the checks need is reported as
 ``malformed`` instead of raising.
@@ -44,7 +44,8 @@ from typing import Any
 import lmdb
 
 from . import codec, keys
-from .buffer import CHECKPOINT_KEY, CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STATE_KEY, ReplayBuffer
+from .buffer import CHECKPOINT_KEY, CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STATE_KEY
+from .digest import group_digest, row_digest
 from .errors import CorruptRecord, KvckptError
 from .records import ABORTED, CLAIMED, CONSUMED, EVICTED, GROUP_STATES, PHASE_ADMITTED, READY
 from .schema import RowSchema
@@ -112,9 +113,10 @@ def check(txn: Any, *, deep: bool = False, checksums: bool = False,
         txn: an open transaction of the store.
         deep: also decode every row payload (checksums, schema, identity, digests). Defaults to False.
         checksums: also verify every row payload's checksum and the group and index it names
-            in its header, without decompressing it (one ``crc32`` pass over the stored row
-            bytes; implied by ``deep``). Defaults to False: row payloads are then not read at
-            all (their keys are); each row is verified when it is read.
+            in its header, and every group's digest, without decompressing anything (one ``crc32``
+            and one ``blake2b`` pass over the stored row bytes; implied by ``deep``). Defaults to
+            False: row payloads are then not read at all (their keys are); each row is verified
+            when it is read.
         progress: called with the number of rows checked so far (for progress bars).
     """
     report = Report()
@@ -127,7 +129,7 @@ def check(txn: Any, *, deep: bool = False, checksums: bool = False,
         return report
     try:
         _check_snapshot(txn, report, config, state, meta.get(SHORTFALL_KEY) or {}, deep, checksums, progress)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError) as exc:
         report.add("malformed", "?", f"a record passes its checksum but lacks a field or has a wrong type "
                                      f"({type(exc).__name__}: {exc}); the store was not written by kvckpt")
     return report
@@ -192,9 +194,10 @@ def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dic
         rows.setdefault(gid, set()).add(index)
         if deep:
             _check_row(value, gid, index, schema, report)
-            digests[gid, index] = ReplayBuffer._digest(value)
         elif checksums:
             _check_row_identity(value, gid, index, report)
+        if read_values:
+            digests[gid, index] = row_digest(value)
         if read_values and progress is not None:
             progress(row_count)
     report.counts["rows"] = row_count
@@ -214,10 +217,9 @@ def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dic
             report.add("group-size", gid, f"group_size {doc.get('group_size')} != store's {n}")
         stored = rows.pop(gid, set())
         if doc.get("rows_stored"):
-            if stored != set(range(n)):
-                report.add("row-set", gid, f"stored rows {sorted(stored)} != 0..{n - 1}")
-            elif deep and doc["digest"] != ReplayBuffer._digest(
-                    "".join(digests[gid, i] for i in range(n)).encode()):
+            if len(stored) != n or stored != set(range(n)):
+                report.add("row-set", gid, f"stored rows {sorted(stored)[:20]} != 0..{n - 1}")
+            elif read_values and doc["digest"] != group_digest(digests[gid, i] for i in range(n)):
                 report.add("digest", gid, f"digest {doc['digest']!r} does not match the stored rows")
         elif stored:
             report.add("row-set", gid, f"{len(stored)} rows stored for a group marked rows_stored=false")
@@ -245,7 +247,7 @@ def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dic
         if set(doc["digests"]) != {str(i) for i in doc["siblings"]}:
             report.add("digest", gid, f"digests of rows {sorted(doc['digests'])} recorded for siblings "
                                       f"{doc['siblings']}")
-        elif deep:
+        elif read_values:
             for i in sorted(stored & set(doc["siblings"])):
                 if doc["digests"][str(i)] != digests[gid, i]:
                     report.add("digest", keys.row_id(gid, i), "row bytes do not match the recorded digest")
@@ -354,17 +356,18 @@ def _check_row(value: bytes, gid: str, index: int, schema: RowSchema, report: Re
 
 def verify_path(path: str, *, deep: bool = False, checksums: bool = False,
                 progress: Callable[[int], None] | None = None) -> Report:
-    """Open ``path`` read-only (no lock file unless a writer holds it) and :func:`check` it.
+    """Open ``path`` read-only through :func:`kvckpt.safe_open.open_readonly` (structure-checked
+    unless a live writer holds it) and :func:`check` it.
 
-    A file that cannot be opened at all yields a report with one ``open`` problem instead of an
-    exception, and one whose pages LMDB finds damaged while reading a ``read`` problem. This opens
-    the file through liblmdb: check an untrusted file with :func:`kvckpt.safe_open.verify_untrusted`.
+    A file that cannot be opened at all (foreign, damaged pages, sparse) yields a report with one
+    ``open`` problem instead of an exception, and one whose records LMDB finds damaged while
+    reading a ``read`` problem.
     """
-    from .store import Store
+    from .safe_open import open_readonly
 
     report = Report()
     try:
-        store = Store(path, readonly=True)
+        store = open_readonly(path)
     except KvckptError as exc:
         report.add("open", path, str(exc))
         return report

@@ -1,0 +1,48 @@
+"""Row and group digests: what the store records about a group's bytes, checked on every read.
+
+A committed group records ``digest``, the digest of its row digests in index order; a ledger entry
+records the digest of each stored sibling. A row whose bytes changed but whose record checksum was
+fixed up (so only the group digest is stale) is refused by :func:`check_group_rows`, which every
+row read (:meth:`~kvckpt.ReplayBuffer.read_batch`, restore's checksum pass) runs before anything
+is decoded. Cost: one ``blake2b`` pass over the stored (compressed) row bytes, about 1 GB/s here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .errors import CorruptRecord
+
+
+def row_digest(value: bytes | memoryview) -> str:
+    """The digest of one stored row value (16 hex characters)."""
+    return hashlib.blake2b(value, digest_size=8).hexdigest()
+
+
+def group_digest(row_digests: Iterable[str]) -> str:
+    """The digest a group records: of its row digests, concatenated in index order."""
+    return row_digest("".join(row_digests).encode())
+
+
+def check_group_rows(groups: Sequence[Any], raw: Sequence[tuple[str, int, bytes]]) -> None:
+    """Refuse rows whose bytes do not match the digest their group records.
+
+    ``groups`` are group records (``group_id``, ``group_size``, ``digest``); ``raw`` the stored
+    ``(group id, row index, value)`` triples read with them. A group whose stored rows are not
+    exactly ``0..group_size-1`` is left to the caller's row-count check.
+
+    Raises:
+        CorruptRecord: a group's digest does not match its stored rows (naming the group).
+    """
+    by_gid: dict[str, dict[int, bytes]] = {}
+    for gid, index, value in raw:
+        by_gid.setdefault(gid, {})[index] = value
+    for group in groups:
+        rows = by_gid.get(group.group_id, {})
+        if len(rows) != group.group_size or set(rows) != set(range(group.group_size)):
+            continue
+        if group_digest(row_digest(rows[i]) for i in range(group.group_size)) != group.digest:
+            raise CorruptRecord(f"groups/{group.group_id}", "its rows do not match the group digest recorded "
+                                "at commit (a row was changed after the group was committed)")
