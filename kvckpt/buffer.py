@@ -80,6 +80,8 @@ from .store import FORMAT_VERSION, Store, Txn
 
 CONFIG_KEY, STATE_KEY, DATALOADER_KEY, SHORTFALL_KEY, CHECKPOINT_KEY = (
     b"config", b"state", b"dataloader", b"shortfall", b"checkpoint")
+#: ``meta/shapes``: field name -> the shape the store pinned at the field's first commit.
+SHAPES_KEY = b"shapes"
 COUNTERS = ("admitted", "committed", "samples_committed", "selected", "consumed", "evicted", "aborted",
             "redispatched", "raw_bytes", "stored_bytes")
 
@@ -149,6 +151,8 @@ class _EncodedRow:
     index: int
     value: bytes
     raw_bytes: int
+    where: str = ""
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # what the store pins (schema.shape_of)
 
 
 @dataclass
@@ -552,15 +556,21 @@ class ReplayBuffer:
             if not 0 <= index < n:
                 raise SchemaMismatch(f"row index {index} of group {lease.group_id!r} is outside 0..{n - 1}")
             where = f"row {keys.row_id(lease.group_id, index)}"
-            arrays = self.schema.validate(row, where)
-            # validate() hands bfloat16 back as its raw uint16 bits; encode the original tensor so the
-            # record keeps the logical dtype (encoding the bits would store the field as uint16).
-            fields = {name: row[name] if self.schema.fields[name].dtype == "bfloat16" else arr
-                      for name, arr in arrays.items()}
-            value = codec.encode(fields, {"group_id": lease.group_id, "index": index},
-                                 level=self.config.compression_level)
-            out.append(_EncodedRow(index, value, sum(a.nbytes for a in arrays.values())))
+            values = self.schema.validate(row, where)
+            value = codec.encode(values, {"group_id": lease.group_id, "index": index},
+                                 level=self.config.compression_level, dtypes=self.schema.dtypes)
+            shapes = {name: self.schema.shape_of(self.schema.fields[name], v) for name, v in values.items()}
+            out.append(_EncodedRow(index, value, sum(codec.value_nbytes(v) for v in values.values()), where, shapes))
+        self.schema.pin({}, [(r.where, r.shapes) for r in out])  # the rows of one commit agree (before any txn)
         return out
+
+    def _check_shapes(self, txn: Txn, encoded: list[_EncodedRow]) -> None:
+        """Hold the rows' shapes against the store's pins (``meta/shapes``); fields seen for the first
+        time are pinned in this same transaction, so the pin and the rows that set it commit together."""
+        pins = txn.get_json("meta", SHAPES_KEY) or {}
+        new = self.schema.pin(pins, [(r.where, r.shapes) for r in encoded])
+        if new is not None:
+            txn.put_json("meta", SHAPES_KEY, new)
 
     @staticmethod
     def _digest(value: bytes) -> str:
@@ -631,6 +641,7 @@ class ReplayBuffer:
                         return CommitResult(gid, ready=False, replayed=True)
                     raise DuplicateCommit(f"row {keys.row_id(gid, r.index)} is already committed "
                                           "with other content")
+        self._check_shapes(txn, encoded)
         st = self._state(txn)
         raw, stored = entry.raw_bytes, entry.stored_bytes
         for r in encoded:
@@ -924,7 +935,7 @@ class ReplayBuffer:
             raise BadArgument(f"fields {unknown} are not in the store's schema {list(self.schema.fields)}")
         gids = groups.group_ids if isinstance(groups, Selection) else list(groups)
 
-        def txn_fn(txn: Txn) -> tuple[list[GroupInfo], list[tuple[str, int, bytes]]]:
+        def txn_fn(txn: Txn) -> tuple[list[GroupInfo], list[tuple[str, int, bytes]], dict[str, Any]]:
             infos, raw = [], []
             for gid in gids:
                 group = self._group(txn, gid)
@@ -934,22 +945,26 @@ class ReplayBuffer:
                 infos.append(group)
                 for key, value in txn.iter_prefix("rows", keys.row_prefix(gid)):
                     raw.append((gid, int.from_bytes(key[-4:], "big"), value))
-            return infos, raw
+            pins = txn.get_json("meta", SHAPES_KEY) or {}
+            return infos, raw, pins if isinstance(pins, dict) else {}
 
-        infos, raw = self.store.read(txn_fn)
+        infos, raw, pins = self.store.read(txn_fn)
         check_group_rows(infos, raw)
+        try:
+            limits = self.schema.limits(pins)
+        except SchemaMismatch as exc:  # meta/shapes is checksummed JSON, but not what a writer stores
+            raise CorruptRecord("meta/shapes", str(exc)) from None
         decoded = []
         for gid, index, value in raw:
-            record = codec.decode(value, f"rows/{keys.row_id(gid, index)}")
+            record = codec.decode(value, f"rows/{keys.row_id(gid, index)}", limits=limits)
             if record.meta.get("group_id") != gid or record.meta.get("index") != index:
                 raise InvariantViolation(f"row {keys.row_id(gid, index)} holds the payload of "
                                          f"{record.meta.get('group_id')!r} row {record.meta.get('index')!r}")
-            tensors = record.tensors()
             try:
-                self.schema.validate(tensors, f"rows/{keys.row_id(gid, index)}")
+                self.schema.check_record(record, f"rows/{keys.row_id(gid, index)}")
             except SchemaMismatch as exc:  # a stored row the store's own schema refuses is damage
                 raise CorruptRecord(f"rows/{keys.row_id(gid, index)}", str(exc)) from None
-            decoded.append({k: v for k, v in tensors.items() if fields is None or k in fields})
+            decoded.append({k: v for k, v in record.tensors().items() if fields is None or k in fields})
         return _assemble(self.schema, infos, raw, decoded, layout, pad_value)
 
     # -- inspection ------------------------------------------------------------------------------
@@ -1056,6 +1071,10 @@ def _assemble(schema: RowSchema, infos: list[GroupInfo], raw: list[tuple[str, in
         values = [row[name] for row in decoded if name in row]
         if len(values) != len(decoded):
             continue  # an optional field some rows lack: only available in the list layout
+        if schema.fields[name].dtype in codec.TEXT_DTYPES:
+            batch.tensors[name] = values  # text: one str / bytes per row
+            continue
+        _check_stackable(name, name in token, values, raw)
         if name in token:
             if layout == "packed":
                 batch.tensors[name] = torch.cat(values)
@@ -1067,6 +1086,19 @@ def _assemble(schema: RowSchema, infos: list[GroupInfo], raw: list[tuple[str, in
     if layout == "packed":
         batch.cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
     return batch
+
+
+def _check_stackable(name: str, token: bool, values: list[Any], raw: list[tuple[str, int, bytes]]) -> None:
+    """Refuse (instead of a torch error) rows whose shapes cannot be stacked: only a store written
+    before shapes were pinned can hold them."""
+    first = tuple(values[0].shape[1:] if token else values[0].shape)
+    for value, (gid, index, _) in zip(values, raw, strict=True):
+        shape = tuple(value.shape[1:] if token else value.shape)
+        if shape != first:
+            part = "trailing dims" if token else "shape"
+            raise SchemaMismatch(f"rows {keys.row_id(raw[0][0], raw[0][1])} and {keys.row_id(gid, index)}: field "
+                                 f"{name!r} has {part} {list(first)} and {list(shape)}, which do not stack (the "
+                                 "store predates shape pinning); read them with layout='list'")
 
 
 def _as_prompt(value: Any) -> Prompt:

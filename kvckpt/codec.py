@@ -16,13 +16,16 @@ C-ordered; ``transforms`` is an ordered list applied at encode time (and undone 
 ``"bitpack"`` (0/1 values as bits, ``np.packbits`` order) and ``"shuffle"`` (byte planes, which
 lets zstd see the zero high bytes of small integers and float exponents). Booleans are always
 bit-packed; the other transforms are used only when the body is compressed. Readers accept only
-the (dtype, transforms) pairs the encoder writes (:data:`_ALLOWED`). ``docs/format.md`` is the
-byte-exact specification.
+the (dtype, transforms) pairs the encoder writes (:data:`_ALLOWED`). Text fields (dtype ``str``:
+UTF-8, or ``bytes``) are 0-d: their bytes are the payload itself, ``nbytes`` its length.
+``docs/format.md`` is the byte-exact specification.
 
 Guarantees: nothing executable is ever decoded (no pickle, no ``torch.load``); the checksum is
 verified before anything else is trusted; every length, dtype and shape is checked against the
-actual bytes before an array is built; a violation raises :class:`~kvckpt.errors.CorruptRecord`
-naming the key. Decoded arrays own their memory (they never alias an LMDB page).
+actual bytes, and what the record would decode to against the caller's :class:`Limits`, before
+anything is decompressed or an array is built; a violation raises
+:class:`~kvckpt.errors.CorruptRecord` naming the key. Decoded values own their memory (they never
+alias an LMDB page).
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ MAX_BODY_BYTES = 1 << 32
 MAX_NDIM = 64
 MAX_LEVEL = 22
 DEFAULT_LEVEL = 1
+#: What one :func:`decode` may allocate unless the caller passes tighter (or looser) :class:`Limits`.
+DEFAULT_MAX_BYTES = 1 << 30
+#: The product of a shape's non-zero dimensions stays below this (no shape can overflow a size).
+MAX_EXTENT = 1 << 48
 
 #: Logical dtype name -> numpy dtype of the stored bytes. ``bfloat16`` is stored as its raw 16 bits.
 DTYPES: dict[str, np.dtype] = {
@@ -68,6 +75,9 @@ DTYPES: dict[str, np.dtype] = {
         "float64": "<f8",
     }.items()
 }
+#: Logical dtypes of 0-d text fields: ``str`` (stored as UTF-8) and ``bytes`` (stored as is).
+TEXT_DTYPES = ("str", "bytes")
+_TEXT_TYPE = {"str": str, "bytes": bytes}
 _NARROW_ORDER = ("uint8", "int8", "uint16", "int16", "uint32", "int32")
 _NARROW_RANGES = tuple((name, int(np.iinfo(DTYPES[name]).min), int(np.iinfo(DTYPES[name]).max),
                         DTYPES[name].itemsize) for name in _NARROW_ORDER)
@@ -79,11 +89,11 @@ _NAME_OF = {(DTYPES[name].kind, DTYPES[name].itemsize): name for name in DTYPES 
 def _allowed_transforms() -> frozenset[tuple[str, tuple[str, ...]]]:
     """Every (dtype, transforms) pair the encoder writes; readers refuse any other pair.
 
-    ``()`` for any dtype; ``("bitpack",)`` for bool and integers; ``("shuffle",)`` for dtypes wider
-    than one byte; for integers, ``("narrow:N",)`` when N is one byte and ``("narrow:N", "shuffle")``
-    when N is wider, N strictly narrower than the dtype.
+    ``()`` for any dtype (the only one for text); ``("bitpack",)`` for bool and integers;
+    ``("shuffle",)`` for dtypes wider than one byte; for integers, ``("narrow:N",)`` when N is one
+    byte and ``("narrow:N", "shuffle")`` when N is wider, N strictly narrower than the dtype.
     """
-    allowed = set()
+    allowed = {(dtype, ()) for dtype in TEXT_DTYPES}
     for dtype, np_dtype in DTYPES.items():
         allowed.add((dtype, ()))
         if dtype == "bool" or dtype in _INTEGER:
@@ -120,29 +130,80 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return dctx
 
 
-@dataclass
-class Record:
-    """A decoded record: numpy arrays by field name, their logical dtypes, and the JSON ``meta``.
+@dataclass(frozen=True)
+class Limits:
+    """What one :func:`decode` may allocate, checked against the header before anything is
+    decompressed or built.
 
-    ``arrays`` hold the stored bits; for ``bfloat16`` fields that is a ``uint16`` array, which
-    :meth:`tensors` turns back into ``torch.bfloat16``.
+    Sizes are *decoded* bytes: a field's element count times its dtype's size (after bit-unpacking
+    and widening, so an 8x or 64x expansion counts in full), a text field's byte length. The
+    decompressed body is never larger than the decoded total, so it is bounded too.
+
+    Args:
+        max_bytes: the most all fields of one record may decode to. Defaults to
+            :data:`DEFAULT_MAX_BYTES` (1 GiB).
+        field_bytes: per-field caps by field name (e.g. from :meth:`kvckpt.RowSchema.limits`);
+            a field not named is bounded by ``max_bytes`` alone. Defaults to none.
     """
 
-    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    max_bytes: int = DEFAULT_MAX_BYTES
+    field_bytes: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        values = [self.max_bytes, *self.field_bytes.values()]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise BadArgument(f"decode limits must be integers >= 0, got {self.max_bytes!r}, "
+                              f"{dict(self.field_bytes)!r}")
+
+
+@dataclass
+class Record:
+    """A decoded record: values by field name, their logical dtypes, and the JSON ``meta``.
+
+    ``arrays`` hold numpy arrays of the stored bits (for ``bfloat16`` fields a ``uint16`` array,
+    which :meth:`tensors` turns back into ``torch.bfloat16``), and Python ``str`` / ``bytes`` for
+    text fields.
+    """
+
+    arrays: dict[str, Any] = field(default_factory=dict)
     dtypes: dict[str, str] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
 
     def tensors(self) -> dict[str, Any]:
-        """The fields as ``torch`` tensors (imports torch on first use)."""
+        """The fields as ``torch`` tensors (imports torch on first use); text stays ``str``/``bytes``."""
         import torch
 
         out = {}
         for name, arr in self.arrays.items():
+            if self.dtypes[name] in TEXT_DTYPES:
+                out[name] = arr
+                continue
             tensor = torch.from_numpy(arr)
             if self.dtypes[name] == "bfloat16":
                 tensor = tensor.view(torch.bfloat16)
             out[name] = tensor
         return out
+
+    @property
+    def nbytes(self) -> int:
+        """The decoded size of every field (arrays' ``nbytes``, text fields' byte length)."""
+        return sum(value_nbytes(v) for v in self.arrays.values())
+
+
+def value_nbytes(value: Any) -> int:
+    """The decoded size of one field value: an array's ``nbytes``, or a text value's byte length."""
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, bytes):
+        return len(value)
+    return int(value.nbytes)
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Bit-exact equality of two decoded field values (same dtype, shape and bytes; NaNs included)."""
+    if isinstance(a, (str, bytes)) or isinstance(b, (str, bytes)):
+        return type(a) is type(b) and a == b
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def as_numpy(value: Any) -> tuple[np.ndarray, str]:
@@ -201,16 +262,33 @@ def _encode_field(arr: np.ndarray, dtype: str, compress: bool) -> tuple[list[str
     return transforms, np.ascontiguousarray(data).reshape(-1).view(np.uint8)
 
 
+def _text_bytes(value: Any, dtype: str, name: str) -> bytes:
+    """A text field's stored bytes: UTF-8 for ``str``, the value itself for ``bytes``."""
+    if not isinstance(value, (str,) if dtype == "str" else (bytes, bytearray, memoryview)):
+        raise BadArgument(f"field {name!r} of dtype {dtype} needs a {_TEXT_TYPE[dtype].__name__}, "
+                          f"got {type(value).__name__}")
+    if dtype == "bytes":
+        return bytes(value)
+    try:
+        return str(value).encode("utf-8")
+    except UnicodeEncodeError as exc:  # lone surrogates have no UTF-8 form
+        raise BadArgument(f"field {name!r} is not encodable as UTF-8: {exc}") from None
+
+
 def encode(fields: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
-           level: int = DEFAULT_LEVEL) -> bytes:
-    """Encode named arrays (numpy, torch or array-likes) and a JSON-able ``meta`` as one record.
+           level: int = DEFAULT_LEVEL, *, dtypes: Mapping[str, str] | None = None) -> bytes:
+    """Encode named arrays (numpy, torch or array-likes), text and a JSON-able ``meta`` as one record.
 
     Args:
-        fields: field name -> array. Any shape, including empty; order is preserved.
+        fields: field name -> array, or a ``str`` / ``bytes`` (a text field). Any array shape,
+            including empty; order is preserved.
         meta: a JSON-serialisable dict stored in the header. Defaults to ``{}``.
         level: zstd level (0..22) for the body; ``0`` stores it uncompressed (and skips every
             transform but bool bit-packing). Defaults to 1: on GRPO rollout rows level 3 stores
             under 1% fewer bytes and encodes 20-40% slower (``python -m benchmarks.codec_bench``).
+        dtypes: field name -> logical dtype, for values whose dtype cannot be told from the value:
+            a ``uint16`` array of ``bfloat16`` bits. The array must already hold the dtype's stored
+            form (:data:`DTYPES`). Defaults to inferring every dtype.
 
     Raises:
         BadArgument: unstorable dtype, non-string field name, bad level or non-JSON ``meta``.
@@ -221,7 +299,19 @@ def encode(fields: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | No
     for name, value in (fields or {}).items():
         if not isinstance(name, str):
             raise BadArgument(f"field names must be str, got {name!r}")
+        declared = (dtypes or {}).get(name)
+        if declared is None and isinstance(value, (str, bytes)):
+            declared = "str" if isinstance(value, str) else "bytes"
+        if declared in TEXT_DTYPES:
+            data = _text_bytes(value, declared, name)
+            specs.append([name, declared, [], [], len(data)])
+            chunks.append(data)
+            continue
         arr, dtype = as_numpy(value)
+        if declared is not None:
+            if declared not in DTYPES or arr.dtype != DTYPES[declared]:
+                raise BadArgument(f"field {name!r} holds {arr.dtype} values, not the stored form of {declared!r}")
+            dtype = declared
         transforms, data = _encode_field(arr, dtype, level > 0)
         specs.append([name, dtype, list(arr.shape), transforms, data.nbytes])
         chunks.append(data)
@@ -284,11 +374,15 @@ def _parse_header(buf: memoryview, key: str) -> tuple[dict, int]:
     return _header_json(raw, key), _PREFIX.size + len(raw)
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _header_json(raw: bytes, key: str) -> dict:
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise CorruptRecord(key, f"header is not JSON: {exc}") from None
+        header = json.loads(raw, parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also a >4300-digit int
+        raise CorruptRecord(key, f"header is not JSON: {str(exc)[:200]}") from None
     if not isinstance(header, dict) or not isinstance(header.get("meta"), dict) \
             or not isinstance(header.get("fields"), list):
         raise CorruptRecord(key, "header lacks meta/fields")
@@ -301,69 +395,144 @@ def decode_meta(value: bytes | memoryview, key: str = "?") -> dict[str, Any]:
     return header["meta"]
 
 
-def _check_spec(spec: Any, key: str) -> tuple[str, str, tuple[int, ...], list[str], int]:
+@dataclass(frozen=True)
+class _Spec:
+    """One field entry of a header, checked: its stored and its decoded sizes are consistent."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    transforms: tuple[str, ...]
+    nbytes: int
+    count: int
+    decoded: int  # bytes the decoded value takes
+
+
+def _check_spec(spec: Any, key: str) -> _Spec:
+    """Check one field entry against the format's rules, without touching the body."""
     if not (isinstance(spec, list) and len(spec) == 5):
-        raise CorruptRecord(key, f"malformed field spec {spec!r}")
+        raise CorruptRecord(key, f"malformed field spec {str(spec)[:200]}")
     name, dtype, shape, transforms, nbytes = spec
-    if not isinstance(name, str) or dtype not in DTYPES:
-        raise CorruptRecord(key, f"field {name!r} has unknown dtype {dtype!r}")
+    if not isinstance(name, str) or not isinstance(dtype, str) or (dtype not in DTYPES and dtype not in TEXT_DTYPES):
+        raise CorruptRecord(key, f"field {str(name)[:100]!r} has unknown dtype {str(dtype)[:100]!r}")
     if not (isinstance(shape, list) and len(shape) <= MAX_NDIM
-            and all(isinstance(d, int) and 0 <= d < 1 << 40 for d in shape)):
-        raise CorruptRecord(key, f"field {name!r} has invalid shape {shape!r}")
+            and all(type(d) is int and 0 <= d < 1 << 40 for d in shape)):
+        raise CorruptRecord(key, f"field {name!r} has invalid shape {str(shape)[:200]}")
     if not (isinstance(transforms, list) and all(isinstance(t, str) for t in transforms)
             and (dtype, tuple(transforms)) in _ALLOWED):
-        raise CorruptRecord(key, f"field {name!r} of {dtype} has invalid transforms {transforms!r}")
-    if not isinstance(nbytes, int) or nbytes < 0:
-        raise CorruptRecord(key, f"field {name!r} has invalid length {nbytes!r}")
-    return name, dtype, tuple(shape), transforms, nbytes
-
-
-def _decode_field(data: memoryview, dtype: str, shape: tuple[int, ...], transforms: list[str],
-                  key: str, name: str) -> np.ndarray:
-    count = 1
+        raise CorruptRecord(key, f"field {name!r} of {dtype} has invalid transforms {str(transforms)[:200]}")
+    if type(nbytes) is not int or nbytes < 0:
+        raise CorruptRecord(key, f"field {name!r} has invalid length {str(nbytes)[:100]}")
+    if dtype in TEXT_DTYPES:
+        if shape:
+            raise CorruptRecord(key, f"text field {name!r} has shape {shape}; text fields are 0-d")
+        return _Spec(name, dtype, (), (), nbytes, 1, nbytes)
+    count = extent = 1
     for dim in shape:
         count *= dim
-    target = DTYPES[dtype]
-    stored = target
+        extent *= max(dim, 1)
+    stored = DTYPES[dtype]
     for t in transforms:
         if t.startswith("narrow:"):
             stored = DTYPES[t.split(":", 1)[1]]
     if "bitpack" in transforms:
-        if len(data) != (count + 7) // 8:
-            raise CorruptRecord(key, f"field {name!r}: {len(data)} packed bytes for {count} values")
-        bits = np.unpackbits(np.frombuffer(data, np.uint8), count=count)  # a new array, 0/1 uint8
-        arr = bits.view(np.bool_) if dtype == "bool" else bits.astype(target)
-        return arr.reshape(shape)
-    if len(data) != count * stored.itemsize:
-        raise CorruptRecord(key, f"field {name!r}: {len(data)} bytes for shape {shape} of {stored}")
+        if nbytes != (count + 7) // 8:
+            raise CorruptRecord(key, f"field {name!r}: {nbytes} packed bytes for {count} values")
+    elif nbytes != count * stored.itemsize:
+        raise CorruptRecord(key, f"field {name!r}: {nbytes} bytes for shape {tuple(shape)} of {stored}")
+    if extent >= MAX_EXTENT:  # an empty array numpy cannot even describe
+        raise CorruptRecord(key, f"field {name!r}: shape {shape} spans {extent} elements, over 2**48")
+    return _Spec(name, dtype, tuple(shape), tuple(transforms), nbytes, count, count * DTYPES[dtype].itemsize)
+
+
+def _check_specs(header: dict, raw: int, limits: Limits, key: str) -> list[_Spec]:
+    """Every field entry checked, and what they decode to held against ``limits``, before any
+    decompression or allocation."""
+    specs, names, pos, total = [], set(), 0, 0
+    for entry in header["fields"]:
+        spec = _check_spec(entry, key)
+        if spec.name in names:
+            raise CorruptRecord(key, f"field {spec.name!r} appears twice")
+        names.add(spec.name)
+        pos += spec.nbytes
+        if pos > raw:
+            raise CorruptRecord(key, f"field {spec.name!r} runs past the body")
+        cap = limits.field_bytes.get(spec.name)
+        if cap is not None and spec.decoded > cap:
+            raise CorruptRecord(key, f"field {spec.name!r} would decode to {spec.decoded} bytes "
+                                     f"(shape {list(spec.shape)} of {spec.dtype}), over its limit of {cap}")
+        total += spec.decoded
+        if total > limits.max_bytes:
+            raise CorruptRecord(key, f"fields up to {spec.name!r} would decode to {total} bytes, over the "
+                                     f"limit of {limits.max_bytes}")
+        specs.append(spec)
+    if pos != raw:
+        raise CorruptRecord(key, f"{raw - pos} trailing body bytes")
+    return specs
+
+
+def _decode_field(data: memoryview, spec: _Spec, key: str) -> Any:
+    """One field's value from its (already size-checked) bytes; the value owns its memory."""
+    if spec.dtype == "bytes":
+        return bytes(data)
+    if spec.dtype == "str":
+        try:
+            return str(data, "utf-8")
+        except UnicodeDecodeError as exc:
+            raise CorruptRecord(key, f"text field {spec.name!r} is not UTF-8: {exc}") from None
+    target = DTYPES[spec.dtype]
+    stored = target
+    for t in spec.transforms:
+        if t.startswith("narrow:"):
+            stored = DTYPES[t.split(":", 1)[1]]
+    if "bitpack" in spec.transforms:
+        bits = np.unpackbits(np.frombuffer(data, np.uint8), count=spec.count)  # a new array, 0/1 uint8
+        arr = bits.view(np.bool_) if spec.dtype == "bool" else bits.astype(target)
+        return arr.reshape(spec.shape)
     # ``data`` may alias the caller's buffer (an LMDB page); exactly one copy makes the array own it.
     arr = np.frombuffer(data, np.uint8)
-    if "shuffle" in transforms:
-        arr = arr.reshape(stored.itemsize, count).T.copy().view(stored)  # C-order copy, even if count <= 1
+    if "shuffle" in spec.transforms:
+        arr = arr.reshape(stored.itemsize, spec.count).T.copy().view(stored)  # C-order copy, even if count <= 1
         if stored != target:
             arr = arr.astype(target)
     else:
         arr = arr.view(stored).astype(target)  # astype always copies
-    return arr.reshape(shape)
+    return arr.reshape(spec.shape)
 
 
-def decode(value: bytes | memoryview, key: str = "?") -> Record:
+def decode(value: bytes | memoryview, key: str = "?", *, limits: Limits | None = None) -> Record:
     """Verify and decode a record into a :class:`Record`.
 
+    Every field entry is checked, and the record's decoded size held against ``limits``, before
+    the body is decompressed (capped at the header's ``raw``, never at what the zstd frame
+    claims) or any array is allocated.
+
+    Args:
+        value: the stored bytes.
+        key: ``table/key``, named in every error.
+        limits: what the record may decode to. Defaults to ``Limits()`` (1 GiB in all); readers
+            of rows pass the store schema's :meth:`~kvckpt.RowSchema.limits`.
+
     Raises:
-        CorruptRecord: checksum mismatch, truncation, or any header/length inconsistency; the
-            message names ``key``.
+        CorruptRecord: checksum mismatch, truncation, any header/length inconsistency, or a record
+            larger than ``limits``; the message names ``key`` and the offending value.
     """
+    limits = Limits() if limits is None else limits
     buf = memoryview(value)
     header, offset = _parse_header(buf, key)
     raw = header.get("raw")
     level = header.get("z")
-    if not isinstance(raw, int) or not 0 <= raw <= MAX_BODY_BYTES or not isinstance(level, int):
-        raise CorruptRecord(key, "header has invalid body length or level")
+    if type(raw) is not int or not 0 <= raw <= MAX_BODY_BYTES or type(level) is not int:
+        raise CorruptRecord(key, f"header has invalid body length or level (raw {str(raw)[:100]}, "
+                                 f"z {str(level)[:100]})")
     if level < 0 or level > MAX_LEVEL:
         raise CorruptRecord(key, f"header has invalid level {level}")
     body = buf[offset:]
-    if level > 0 and (raw or len(body)):
+    compressed = level > 0 and (raw or len(body))
+    if not compressed and len(body) != raw:
+        raise CorruptRecord(key, f"body is {len(body)} bytes, header says {raw}")
+    specs = _check_specs(header, raw, limits, key)
+    if compressed:
         try:
             declared = zstandard.frame_content_size(body)
             if declared != raw:  # also refuses frames without a size: no unbounded allocation
@@ -376,15 +545,8 @@ def decode(value: bytes | memoryview, key: str = "?") -> Record:
         raise CorruptRecord(key, f"body is {len(body)} bytes, header says {raw}")
     record = Record(meta=header["meta"])
     pos = 0
-    for spec in header["fields"]:
-        name, dtype, shape, transforms, nbytes = _check_spec(spec, key)
-        if name in record.arrays:
-            raise CorruptRecord(key, f"field {name!r} appears twice")
-        if pos + nbytes > raw:
-            raise CorruptRecord(key, f"field {name!r} runs past the body")
-        record.arrays[name] = _decode_field(body[pos:pos + nbytes], dtype, shape, transforms, key, name)
-        record.dtypes[name] = dtype
-        pos += nbytes
-    if pos != raw:
-        raise CorruptRecord(key, f"{raw - pos} trailing body bytes")
+    for spec in specs:
+        record.arrays[spec.name] = _decode_field(body[pos:pos + spec.nbytes], spec, key)
+        record.dtypes[spec.name] = spec.dtype
+        pos += spec.nbytes
     return record

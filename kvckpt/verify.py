@@ -44,7 +44,7 @@ from typing import Any
 import lmdb
 
 from . import codec, keys
-from .buffer import CHECKPOINT_KEY, CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STATE_KEY
+from .buffer import CHECKPOINT_KEY, CONFIG_KEY, DATALOADER_KEY, SHAPES_KEY, SHORTFALL_KEY, STATE_KEY
 from .digest import group_digest, row_digest
 from .errors import CorruptRecord, KvckptError
 from .records import ABORTED, CLAIMED, CONSUMED, EVICTED, GROUP_STATES, PHASE_ADMITTED, READY
@@ -52,7 +52,8 @@ from .schema import RowSchema
 from .store import TABLES
 
 #: Every key the ``meta`` table may hold; anything else is a damaged key (or a newer kvckpt).
-KNOWN_META_KEYS = frozenset({b"format", CONFIG_KEY, STATE_KEY, DATALOADER_KEY, SHORTFALL_KEY, CHECKPOINT_KEY})
+KNOWN_META_KEYS = frozenset({b"format", CONFIG_KEY, STATE_KEY, DATALOADER_KEY, SHORTFALL_KEY, CHECKPOINT_KEY,
+                             SHAPES_KEY})
 
 
 @dataclass(frozen=True)
@@ -341,15 +342,13 @@ def _check_identity(meta: dict[str, Any], key: str, gid: str, index: int, report
 def _check_row(value: bytes, gid: str, index: int, schema: RowSchema, report: Report) -> None:
     key = f"rows/{keys.row_id(gid, index)}"
     try:
-        record = codec.decode(value, key)
+        record = codec.decode(value, key, limits=schema.limits())
     except CorruptRecord as exc:
         report.add("corrupt-record", key, exc.reason)
         return
     _check_identity(record.meta, key, gid, index, report)
-    # bfloat16 fields are stored as uint16; only torch can name their dtype, so only they need it.
-    row = record.tensors() if "bfloat16" in record.dtypes.values() else record.arrays
     try:
-        schema.validate(row, key)
+        schema.check_record(record, key)
     except KvckptError as exc:
         report.add("schema", key, str(exc))
 

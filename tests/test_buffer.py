@@ -265,10 +265,10 @@ def _spoil(row: dict, kind: str) -> None:
         del row["total_reward"]
     elif kind == "extra field":
         row["advantages"] = torch.zeros_like(row["generation_logprobs"])
-    elif kind == "wrong dtype":
-        row["input_ids"] = row["input_ids"].to(torch.int32)
-    elif kind == "wrong row dtype":
-        row["total_reward"] = row["total_reward"].double()
+    elif kind == "wrong dtype":  # floats are never cast to integers (int32 would be: kvckpt.casts)
+        row["input_ids"] = row["input_ids"].to(torch.float32)
+    elif kind == "wrong row dtype":  # a float64 that float32 cannot hold (an exact one would be cast)
+        row["total_reward"] = torch.tensor(1e300, dtype=torch.float64)
     elif kind == "token lengths":
         row["generation_logprobs"] = row["generation_logprobs"][:-1]
     elif kind == "2-D token field":
