@@ -240,6 +240,13 @@ def _child_main(run: str, seed: int, recover_first: bool, ready: Callable[[], No
     if recover_first:
         plan = buf.recover()
         log.append(op="recovered", leases=[lease.group_id for lease in plan.leases])
+    run_workload(buf, log, ckdir, seed, ready)
+
+
+def run_workload(buf: ReplayBuffer, log: Any, ckdir: str, seed: int, ready: Callable[[], None]) -> None:
+    """Redispatch ``buf``'s ledger, start three producers, call ``ready`` and run the trainer loop
+    (checkpoints go to ``ckdir``), logging each acknowledged operation to ``log`` (anything with
+    :meth:`OpLog.append`); exits the process when the loop ends (the parent kills it before)."""
     work = _Workload(buf, log, ckdir, seed)
     entries = buf.ledger()
     log.append(op="start", ledger=[e.group_id for e in entries])
@@ -418,17 +425,24 @@ def _check_checkpoints(chain: _Chain, ops: list[dict[str, Any]], live: Holdings,
             buf.close()
         result.checkpoints_verified += 1
         result.checkpoints_restored += 1
-        for gid, group in snap.groups.items():
-            now = live.groups.get(gid)
-            if group.state in COMMITTED and (now is None or now.state not in COMMITTED or now.digest != group.digest):
-                bad(f"group {gid} committed in checkpoint {os.path.basename(files[-1])} is not committed live")
-        for gid in snap.ledger:
-            if gid not in live.groups and gid not in live.ledger:
-                bad(f"ledger entry {gid} of checkpoint {os.path.basename(files[-1])} is unknown live")
-        if snap.state["trainer_version"] > live.state["trainer_version"]:
-            bad("a checkpoint is ahead of the live store's trainer version")
+        compare_checkpoint(snap, live, os.path.basename(files[-1]), bad)
     for partial in glob.glob(os.path.join(ckdir, "*.partial")):
         os.unlink(partial)  # a copy the kill interrupted; never under a final name
+
+
+def compare_checkpoint(snap: Holdings, live: Holdings, name: str, bad: Callable[[str], None]) -> None:
+    """Report (to ``bad``) what the restored checkpoint ``snap`` holds that the live store ``live``
+    of the same run contradicts: a committed group not committed live with the same digest, a
+    ledger entry unknown live, a trainer version ahead of the live one."""
+    for gid, group in snap.groups.items():
+        now = live.groups.get(gid)
+        if group.state in COMMITTED and (now is None or now.state not in COMMITTED or now.digest != group.digest):
+            bad(f"group {gid} committed in checkpoint {name} is not committed live")
+    for gid in snap.ledger:
+        if gid not in live.groups and gid not in live.ledger:
+            bad(f"ledger entry {gid} of checkpoint {name} is unknown live")
+    if snap.state["trainer_version"] > live.state["trainer_version"]:
+        bad(f"checkpoint {name} is ahead of the live store's trainer version")
 
 
 @dataclass
@@ -906,10 +920,15 @@ def run_fuzz_campaign(cases: int, *, seed: int = 0, workers: int = 2, directory:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvckpt.campaign [--kills N] ...`` or ``python -m kvckpt.campaign fuzz --cases N ...``;
-    exits 1 when a violation was found."""
+    """``python -m kvckpt.campaign [--kills N] ...``, ``python -m kvckpt.campaign fuzz --cases N ...`` or
+    ``python -m kvckpt.campaign powercut --cuts N ...`` (:mod:`kvckpt.testing.powercut`); exits 1
+    when a violation was found."""
     args = list(sys.argv[1:] if argv is None else argv)
     command = args.pop(0) if args and not args[0].startswith("-") else "kill"
+    if command == "powercut":  # power loss on a FUSE filesystem: kvckpt.testing.powercut
+        from .testing.powercut import main as powercut_main
+
+        return powercut_main(args)
     parser = argparse.ArgumentParser(prog=f"python -m kvckpt.campaign {command}")
     parser.add_argument("--seed", type=int, default=0)
     if command == "child":
@@ -943,7 +962,7 @@ def main(argv: list[str] | None = None) -> int:
                                     fresh_interpreter=opts.exec, minutes=opts.minutes,
                                     progress=_every(100, lambda r: r.kills))
     else:
-        parser.error(f"unknown command {command!r} (use fuzz, or --kills N)")
+        parser.error(f"unknown command {command!r} (use fuzz, powercut, or --kills N)")
     for violation in result.violations[:50]:
         print("VIOLATION", violation)
     if result.violations:

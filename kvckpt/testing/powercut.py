@@ -1,0 +1,454 @@
+"""Power-loss campaign: cut the power under a live kvckpt workload, many times, and check every
+promise on the disk image that survives.
+
+``python -m kvckpt.testing.powercut --cuts N`` (or ``python -m kvckpt.campaign powercut --cuts N``).
+Each cut:
+
+1. mounts a :mod:`~kvckpt.testing.powerfs` filesystem over the previous cut's surviving image (a
+   chain starts from an empty one), and starts a child process (forked from a fork server that
+   never opened a store) that creates a store, recovers it, reopens it as it is, or restores its
+   newest checkpoint into a new run directory, then runs the crash campaign's workload on it
+   (:func:`kvckpt.campaign.run_workload`: admit, commit_group, commit_sample, select,
+   finish_step, evict, abort, redispatch, background checkpoints racing commits). The child sends
+   each *acknowledged* operation down a pipe to the parent, outside the mount;
+2. at a random moment cuts the power (``strict``: only what was made durable survives;
+   ``random``: also a random subset of unsynced pages and a random prefix of unsynced directory
+   operations), SIGKILLs the child and unmounts;
+3. checks the image in another fresh process: the store exists and verifies
+   (:func:`kvckpt.verify.check`, ``deep=True``), every acknowledged operation survives
+   (:func:`kvckpt.campaign.check_history`), exactly-once holds (the prompts held are exactly
+   ``0 .. cursor-1``, each a committed group or a ledger entry, never both), every stored row is
+   the row its producer generated, the acknowledged checkpoint exists, and *every* file under a
+   checkpoint name restores, verifies and agrees with the live store.
+
+:data:`BREAKAGES` names deliberately broken configurations (LMDB without ``sync``/``metasync``; a
+checkpoint renamed without fsyncing the file and its directory): a campaign run with one must
+report violations, which is how the campaign shows it can fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import importlib
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..buffer import ReplayBuffer
+from ..campaign import (
+    CHECKPOINT_GLOB,
+    SAMPLERS,
+    _check_buffer,
+    _fork_server,
+    check_history,
+    compare_checkpoint,
+    run_workload,
+    workload_config,
+)
+from ..checkpoint import restore
+from . import powerfs
+
+#: Deliberately broken durability, applied in the child before it opens anything.
+BREAKAGES = ("lmdb-nosync", "checkpoint-nofsync")
+CUT_MODES = ("strict", "random")
+
+
+@dataclass
+class PowercutResult:
+    """What a power-cut campaign did and found; ``violations`` is empty when every promise held."""
+
+    cuts: int = 0
+    operations_checked: int = 0
+    checkpoints_restored: int = 0
+    starts: dict[str, int] = field(default_factory=dict)  #: how children began: create/recover/open/restore
+    modes: dict[str, int] = field(default_factory=dict)  #: cuts per mode
+    pages_kept: int = 0  #: unsynced pages a ``random`` cut kept
+    violations: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    directory: str | None = None  #: the campaign's files, kept when given or when a violation was found
+
+    def summary(self) -> str:
+        """The one-line summary the CLI prints."""
+        starts = ", ".join(f"{k} {v}" for k, v in sorted(self.starts.items()))
+        modes = ", ".join(f"{k} {v}" for k, v in sorted(self.modes.items()))
+        return (f"power-cut campaign: cuts {self.cuts} ({modes}), operations checked {self.operations_checked}, "
+                f"checkpoints restored {self.checkpoints_restored}, starts ({starts}), "
+                f"violations found {len(self.violations)}, {self.seconds:.0f}s")
+
+
+class PipeLog:
+    """The child's side channel: each acknowledged operation is sent to the parent as one message
+    before :meth:`append` returns (the parent holds it in memory, outside the mounted filesystem)."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def append(self, **op: Any) -> None:
+        """Send one operation."""
+        data = json.dumps(op, separators=(",", ":")).encode()
+        with self._lock:
+            self._conn.send_bytes(data)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_run(mount: str, timeline: str) -> str:
+    """The harness's own directories for a run, made durable (that is the harness's job, not kvckpt's;
+    the store's own entry in ``run`` is kvckpt's)."""
+    run = os.path.join(mount, timeline)
+    os.makedirs(os.path.join(run, "ckpt"))
+    _fsync_dir(run)
+    _fsync_dir(mount)
+    return run
+
+
+def _apply_breakage(breakage: str | None) -> None:
+    """Break durability on purpose in this (child) process."""
+    if breakage is None:
+        return
+    if breakage == "lmdb-nosync":
+        import lmdb
+
+        real_open = lmdb.open
+
+        def open_without_sync(*args: Any, **kwargs: Any) -> Any:
+            return real_open(*args, **{**kwargs, "sync": False, "metasync": False})
+
+        lmdb.open = open_without_sync
+    elif breakage == "checkpoint-nofsync":  # kvckpt.checkpoint sees an os whose fsync does nothing
+        unsynced = types.ModuleType("os")
+        unsynced.__dict__.update(os.__dict__)
+        unsynced.fsync = lambda fd: None
+        importlib.import_module("kvckpt.checkpoint").os = unsynced  # the module: kvckpt.checkpoint is also a function
+    else:
+        raise ValueError(f"unknown breakage {breakage!r} (one of {', '.join(BREAKAGES)})")
+
+
+def _child(mount: str, timeline: str, start: str, source: str | None, sampler: dict[str, Any], seed: int,
+           breakage: str | None, conn: Any, errpath: str) -> None:
+    """The workload on the mounted filesystem; ``start`` says how it opens the store."""
+    fd = os.open(errpath, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 2)
+    try:
+        _apply_breakage(breakage)
+        log = PipeLog(conn)
+        run = os.path.join(mount, timeline)
+        live = os.path.join(run, "live.kv")
+        if start == "create":
+            _make_run(mount, timeline)
+            buf = ReplayBuffer.create(live, workload_config(sampler))
+            log.append(op="created", timeline=timeline)
+        elif start == "restore":
+            _make_run(mount, timeline)
+            buf, plan = restore(source, live)
+            st = buf.state()
+            log.append(op="restored", timeline=timeline, source=os.path.relpath(source, mount),
+                       cursor=int(buf.dataloader_state() or b"0"), version=st["trainer_version"],
+                       leases=[lease.group_id for lease in plan.leases])
+        else:
+            buf = ReplayBuffer.open(live)
+            if start == "recover":
+                plan = buf.recover()
+                log.append(op="recovered", leases=[lease.group_id for lease in plan.leases])
+        run_workload(buf, log, os.path.join(run, "ckpt"), seed, lambda: None)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+# -- the checker (runs in a fresh process) ---------------------------------------------------------
+
+
+def check_image(image: str, timeline: str, ops: list[dict[str, Any]], scratch: str) -> dict[str, Any]:
+    """Check the surviving ``image`` of run ``timeline`` against the acknowledged ``ops``.
+
+    Returns ``{"operations_checked", "checkpoints_restored", "violations"}``."""
+    found: list[str] = []
+    bad = found.append
+    restored = 0
+    run = os.path.join(image, timeline)
+    live_path = os.path.join(run, "live.kv")
+    if not os.path.exists(live_path):
+        return {"operations_checked": len(ops), "checkpoints_restored": 0, "violations": [
+            f"the store {timeline}/live.kv is gone after the power cut ({len(ops)} acknowledged operations "
+            f"lost; its directory holds {sorted(os.listdir(run)) if os.path.isdir(run) else 'nothing'})"]}
+    buf = ReplayBuffer.open(live_path, readonly=True)
+    try:
+        snap = _check_buffer(buf, "live store", bad, set())
+    finally:
+        buf.close()
+    found.extend(check_history(ops, snap))
+    for op in ops:
+        if op["op"] == "restored" and (snap.cursor < op["cursor"] or snap.state["trainer_version"] < op["version"]):
+            bad(f"the acknowledged restore of {op['source']} (cursor {op['cursor']}, version {op['version']}) did "
+                f"not survive: cursor {snap.cursor}, version {snap.state['trainer_version']}")
+    files = sorted(glob.glob(os.path.join(run, "ckpt", CHECKPOINT_GLOB)))
+    logged = [op["path"] for op in ops if op["op"] == "ckpt"]
+    if logged and os.path.basename(logged[-1]) not in {os.path.basename(f) for f in files}:
+        bad(f"acknowledged checkpoint {os.path.basename(logged[-1])} is missing")
+    for path in files:
+        name = f"{timeline}/ckpt/{os.path.basename(path)}"
+        try:
+            rbuf, _ = restore(path, os.path.join(scratch, "restored.kv"), overwrite=True)
+        except Exception as exc:
+            bad(f"checkpoint {name} under a final name does not restore: {type(exc).__name__}: {exc}")
+            continue
+        try:
+            compare_checkpoint(_check_buffer(rbuf, f"restored {name}", bad, set(), deep=False), snap, name, bad)
+        finally:
+            rbuf.close()
+        restored += 1
+    return {"operations_checked": len(ops), "checkpoints_restored": restored, "violations": found}
+
+
+def _checker(image: str, timeline: str, ops: list[dict[str, Any]], scratch: str, conn: Any) -> None:
+    try:
+        conn.send(check_image(image, timeline, ops, scratch))
+    except BaseException as exc:
+        conn.send({"operations_checked": 0, "checkpoints_restored": 0, "violations": [
+            f"the checker raised {type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"]})
+
+
+def _in_fresh_process(target: Callable[..., None], *args: Any, timeout: float = 300.0) -> Any:
+    """Run ``target(*args, conn)`` in a process forked from the fork server; return what it sent."""
+    ctx = _fork_server()
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args, send), daemon=True)
+    proc.start()
+    send.close()
+    try:
+        if not recv.poll(timeout):
+            raise TimeoutError(f"{target.__name__} sent nothing within {timeout}s (exit status {proc.exitcode})")
+        return recv.recv()
+    finally:
+        proc.kill()
+        proc.join()
+        recv.close()
+
+
+# -- the parent ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Run:
+    """The chain's state between cuts: the image on disk and the run acknowledged as current."""
+
+    image: str
+    timeline: str | None = None
+    ops: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _collect(conn: Any, into: list[bytes]) -> None:
+    with contextlib.suppress(EOFError, OSError):
+        while True:
+            into.append(conn.recv_bytes())
+
+
+def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: random.Random, max_delay: float,
+             breakage: str | None, result: PowercutResult, bad: Callable[[str], None]) -> None:
+    mnt, image = os.path.join(root, "mnt"), os.path.join(root, f"image-{k:06d}")
+    if chain.timeline is None:
+        start, source = "create", None
+    else:
+        ckpts = sorted(glob.glob(os.path.join(chain.image, chain.timeline, "ckpt", CHECKPOINT_GLOB)))
+        start = rng.choices(("recover", "open", "restore"), (0.6, 0.25, 0.15 if ckpts else 0))[0]
+        source = os.path.join(mnt, chain.timeline, "ckpt", os.path.basename(ckpts[-1])) if start == "restore" else None
+    timeline = chain.timeline if start in ("recover", "open") else f"run-{k:06d}"
+    result.starts[start] = result.starts.get(start, 0) + 1
+    mode = rng.choice(CUT_MODES)
+    result.modes[mode] = result.modes.get(mode, 0) + 1
+    errpath = os.path.join(root, "child.stderr")
+    open(errpath, "wb").close()
+    ctx = _fork_server()
+    fs = powerfs.mount(chain.image, mnt, ctx)
+    messages: list[bytes] = []
+    try:
+        recv, send = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_child, args=(mnt, timeline, start, source, sampler, rng.randrange(1 << 30),
+                                                 breakage, send, errpath), daemon=True)
+        child.start()
+        send.close()
+        reader = threading.Thread(target=_collect, args=(recv, messages), daemon=True)
+        reader.start()
+        if rng.random() < 0.15:  # cut during start-up: create, restore, recovery
+            time.sleep(rng.random() * 0.3)
+        else:
+            deadline = time.monotonic() + 60
+            while not any(m.startswith(b'{"op":"start"') for m in messages) and child.is_alive() \
+                    and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(rng.random() * max_delay)
+        before_cut = len(messages)
+        if not child.is_alive():
+            with open(errpath, "rb") as f:
+                bad(f"the child exited by itself (status {child.exitcode}) before the cut: "
+                    f"{f.read().decode(errors='replace')[-1500:]}")
+        report = fs.cut(image, mode, rng.randrange(1 << 30))
+        result.pages_kept += report.pages_kept
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        reader.join(30)
+        recv.close()
+    finally:
+        fs.unmount()
+    shutil.rmtree(chain.image)
+    chain.image = image
+    ops = [json.loads(m) for m in messages]
+    for op in ops[:before_cut]:  # the workload's own findings; after the cut, failures are expected
+        if op["op"] == "violation":
+            bad(f"the workload reported before the cut: {op['what']}")
+    ops = [op for op in ops if op["op"] != "violation"]
+    for i, op in enumerate(ops):
+        if op["op"] in ("created", "restored"):
+            chain.timeline, chain.ops = op["timeline"], []
+            ops = ops[i:]
+            break
+    chain.ops.extend(ops)
+    if chain.timeline is None:
+        return  # the cut beat the first create: nothing was acknowledged
+    scratch = os.path.join(root, "scratch")
+    shutil.rmtree(scratch, ignore_errors=True)
+    os.makedirs(scratch)
+    outcome = _in_fresh_process(_checker, image, chain.timeline, chain.ops, scratch)
+    result.operations_checked += len(ops)
+    result.checkpoints_restored += outcome["checkpoints_restored"]
+    for violation in outcome["violations"]:
+        bad(violation)
+    _tidy(image, chain.timeline)
+
+
+def _tidy(image: str, timeline: str) -> None:
+    """Between power cycles, delete what no promise covers: runs other than the current one and
+    checkpoint copies a cut interrupted (never under a final name)."""
+    for entry in os.listdir(image):
+        if entry != timeline:
+            shutil.rmtree(os.path.join(image, entry), ignore_errors=True)
+    for partial in glob.glob(os.path.join(image, timeline, "ckpt", "*.partial")):
+        os.unlink(partial)
+
+
+def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = None, chain: int = 20,
+                          max_delay: float = 1.0, breakage: str | None = None, minutes: float | None = None,
+                          progress: Callable[[PowercutResult], None] | None = None) -> PowercutResult:
+    """Cut the power under a live workload ``cuts`` times and check every promise after each cut.
+
+    Args:
+        cuts: number of power cuts.
+        seed: makes the cut times, modes, start kinds and the workload's choices reproducible
+            (thread interleavings are not).
+        directory: where images, mounts and logs go (a temporary directory by default, removed
+            afterwards unless a violation was found).
+        chain: cuts on one chain of images before starting from an empty disk again (the sampler
+            rotates through all four built-ins per chain). Defaults to 20.
+        max_delay: longest wait (seconds) between the workload's start and the cut. Defaults to 1.
+        breakage: one of :data:`BREAKAGES` to break durability on purpose (the campaign must then
+            report violations). Defaults to None.
+        minutes: start no cut after this many minutes (``result.cuts`` says how many ran).
+        progress: called after every cut with the running result.
+
+    Raises:
+        RuntimeError: powerfs cannot run here (:func:`kvckpt.testing.powerfs.unavailable` says why).
+    """
+    why = powerfs.unavailable()
+    if why is not None:
+        raise RuntimeError(f"the power-cut campaign cannot run here: {why}")
+    if breakage is not None and breakage not in BREAKAGES:
+        raise ValueError(f"unknown breakage {breakage!r} (one of {', '.join(BREAKAGES)})")
+    rng = random.Random(seed)
+    result = PowercutResult()
+    t0 = time.perf_counter()
+    owned = directory is None
+    root = tempfile.mkdtemp(prefix="kvckpt-powercut-") if owned else os.path.abspath(directory)
+    os.makedirs(root, exist_ok=True)
+    current: _Run | None = None
+    try:
+        for k in range(cuts):
+            if minutes is not None and time.perf_counter() - t0 > minutes * 60:
+                break
+            if k % chain == 0:
+                if current is not None:
+                    shutil.rmtree(current.image, ignore_errors=True)
+                current = _Run(os.path.join(root, f"image-start-{k:06d}"))
+                os.makedirs(current.image)
+            sampler = SAMPLERS[(k // chain + seed) % len(SAMPLERS)]
+
+            def bad(message: str, k: int = k) -> None:
+                result.violations.append(f"cut {k}: {message}")
+
+            try:
+                _one_cut(k, root, current, sampler, rng, max_delay, breakage, result, bad)
+            except Exception as exc:  # a crash of the harness is a finding, not a reason to stop
+                bad(f"the cut cycle raised {type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}")
+            result.cuts += 1
+            result.seconds = time.perf_counter() - t0
+            if progress is not None:
+                progress(result)
+    finally:
+        result.seconds = time.perf_counter() - t0
+        if owned and not result.violations:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            result.directory = root
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvckpt.testing.powercut --cuts N [--soak] [--break KIND]``; exits 1 when a
+    violation was found, 2 when powerfs cannot run here."""
+    parser = argparse.ArgumentParser(prog="python -m kvckpt.testing.powercut")
+    parser.add_argument("--cuts", type=int, default=100)
+    parser.add_argument("--soak", action="store_true", help="the soak size: 2000 cuts (overrides --cuts)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chain", type=int, default=20, help="cuts per chain of images before an empty disk")
+    parser.add_argument("--max-delay", type=float, default=1.0, help="longest wait before a cut (seconds)")
+    parser.add_argument("--break", dest="breakage", choices=BREAKAGES, default=None,
+                        help="break durability on purpose: the campaign must find violations")
+    parser.add_argument("--dir", default=None, help="keep the campaign's files here (default: a temp dir)")
+    parser.add_argument("--minutes", type=float, default=None, help="start no cut after this long")
+    opts = parser.parse_args(argv)
+    why = powerfs.unavailable()
+    if why is not None:
+        print(f"power-cut campaign skipped: {why}", file=sys.stderr)
+        return 2
+    result = run_powercut_campaign(2000 if opts.soak else opts.cuts, seed=opts.seed, directory=opts.dir,
+                                   chain=opts.chain, max_delay=opts.max_delay, breakage=opts.breakage,
+                                   minutes=opts.minutes, progress=_every(50))
+    for violation in result.violations[:50]:
+        print("VIOLATION", violation)
+    if result.violations:
+        print(f"files kept in {result.directory}")
+    print(result.summary(), flush=True)
+    return 1 if result.violations else 0
+
+
+def _every(n: int) -> Callable[[PowercutResult], None]:
+    def report(result: PowercutResult) -> None:
+        if result.cuts % n == 0:
+            print(result.summary(), file=sys.stderr, flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(main())
