@@ -140,9 +140,9 @@ def test_redispatch_fences_the_previous_lease(buffer_factory):
     buf = buffer_factory("windowed", group_size=GROUP_SIZE)
     [old] = admit(buf, "g")
     new = buf.redispatch("g")
-    assert new.attempt == old.attempt + 1
     with pytest.raises(StaleAttempt):
         buf.commit_group(old, make_group(GROUP_SIZE, 1))
+    assert new.attempt == old.attempt + 1
     assert buf.ledger()[0].attempt == new.attempt and buf.group("g") is None
     assert buf.commit_group(new, make_group(GROUP_SIZE, 2)).ready
     assert buf.group("g").attempt == new.attempt
@@ -160,9 +160,9 @@ def test_recover_rolls_the_weight_version_back_with_the_trainer(buffer_factory):
     buf.close()
     with ReplayBuffer.open(path) as again:  # a fresh handle, as after a crash
         plan = again.recover(1)  # the model checkpoint of version 1 is what survived
-        assert again.state()["weight_version"] == 1
         [fresh] = admit(again, "fresh")
         assert fresh.start_weight == 1
+        assert again.state()["weight_version"] == 1
         assert again.commit_group(fresh, make_group(GROUP_SIZE, 1)).ready
         assert (again.group("fresh").start_weight, again.group("fresh").end_weight) == (1, 1)
         [redone] = plan.leases  # an in-flight prompt keeps its own stamps

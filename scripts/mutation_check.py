@@ -1,0 +1,304 @@
+"""Apply named mutations (plausible bugs) to a scratch copy of the tree and show which tests kill them.
+
+A mutation is ``(name, file, old text, new text, tests)``: ``old`` must occur in ``file`` exactly
+``count`` times (default 1; ``None``: at least once), every occurrence is replaced by ``new``, and
+the named tests (pytest node ids or files) run against the copy. The outcome is
+
+* ``killed``: the tests failed on the mutant (pytest exit status 1);
+* ``survived``: the tests passed on it: the net has a hole;
+* ``error``: pytest could not run them (collection error, timeout, no test collected...);
+* ``n/a``: ``old`` does not occur ``count`` times (the code changed: update the mutation).
+
+The tree is never touched: the copy is the work tree's tracked and unignored files (or a
+commit, ``--rev``) under a temporary directory. Tests run there with ``PYTHONPATH`` set to the
+copy, and before any test runs the script checks that ``kvckpt`` (and the module of every
+mutated file) imports from the copy, not from an editable install of the original tree. The
+unmutated copy must pass every named test first (the baseline), or nothing is reported.
+
+Usage::
+
+    .venv/bin/python scripts/mutation_check.py                      # the built-in list
+    .venv/bin/python scripts/mutation_check.py --only redispatch-keeps-attempt
+    .venv/bin/python scripts/mutation_check.py --mutations my.json  # a JSON list of mutation objects
+    .venv/bin/python scripts/mutation_check.py --list
+
+A JSON mutation object has the keys ``name``, ``file``, ``old``, ``new``, ``tests`` and optionally
+``count``. The exit status is 0 only if every mutation was killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NET = "tests/test_net.py"
+#: Folders the build maps into the ``kvckpt`` package (pyproject's ``package-dir``).
+MAPPED = {"integrations": "kvckpt/integrations", "tools": "kvckpt/tools"}
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One plausible bug: replace ``old`` (``count`` occurrences) by ``new`` in ``file``; ``tests``
+    must fail on the result."""
+
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    count: int | None = 1
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> Mutation:
+        """Build from a JSON object with the field names (``tests`` a list)."""
+        return cls(doc["name"], doc["file"], doc["old"], doc["new"], tuple(doc["tests"]), doc.get("count", 1))
+
+
+@dataclass
+class Outcome:
+    """What running a mutation's tests on its mutant gave."""
+
+    mutation: Mutation
+    verdict: str
+    seconds: float = 0.0
+    detail: str = ""
+    failed: list[str] = field(default_factory=list)
+
+
+#: The bugs issue 16 lists as caught only by chance before ``tests/test_net.py``.
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation("row-prefix-without-separator", "kvckpt/keys.py",
+             'return group_key(group_id) + b"\\x00"', "return group_key(group_id)",
+             (f"{NET}::test_operations_on_a_group_leave_groups_whose_ids_extend_its_id_untouched",)),
+    Mutation("checkpoint-copies-live-state", "kvckpt/store.py",
+             "compact=True, txn=txn.raw)", "compact=True)",
+             (f"{NET}::test_a_commit_after_the_stamp_stays_out_of_the_checkpoint",), count=None),
+    Mutation("checkpoint-snapshot-taken-at-copy-time", "kvckpt/checkpoint.py",
+             "buffer.store.copy_snapshot(fd, snapshot.txn)",
+             "buffer.store.read(lambda live: buffer.store.copy_snapshot(fd, live))",
+             (f"{NET}::test_a_commit_after_the_stamp_stays_out_of_the_checkpoint",), count=None),
+    Mutation("finish-step-two-transactions", "kvckpt/buffer.py",
+             '            st["trainer_version"] = step + 1\n'
+             '            st["weight_version"] = step + 1 if weight_version is None else int(weight_version)\n'
+             "            self._drop_consumed(txn, st)\n"
+             '            txn.put_json("meta", STATE_KEY, st)\n'
+             '            return st["trainer_version"]\n'
+             "\n"
+             "        return self._write(txn_fn)\n",
+             '            st["weight_version"] = step + 1 if weight_version is None else int(weight_version)\n'
+             "            self._drop_consumed(txn, st)\n"
+             '            txn.put_json("meta", STATE_KEY, st)\n'
+             "            return step + 1\n"
+             "\n"
+             "        version = self._write(txn_fn)\n"
+             "\n"
+             "        def bump(txn: Txn) -> int:\n"
+             "            st = self._state(txn)\n"
+             '            st["trainer_version"] = version\n'
+             '            txn.put_json("meta", STATE_KEY, st)\n'
+             "            return version\n"
+             "\n"
+             "        return self._write(bump)\n",
+             (f"{NET}::test_every_transition_is_one_write_transaction",)),
+    Mutation("redispatch-keeps-attempt", "kvckpt/buffer.py",
+             '                **entry.to_dict(), "attempt": entry.attempt + 1,',
+             '                **entry.to_dict(), "attempt": entry.attempt,',
+             (f"{NET}::test_redispatch_fences_the_previous_lease",)),
+    Mutation("recover-keeps-weight-version", "kvckpt/recovery.py",
+             '        st["weight_version"] = target\n', "",
+             (f"{NET}::test_recover_rolls_the_weight_version_back_with_the_trainer",)),
+)
+
+
+def copy_tree(dest: Path, rev: str | None) -> None:
+    """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and
+    map ``integrations``/``tools`` into the package the way the build does."""
+    if rev is not None:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    else:
+        listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others",
+                                 "--exclude-standard"], check=True, capture_output=True).stdout
+        for name in filter(None, listed.decode().split("\0")):
+            source = ROOT / name
+            if source.is_file():  # a tracked file deleted in the work tree is skipped
+                (dest / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, dest / name)
+    for folder, inside in MAPPED.items():
+        if (dest / folder).is_dir() and not (dest / inside).exists():
+            (dest / inside).symlink_to(Path("..") / folder)
+
+
+def module_of(file: str) -> str | None:
+    """The import name of a library file, or ``None`` for tests, scripts and non-Python files."""
+    path = Path(file)
+    if path.suffix != ".py":
+        return None
+    top = path.parts[0]
+    if top == "kvckpt":
+        parts = list(path.with_suffix("").parts)
+    elif top in MAPPED:
+        parts = ["kvckpt", *path.with_suffix("").parts]
+    else:
+        return None
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def environment(copy: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(copy) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def check_imports(python: str, copy: Path, files: list[str]) -> None:
+    """Refuse to go on unless ``kvckpt`` and every mutated module import from ``copy``."""
+    modules = sorted({"kvckpt", *filter(None, map(module_of, files))})
+    code = ("import importlib, os, sys\n"
+            f"root = os.path.realpath({str(copy)!r})\n"
+            f"for name in {modules!r}:\n"
+            "    where = os.path.realpath(importlib.import_module(name).__file__)\n"
+            "    if not where.startswith(root + os.sep):\n"
+            "        sys.exit(f'{name} imports from {where}, not from the copy {root}')\n")
+    done = subprocess.run([python, "-c", code], cwd=copy, env=environment(copy), capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"mutation_check: {done.stderr.strip() or done.stdout.strip()}")
+
+
+def run_tests(python: str, copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int | None, str]:
+    """Run ``tests`` in ``copy``; the pytest exit status (``None`` on timeout) and its output."""
+    command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
+    try:
+        done = subprocess.run(command, cwd=copy, env=environment(copy), capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:.0f}s"
+    return done.returncode, done.stdout + done.stderr
+
+
+def failed_tests(output: str) -> list[str]:
+    """The failed test functions of a pytest output, parametrizations folded: ``test_x[a,b]``."""
+    cases: dict[str, list[str]] = {}
+    for line in output.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            test = line.split()[1].split("::")[-1]
+            name, _, case = test.partition("[")
+            cases.setdefault(name, []).extend([case.rstrip("]")] if case else [])
+    return [f"{name}[{','.join(ids)}]" if ids else name for name, ids in cases.items()]
+
+
+def apply(copy: Path, mutation: Mutation) -> str | None:
+    """Write the mutant into ``copy``; returns the original text, or ``None`` if ``old`` does not
+    occur ``count`` times."""
+    path = copy / mutation.file
+    if not path.is_file():
+        return None
+    original = path.read_text()
+    found = original.count(mutation.old)
+    if not found or (mutation.count is not None and found != mutation.count):
+        return None
+    path.write_text(original.replace(mutation.old, mutation.new))
+    return original
+
+
+def check(mutations: list[Mutation], *, python: str, rev: str | None, timeout: float,
+          keep: bool = False, show: bool = False) -> list[Outcome] | None:
+    """Run every mutation against one scratch copy (restored after each); ``None`` if the
+    unmutated copy already fails the named tests."""
+    copy = Path(tempfile.mkdtemp(prefix="kvckpt-mut-"))
+    try:
+        copy_tree(copy, rev)
+        check_imports(python, copy, [m.file for m in mutations])
+        every_test = tuple(dict.fromkeys(t for m in mutations for t in m.tests))
+        status, output = run_tests(python, copy, every_test, timeout)
+        if status != 0:
+            print(f"baseline: the unmutated copy fails its tests (status {status}):\n{output[-3000:]}")
+            return None
+        print(f"baseline: {len(every_test)} test target(s) pass on the unmutated copy ({copy})")
+        outcomes = []
+        for mutation in mutations:
+            original = apply(copy, mutation)
+            if original is None:
+                times = mutation.count or "at least 1"
+                detail = f"old text not found {times} time(s) in {mutation.file}"
+                outcomes.append(Outcome(mutation, "n/a", detail=detail))
+                continue
+            t0 = time.monotonic()
+            try:
+                status, output = run_tests(python, copy, mutation.tests, timeout)
+            finally:
+                (copy / mutation.file).write_text(original)
+            verdict = {0: "survived", 1: "killed"}.get(status, "error")
+            outcome = Outcome(mutation, verdict, time.monotonic() - t0, failed=failed_tests(output))
+            if verdict == "error":
+                outcome.detail = output.strip().splitlines()[-1] if output.strip() else f"status {status}"
+            outcomes.append(outcome)
+            print(f"  {mutation.name}: {verdict}", flush=True)
+            if show:
+                summary = [line for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+                print("\n".join(f"    {line}" for line in summary or output.splitlines()[-5:]))
+        return outcomes
+    finally:
+        if keep:
+            print(f"scratch copy kept at {copy}")
+        else:
+            shutil.rmtree(copy, ignore_errors=True)
+
+
+def table(outcomes: list[Outcome]) -> str:
+    """The killed/survived table, one mutation a line, with the test that killed it."""
+    width = max(len(o.mutation.name) for o in outcomes)
+    lines = [f"{'mutation':<{width}}  verdict   seconds  killed by / detail"]
+    for o in outcomes:
+        why = ", ".join(o.failed) if o.verdict == "killed" else o.detail
+        lines.append(f"{o.mutation.name:<{width}}  {o.verdict:<8}  {o.seconds:7.1f}  {why}")
+    counts = {v: sum(o.verdict == v for o in outcomes) for v in ("killed", "survived", "error", "n/a")}
+    lines.append(", ".join(f"{n} {v}" for v, n in counts.items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mutations", type=Path, help="a JSON file with a list of mutation objects "
+                        "(instead of the built-in list)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
+    parser.add_argument("--rev", help="mutate this commit instead of the work tree")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter that runs pytest")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per pytest run (default 600)")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch copy")
+    parser.add_argument("--show", action="store_true", help="print why each mutant's tests failed")
+    parser.add_argument("--list", action="store_true", help="print the mutations and exit")
+    args = parser.parse_args(argv)
+    mutations = list(MUTATIONS)
+    if args.mutations:
+        mutations = [Mutation.from_dict(doc) for doc in json.loads(args.mutations.read_text())]
+    if args.only:
+        unknown = set(args.only) - {m.name for m in mutations}
+        if unknown:
+            parser.error(f"unknown mutation(s): {', '.join(sorted(unknown))}")
+        mutations = [m for m in mutations if m.name in args.only]
+    if args.list:
+        for m in mutations:
+            print(f"{m.name}: {m.file}  tests: {' '.join(m.tests)}")
+        return 0
+    outcomes = check(mutations, python=args.python, rev=args.rev, timeout=args.timeout, keep=args.keep,
+                     show=args.show)
+    if outcomes is None:
+        return 2
+    print(table(outcomes))
+    return 0 if all(o.verdict == "killed" for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
