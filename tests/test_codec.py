@@ -483,3 +483,123 @@ def test_non_string_field_names_are_bad_arguments():
 def test_bad_argument_is_a_value_error():
     with pytest.raises(ValueError):
         encode({"x": np.zeros(1, np.complex64)})
+
+
+# -- text fields ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("level", [0, 1])
+def test_text_fields_round_trip(level):
+    src = {"prompt": "1+1=", "unicode": "ναι ✓ \U0001f600", "empty": "", "trace": b"\x00\xff\x00",
+           "nul": "a\x00b", "ids": np.arange(3)}
+    rec = decode(encode(src, level=level))
+    assert rec.arrays == {**src, "ids": rec.arrays["ids"]} and type(rec.arrays["trace"]) is bytes
+    assert rec.dtypes == {"prompt": "str", "unicode": "str", "empty": "str", "trace": "bytes", "nul": "str",
+                          "ids": "int64"}
+    assert rec.tensors()["prompt"] == "1+1=" and rec.nbytes == 4 + len(src["unicode"].encode()) + 3 + 3 + 24
+
+
+def test_golden_text_bytes():
+    """A text field is 0-d and its bytes are the UTF-8 payload; ``nbytes`` is its length."""
+    value = encode({"p": "é", "b": b"\x01"}, level=0)
+    header = b'{"z":0,"raw":3,"meta":{},"fields":[["p","str",[],[],2],["b","bytes",[],[],1]]}'
+    tail = struct.pack("<I", len(header)) + header + b"\xc3\xa9\x01"
+    assert value == b"KVR1" + struct.pack("<I", zlib.crc32(tail)) + tail
+
+
+def test_text_values_refused_where_they_cannot_be_encoded():
+    with pytest.raises(BadArgument, match="UTF-8"):
+        encode({"p": "\ud800"})  # a lone surrogate
+    with pytest.raises(BadArgument, match="needs a str"):
+        encode({"p": b"x"}, dtypes={"p": "str"})
+    with pytest.raises(BadArgument, match="stored form"):
+        encode({"p": np.zeros(2, np.float32)}, dtypes={"p": "bfloat16"})
+
+
+def test_dtypes_override_stores_bfloat16_bits():
+    bits = torch.tensor([1.0, -2.5], dtype=torch.bfloat16).view(torch.int16).numpy().view("<u2")
+    rec = decode(encode({"b": bits}, dtypes={"b": "bfloat16"}))
+    assert rec.dtypes == {"b": "bfloat16"} and rec.tensors()["b"].tolist() == [1.0, -2.5]
+
+
+@pytest.mark.parametrize(("spec", "body", "match"), [
+    (["t", "str", [2], [], 2], b"ab", "text fields are 0-d"),
+    (["t", "str", [], ["shuffle"], 2], b"ab", "invalid transforms"),
+    (["t", "str", [], [], 2], b"\xff\xfe", "not UTF-8"),
+])
+def test_crafted_text_fields_are_refused(spec, body, match):
+    with pytest.raises(CorruptRecord, match=match):
+        decode(seal(field_header([spec], raw=len(body)), body), "rows/g_0")
+
+
+# -- decode limits: bombs are refused before anything is decompressed or allocated ----------------
+def zstd_bomb(size: int) -> bytes:
+    """A small zstd frame of ``size`` zero bytes (with its content size, as encode writes it)."""
+    return zstandard.ZstdCompressor(level=19).compress(bytes(size))
+
+
+def test_decompression_bomb_is_refused_by_the_limit_before_decompressing():
+    size = 64 << 20
+    frame = zstd_bomb(size)
+    assert len(frame) < 4096
+    value = seal(field_header([["a", "uint8", [size], [], size]], raw=size, z=1), frame)
+    with pytest.raises(CorruptRecord, match=f"would decode to {size} bytes.*limit of {1 << 20}") as info:
+        decode(value, "rows/g_0", limits=codec.Limits(max_bytes=1 << 20))
+    assert info.value.key == "rows/g_0"
+    assert decode(value, limits=codec.Limits(max_bytes=size)).arrays["a"].nbytes == size  # the limit is the bound
+
+
+def test_default_limit_refuses_a_4_gib_claim():
+    """The header may claim up to 2**32 body bytes; the default limit (1 GiB) refuses that outright."""
+    count = 1 << 32
+    header = field_header([["a", "uint8", [count], [], count]], raw=count, z=1)
+    frame = zstandard.ZstdCompressor(level=1).compress(b"")  # never looked at
+    with pytest.raises(CorruptRecord, match="over the limit of 1073741824"):
+        decode(seal(header, frame), "rows/g_0")
+
+
+@pytest.mark.parametrize(("dtype", "factor"), [("bool", 8), ("uint8", 8), ("int64", 64)])
+def test_bitpacked_bomb_counts_the_unpacked_size(dtype, factor):
+    packed = 1 << 20
+    count = packed * 8
+    value = seal(field_header([["m", dtype, [count], ["bitpack"], packed]], raw=packed, z=1), zstd_bomb(packed))
+    with pytest.raises(CorruptRecord, match=f"would decode to {packed * factor} bytes"):
+        decode(value, "rows/g_0", limits=codec.Limits(max_bytes=packed * factor - 1))
+    with pytest.raises(CorruptRecord, match="over its limit of 1000"):
+        decode(value, "rows/g_0", limits=codec.Limits(field_bytes={"m": 1000}))
+
+
+def test_narrowed_field_counts_the_widened_size():
+    count = 1 << 16
+    value = seal(field_header([["ids", "int64", [count], ["narrow:uint8"], count]], raw=count), bytes(count))
+    with pytest.raises(CorruptRecord, match=f"would decode to {count * 8} bytes"):
+        decode(value, "k", limits=codec.Limits(field_bytes={"ids": count * 8 - 1}))
+    assert decode(value, "k", limits=codec.Limits(field_bytes={"ids": count * 8})).arrays["ids"].dtype == np.int64
+
+
+def test_per_field_limits_and_totals():
+    value = encode({"a": np.zeros(100, np.float32), "b": np.zeros(100, np.float32), "t": "x" * 50})
+    assert decode(value, limits=codec.Limits(max_bytes=850, field_bytes={"a": 400, "t": 50})).arrays["t"] == "x" * 50
+    with pytest.raises(CorruptRecord, match="fields up to 't' would decode to 850 bytes, over the limit of 849"):
+        decode(value, limits=codec.Limits(max_bytes=849))
+    with pytest.raises(CorruptRecord, match="field 't' would decode to 50 bytes"):
+        decode(value, limits=codec.Limits(field_bytes={"t": 49}))
+    with pytest.raises(BadArgument):
+        codec.Limits(max_bytes=-1)
+
+
+@pytest.mark.parametrize("shape", [[0, 1 << 39, 1 << 39], [0] + [1 << 20] * 10, [1 << 24, 1 << 24, 0]])
+def test_empty_shapes_that_overflow_are_refused(shape):
+    """Zero elements, but numpy cannot describe the shape: refused by name, not numpy's ValueError."""
+    with pytest.raises(CorruptRecord, match="over 2\\*\\*48"):
+        decode(seal(field_header([["a", "int32", shape, [], 0]], raw=0)), "rows/g_0")
+
+
+@pytest.mark.parametrize(("meta", "match"), [
+    (b'{"n":' + b"1" * 5000 + b"}", "not JSON"),  # json's int digit limit is a ValueError
+    (b'{"n":NaN}', "NaN is not JSON"),
+    (b'{"n":-Infinity}', "Infinity is not JSON"),
+])
+def test_hostile_meta_json_is_a_corrupt_record(meta, match):
+    header = b'{"z":0,"raw":0,"meta":' + meta + b',"fields":[]}'
+    for reader in (decode, decode_meta):
+        with pytest.raises(CorruptRecord, match=match):
+            reader(seal(header), "meta/state")
