@@ -1,20 +1,28 @@
-"""A NeMo-RL-shaped replay buffer backed by kvckpt: swap the buffer by configuration.
+"""NeMo-RL's replay buffer, staleness samplers and recovery ledger, backed by kvckpt.
 
-:func:`create_replay_buffer` takes NeMo-RL's config keys (``max_buffered_rollouts``, a ``sampler``
-section with ``name`` and ``max_lookahead_versions`` / ``max_staleness_versions`` /
-``sample_freshest_first``, ``num_generations_per_prompt``, ``num_prompts_per_step``) plus ``path``
-and returns a :class:`KvckptReplayBuffer` with NeMo-RL's buffer surface, its ``.sampler``
-(:class:`KvckptSampler`) and its ``.ledger`` (:class:`KvckptLedger`). Only kvckpt is needed:
-nothing here imports NeMo-RL. ``docs/integrations.md`` maps each call to its transaction.
+``TQReplayBuffer(dp_client, partition_id=..., pad_value_dict=...)`` has NeMo-RL's constructor
+and surface; :func:`create_sampler` is NeMo-RL's factory (same classes, same keyword-only,
+awaited calls); ``buffer.ledger`` is the ownership ledger. :func:`configure` (or ``config=``)
+says which store to open: an ``async_rl.replay_buffer`` section with ``backend: kvckpt`` in the
+master config. Nothing here imports NeMo-RL; ``docs/integrations.md`` lists every member.
 """
 
-from .adapter import KvckptReplayBuffer, create_replay_buffer, restore_replay_buffer
-from .config import GRPO_SCHEMA, AdapterConfig, parse_config
+from .adapter import TQReplayBuffer, create_replay_buffer, open_store, restore_replay_buffer
+from .config import GRPO_SCHEMA, AdapterConfig, configure, from_master_config, parse_config
 from .ledger import KvckptLedger
 from .meta import ReplayMeta
-from .sampler import KvckptSampler
+from .records import record_to_rows
+from .sampler import (
+    InOrderSampler,
+    KvckptSampler,
+    ReadyFirstSampler,
+    WeightFifoSampler,
+    WindowedSampler,
+    create_sampler,
+)
 
 __all__ = [
-    "GRPO_SCHEMA", "AdapterConfig", "KvckptLedger", "KvckptReplayBuffer", "KvckptSampler", "ReplayMeta",
-    "create_replay_buffer", "parse_config", "restore_replay_buffer",
+    "GRPO_SCHEMA", "AdapterConfig", "InOrderSampler", "KvckptLedger", "KvckptSampler", "ReadyFirstSampler",
+    "ReplayMeta", "TQReplayBuffer", "WeightFifoSampler", "WindowedSampler", "configure", "create_replay_buffer",
+    "create_sampler", "from_master_config", "open_store", "parse_config", "record_to_rows", "restore_replay_buffer",
 ]

@@ -1,31 +1,24 @@
-"""NeMo-RL's ``TQReplayBuffer`` surface over a kvckpt :class:`~kvckpt.ReplayBuffer`.
+"""NeMo-RL's ``TQReplayBuffer`` over one kvckpt store: same constructor, calls, awaits and errors.
 
-:func:`create_replay_buffer` turns a NeMo-RL-style config dict into a :class:`KvckptReplayBuffer`
-that carries the three objects NeMo-RL's SingleController drives: the buffer itself (``reserve``,
-``commit``, ``remove_group``, ``remove``, ``count_for_target_step``, ``promote_ready_group``,
-``size``), its :attr:`~KvckptReplayBuffer.sampler` (:class:`~.sampler.KvckptSampler`) and its
-:attr:`~KvckptReplayBuffer.ledger` (:class:`~.ledger.KvckptLedger`).
+``TQReplayBuffer(dp_client, partition_id=..., pad_value_dict=...)`` is how NeMo-RL's ``setup.py``
+builds it; the store it opens comes from ``config=`` or from :func:`~.config.configure` (the
+``async_rl.replay_buffer`` section). The rows live in the store, not in ``dp_client``.
 
-How NeMo-RL's objects map onto kvckpt's one store:
+How NeMo-RL's slots map onto the store (see ``docs/integrations.md`` for every member):
 
-* a *pending slot* is a kvckpt ledger entry (the prompt is in flight); a *ready slot* a ready group;
-* ``select`` claims groups for the current step (their rows stay readable until
-  :meth:`KvckptReplayBuffer.finish_train_step`), ``evict`` evicts them;
-* the sampler's ``dispatch_index`` and the dataloader state are the store's cursors, so a
-  checkpoint (:meth:`KvckptReplayBuffer.save_checkpoint`, one stamp transaction and one file) holds
-  the buffer, the ledger and the cursors of one instant, with no barrier.
-
-Admission: :meth:`KvckptReplayBuffer.admit_batch` (or ``ledger.reserve_group`` per prompt, then
-``sampler.admit``) makes the cursor advance, the dataloader state and the batch's ledger entries
-one transaction, and is the recommended path. ``sampler.admit`` with nothing staged followed by
-one ``reserve`` per prompt is NeMo-RL's split admission: one transaction for the cursor, then one
-per prompt, so a crash in between leaves a stamped admission that no prompt owns.
-
-Every state change below is one kvckpt write transaction. Two of NeMo-RL's calls are deliberately
-*not* state changes: ``ledger.reserve_group`` of a prompt not yet admitted only stages it in memory
-(nothing durable owns it yet, and the dataloader state is not advanced either, so a crash loses
-nothing: the restarted dataloader serves it again), and the in-memory record of which in-flight
-groups a worker currently holds (the slot's *reservation*), which recovery rebuilds by redispatch.
+* a *pending slot* is a kvckpt ledger entry held by a worker; a *ready slot* a ready group. The
+  parallel lists (``meta_list``, ``start_weight_list``, ...) are read from the store in dispatch
+  order, so they are the checkpointed truth, not a second copy of it;
+* ``reserve`` without a ledger-owned ``group_id`` is one transaction: a new ledger entry joining
+  the admission ``sampler.admit`` made for ``target_step``. ``remove_group`` of such a slot (the
+  rollout manager's failed attempt) aborts it in one transaction, releasing its capacity; the
+  retry reserves a fresh group id. Exactly one entry owns the prompt at any time.
+* ``reserve(group_id=...)`` of a prompt the ledger owns (``ledger.reserve_group`` +
+  ``sampler.admit``, or a recovery plan's lease) takes that entry; ``remove_group`` then fences
+  the attempt (``attempt`` + 1) and hands the prompt back to the ledger, still owned;
+* ``commit`` tensorises the ``PromptGroupRecord`` and writes rows, group record and ledger release
+  in one transaction; ``select`` claims (rows stay readable until the step closes), ``evict``
+  deletes rows.
 """
 
 from __future__ import annotations
@@ -37,60 +30,118 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kvckpt import Batch, CheckpointResult, Lease, RecoveryPlan, ReplayBuffer, restore
-from kvckpt.errors import BadArgument
-from kvckpt.records import READY, Admission, Prompt
+from kvckpt import Batch, CheckpointResult, Lease, Prompt, RecoveryPlan, ReplayBuffer, restore
+from kvckpt.errors import BadArgument, CapacityError, FormatError, RecoveryError
+from kvckpt.records import CLAIMED, READY, Admission, GroupInfo
 
-from .config import AdapterConfig, parse_config
+from .config import AdapterConfig, configured, parse_config
 from .ledger import KvckptLedger
 from .meta import ReplayMeta
-from .sampler import KvckptSampler
+from .records import record_to_rows
+from .sampler import create_sampler
 
-#: What ``commit`` takes as a record: all ``group_size`` rows (dicts of named tensors), in order.
-Rows = Sequence[Mapping[str, Any]]
+#: ``task_name`` of a prompt NeMo-RL reserved without saying which prompt it is (main's
+#: ``reserve`` carries no identity; pass ``prompt_idx=``/``task_name=`` or use the ledger).
+UNIDENTIFIED_TASK = "nemo_rl.unidentified"
+#: ``state_dict``'s envelope version.
+STATE_SCHEMA_VERSION = 1
 
 
-class KvckptReplayBuffer:
+def open_store(cfg: AdapterConfig) -> ReplayBuffer:
+    """Create ``cfg``'s store file, or reopen it if it exists (configured the same way).
+
+    Raises:
+        BadArgument: an existing store with another sampler, capacity or group size.
+    """
+    if not os.path.exists(cfg.path):
+        return ReplayBuffer.create(cfg.path, cfg.buffer)
+    core = ReplayBuffer.open(cfg.path)
+    stored, wanted = core.config.to_dict(), cfg.buffer.to_dict()
+    differing = sorted(k for k in ("sampler", "max_buffered_rollouts", "group_size") if stored[k] != wanted[k])
+    if differing:
+        core.close()
+        raise BadArgument(f"{cfg.path!r} is configured with {', '.join(f'{k}={stored[k]!r}' for k in differing)}; "
+                          "the config asks otherwise. Switch them through restore_replay_buffer or recover")
+    return core
+
+
+class TQReplayBuffer:
     """NeMo-RL's replay buffer, backed by one kvckpt store (see the module docstring).
 
-    Build it with :func:`create_replay_buffer` or :func:`restore_replay_buffer`.
-
     Args:
-        core: the open kvckpt buffer; this object owns it from now on (:meth:`close`).
-        partition_id: the partition name reported in :class:`~.meta.ReplayMeta`. Defaults to
-            ``rollout_data``.
-        leases: in-flight prompts waiting for a worker (a recovery plan's leases).
+        dp_client: NeMo-RL's data-plane client; accepted for the signature, never called (rows
+            are written to and read from the kvckpt store).
+        partition_id: the partition reported in :class:`~.meta.ReplayMeta` and checked by
+            ``load_state_dict``.
+        pad_value_dict: pad values by field; ``input_ids``'s pads :meth:`get_samples`.
+        require_routed_experts: refuse to start unless the store schema has ``routed_experts``.
+        config: the store's config (a :func:`~.config.parse_config` dict or an
+            :class:`~.config.AdapterConfig`). Defaults to what :func:`~.config.configure` set.
+        store: an open kvckpt buffer to own instead (the factories below pass it).
+        leases: in-flight prompts the ledger owns (a recovery plan's leases).
+
+    Raises:
+        BadArgument: no config, an invalid one, or ``require_routed_experts`` without the field.
     """
 
-    def __init__(self, core: ReplayBuffer, *, partition_id: str = "rollout_data", leases: Iterable[Lease] = ()) -> None:
-        self.core = core
+    def __init__(self, dp_client: Any, partition_id: str = "rollout_data", *,
+                 pad_value_dict: Mapping[str, int] | None = None, require_routed_experts: bool = False,
+                 config: Mapping[str, Any] | AdapterConfig | None = None, store: ReplayBuffer | None = None,
+                 leases: Iterable[Lease] = ()) -> None:
+        cfg = None
+        if store is None:
+            cfg = configured() if config is None else config if isinstance(config, AdapterConfig) \
+                else parse_config(config)
+        self.core = store if store is not None else open_store(cfg)
+        self._dp_client = dp_client
         self.partition_id = partition_id
+        self._pad_value_dict = dict(pad_value_dict or {})
+        self._checkpoint_dir = (cfg.checkpoint_dir if cfg is not None else None) or f"{self.core.path}.checkpoints"
+        if require_routed_experts and "routed_experts" not in self.core.schema.fields:
+            self.core.close()
+            raise BadArgument("policy.router_replay.enabled=true requires routed_experts in the kvckpt store "
+                              "schema; add it to async_rl.replay_buffer.schema")
         self._lock = threading.Lock()
-        self._idle: dict[str, Lease] = {lease.group_id: lease for lease in leases}  # in flight, no worker
-        self._reserved: dict[str, Lease] = {}  # in flight, held by a worker (NeMo-RL's pending slots)
+        self._version_lock = threading.Lock()
+        self._idle: dict[str, Lease] = {lease.group_id: lease for lease in leases}  # ledger-owned, no worker
+        self._owned: set[str] = set(self._idle)  # slots of ledger-owned prompts (fenced, not aborted, on removal)
+        self._reserved: dict[str, Lease] = {}  # pending slots, held by a worker
         self._staged: dict[str, Prompt] = {}  # ledger.reserve_group'd, not admitted: memory only
         self._admissions: dict[int | None, Admission] = {}  # the latest admission per stamp, for joins
-        self.sampler = KvckptSampler(self)
+        self._meta: dict[str, ReplayMeta] = {}
+        self._resume_step: int | None = None
+        self.sampler = create_sampler(self, self.core.sampler.config())
         self.ledger = KvckptLedger(self)
 
-    # -- admission -------------------------------------------------------------------------------
+    # -- versions ---------------------------------------------------------------------------------
+    def _resume_at(self, step: int) -> None:
+        if self.core.trainer_version < step:
+            self._resume_step = step  # load_state_dict restores the store to it
+            return
+        # a (re)start: claims of steps >= step return to ready and every in-flight attempt is fenced
+        self.recover(step)
+        if self.core.sampler.gate_window is not None and self.sampler.dispatch_index < step - 1:
+            raise RecoveryError(f"the store is at step {step} but its dispatch_index {self.sampler.dispatch_index} "
+                                f"is behind {step - 1}: it was not written by this run")
+
+    def _advance_to(self, version: int) -> None:
+        """Close the store's steps up to the trainer's ``version`` (one ``finish_step`` each)."""
+        if self._resume_step is not None:
+            raise RecoveryError(f"the run resumes from step {self._resume_step} but the store is at step "
+                                f"{self.core.trainer_version}: await load_state_dict(<that step's state>) first")
+        with self._version_lock:
+            current = self.core.trainer_version
+            if version < current:
+                raise BadArgument(f"trainer version {version} is behind the store's {current}: a resumed run "
+                                  "calls sampler.set_dispatch_index(step) first")
+            while current < version:
+                current = self.core.finish_step()
+
+    # -- admission --------------------------------------------------------------------------------
     def admit_batch(self, prompts: Sequence[Prompt | int | Mapping[str, Any]], *, dataloader_state: bytes | None = None,
                     weight_version: int | None = None, timeout: float | None = None) -> list[str]:
-        """Admit a whole dataloader batch in one transaction: the recommended admission.
-
-        The gate wait (gated samplers) happens outside any transaction; then the cursor advance,
-        ``dataloader_state`` and one ledger entry per prompt are one transaction, so no checkpoint
-        or crash can separate them. Returns the group ids; a worker takes each with
-        ``reserve(group_id=..., target_step=..., weight_version=...)``. Equivalent to
-        ``ledger.reserve_group`` per prompt followed by ``sampler.admit``, without the trainer
-        version callback.
-
-        Args:
-            prompts: :class:`~kvckpt.Prompt` objects (``prompt_idx``, ``task_name``, ``group_id``),
-                prompt indices, or dicts of those fields.
-            dataloader_state: the dataloader state after this batch.
-            weight_version: the prompts' ``start_weight``. Defaults to the store's weight version.
-            timeout: seconds to wait for the gate and capacity. Defaults to forever.
+        """Admit a whole dataloader batch in one transaction (cursor, dataloader state, one ledger
+        entry per prompt); returns the group ids, each then taken with ``reserve(group_id=...)``.
 
         Raises:
             GateTimeout: still closed after ``timeout``. CapacityError: a batch larger than the
@@ -105,29 +156,54 @@ class KvckptReplayBuffer:
         with self._lock:
             self._admissions[stamp] = Admission(leases[0].admission_id, self.core.state()["dispatch_index"], stamp)
             self._idle.update((lease.group_id, lease) for lease in leases)
+            self._owned.update(lease.group_id for lease in leases)
         return leases
 
-    # -- slots -----------------------------------------------------------------------------------
+    def _admit_batch(self, version: int, dataloader_state: bytes | None, weight_version: int | None,
+                     timeout: float | None) -> int | None:
+        """``sampler.admit``'s transaction, once the gate is open (runs in a worker thread)."""
+        self._advance_to(version)
+        staged = self.ledger._take_staged()
+        if not staged:
+            if self.core.sampler.gate_window is None and dataloader_state is None:
+                return None
+            admission = self.core.advance_dispatch(dataloader_state, timeout=timeout)
+            with self._lock:
+                self._admissions[admission.target_step] = admission
+            return admission.target_step
+        try:
+            leases = self._admit(staged, dataloader_state, weight_version, timeout)
+        except BaseException:
+            self.ledger._restage(staged)
+            raise
+        return leases[0].target_step
+
+    def _admission_for(self, target_step: int | None) -> Admission:
+        with self._lock:
+            admission = self._admissions.get(target_step)
+        if admission is not None:
+            return admission
+        if target_step is not None:  # an admission made before a restart: its entries name it
+            for entry in self.core.ledger():
+                if entry.target_step == target_step:
+                    return Admission(entry.admission_id, self.sampler.dispatch_index, target_step)
+        raise BadArgument(f"no admission is stamped for target_step {target_step}: await sampler.admit first")
+
+    # -- slots ------------------------------------------------------------------------------------
     def reserve(self, *, weight_version: int, target_step: int | None = None, group_id: str | None = None,
-                prompt_idx: int = -1, task_name: str = "default") -> str:
-        """Open a pending slot for one rollout attempt and return its group id.
+                prompt_idx: int | None = None, task_name: str | None = None) -> str:
+        """Open a pending slot for one rollout attempt and return its group id (NeMo-RL's call).
 
-        * ``group_id`` of an in-flight prompt (admitted through the ledger, or handed back by
-          recovery or :meth:`remove_group`): the slot takes that prompt's lease; if
-          ``weight_version`` differs from its ``start_weight`` it is re-stamped (one transaction).
-        * otherwise a new prompt (``group_id`` or a fresh uuid) becomes a ledger entry in one
-          transaction: for gated samplers it joins the admission the last ``sampler.admit`` made
-          (NeMo-RL's split admission), for ``windowed`` it is admitted on its own.
-
-        Args:
-            weight_version: the rollout weight version the attempt generates with (``start_weight``).
-            target_step: the step the slot is for (``in_order``'s admission stamp, else ``None``).
-            group_id: the stable group id. Defaults to a fresh uuid4 hex.
-            prompt_idx, task_name: the prompt's dataset identity (kvckpt records it in the ledger).
+        * ``group_id`` of a prompt the ledger owns: the slot takes its lease (re-stamped with
+          ``weight_version`` in one transaction if that differs from its ``start_weight``);
+        * otherwise a new ledger entry (one transaction) with ``group_id`` or a fresh uuid4,
+          joining the admission stamped ``target_step`` (gated samplers) or admitted on its own
+          (``windowed``). ``prompt_idx`` / ``task_name`` (kvckpt extensions) record which prompt
+          it is; without them the entry is task :data:`UNIDENTIFIED_TASK`, prompt 0.
 
         Raises:
-            BadArgument: the group is already reserved, its stamp differs from ``target_step``, or a
-                gated sampler has made no admission for ``target_step``.
+            BadArgument: the group is already reserved, its stamp differs from ``target_step``, or
+                a gated sampler has no admission for ``target_step``.
             GateTimeout: no capacity left (``max_buffered_rollouts``).
         """
         with self._lock:
@@ -143,8 +219,11 @@ class KvckptReplayBuffer:
                 if lease.start_weight != weight_version:
                     lease = self.core.redispatch(lease.group_id, start_weight=weight_version)
             else:
-                lease = self._admit_one(Prompt(prompt_idx, task_name, group_id or uuid.uuid4().hex),
-                                        weight_version, target_step)
+                prompt = Prompt(0 if prompt_idx is None else prompt_idx,
+                                task_name or (UNIDENTIFIED_TASK if prompt_idx is None else "default"),
+                                group_id or str(uuid.uuid4()))
+                admission = None if self.core.sampler.gate_window is None else self._admission_for(target_step)
+                [lease] = self.core.admit([prompt], timeout=0, weight_version=weight_version, admission=admission)
         except BaseException:
             if lease is not None:
                 with self._lock:
@@ -154,133 +233,238 @@ class KvckptReplayBuffer:
             self._reserved[lease.group_id] = lease
         return lease.group_id
 
-    def _admit_one(self, prompt: Prompt, weight_version: int, target_step: int | None) -> Lease:
-        if self.core.sampler.gate_window is None:
-            [lease] = self.core.admit([prompt], timeout=0, weight_version=weight_version)
-            return lease
-        admission = self._admissions.get(target_step)
-        if admission is None:
-            raise BadArgument(f"no admission of this handle is stamped for target_step {target_step}; "
-                              "call sampler.admit first")
-        [lease] = self.core.admit([prompt], timeout=0, weight_version=weight_version, admission=admission)
-        return lease
-
-    async def commit(self, group_id: str, record: Rows, start_weight_version: int,
+    async def commit(self, group_id: str, record: Any, start_weight_version: int,
                      end_weight_version: int) -> ReplayMeta:
-        """Commit a reserved group's rows; the slot becomes ready (one transaction: rows, group
-        record, ledger entry released). Raises before any side effect on an unknown group.
+        """Tensorise ``record`` and commit it to the reserved slot (one transaction: rows, group
+        ready with ``end_weight``, ledger entry released); returns the group's metadata with
+        ``sequence_lengths``. A failed commit writes nothing and leaves the slot pending.
 
         Args:
-            group_id: a reserved group.
-            record: its ``group_size`` rows, each a dict of named tensors matching the schema.
+            group_id: the group ``reserve`` returned.
+            record: a ``PromptGroupRecord`` (or its tensorised batch, or row dicts; see
+                :func:`~.records.record_to_rows`).
             start_weight_version: must equal the slot's ``start_weight``.
             end_weight_version: the weight version at commit (``end_weight``).
 
         Raises:
-            BadArgument: unknown or unreserved group, or a ``start_weight_version`` mismatch.
-            SchemaMismatch: wrong row count, field, or dtype (nothing written).
+            BadArgument (a ValueError): unknown or unreserved group (raised before any side
+                effect), or a ``start_weight_version`` other than the slot's.
+            SchemaMismatch: the record does not tensorise to the schema's rows.
             StaleAttempt: the slot's attempt was fenced meanwhile.
         """
         with self._lock:
             lease = self._reserved.get(group_id)
         if lease is None:
-            raise BadArgument(f"commit of unknown group {group_id!r}: reserve it first (nothing was written)")
+            raise BadArgument(f"commit called with unknown group_id={group_id!r}; reserve() must precede commit() "
+                              "(or the slot was already removed); nothing was written")
         if lease.start_weight != start_weight_version:
             raise BadArgument(f"group {group_id!r} was reserved at weight {lease.start_weight}, "
                               f"not {start_weight_version} (nothing was written)")
-        await asyncio.to_thread(self.core.commit_group, lease, list(record), end_weight=end_weight_version)
+        rows = record_to_rows(record, self.core.schema.token_fields)
+        await asyncio.to_thread(self.core.commit_group, lease, rows, end_weight=end_weight_version)
+        meta = ReplayMeta.of_group(self.partition_id, group_id, lease.start_weight, list(self.core.schema.fields),
+                                   [self._row_length(row) for row in rows])
         with self._lock:
             self._reserved.pop(group_id, None)
-        return ReplayMeta.of_groups(self.partition_id, [self.core.group(group_id)], self._fields())
+            self._owned.discard(group_id)
+            self._meta[group_id] = meta
+        return meta
+
+    def _row_length(self, row: Mapping[str, Any]) -> int:
+        if "input_lengths" in row:
+            return int(row["input_lengths"])
+        token = self.core.schema.token_fields
+        return len(row[token[0]]) if token else 0
 
     async def remove_group(self, group_id: str, *, remove_in_dp: bool = False) -> int:
-        """Remove one slot; returns 1 if there was one, else 0.
+        """Remove the slot of ``group_id``; returns 1.
 
-        A pending slot (a failed or cancelled attempt) is fenced: the prompt's ``attempt`` is bumped
-        in one transaction, so the failed worker can no longer commit, and the prompt stays owned by
-        the ledger for the next :meth:`reserve` of that group id (or ``ledger.discard_group``). A
-        ready slot is evicted with its rows (``remove_in_dp`` is implied: kvckpt never keeps rows
-        that no slot owns).
-        """
-        return await asyncio.to_thread(self._remove, [group_id])
-
-    async def remove(self, idxs: Sequence[int], remove_in_dp: bool = True) -> int:
-        """Remove slots by position (pending and ready slots in dispatch order), as :meth:`remove_group`.
-
-        All positions are validated before anything changes.
+        A pending slot reserve created (a failed or cancelled attempt) is aborted in one
+        transaction: its capacity is released and ``count_for_target_step`` drops; a pending slot
+        of a ledger-owned prompt is fenced (``attempt`` + 1) and handed back to the ledger. A
+        ready slot is evicted with its rows (``remove_in_dp=True`` only, see :meth:`remove`).
 
         Raises:
-            BadArgument: a position is out of range or repeated.
+            BadArgument (a ValueError): ``group_id`` has no live slot.
         """
-        slots = self._slots()
-        if len(set(idxs)) != len(idxs) or any(not 0 <= i < len(slots) for i in idxs):
-            raise BadArgument(f"slot positions {list(idxs)} must be distinct and in 0..{len(slots) - 1}")
-        return await asyncio.to_thread(self._remove, [slots[i] for i in idxs])
-
-    def _remove(self, group_ids: Sequence[str]) -> int:
         with self._lock:
-            pending = [gid for gid in group_ids if gid in self._reserved]
-        ready = [gid for gid in group_ids if gid not in pending and self._is_ready(gid)]
+            pending = group_id in self._reserved
+        group = None if pending else self.core.group(group_id)
+        if not pending and (group is None or group.state != READY):
+            raise BadArgument(f"unknown group_id={group_id!r}")
+        if not pending and not remove_in_dp:
+            raise BadArgument(f"ready group {group_id!r} can only leave the buffer with its rows through "
+                              "sampler.select; pass remove_in_dp=True to discard it")
+        # by id, not position: other prompts' commits finish in worker threads and move positions
+        return await asyncio.to_thread(self._remove, [] if pending else [group_id], [group_id] if pending else [])
+
+    async def remove(self, idxs: Sequence[int], remove_in_dp: bool) -> int:
+        """Remove slots by position (reserve order), as :meth:`remove_group`; all positions are
+        validated before anything changes. Returns how many slots were removed.
+
+        A ready slot leaves the buffer with its rows kept only through ``sampler.select`` (claimed
+        for a step); here it is evicted, so ``remove_in_dp=False`` on a ready slot is refused.
+
+        Raises:
+            IndexError: a position out of range. BadArgument: a repeated position, or a ready slot
+            with ``remove_in_dp=False``.
+        """
+        if len(idxs) == 0:
+            return 0
+        slots = self._slots()
+        bad = [i for i in idxs if not 0 <= i < len(slots)]
+        if bad:
+            raise IndexError(f"TQReplayBuffer.remove: indices out of range: {bad[0]}; size={len(slots)}")
+        if len(set(idxs)) != len(idxs):
+            raise BadArgument(f"TQReplayBuffer.remove: repeated indices in {list(idxs)}")
+        chosen = [slots[i] for i in idxs]
+        ready = [gid for gid, is_ready, *_ in chosen if is_ready]
+        if ready and not remove_in_dp:
+            raise BadArgument(f"ready groups {ready} can only leave the buffer with their rows through "
+                              "sampler.select; pass remove_in_dp=True to discard them")
+        pending = [gid for gid, is_ready, *_ in chosen if not is_ready]
+        return await asyncio.to_thread(self._remove, ready, pending)
+
+    def _remove(self, ready: list[str], pending: list[str]) -> int:
         if ready:
             self.core.evict(ready)
-        for gid in pending:
-            lease = self.core.redispatch(gid)
             with self._lock:
-                self._reserved.pop(gid, None)
-                self._idle[gid] = lease
-        return len(pending) + len(ready)
+                for gid in ready:
+                    self._meta.pop(gid, None)
+        for gid in pending:
+            with self._lock:
+                owned = gid in self._owned
+            if owned:
+                lease = self.core.redispatch(gid)
+                with self._lock:
+                    self._reserved.pop(gid, None)
+                    self._idle[gid] = lease
+            else:
+                self.core.abort(gid, "attempt released by remove_group")
+                with self._lock:
+                    self._reserved.pop(gid, None)
+        return len(ready) + len(pending)
 
-    def _is_ready(self, group_id: str) -> bool:
-        group = self.core.group(group_id)
-        return group is not None and group.state == READY
-
-    def _slots(self) -> list[str]:
-        """Pending (reserved) and ready slots, in dispatch order."""
-        ready = [(g.seq, g.group_id) for g in self.core.groups([READY])]
+    def _slots(self) -> list[tuple[str, bool, int, int, int | None, ReplayMeta | None]]:
+        """``(group_id, ready, start_weight, end_weight, target_step, meta)`` per slot, in reserve
+        (dispatch) order: the ready groups and the pending slots this handle's workers hold."""
         with self._lock:
-            reserved = set(self._reserved)
-        pending = [(e.seq, e.group_id) for e in self.core.ledger() if e.group_id in reserved]
-        return [gid for _, gid in sorted(ready + pending)]
+            reserved = dict(self._reserved)
+        rows: list[tuple[int, tuple[str, bool, int, int, int | None, ReplayMeta | None]]] = []
+        for entry in self.core.ledger():
+            if entry.group_id in reserved:
+                lease = reserved[entry.group_id]
+                rows.append((entry.seq, (entry.group_id, False, lease.start_weight, -1, lease.target_step, None)))
+        for group in self.core.groups([READY]):
+            rows.append((group.seq, (group.group_id, True, group.start_weight, group.end_weight, group.target_step,
+                                     self._meta_of(group))))
+        return [slot for _, slot in sorted(rows, key=lambda r: r[0])]
+
+    def _meta_of(self, group: GroupInfo) -> ReplayMeta:
+        with self._lock:
+            meta = self._meta.get(group.group_id)
+        if meta is None:  # committed before this handle existed (restored): lengths from its rows
+            batch = self.core.read_batch([group.group_id], layout="list")
+            meta = ReplayMeta.of_group(self.partition_id, group.group_id, group.start_weight,
+                                       list(self.core.schema.fields), [self._row_length(r) for r in batch.rows])
+            with self._lock:
+                self._meta[group.group_id] = meta
+        return meta
+
+    @property
+    def _group_ids(self) -> list[str]:
+        """Per slot: its group id (NeMo-RL's private parallel list, read by its tests)."""
+        return [slot[0] for slot in self._slots()]
+
+    @property
+    def meta_list(self) -> list[ReplayMeta | None]:
+        """Per slot: its metadata, ``None`` while pending."""
+        return [slot[5] for slot in self._slots()]
+
+    @property
+    def start_weight_list(self) -> list[int]:
+        """Per slot: ``start_weight`` (the weight version at reserve)."""
+        return [slot[2] for slot in self._slots()]
+
+    @property
+    def end_weight_list(self) -> list[int]:
+        """Per slot: ``end_weight`` (-1 while pending)."""
+        return [slot[3] for slot in self._slots()]
+
+    @property
+    def target_step_list(self) -> list[int | None]:
+        """Per slot: ``target_step`` (``in_order``'s stamp, else ``None``)."""
+        return [slot[4] for slot in self._slots()]
+
+    @property
+    def ready_list(self) -> list[bool]:
+        """Per slot: whether it is committed."""
+        return [slot[1] for slot in self._slots()]
 
     def count_for_target_step(self, target_step: int) -> int:
-        """In-flight plus ready groups stamped for ``target_step`` (the rollout pump's top-up guard)."""
+        """In-flight plus ready groups stamped ``target_step`` (NeMo-RL's top-up guard)."""
         return self.core.count_for_target_step(target_step)
 
-    def promote_ready_group(self, to_target_step: int) -> int | None:
+    def promote_ready_group(self, *, to_target_step: int) -> int | None:
         """Re-stamp the ready group with the largest later ``target_step`` onto ``to_target_step``
-        (one transaction); returns the lender's step, or ``None`` if there is none."""
+        (one transaction); returns the lender's step, or ``None`` if no later ready group exists."""
         return self.core.promote_ready_group(to_target_step)
 
     def size(self) -> int:
-        """Slots in the buffer: ready groups plus reserved pending slots."""
+        """The number of slots: ready groups plus pending slots held by workers."""
         with self._lock:
-            reserved = len(self._reserved)
-        return self.core.state()["ready"] + reserved
+            pending = len(self._reserved)
+        return self.core.state()["ready"] + pending
 
     def __len__(self) -> int:
         return self.size()
 
-    # -- training side ---------------------------------------------------------------------------
-    def _fields(self) -> list[str]:
-        return list(self.core.schema.fields)
+    # -- training side ----------------------------------------------------------------------------
+    def _select(self, version: int, min_groups: int, max_groups: int) -> tuple[ReplayMeta | None, int]:
+        self._advance_to(version)
+        selection = self.core.select(min_groups, max_groups)
+        if not selection.groups:
+            return None, 0
+        metas = [self._meta_of(group) for group in selection.groups]
+        with self._lock:
+            for group in selection.groups:
+                self._meta.pop(group.group_id, None)
+        return metas[0].concat(*metas[1:]), len(metas)
 
-    def get_samples(self, meta: ReplayMeta, select_fields: Sequence[str] | None = None,
+    def _evict(self, version: int) -> int:
+        self._advance_to(version)
+        evicted = self.core.evict()
+        with self._lock:
+            for gid in evicted:
+                self._meta.pop(gid, None)
+        return len(evicted)
+
+    def get_samples(self, meta: ReplayMeta, select_fields: Sequence[str] | None = None, *,
                     layout: str = "padded") -> Batch:
-        """Read the rows of ``meta`` (claimed, or ready) as tensors; checksums verified.
+        """The rows ``meta`` names (selected, ready or retained), as torch tensors; token fields are
+        padded with 0, ``input_ids`` with ``pad_value_dict["input_ids"]``.
 
         Raises:
             NotSelectable: a group's rows are gone (evicted, or dropped after its step).
         """
-        return self.core.read_batch(meta.group_ids, fields=select_fields, layout=layout)
+        batch = self.core.read_batch(meta.group_ids, fields=select_fields, layout=layout)
+        pad = self._pad_value_dict.get("input_ids", 0)
+        if layout == "padded" and pad and "input_ids" in batch.tensors:
+            import torch
+
+            ids = batch.tensors["input_ids"]
+            beyond = torch.arange(ids.shape[1]).unsqueeze(0) >= batch.lengths.unsqueeze(1)
+            batch.tensors["input_ids"] = ids.masked_fill(beyond, pad)
+        return batch
 
     def finish_train_step(self) -> int:
-        """Close the current step: the groups ``select`` handed out are consumed and the trainer
-        version advances (one transaction); returns the new trainer version."""
+        """Close the current step explicitly (claimed -> consumed, ``trainer_version`` + 1, one
+        transaction); the samplers do it themselves when the trainer's version moves on."""
         return self.core.finish_step()
 
     def abort_stale_inflight(self) -> list[str]:
         """Abort the in-flight prompts the sampler says are useless now (``windowed`` only), in one
-        transaction; their leases are dropped from this handle. Returns their group ids."""
+        transaction; their slots and leases are dropped from this handle. Returns their group ids."""
         aborted = self.core.abort_stale_inflight()
         with self._lock:
             for gid in aborted:
@@ -288,45 +472,146 @@ class KvckptReplayBuffer:
                 self._idle.pop(gid, None)
         return aborted
 
-    # -- checkpoints -----------------------------------------------------------------------------
-    def recover(self, resume_version: int | None = None) -> RecoveryPlan:
-        """Recover the live store after a crash to the trainer version the run resumes from (one
-        transaction, see :func:`kvckpt.recover`); this handle then holds the plan's leases."""
-        plan = self.core.recover(resume_version)
+    # -- checkpoints ------------------------------------------------------------------------------
+    def _adopt(self, plan: RecoveryPlan) -> RecoveryPlan:
         with self._lock:
             self._reserved.clear()
             self._staged.clear()
             self._idle = {lease.group_id: lease for lease in plan.leases}
+            self._owned = set(self._idle)
             self._admissions.clear()
+            self._meta.clear()
+        self._resume_step = None
         return plan
 
-    def save_checkpoint(self, dest: str, trainer_state: Mapping[str, Any] | None = None) -> CheckpointResult:
-        """Write buffer, ledger and cursors of one instant to the file ``dest`` and wait for it.
+    def recover(self, resume_version: int | None = None) -> RecoveryPlan:
+        """Recover the live store to the trainer version the run resumes from (one transaction, see
+        :func:`kvckpt.recover`); the ledger then owns the plan's leases."""
+        return self._adopt(self.core.recover(resume_version))
 
-        One stamp transaction, then a copy of that snapshot (commits keep landing meanwhile):
-        NeMo-RL's exclusive cut and its ``replay_buffer_metadata.pt`` / ``rollout_recovery.pt`` /
-        TQ snapshot in one consistent file. Staged, not yet admitted prompts are not in it (the
-        dataloader state in it has not passed them).
-        """
+    def save_checkpoint(self, dest: str, trainer_state: Mapping[str, Any] | None = None) -> CheckpointResult:
+        """Write buffer, ledger and cursors of one instant to the file ``dest`` and wait for it
+        (one stamp transaction, then a snapshot copy while commits keep landing)."""
         return self.core.checkpoint(dest, trainer_state, overwrite=True).wait()
+
+    async def state_dict(self, *, saved_capacity: int) -> dict[str, Any]:
+        """NeMo-RL's checkpoint call: write a kvckpt checkpoint file and return its small envelope.
+
+        The file (``checkpoint_dir/step_<trainer_version>.kv``) holds rows, ledger, cursors and
+        dataloader state of one instant; the returned dict is tensor-free (plain ``str`` / ``int``
+        / ``list`` / ``dict``, loadable with ``torch.load(weights_only=True)``): ``backend``,
+        ``schema_version``, ``partition_id``, ``saved_capacity``, ``trainer_version``,
+        ``dispatch_index``, ``checkpoint_file``, ``checkpoint_id`` and ``groups`` (per group that is
+        ready once restored, i.e. ready or claimed by the current step: ``group_id``, ``start_weight``, ``end_weight``, ``target_step``, ``sample_ids``). In-flight
+        prompts are in the file's ledger, not dropped.
+        """
+        os.makedirs(self._checkpoint_dir, exist_ok=True)
+        dest = os.path.join(self._checkpoint_dir, f"step_{self.core.trainer_version}.kv")
+        result = await asyncio.to_thread(self.save_checkpoint, dest)
+        # the file is one snapshot; its manifest is read from the file itself, not the moving live store
+        snapshot = await asyncio.to_thread(ReplayBuffer.open, result.path, readonly=True)
+        try:
+            groups = [{"group_id": g.group_id, "start_weight": g.start_weight, "end_weight": g.end_weight,
+                       "target_step": g.target_step, "sample_ids": [f"{g.group_id}_g{i}" for i in range(g.group_size)]}
+                      for g in snapshot.groups([READY, CLAIMED])]  # claims of this step are undone on restore
+            dispatch_index = snapshot.state()["dispatch_index"]
+        finally:
+            snapshot.close()
+        return {"backend": "kvckpt", "schema_version": STATE_SCHEMA_VERSION, "partition_id": self.partition_id,
+                "saved_capacity": int(saved_capacity), "trainer_version": result.trainer_version,
+                "dispatch_index": dispatch_index, "checkpoint_file": result.path,
+                "checkpoint_id": result.checkpoint_id, "groups": groups}
+
+    async def load_state_dict(self, state: Mapping[str, Any], *, max_groups: int, expected_partition_id: str,
+                              expected_group_size: int) -> int:
+        """NeMo-RL's restore call: restore the kvckpt checkpoint ``state`` names; returns the number
+        of ready groups restored.
+
+        The envelope is validated first (keys, backend, partition, group size, duplicates,
+        capacity). If the live store already descends from that checkpoint (its last stamp is
+        ``checkpoint_id``: the crash path, recovered by ``set_dispatch_index``), it is kept, with
+        the rollouts committed after the checkpoint; otherwise the file is restored into the live
+        path through a fresh handle. Either way every group of the envelope must be there with its
+        stamps. Staleness is not applied: the first ``sampler.evict`` does.
+
+        Raises:
+            FormatError: a malformed envelope or one another backend wrote. BadArgument: partition
+            or group size mismatch, duplicate sample ids. CapacityError: more groups than
+            ``max_groups`` (kvckpt never drops restored groups). RecoveryError: the store does not
+            hold the envelope's groups as stamped.
+        """
+        self._check_envelope(state, expected_partition_id, expected_group_size)
+        groups = state["groups"]
+        if len(groups) > max_groups:
+            raise CapacityError(f"the checkpoint holds {len(groups)} groups but async_rl.max_buffered_rollouts is "
+                                f"{max_groups}: resume with a capacity of at least {len(groups)}")
+        stamp = self.core.store.read(lambda t: t.get_json("meta", b"checkpoint")) or {}
+        resume_step = self._resume_step
+        if stamp.get("checkpoint_id") != state["checkpoint_id"] or resume_step is not None:
+            await asyncio.to_thread(self._restore_file, state["checkpoint_file"], max_groups)
+            if resume_step is not None and self.core.trainer_version != resume_step:
+                self._resume_step = resume_step
+                raise RecoveryError(f"the run resumes from step {resume_step} but the replay checkpoint is of step "
+                                    f"{self.core.trainer_version}")
+        held = {g.group_id: g for g in self.core.groups([READY])}
+        for doc in groups:
+            group = held.get(doc["group_id"])
+            if group is None or (group.start_weight, group.end_weight, group.target_step) != \
+                    (doc["start_weight"], doc["end_weight"], doc["target_step"]):
+                raise RecoveryError(f"checkpointed group {doc['group_id']!r} is not ready in the store as stamped "
+                                    f"({'absent' if group is None else group.state}); the envelope and the store "
+                                    "are from different runs")
+        return len(groups)
+
+    def _restore_file(self, checkpoint_file: str, max_groups: int) -> None:
+        path = self.core.path
+        self.core.close()
+        core, plan = restore(checkpoint_file, path, overwrite=True, max_buffered_rollouts=max_groups)
+        self.core = core
+        self._adopt(plan)
+
+    @staticmethod
+    def _check_envelope(state: Any, partition_id: str, group_size: int) -> None:
+        required = {"backend", "schema_version", "partition_id", "saved_capacity", "checkpoint_file",
+                    "checkpoint_id", "groups"}
+        if not isinstance(state, Mapping) or required - set(state):
+            missing = sorted(required - set(state)) if isinstance(state, Mapping) else sorted(required)
+            raise FormatError(f"replay buffer checkpoint missing required keys: {missing}")
+        if state["backend"] != "kvckpt" or state["schema_version"] != STATE_SCHEMA_VERSION:
+            raise FormatError(f"replay buffer checkpoint of backend {state['backend']!r} schema "
+                              f"{state['schema_version']!r}; this is kvckpt schema {STATE_SCHEMA_VERSION}")
+        if state["partition_id"] != partition_id:
+            raise BadArgument(f"replay buffer checkpoint partition_id mismatch: checkpoint={state['partition_id']!r}, "
+                              f"expected={partition_id!r}")
+        if not isinstance(state["groups"], list):
+            raise FormatError("replay buffer checkpoint groups must be a list")
+        seen: set[str] = set()
+        for doc in state["groups"]:
+            if not isinstance(doc, Mapping) or not isinstance(doc.get("sample_ids"), list):
+                raise FormatError(f"replay buffer checkpoint group is malformed: {doc!r:.200}")
+            if len(doc["sample_ids"]) != group_size:
+                raise BadArgument(f"replay buffer checkpoint group {doc.get('group_id')!r} has "
+                                  f"{len(doc['sample_ids'])} rows, expected_group_size={group_size}")
+            for sid in doc["sample_ids"]:
+                if sid in seen:
+                    raise BadArgument(f"replay buffer checkpoint has duplicate sample_id: {sid!r}")
+                seen.add(sid)
 
     def close(self) -> None:
         """Close the store. Idempotent."""
         self.core.close()
 
-    def __enter__(self) -> KvckptReplayBuffer:
+    def __enter__(self) -> TQReplayBuffer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def create_replay_buffer(config: Mapping[str, Any] | AdapterConfig) -> KvckptReplayBuffer:
-    """The replay buffer a NeMo-RL-style config dict describes (see :func:`~.config.parse_config`).
-
-    Creates the store file if it does not exist; reopens it otherwise (its stored sampler and
-    capacity must match the config: switching them is a :func:`restore_replay_buffer` or
-    :meth:`KvckptReplayBuffer.recover` decision, reported in the plan).
+def create_replay_buffer(config: Mapping[str, Any] | AdapterConfig, *, pad_value_dict: Mapping[str, int] | None = None,
+                         ) -> TQReplayBuffer:
+    """The replay buffer a kvckpt config dict describes (see :func:`~.config.parse_config`),
+    without a data-plane client: ``TQReplayBuffer(None, cfg.partition_id, config=cfg)``.
 
     Examples:
         >>> import tempfile
@@ -342,27 +627,18 @@ def create_replay_buffer(config: Mapping[str, Any] | AdapterConfig) -> KvckptRep
         BadArgument: an invalid config, or an existing store configured differently.
     """
     cfg = config if isinstance(config, AdapterConfig) else parse_config(config)
-    if not os.path.exists(cfg.path):
-        return KvckptReplayBuffer(ReplayBuffer.create(cfg.path, cfg.buffer), partition_id=cfg.partition_id)
-    core = ReplayBuffer.open(cfg.path)
-    stored, wanted = core.config.to_dict(), cfg.buffer.to_dict()
-    differing = sorted(k for k in ("sampler", "max_buffered_rollouts", "group_size") if stored[k] != wanted[k])
-    if differing:
-        core.close()
-        raise BadArgument(f"{cfg.path!r} is configured with {', '.join(f'{k}={stored[k]!r}' for k in differing)}; "
-                          "the config asks otherwise. Switch them through restore_replay_buffer or recover")
-    return KvckptReplayBuffer(core, partition_id=cfg.partition_id)
+    return TQReplayBuffer(None, cfg.partition_id, pad_value_dict=pad_value_dict, config=cfg)
 
 
 def restore_replay_buffer(config: Mapping[str, Any] | AdapterConfig,
-                          checkpoint_file: str) -> tuple[KvckptReplayBuffer, RecoveryPlan]:
+                          checkpoint_file: str) -> tuple[TQReplayBuffer, RecoveryPlan]:
     """Restore the live store at ``config``'s ``path`` from a checkpoint file, in a fresh handle.
 
     The file is validated, copied over the live path and recovered at its stamped step (claims
-    made after it return to ready; every in-flight prompt's attempt is bumped). The returned
-    buffer holds the plan's leases: ``reserve(group_id=..., target_step=lease.target_step, ...)``
-    redispatches each exactly once, without a new admission. A sampler or capacity different from
-    the checkpoint's is applied and reported in ``plan.changes``. Restore never evicts.
+    made after it return to ready; every in-flight prompt is fenced). The buffer's ledger owns
+    the plan's leases: ``reserve(group_id=lease.group_id, target_step=lease.target_step, ...)``
+    redispatches each exactly once, without a new admission. A sampler or capacity other than the
+    checkpoint's is applied and reported in ``plan.changes``. Restore never evicts.
 
     Raises:
         FormatError / CorruptRecord / RecoveryError: the file is not a valid checkpoint (the live
@@ -371,4 +647,4 @@ def restore_replay_buffer(config: Mapping[str, Any] | AdapterConfig,
     cfg = config if isinstance(config, AdapterConfig) else parse_config(config)
     core, plan = restore(checkpoint_file, cfg.path, overwrite=True, sampler=cfg.buffer.sampler.config(),
                          max_buffered_rollouts=cfg.buffer.max_buffered_rollouts)
-    return KvckptReplayBuffer(core, partition_id=cfg.partition_id, leases=plan.leases), plan
+    return TQReplayBuffer(None, cfg.partition_id, store=core, leases=plan.leases), plan

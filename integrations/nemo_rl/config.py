@@ -29,7 +29,7 @@ GRPO_SCHEMA: dict[str, tuple[str, str]] = {
 KNOWN_KEYS = frozenset({
     "backend", "path", "num_generations_per_prompt", "group_size", "num_prompts_per_step", "groups_per_step",
     "max_buffered_rollouts", "sampler", "schema", "partition_id", "retain_consumed", "compression_level",
-    "durable_checkpoints"})
+    "durable_checkpoints", "checkpoint_dir"})
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class AdapterConfig:
     path: str
     buffer: BufferConfig
     partition_id: str = "rollout_data"
+    checkpoint_dir: str | None = None
 
 
 def parse_config(config: Mapping[str, Any]) -> AdapterConfig:
@@ -51,8 +52,9 @@ def parse_config(config: Mapping[str, Any]) -> AdapterConfig:
             ``max_buffered_rollouts`` (defaults to 64, NeMo-RL's default); ``sampler`` (a name or a
             ``{name: ..., **keys}`` section, defaults to ``in_order``, NeMo-RL's default);
             ``schema`` (defaults to :data:`GRPO_SCHEMA`); ``partition_id`` (defaults to
-            ``rollout_data``); ``backend`` (``kvckpt`` if given); and kvckpt's own
-            ``retain_consumed``, ``compression_level``, ``durable_checkpoints``.
+            ``rollout_data``); ``backend`` (``kvckpt`` if given); ``checkpoint_dir`` (where
+            ``state_dict`` writes its checkpoint files; defaults to ``<path>.checkpoints``); and
+            kvckpt's own ``retain_consumed``, ``compression_level``, ``durable_checkpoints``.
 
     Raises:
         BadArgument: a missing required key, an unknown key, another backend, or a capacity below
@@ -78,4 +80,68 @@ def parse_config(config: Mapping[str, Any]) -> AdapterConfig:
         retain_consumed=bool(config.get("retain_consumed", False)),
         compression_level=config.get("compression_level", codec.DEFAULT_LEVEL),
         durable_checkpoints=config.get("durable_checkpoints", 2))
-    return AdapterConfig(str(config["path"]), buffer, str(config.get("partition_id", "rollout_data")))
+    return AdapterConfig(str(config["path"]), buffer, str(config.get("partition_id", "rollout_data")),
+                         config.get("checkpoint_dir"))
+
+
+def _section(config: Any, key: str) -> Any:
+    value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+    return value.model_dump() if hasattr(value, "model_dump") else value
+
+
+def from_master_config(master_config: Any) -> AdapterConfig:
+    """The kvckpt buffer a NeMo-RL master config selects with an ``async_rl.replay_buffer`` section.
+
+    NeMo-RL's own keys are read where NeMo-RL keeps them: ``async_rl.sampler``,
+    ``async_rl.max_buffered_rollouts``, ``grpo.num_generations_per_prompt`` and
+    ``grpo.num_prompts_per_step``; ``async_rl.replay_buffer`` holds ``backend: kvckpt``, ``path``
+    and any other :func:`parse_config` key (which then wins). Dicts and pydantic models both work.
+
+    Raises:
+        BadArgument: no ``async_rl.replay_buffer`` section, another backend, or what
+            :func:`parse_config` refuses.
+    """
+    async_rl = _section(master_config, "async_rl") or {}
+    section = _section(async_rl, "replay_buffer")
+    if not isinstance(section, Mapping):
+        raise BadArgument("the master config has no async_rl.replay_buffer section selecting the kvckpt backend")
+    grpo = _section(master_config, "grpo") or {}
+    merged: dict[str, Any] = {}
+    for key, source, name in (("sampler", async_rl, "sampler"),
+                              ("max_buffered_rollouts", async_rl, "max_buffered_rollouts"),
+                              ("num_generations_per_prompt", grpo, "num_generations_per_prompt"),
+                              ("num_prompts_per_step", grpo, "num_prompts_per_step")):
+        value = _section(source, name)
+        if value is not None:
+            merged[key] = value
+    return parse_config({**merged, **section})
+
+
+_configured: list[AdapterConfig] = []
+
+
+def configure(config: Any) -> AdapterConfig:
+    """Set the config a ``TQReplayBuffer(dp_client, partition_id=..., pad_value_dict=...)`` built
+    without one uses (what NeMo-RL's ``setup.py`` calls): a master config (see
+    :func:`from_master_config`), a :func:`parse_config` dict, or an :class:`AdapterConfig`.
+    Returns the parsed config."""
+    if isinstance(config, AdapterConfig):
+        parsed = config
+    elif isinstance(config, Mapping) and "path" in config:
+        parsed = parse_config(config)
+    else:
+        parsed = from_master_config(config)
+    _configured[:] = [parsed]
+    return parsed
+
+
+def configured() -> AdapterConfig:
+    """The config :func:`configure` set.
+
+    Raises:
+        BadArgument: :func:`configure` was not called in this process.
+    """
+    if not _configured:
+        raise BadArgument("TQReplayBuffer was built without a kvckpt config: pass config=... or call "
+                          "kvckpt.integrations.nemo_rl.configure(master_config) first")
+    return _configured[0]

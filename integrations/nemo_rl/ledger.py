@@ -13,27 +13,30 @@ NeMo-RL                               kvckpt
 ``reserve_group`` (admitted)          a ledger entry joining the current admission, one transaction
 ``discard_group`` (intentional)       :meth:`~kvckpt.ReplayBuffer.abort`: tombstone, shortfall credited
 ``discard_group`` (at commit)         nothing to do: the commit transaction released the entry
-``state_dict`` / ``load_state_dict``  the store file (:meth:`~.adapter.KvckptReplayBuffer.save_checkpoint`)
+``state_dict`` / ``load_state_dict``  the store file (:meth:`~.adapter.TQReplayBuffer.save_checkpoint`)
 ====================================  =============================================================================
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvckpt.errors import BadArgument, UnknownGroup
 from kvckpt.records import LedgerEntry, Prompt
 
 if TYPE_CHECKING:
-    from .adapter import KvckptReplayBuffer
+    from .adapter import TQReplayBuffer
 
 
 class KvckptLedger:
-    """The ledger of a :class:`~.adapter.KvckptReplayBuffer` (``buffer.ledger``)."""
+    """The ledger of a :class:`~.adapter.TQReplayBuffer` (``buffer.ledger``)."""
 
-    def __init__(self, buffer: KvckptReplayBuffer) -> None:
+    def __init__(self, buffer: TQReplayBuffer) -> None:
         self._buffer = buffer
-        self._core = buffer.core
+
+    @property
+    def _core(self) -> Any:
+        return self._buffer.core  # load_state_dict may swap the store for a restored one
 
     def reserve_group(self, group_id: str, *, prompt_idx: int, task_name: str = "default",
                       expected_generations: int | None = None, target_step: int | None = None,
@@ -60,9 +63,11 @@ class KvckptLedger:
                 self._buffer._staged[group_id] = prompt
             return
         weight = self._core.state()["weight_version"] if start_weight_version is None else start_weight_version
-        lease = self._buffer._admit_one(prompt, weight, target_step)
+        admission = None if self._core.sampler.gate_window is None else self._buffer._admission_for(target_step)
+        [lease] = self._core.admit([prompt], timeout=0, weight_version=weight, admission=admission)
         with self._buffer._lock:
             self._buffer._idle[lease.group_id] = lease
+            self._buffer._owned.add(lease.group_id)
 
     def discard_group(self, group_id: str, reason: str = "discarded") -> bool:
         """Release a prompt deliberately (budget spent, replaced): a staged prompt is dropped, an
@@ -78,6 +83,7 @@ class KvckptLedger:
         with self._buffer._lock:
             self._buffer._reserved.pop(group_id, None)
             self._buffer._idle.pop(group_id, None)
+            self._buffer._owned.discard(group_id)
         return True
 
     def entries(self) -> list[LedgerEntry]:

@@ -1,18 +1,20 @@
-"""``ReplayMeta``: the KVBatchMeta-shaped handle the adapter returns for committed groups.
+"""``ReplayMeta``: the ``KVBatchMeta``-shaped handle the adapter returns for committed groups.
 
 NeMo-RL's controller passes ``KVBatchMeta`` between commit, select and the data-plane reads: a
-partition, the row ids ``{group_id}_g{i}``, the field names and one tag dict per row. This is the
-same shape, built from kvckpt's group records (no row payload is read to build it); the rows
-themselves are read with :meth:`~.adapter.KvckptReplayBuffer.get_samples`.
+partition, a task name, the row ids ``{group_id}_g{i}``, the field names, one sequence length and
+one tag dict per row. This is the same shape (same attribute names, ``concat(*others)`` as an
+instance method like ``KVBatchMeta.concat``), built from kvckpt's group records; the rows
+themselves stay in the kvckpt store and are read with
+:meth:`~.adapter.TQReplayBuffer.get_samples`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvckpt import GroupInfo, keys
+from kvckpt import keys
 from kvckpt.errors import BadArgument
 
 
@@ -20,15 +22,16 @@ from kvckpt.errors import BadArgument
 class ReplayMeta:
     """Rows of one or more committed groups, in group order then row order.
 
-    ``tags[i]`` describes row ``sample_ids[i]``: its ``group_id``, ``weight_version`` (the group's
-    ``start_weight``, as NeMo-RL tags every row), ``end_weight``, ``target_step``, ``prompt_idx``
-    and ``task_name``.
+    ``tags[i]`` is NeMo-RL's row tag of ``sample_ids[i]``: ``{"weight_version": start_weight}``
+    (the group's dispatch-time weight, as ``pack_payload`` tags it). ``sequence_lengths[i]`` is the
+    row's ``input_lengths``. ``group_ids`` lists the groups, one per group, in order.
     """
 
     partition_id: str
     group_ids: tuple[str, ...]
     sample_ids: tuple[str, ...]
     fields: tuple[str, ...]
+    sequence_lengths: tuple[int, ...]
     tags: tuple[dict[str, Any], ...]
     task_name: str = "train"
     extra_info: dict[str, Any] = field(default_factory=dict)
@@ -42,31 +45,25 @@ class ReplayMeta:
         return self.size
 
     @classmethod
-    def of_groups(cls, partition_id: str, groups: Iterable[GroupInfo], fields: Sequence[str]) -> ReplayMeta:
-        """The metadata of ``groups``' rows."""
-        group_ids, sample_ids, tags = [], [], []
-        for group in groups:
-            group_ids.append(group.group_id)
-            for i in range(group.group_size):
-                sample_ids.append(keys.row_id(group.group_id, i))
-                tags.append({"group_id": group.group_id, "weight_version": group.start_weight,
-                             "end_weight": group.end_weight, "target_step": group.target_step,
-                             "prompt_idx": group.prompt_idx, "task_name": group.task_name})
-        return cls(partition_id, tuple(group_ids), tuple(sample_ids), tuple(fields), tuple(tags))
+    def of_group(cls, partition_id: str, group_id: str, start_weight: int, fields: Sequence[str],
+                 lengths: Sequence[int]) -> ReplayMeta:
+        """The metadata of one group's rows (``len(lengths)`` of them)."""
+        n = len(lengths)
+        return cls(partition_id, (group_id,), tuple(keys.row_id(group_id, i) for i in range(n)), tuple(fields),
+                   tuple(int(x) for x in lengths), tuple({"weight_version": int(start_weight)} for _ in range(n)))
 
-    @classmethod
-    def concat(cls, metas: Sequence[ReplayMeta]) -> ReplayMeta:
-        """One metadata of several (same partition only, as KVBatchMeta.concat).
+    def concat(self, *others: ReplayMeta) -> ReplayMeta:
+        """This metadata followed by ``others`` (same partition and fields only, as ``KVBatchMeta.concat``).
 
         Raises:
-            BadArgument: no metas, or metas of different partitions or fields.
+            BadArgument: an other metadata of a different partition or fields.
         """
-        if not metas:
-            raise BadArgument("concat needs at least one ReplayMeta")
-        first = metas[0]
-        for meta in metas[1:]:
-            if meta.partition_id != first.partition_id or meta.fields != first.fields:
+        for meta in others:
+            if meta.partition_id != self.partition_id or meta.fields != self.fields:
                 raise BadArgument(f"cannot concat metadata of partition {meta.partition_id!r} fields {meta.fields} "
-                                  f"with partition {first.partition_id!r} fields {first.fields}")
-        return cls(first.partition_id, sum((m.group_ids for m in metas), ()), sum((m.sample_ids for m in metas), ()),
-                   first.fields, sum((m.tags for m in metas), ()), first.task_name)
+                                  f"with partition {self.partition_id!r} fields {self.fields}")
+        metas = (self, *others)
+        return ReplayMeta(self.partition_id, sum((m.group_ids for m in metas), ()),
+                          sum((m.sample_ids for m in metas), ()), self.fields,
+                          sum((m.sequence_lengths for m in metas), ()), sum((m.tags for m in metas), ()),
+                          self.task_name)

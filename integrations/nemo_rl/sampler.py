@@ -1,156 +1,249 @@
-"""NeMo-RL's sampler protocol over the kvckpt store's sampler and cursors.
+"""NeMo-RL's ``PromptGroupSampler`` protocol over the kvckpt store's sampler and cursors.
 
-The eligibility, eviction and gate rules are kvckpt's samplers (``in_order``, ``weight_fifo``,
-``windowed``, ``ready_first``: NeMo-RL's four, same config keys); this object adds NeMo-RL's
-calling convention. The trainer's version is the store's ``trainer_version``, advanced by
-:meth:`~.adapter.KvckptReplayBuffer.finish_train_step`; every call that is handed a version checks
-that the two agree and raises if the trainer forgot to close a step, instead of selecting for the
-wrong one.
+:func:`create_sampler` is NeMo-RL's ``create_sampler(buffer, cfg)``: it returns the class NeMo-RL
+would (:class:`InOrderSampler`, :class:`WeightFifoSampler`, :class:`WindowedSampler`,
+:class:`ReadyFirstSampler`), with the same keyword-only, awaited ``admit`` / ``select`` /
+``evict`` and the same attributes. The eligibility, eviction and gate rules are kvckpt's samplers
+(NeMo-RL's four, same config keys) applied inside one transaction each; the dispatch cursor is the
+store's, so it is checkpointed with everything else.
+
+Every wait happens on the event loop with ``await asyncio.sleep`` (the gate, polled every 5 ms as
+NeMo-RL does) or in a worker thread (``asyncio.to_thread``: the transactions and the capacity
+wait), so the train step that opens the gate keeps running.
+
+The trainer's version is NeMo-RL's ``trainer_version_fn()`` / ``current_train_weight``: when it is
+ahead of the store's ``trainer_version``, the store first closes the steps in between
+(``finish_step``, one transaction each: that step's selected groups become consumed), so the
+controller drives the store without a call NeMo-RL does not make.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvckpt.errors import BadArgument, GateTimeout, RecoveryError
+from kvckpt.errors import BadArgument, GateTimeout
 
 from .meta import ReplayMeta
 
 if TYPE_CHECKING:
-    from .adapter import KvckptReplayBuffer
+    from .adapter import TQReplayBuffer
 
 #: NeMo-RL's gate poll interval (seconds).
 POLL_SECONDS = 0.005
 
 
 class KvckptSampler:
-    """The sampler of a :class:`~.adapter.KvckptReplayBuffer` (``buffer.sampler``)."""
+    """The sampler over a :class:`~.adapter.TQReplayBuffer`; build it with :func:`create_sampler`."""
 
     #: Every kvckpt sampler's state (stamps and cursor) is in the store, so it checkpoints.
     supports_buffer_checkpoint = True
 
-    def __init__(self, buffer: KvckptReplayBuffer) -> None:
+    def __init__(self, buffer: TQReplayBuffer) -> None:
         self._buffer = buffer
-        self._core = buffer.core
+
+    @property
+    def _core(self) -> Any:
+        return self._buffer.core.sampler
 
     @property
     def name(self) -> str:
         """The config ``name`` (``in_order``, ``weight_fifo``, ``windowed``, ``ready_first``)."""
-        return self._core.sampler.name
+        return self._core.name
 
     def config(self) -> dict[str, Any]:
-        """The sampler's config section (``name`` plus its keys)."""
-        return self._core.sampler.config()
+        """The sampler's config section (``name`` plus its keys), as stored."""
+        return self._core.config()
 
     @property
     def is_on_policy(self) -> bool:
         """Whether the version window is 0 (only the current weight's rollouts train)."""
-        return self._core.sampler.window == 0
+        return self._core.window == 0
 
     def required_buffer_capacity(self, groups_per_step: int) -> int:
         """``groups_per_step x (W + 1)``: the smallest ``max_buffered_rollouts`` that cannot deadlock."""
-        return self._core.sampler.required_buffer_capacity(groups_per_step)
+        return self._core.required_buffer_capacity(groups_per_step)
 
-    def should_abort_inflight(self, start_weight_version: int, current_weight_version: int) -> bool:
-        """Whether a rollout started at ``start_weight_version`` is useless at the current version."""
-        return self._core.sampler.should_abort_inflight(start_weight_version, current_weight_version)
+    def should_abort_inflight(self, *, start_weight_version: int, current_train_weight: int) -> bool:
+        """Whether a rollout started at ``start_weight_version`` can no longer be selected
+        (``windowed`` below its window; the gated samplers never)."""
+        return self._core.should_abort_inflight(start_weight_version, current_train_weight)
 
     @property
     def dispatch_index(self) -> int:
         """The admission cursor (-1 before the first admission), read from the store."""
-        return self._core.state()["dispatch_index"]
+        return self._buffer.core.state()["dispatch_index"]
 
-    def restore_dispatch_index(self, index: int) -> None:
-        """Check the trainer's saved cursor against the restored store's (they are one file, so
-        they must be equal); NeMo-RL's restore call.
+    def set_dispatch_index(self, resume_from_step: int) -> None:
+        """NeMo-RL's start-of-run call: ``resume_from_step`` is 0 on a fresh run, else the step resumed.
+
+        kvckpt keeps the store's exact cursor instead of writing ``resume_from_step - 1`` (which
+        would re-stamp a batch the ledger already holds). A store at or ahead of that step is
+        recovered to it (one transaction: claims of that step and later return to ready, every
+        in-flight attempt of the previous process is fenced and its prompt handed to the ledger
+        for redispatch; on a fresh store this changes nothing); a store behind it waits for
+        ``load_state_dict`` to restore the checkpoint of that step, and admission refuses until then.
 
         Raises:
-            RecoveryError: they differ (the trainer state and the buffer checkpoint are from
-                different saves; resuming would skip or repeat a batch).
+            BadArgument (a ValueError): ``resume_from_step`` negative or not an integer.
         """
-        if not isinstance(index, int) or index < -1:
+        if isinstance(resume_from_step, bool) or not isinstance(resume_from_step, int) or resume_from_step < 0:
+            raise BadArgument(f"resume_from_step must be non-negative, got {resume_from_step!r}")
+        self._buffer._resume_at(resume_from_step)
+
+    def restore_dispatch_index(self, index: int) -> None:
+        """NeMo-RL #3480's exact-cursor restore: check the trainer's saved cursor against the store's.
+
+        Raises:
+            BadArgument: ``index`` below -1. RecoveryError: they differ (the trainer state and the
+            replay checkpoint are from different saves; resuming would skip or repeat a batch).
+        """
+        from kvckpt.errors import RecoveryError
+
+        if isinstance(index, bool) or not isinstance(index, int) or index < -1:
             raise BadArgument(f"dispatch_index must be an integer >= -1, got {index!r}")
         current = self.dispatch_index
         if index != current:
             raise RecoveryError(f"the trainer's saved dispatch_index {index} differs from the store's {current}: "
                                 "the trainer state and the replay checkpoint are from different saves")
 
-    set_dispatch_index = restore_dispatch_index
+    async def admit(self, *, trainer_version_fn: Callable[[], int], dataloader_state: bytes | None = None,
+                    weight_version: int | None = None, timeout: float | None = None) -> int | None:
+        """Wait until the next prompt batch may dispatch, admit it, and return its ``target_step``
+        stamp (``in_order``; the others return ``None``).
 
-    def _check_version(self, version: int, what: str) -> None:
-        current = self._core.trainer_version
-        if version != current:
-            raise BadArgument(f"{what} at version {version}, but the store's trainer_version is {current}: "
-                              "call buffer.finish_train_step() once per optimizer step")
-
-    def admit(self, trainer_version_fn: Callable[[], int], *, dataloader_state: bytes | None = None,
-              weight_version: int | None = None, timeout: float | None = None) -> int | None:
-        """Admit the next dataloader batch and return its stamp (``target_step`` for ``in_order``,
-        else ``None``).
-
-        Gated samplers first wait, polling every 5 ms outside any transaction, while
-        ``dispatch_index >= trainer_version_fn() + W``. Then, in one transaction: the cursor advance,
-        ``dataloader_state`` and a ledger entry for every prompt ``ledger.reserve_group`` staged
-        (NeMo-RL's ``commit_admission`` plus ``mark_group_admitted`` in one cut). With nothing
-        staged, the prompts join later through ``buffer.reserve`` (NeMo-RL's split admission: a
-        second transaction per prompt; see ``docs/integrations.md``). ``windowed`` is ungated and
-        has no cursor: it returns at once, writing only the staged prompts and the dataloader state
-        (nothing at all when there are neither).
+        Gated samplers poll (``await asyncio.sleep``, 5 ms) while ``dispatch_index >=
+        trainer_version_fn() + W``; then, in one transaction, the cursor advance,
+        ``dataloader_state`` and a ledger entry for every prompt ``ledger.reserve_group`` staged.
+        With nothing staged the prompts join later, one ``reserve`` each. ``windowed`` never gates
+        and has no cursor: it returns ``None`` at once, writing only staged prompts or a
+        ``dataloader_state`` if given (nothing otherwise).
 
         Args:
-            trainer_version_fn: returns the trainer's current version.
-            dataloader_state: the dataloader state after this batch, saved with the cursor.
-            weight_version: ``start_weight`` of staged prompts. Defaults to the store's.
-            timeout: seconds to wait for the gate (and capacity). Defaults to forever.
+            trainer_version_fn: the trainer's live version (polled).
+            dataloader_state, weight_version, timeout: kvckpt extensions: the dataloader state after
+                this batch (saved with the cursor), the staged prompts' ``start_weight``, and
+                seconds to wait (defaults to forever).
 
         Raises:
-            GateTimeout: still closed after ``timeout``.
-            BadArgument: ``trainer_version_fn()`` disagrees with the store's trainer version.
+            GateTimeout: still closed after ``timeout``. RecoveryError: the run resumes from a step
+            the store has not been restored to yet (``load_state_dict`` first).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        gate = self._core.sampler.gate_window
+        gate = self._core.gate_window
+        version = trainer_version_fn()
         if gate is not None:
-            while self.dispatch_index >= trainer_version_fn() + gate:
+            while self.dispatch_index >= version + gate:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise GateTimeout(f"{self.name} gate still closed after {timeout}s: dispatch_index "
-                                      f"{self.dispatch_index} >= trainer version {trainer_version_fn()} + {gate}")
-                time.sleep(POLL_SECONDS)
-            self._check_version(trainer_version_fn(), "admit")
-        staged = self._buffer.ledger._take_staged()
-        if not staged:
-            if gate is None and dataloader_state is None:
-                return None
-            admission = self._core.advance_dispatch(dataloader_state, timeout=0)
-            self._buffer._admissions[admission.target_step] = admission
-            return admission.target_step
+                                      f"{self.dispatch_index} >= trainer version {version} + {gate}")
+                await asyncio.sleep(POLL_SECONDS)
+                version = trainer_version_fn()
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            leases = self._buffer._admit(staged, dataloader_state, weight_version, remaining)
-        except BaseException:
-            self._buffer.ledger._restage(staged)
-            raise
-        return leases[0].target_step
+        return await asyncio.to_thread(self._buffer._admit_batch, version, dataloader_state, weight_version, remaining)
 
-    def select(self, current_train_weight: int, min_prompt_groups: int,
-               max_prompt_groups: int) -> tuple[ReplayMeta | None, int]:
-        """Claim up to ``max_prompt_groups`` eligible groups for the current step (one transaction).
+    @staticmethod
+    def _validate_group_bounds(min_prompt_groups: int, max_prompt_groups: int) -> None:
+        if min_prompt_groups < 1:
+            raise BadArgument(f"min_prompt_groups must be >= 1, got {min_prompt_groups}")
+        if max_prompt_groups < min_prompt_groups:
+            raise BadArgument(f"max_prompt_groups ({max_prompt_groups}) must be >= min_prompt_groups "
+                              f"({min_prompt_groups})")
 
-        Fewer than ``min_prompt_groups`` eligible: ``(None, 0)`` and nothing written. The groups
-        leave the buffer; their rows stay readable until the step finishes.
+    async def select(self, *, current_train_weight: int, min_prompt_groups: int,
+                     max_prompt_groups: int) -> tuple[ReplayMeta | None, int]:
+        """Take up to ``max_prompt_groups`` eligible groups for ``current_train_weight`` (one
+        transaction: they are claimed, leave the buffer, and their rows stay readable).
+
+        Fewer than ``min_prompt_groups`` eligible: ``(None, 0)`` and nothing written.
 
         Raises:
-            BadArgument: not ``1 <= min <= max``, or a version the store is not at.
+            BadArgument (a ValueError): not ``1 <= min <= max``, or a version behind the store's.
         """
-        self._check_version(current_train_weight, "select")
-        selection = self._core.select(min_prompt_groups, max_prompt_groups)
-        if not selection.groups:
-            return None, 0
-        meta = ReplayMeta.of_groups(self._buffer.partition_id, selection.groups, list(self._core.schema.fields))
-        return meta, len(selection.groups)
+        self._validate_group_bounds(min_prompt_groups, max_prompt_groups)
+        return await asyncio.to_thread(self._buffer._select, current_train_weight, min_prompt_groups,
+                                       max_prompt_groups)
 
-    def evict(self, current_train_weight: int) -> int:
-        """Evict the ready groups this sampler can never select again (one transaction); returns how many."""
-        self._check_version(current_train_weight, "evict")
-        return len(self._core.evict())
+    async def evict(self, *, current_train_weight: int) -> int:
+        """Evict the ready groups this sampler can never select again, rows included (one
+        transaction); returns how many. In-flight prompts are never evicted."""
+        return await asyncio.to_thread(self._buffer._evict, current_train_weight)
+
+
+class InOrderSampler(KvckptSampler):
+    """``in_order``: each admitted batch is stamped ``target_step = dispatch_index``; ``select``
+    takes the batch stamped with the trainer's version; ``evict`` drops ready groups stamped for a
+    past step."""
+
+    @property
+    def max_lookahead_versions(self) -> int:
+        """How many batches generation may run ahead of the trainer."""
+        return self._core.max_lookahead_versions
+
+
+class _StalenessWindow(KvckptSampler):
+    @property
+    def max_staleness_versions(self) -> int:
+        """The sampler's weight-version window (and, gated, its lookahead)."""
+        return self._core.max_staleness_versions
+
+
+class WeightFifoSampler(_StalenessWindow):
+    """``weight_fifo``: gated; ``select`` drains the oldest in-window ``start_weight`` first and
+    waits for that weight's pending groups."""
+
+
+class ReadyFirstSampler(_StalenessWindow):
+    """``ready_first``: gated; ``select`` takes every ready group not newer than the trainer, in
+    dispatch order; nothing is ever evicted."""
+
+
+class WindowedSampler(_StalenessWindow):
+    """``windowed``: never gates; ``select`` takes ready groups within the window (optionally
+    freshest first); ``evict`` and ``should_abort_inflight`` drop what fell below it."""
+
+    @property
+    def sample_freshest_first(self) -> bool:
+        """Whether ``select`` orders by weight gap instead of dispatch order."""
+        return self._core.sample_freshest_first
+
+
+SAMPLER_CLASSES: dict[str, type[KvckptSampler]] = {
+    "in_order": InOrderSampler, "weight_fifo": WeightFifoSampler, "ready_first": ReadyFirstSampler,
+    "windowed": WindowedSampler}
+
+
+def sampler_config_dict(cfg: Any) -> dict[str, Any]:
+    """A sampler config as a plain dict: a name, a mapping, or a pydantic model (NeMo-RL's
+    ``SamplerConfig``, read through ``model_dump``)."""
+    if isinstance(cfg, str):
+        return {"name": cfg}
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    if hasattr(cfg, "model_dump"):
+        return dict(cfg.model_dump())
+    raise BadArgument(f"a sampler config must be a name, a mapping or a pydantic model, got {type(cfg).__name__}")
+
+
+def create_sampler(buffer: TQReplayBuffer, cfg: Any) -> KvckptSampler:
+    """NeMo-RL's ``create_sampler(buffer, cfg)`` for a kvckpt buffer.
+
+    The store was created with its sampler (it stamps admissions and keeps the indexes), so
+    ``cfg`` must name the same one with the same keys; switching samplers is a restore or
+    recovery decision (``restore_replay_buffer(..., sampler=...)``), reported in its plan.
+
+    Raises:
+        BadArgument: ``cfg`` differs from the store's sampler, or names no built-in sampler
+            (custom ``module:Class`` samplers are NeMo-RL's; kvckpt's are registered with
+            ``kvckpt.samplers.register`` and named in the store config instead).
+    """
+    from kvckpt.samplers import create_sampler as core_sampler
+
+    wanted = core_sampler(sampler_config_dict(cfg)).config()
+    stored = buffer.core.sampler.config()
+    if wanted != stored:
+        raise BadArgument(f"the store {buffer.core.path!r} is configured with sampler {stored}, the config asks "
+                          f"for {wanted}: switch samplers through restore_replay_buffer or recover")
+    return SAMPLER_CLASSES.get(stored["name"], KvckptSampler)(buffer)

@@ -1,0 +1,701 @@
+"""The kvckpt NeMo-RL adapter driven exactly as NeMo-RL drives ``TQReplayBuffer`` and its samplers.
+
+Every call below is one NeMo-RL makes, with its keywords and awaits: the SingleController
+(``create_sampler(buffer, cfg)``, ``set_dispatch_index``, ``required_buffer_capacity``,
+``await sampler.admit(trainer_version_fn=...)``, ``count_for_target_step``,
+``promote_ready_group(to_target_step=...)``, ``await sampler.evict/select(current_train_weight=...)``,
+``len(buffer)``, ``should_abort_inflight(...)``, ``await buffer.state_dict(saved_capacity=...)`` /
+``load_state_dict(...)``), its rollout manager's ``generate_and_push`` retry loop (``reserve``,
+``await commit``, ``await remove_group``), and the cases of NeMo-RL's
+``tests/unit/single_controller/test_sampler_interface.py`` and ``test_tq_replay_buffer.py``,
+rewritten against a real store: where NeMo-RL's tests poke slots into a fake buffer, these reach
+the same ``(weight, ready, target_step)`` slots through real admissions and commits. Expected
+outcomes are NeMo-RL's; the few deviations (docs/integrations.md) are asserted as such.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from conftest import dump_store
+from kvckpt.integrations.nemo_rl import (
+    InOrderSampler,
+    KvckptSampler,
+    ReadyFirstSampler,
+    TQReplayBuffer,
+    WeightFifoSampler,
+    WindowedSampler,
+    configure,
+    create_sampler,
+)
+
+from kvckpt import ReplayBuffer, StaleAttempt
+from kvckpt.errors import BadArgument, CapacityError, FormatError, RecoveryError, SchemaMismatch
+from kvckpt.records import ABORTED
+from kvckpt.verify import check
+
+N_GENS = 2  # rows per group, as NeMo-RL's buffer tests
+#: The fields NeMo-RL's buffer tests commit (their stubbed ``record_to_train_batch`` output).
+SCHEMA = {"input_ids": ("int64", "token"), "input_lengths": ("int64", "row"), "total_reward": ("float32", "row")}
+#: NeMo-RL's GRPO rollout fields, for records tensorised from message logs.
+GRPO = {"input_ids": ("int64", "token"), "generation_logprobs": ("float32", "token"), "token_mask": ("int64", "token"),
+        "sample_mask": ("float32", "row"), "total_reward": ("float32", "row"), "input_lengths": ("int64", "row")}
+SAMPLERS = {
+    "in_order": {"name": "in_order", "max_lookahead_versions": 1},
+    "weight_fifo": {"name": "weight_fifo", "max_staleness_versions": 1},
+    "windowed": {"name": "windowed", "max_staleness_versions": 1, "sample_freshest_first": False},
+    "ready_first": {"name": "ready_first", "max_staleness_versions": 1},
+}
+
+
+@dataclass
+class Completion:
+    """NeMo-RL's ``Completion``: one generation's message log and reward."""
+
+    message_log: list[dict[str, Any]]
+    reward: float
+
+
+@dataclass
+class PromptGroupRecord:
+    """NeMo-RL's ``PromptGroupRecord`` (same fields): what a rollout hands ``commit``."""
+
+    prompt_idx: int
+    prompt: list[dict[str, Any]]
+    extra_env_info: dict[str, Any] | None
+    metadata: dict[str, Any]
+    completions: list[Completion]
+    rollout_metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def grpo_record(prompt_idx: int, answer_tokens: tuple[int, ...] = (7, 8, 9)) -> PromptGroupRecord:
+    """A two-completion record: a 2-token user prompt and an assistant answer per completion."""
+    prompt = [{"role": "user", "token_ids": torch.tensor([1, 2])}]
+    completions = [Completion([prompt[0], {"role": "assistant", "token_ids": torch.tensor(answer_tokens[:k + 2]),
+                                           "generation_logprobs": torch.full((k + 2,), -0.5)}], float(k))
+                   for k in range(N_GENS)]
+    return PromptGroupRecord(prompt_idx, prompt, None, {}, completions)
+
+
+def batch() -> dict[str, torch.Tensor]:
+    """What NeMo-RL's buffer tests commit: their stubbed converter's two rows of 3 tokens."""
+    return {"input_ids": torch.ones((N_GENS, 3), dtype=torch.long),
+            "input_lengths": torch.full((N_GENS,), 3, dtype=torch.long),
+            "total_reward": torch.zeros(N_GENS, dtype=torch.float32)}
+
+
+def run(coro: Any) -> Any:
+    """NeMo-RL's tests' ``_run``."""
+    return asyncio.run(coro)
+
+
+def store_config(path: str, sampler: Any, *, capacity: int = 16, per_step: int = 2,
+                 schema: dict[str, Any] = SCHEMA) -> dict[str, Any]:
+    """An ``async_rl.replay_buffer``-style kvckpt config."""
+    return {"backend": "kvckpt", "path": path, "num_generations_per_prompt": N_GENS, "num_prompts_per_step": per_step,
+            "max_buffered_rollouts": capacity, "sampler": sampler, "schema": schema}
+
+
+@pytest.fixture
+def make(tmp_path: Any):
+    """``make(sampler) -> TQReplayBuffer`` built as NeMo-RL's setup.py builds it; closed afterwards."""
+    made: list[TQReplayBuffer] = []
+
+    def factory(sampler: Any = SAMPLERS["windowed"], **kwargs: Any) -> TQReplayBuffer:
+        configure(store_config(str(tmp_path / f"replay{len(made)}.kv"), sampler, **kwargs))
+        buf = TQReplayBuffer(object(), partition_id="rollout_data", pad_value_dict={"token_ids": 0},
+                             require_routed_experts=False)
+        made.append(buf)
+        return buf
+
+    yield factory
+    for buf in made:
+        buf.close()
+
+
+def add_group(buf: TQReplayBuffer, weight: int, end_weight: int | None = None,
+              target_step: int | None = None) -> Any:
+    """NeMo-RL's ``_add_group``: reserve then commit one group."""
+    group_id = buf.reserve(weight_version=weight, target_step=target_step)
+    return run(buf.commit(group_id, batch(), start_weight_version=weight,
+                          end_weight_version=weight if end_weight is None else end_weight))
+
+
+def stamp(buf: TQReplayBuffer, sampler: KvckptSampler, step: int) -> None:
+    """Admit in_order batches until one is stamped ``step`` (the trainer follows at the lookahead)."""
+    while sampler.dispatch_index < step:
+        window = sampler.max_lookahead_versions
+        run(sampler.admit(trainer_version_fn=lambda: max(buf.core.trainer_version, sampler.dispatch_index + 1 - window)))
+
+
+# == test_sampler_interface.py ===================================================================
+class TestBuiltinsAndFactory:
+    @pytest.mark.parametrize(("name", "cls", "attr", "value"), [
+        ("windowed", WindowedSampler, "max_staleness_versions", 3),
+        ("in_order", InOrderSampler, "max_lookahead_versions", 2),
+        ("weight_fifo", WeightFifoSampler, "max_staleness_versions", 4),
+        ("ready_first", ReadyFirstSampler, "max_staleness_versions", 3)])
+    def test_config_builds_the_named_sampler(self, make: Any, name: str, cls: type, attr: str, value: int) -> None:
+        cfg = {"name": name, attr: value}
+        buf = make(cfg, capacity=32)
+        s = create_sampler(buf, cfg)
+        assert isinstance(s, cls) and getattr(s, attr) == value
+        assert s.supports_buffer_checkpoint is True
+
+    def test_a_pydantic_sampler_config_is_read_through_model_dump(self, make: Any) -> None:
+        class InOrderSamplerConfig:  # NeMo-RL's config objects are pydantic models
+            def model_dump(self) -> dict[str, Any]:
+                return {"name": "in_order", "max_lookahead_versions": 1}
+
+        assert isinstance(create_sampler(make(SAMPLERS["in_order"]), InOrderSamplerConfig()), InOrderSampler)
+
+    def test_a_config_other_than_the_stores_is_refused(self, make: Any) -> None:
+        with pytest.raises(BadArgument, match="configured with sampler"):
+            create_sampler(make(SAMPLERS["in_order"]), {"name": "windowed", "max_staleness_versions": 1})
+
+    def test_required_capacity_covers_live_and_lookahead_batches(self, make: Any) -> None:
+        s = create_sampler(make({"name": "ready_first", "max_staleness_versions": 2}, capacity=12),
+                           {"name": "ready_first", "max_staleness_versions": 2})
+        assert s.required_buffer_capacity(groups_per_step=4) == 12
+        assert s.is_on_policy is False
+
+
+class TestAdmission:
+    def test_windowed_never_gates_and_never_stamps(self, make: Any) -> None:
+        s = create_sampler(make({"name": "windowed", "max_staleness_versions": 2}),
+                           {"name": "windowed", "max_staleness_versions": 2})
+        assert run(s.admit(trainer_version_fn=lambda: 0)) is None
+        assert run(s.admit(trainer_version_fn=lambda: 0)) is None
+
+    def test_in_order_stamps_monotonic_dispatch_index(self, make: Any) -> None:
+        s = create_sampler(make({"name": "in_order", "max_lookahead_versions": 5}, capacity=32),
+                           {"name": "in_order", "max_lookahead_versions": 5})
+        assert run(s.admit(trainer_version_fn=lambda: 10)) == 0
+        assert run(s.admit(trainer_version_fn=lambda: 10)) == 1
+
+    def test_weight_fifo_gates_on_lookahead_and_does_not_stamp(self, make: Any) -> None:
+        s = create_sampler(make({"name": "weight_fifo", "max_staleness_versions": 0}),
+                           {"name": "weight_fifo", "max_staleness_versions": 0})
+        assert run(s.admit(trainer_version_fn=lambda: 0)) is None
+        with pytest.raises(asyncio.TimeoutError):
+            run(asyncio.wait_for(s.admit(trainer_version_fn=lambda: 0), timeout=0.05))
+
+    def test_ready_first_opens_one_more_batch_after_trainer_advances(self, make: Any) -> None:
+        trainer_version = 0
+        s = create_sampler(make(SAMPLERS["ready_first"]), SAMPLERS["ready_first"])
+        assert run(s.admit(trainer_version_fn=lambda: trainer_version)) is None
+        assert run(s.admit(trainer_version_fn=lambda: trainer_version)) is None
+        with pytest.raises(asyncio.TimeoutError):
+            run(asyncio.wait_for(s.admit(trainer_version_fn=lambda: trainer_version), timeout=0.05))
+        trainer_version = 1
+        assert run(s.admit(trainer_version_fn=lambda: trainer_version)) is None
+        with pytest.raises(asyncio.TimeoutError):
+            run(asyncio.wait_for(s.admit(trainer_version_fn=lambda: trainer_version), timeout=0.05))
+
+    def test_a_closed_gate_never_blocks_the_event_loop(self, make: Any) -> None:
+        """Issue 17 item 1: the train step that opens the gate runs on the same loop while admit waits."""
+        buf = make(SAMPLERS["in_order"])
+        s = create_sampler(buf, SAMPLERS["in_order"])
+        trainer = {"version": 0}
+        order: list[str] = []
+
+        async def train_step() -> None:
+            while len(order) < 1:  # runs only if admit yields to the loop while it waits
+                await asyncio.sleep(0)
+            trainer["version"] = 1
+            order.append("trained")
+
+        async def main() -> list[Any]:
+            assert await s.admit(trainer_version_fn=lambda: trainer["version"]) == 0
+            assert await s.admit(trainer_version_fn=lambda: trainer["version"]) == 1
+            waiting = asyncio.create_task(s.admit(trainer_version_fn=lambda: trainer["version"]))
+            await asyncio.sleep(0)
+            order.append("admit waiting")
+            stamp_, _ = await asyncio.wait_for(asyncio.gather(waiting, train_step()), timeout=60)
+            return [stamp_, order]
+
+        assert run(main()) == [2, ["admit waiting", "trained"]]
+        assert buf.core.trainer_version == 1  # the store followed the trainer (one finish_step)
+
+
+class TestInOrderEvictMatchesSelect:
+    def test_future_target_not_evicted_even_if_weight_out_of_window(self, make: Any) -> None:
+        buf = make(SAMPLERS["in_order"])
+        s = create_sampler(buf, SAMPLERS["in_order"])
+        stamp(buf, s, 2)
+        add_group(buf, 0, target_step=2)
+        assert run(s.evict(current_train_weight=2)) == 0
+        assert buf.target_step_list == [2]
+
+    def test_past_target_ready_slot_is_evicted(self, make: Any) -> None:
+        buf = make(SAMPLERS["in_order"])
+        s = create_sampler(buf, SAMPLERS["in_order"])
+        stamp(buf, s, 1)
+        add_group(buf, 0, target_step=1)
+        assert run(s.evict(current_train_weight=3)) == 1
+        assert buf.size() == 0
+
+    def test_unready_slot_is_never_evicted(self, make: Any) -> None:
+        buf = make(SAMPLERS["in_order"])
+        s = create_sampler(buf, SAMPLERS["in_order"])
+        stamp(buf, s, 1)
+        buf.reserve(weight_version=0, target_step=1)
+        assert run(s.evict(current_train_weight=5)) == 0
+        assert buf.ready_list == [False]
+
+
+class TestSelect:
+    def test_windowed_selects_ready_groups_in_window(self, make: Any) -> None:
+        buf = make({"name": "windowed", "max_staleness_versions": 2})
+        s = create_sampler(buf, {"name": "windowed", "max_staleness_versions": 2})
+        for w in (3, 5, 1):
+            add_group(buf, w)
+        meta, n = run(s.select(current_train_weight=5, min_prompt_groups=1, max_prompt_groups=8))
+        assert n == 2 and buf.start_weight_list == [1]
+        assert meta.sample_ids[0].rpartition("_g")[0] == meta.group_ids[0] and len(meta.sequence_lengths) == 4
+
+    def test_windowed_below_min_returns_none_and_unready_is_excluded(self, make: Any) -> None:
+        buf = make({"name": "windowed", "max_staleness_versions": 2})
+        s = create_sampler(buf, {"name": "windowed", "max_staleness_versions": 2})
+        add_group(buf, 5)
+        assert run(s.select(current_train_weight=5, min_prompt_groups=2, max_prompt_groups=8)) == (None, 0)
+        buf.reserve(weight_version=5)
+        assert run(s.select(current_train_weight=5, min_prompt_groups=2, max_prompt_groups=8)) == (None, 0)
+
+    def test_windowed_freshest_first_orders_by_lag(self, make: Any) -> None:
+        cfg = {"name": "windowed", "max_staleness_versions": 10, "sample_freshest_first": True}
+        buf = make(cfg, capacity=32)
+        s = create_sampler(buf, cfg)
+        add_group(buf, 1)
+        add_group(buf, 5)
+        _, n = run(s.select(current_train_weight=5, min_prompt_groups=1, max_prompt_groups=1))
+        assert n == 1 and buf.start_weight_list == [1]
+
+    def test_weight_fifo_drains_oldest_in_window_weight_first_and_waits_for_it(self, make: Any) -> None:
+        cfg = {"name": "weight_fifo", "max_staleness_versions": 5}
+        buf = make(cfg, capacity=32)
+        s = create_sampler(buf, cfg)
+        run(s.admit(trainer_version_fn=lambda: 0))
+        for w in (3, 5, 3):
+            add_group(buf, w)
+        _, n = run(s.select(current_train_weight=5, min_prompt_groups=1, max_prompt_groups=8))
+        assert n == 2 and buf.start_weight_list == [5]
+        add_group(buf, 4)
+        buf.reserve(weight_version=4)  # the oldest weight's batch is not full yet: wait, do not skip ahead
+        assert run(s.select(current_train_weight=5, min_prompt_groups=2, max_prompt_groups=8)) == (None, 0)
+
+    def test_weight_fifo_empty_window_returns_none(self, make: Any) -> None:
+        cfg = {"name": "weight_fifo", "max_staleness_versions": 2}
+        buf = make(cfg)
+        s = create_sampler(buf, cfg)
+        run(s.admit(trainer_version_fn=lambda: 0))
+        add_group(buf, 9)
+        assert run(s.select(current_train_weight=5, min_prompt_groups=1, max_prompt_groups=8)) == (None, 0)
+
+    def test_ready_first_mixes_ready_weight_versions_in_buffer_order(self, make: Any) -> None:
+        buf = make(SAMPLERS["ready_first"])
+        s = create_sampler(buf, SAMPLERS["ready_first"])
+        run(s.admit(trainer_version_fn=lambda: 0))
+        gids = [add_group(buf, w).group_ids[0] for w in (1, 3, 2, 4)]
+        meta, n = run(s.select(current_train_weight=3, min_prompt_groups=3, max_prompt_groups=3))
+        assert n == 3 and meta.group_ids == tuple(gids[:3]) and buf.start_weight_list == [4]
+
+    def test_ready_first_never_evicts_a_late_straggler(self, make: Any) -> None:
+        buf = make(SAMPLERS["ready_first"])
+        s = create_sampler(buf, SAMPLERS["ready_first"])
+        run(s.admit(trainer_version_fn=lambda: 0))
+        gid = add_group(buf, 0).group_ids[0]
+        assert run(s.evict(current_train_weight=5)) == 0
+        meta, n = run(s.select(current_train_weight=5, min_prompt_groups=1, max_prompt_groups=1))
+        assert (n, meta.sample_ids) == (1, (f"{gid}_g0", f"{gid}_g1"))
+
+    def test_in_order_matches_target_step_ignoring_weight_window(self, make: Any) -> None:
+        buf = make(SAMPLERS["in_order"])
+        s = create_sampler(buf, SAMPLERS["in_order"])
+        stamp(buf, s, 5)
+        add_group(buf, 100, target_step=5)
+        stamp(buf, s, 6)
+        add_group(buf, 5, target_step=6)
+        _, n = run(s.select(current_train_weight=5, min_prompt_groups=1, max_prompt_groups=8))
+        assert n == 1 and buf.target_step_list == [6]  # the step-6 group is not selected at 5
+        assert run(s.select(current_train_weight=5, min_prompt_groups=1, max_prompt_groups=8)) == (None, 0)
+
+    @pytest.mark.parametrize(("lo", "hi", "message"), [(0, 1, "min_prompt_groups must be >= 1"),
+                                                        (3, 2, r"max_prompt_groups \(2\) must be >=")])
+    def test_group_bounds_raise_value_error(self, make: Any, lo: int, hi: int, message: str) -> None:
+        s = create_sampler(make(), SAMPLERS["windowed"])
+        with pytest.raises(ValueError, match=message):
+            run(s.select(current_train_weight=0, min_prompt_groups=lo, max_prompt_groups=hi))
+
+    def test_windowed_evict_drops_ready_below_window_and_skips_unready(self, make: Any) -> None:
+        buf = make()
+        s = create_sampler(buf, SAMPLERS["windowed"])
+        add_group(buf, 0)
+        add_group(buf, 5)
+        buf.reserve(weight_version=0)
+        assert run(s.evict(current_train_weight=5)) == 1
+        assert buf.start_weight_list == [5, 0] and buf.ready_list == [True, False]
+
+
+class TestDispatchCursorRestore:
+    def test_fresh_start_is_a_noop_seed(self, make: Any) -> None:
+        s = create_sampler(make(SAMPLERS["in_order"]), SAMPLERS["in_order"])
+        s.set_dispatch_index(0)
+        assert run(s.admit(trainer_version_fn=lambda: 0)) == 0
+
+    def test_negative_resume_step_rejected(self, make: Any) -> None:
+        with pytest.raises(ValueError, match="resume_from_step"):
+            create_sampler(make(), SAMPLERS["windowed"]).set_dispatch_index(-1)
+
+    def test_resumed_in_order_stamps_from_trainer_version(self, tmp_path: Any) -> None:
+        """Seven real steps, the process gone, a fresh one resumes at 7: stamps 7 then 8."""
+        cfg = store_config(str(tmp_path / "r.kv"), SAMPLERS["in_order"])
+        buf = TQReplayBuffer(None, partition_id="rollout_data", pad_value_dict={}, config=cfg)
+        s = create_sampler(buf, SAMPLERS["in_order"])
+        for step in range(7):
+            t = run(s.admit(trainer_version_fn=lambda step=step: step))
+            add_group(buf, step, target_step=t)
+            run(s.select(current_train_weight=step, min_prompt_groups=1, max_prompt_groups=1))
+        run(s.evict(current_train_weight=7))
+        buf.close()
+        buf = TQReplayBuffer(None, partition_id="rollout_data", pad_value_dict={}, config=cfg)
+        s = create_sampler(buf, SAMPLERS["in_order"])
+        s.set_dispatch_index(7)
+        assert run(s.admit(trainer_version_fn=lambda: 7)) == 7
+        assert run(s.admit(trainer_version_fn=lambda: 8)) == 8
+        buf.close()
+
+    def test_a_store_behind_the_resumed_step_refuses_admission_until_loaded(self, make: Any) -> None:
+        s = create_sampler(make(SAMPLERS["in_order"]), SAMPLERS["in_order"])
+        s.set_dispatch_index(7)
+        with pytest.raises(RecoveryError, match="load_state_dict"):
+            run(s.admit(trainer_version_fn=lambda: 7))
+
+
+class TestInflightAbortPolicy:
+    def test_windowed_aborts_only_below_weight_window(self, make: Any) -> None:
+        cfg = {"name": "windowed", "max_staleness_versions": 2}
+        s = create_sampler(make(cfg), cfg)
+        assert s.should_abort_inflight(start_weight_version=2, current_train_weight=5)
+        assert not s.should_abort_inflight(start_weight_version=3, current_train_weight=5)
+
+    @pytest.mark.parametrize("name", ["weight_fifo", "in_order"])
+    def test_gated_samplers_never_abort_inflight(self, make: Any, name: str) -> None:
+        s = create_sampler(make(SAMPLERS[name]), SAMPLERS[name])
+        assert not s.should_abort_inflight(start_weight_version=0, current_train_weight=5)
+
+
+# == test_tq_replay_buffer.py ====================================================================
+class TestReserveCommit:
+    def test_reserve_appends_placeholder_unready(self, make: Any) -> None:
+        buf = make()
+        group_id = buf.reserve(weight_version=3)
+        assert isinstance(group_id, str) and group_id
+        assert (buf.size(), buf.start_weight_list, buf.end_weight_list) == (1, [3], [-1])
+        assert (buf.ready_list, buf.meta_list) == ([False], [None])
+
+    def test_commit_writes_rows_then_fills_meta(self, make: Any) -> None:
+        buf = make()
+        group_id = buf.reserve(weight_version=3)
+        meta = run(buf.commit(group_id, batch(), start_weight_version=3, end_weight_version=4))
+        head, _, idx = meta.sample_ids[0].rpartition("_g")
+        assert len(meta.sample_ids) == N_GENS and head == group_id and idx == "0"
+        assert (buf.start_weight_list, buf.end_weight_list, buf.ready_list) == ([3], [4], [True])
+        assert buf.meta_list[0].sample_ids == meta.sample_ids
+        assert list(meta.tags) == [{"weight_version": 3}] * N_GENS
+        assert list(meta.sequence_lengths) == [3, 3]
+        rows = buf.get_samples(meta, ["input_ids"]).tensors["input_ids"]
+        assert rows.tolist() == [[1, 1, 1], [1, 1, 1]]
+
+    def test_commit_tensorises_a_prompt_group_record(self, tmp_path: Any) -> None:
+        buf = TQReplayBuffer(None, partition_id="rollout_data", pad_value_dict={"input_ids": 99},
+                             config=store_config(str(tmp_path / "r.kv"), SAMPLERS["windowed"], schema=GRPO))
+        with buf:
+            gid = buf.reserve(weight_version=0, prompt_idx=41, task_name="math")
+            meta = run(buf.commit(gid, grpo_record(41), start_weight_version=0, end_weight_version=1))
+            assert list(meta.sequence_lengths) == [4, 5]
+            got = buf.get_samples(meta)
+            assert got.tensors["input_ids"].tolist() == [[1, 2, 7, 8, 99], [1, 2, 7, 8, 9]]
+            assert got.tensors["token_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
+            assert got.tensors["total_reward"].tolist() == [0.0, 1.0]
+            assert (buf.core.group(gid).prompt_idx, buf.core.group(gid).task_name) == (41, "math")
+
+    def test_a_failed_commit_writes_nothing_and_leaves_the_slot(self, make: Any) -> None:
+        buf = make()
+        group_id = buf.reserve(weight_version=3)
+        before = dump_store(buf.core)
+        with pytest.raises(SchemaMismatch):
+            run(buf.commit(group_id, {**batch(), "total_reward": torch.zeros(N_GENS + 1)},
+                           start_weight_version=3, end_weight_version=3))
+        assert dump_store(buf.core) == before
+        assert (buf.size(), buf.ready_list, buf.meta_list) == (1, [False], [None])
+
+    def test_commit_raises_for_unknown_group_id_before_writing(self, make: Any) -> None:
+        buf = make()
+        buf.reserve(weight_version=3)
+        before = dump_store(buf.core)
+        with pytest.raises(ValueError, match="reserve"):
+            run(buf.commit("not-a-real-id", batch(), start_weight_version=3, end_weight_version=3))
+        assert dump_store(buf.core) == before
+
+    def test_reserve_then_commit_preserves_dispatch_order(self, make: Any) -> None:
+        buf = make()
+        gids = [buf.reserve(weight_version=w) for w in (1, 2, 3)]
+        for i in (2, 0, 1):
+            run(buf.commit(gids[i], batch(), start_weight_version=i + 1, end_weight_version=i + 1))
+        assert (buf.size(), buf.start_weight_list, buf.ready_list) == (3, [1, 2, 3], [True] * 3)
+        assert buf._group_ids == gids
+        assert [m.sample_ids[0] for m in buf.meta_list] == [f"{g}_g0" for g in gids]
+
+
+class TestRemove:
+    def test_remove_drops_indices_and_their_rows(self, make: Any) -> None:
+        buf = make()
+        metas = [add_group(buf, 1) for _ in range(3)]
+        assert run(buf.remove([0, 2], remove_in_dp=True)) == 2
+        assert buf.size() == 1 and buf.meta_list[0].sample_ids == metas[1].sample_ids
+        assert [buf.core.group(m.group_ids[0]).rows_stored for m in metas] == [False, True, False]
+
+    def test_remove_rejects_out_of_range_before_mutating(self, make: Any) -> None:
+        buf = make()
+        add_group(buf, 1)
+        add_group(buf, 2)
+        before = dump_store(buf.core)
+        with pytest.raises(IndexError, match=r"out of range: 5; size=2"):
+            run(buf.remove([0, 5], remove_in_dp=True))
+        assert dump_store(buf.core) == before and buf.size() == 2
+
+    def test_remove_empty_is_noop_and_size_tracks_len(self, make: Any) -> None:
+        buf = make()
+        assert (buf.size(), len(buf)) == (0, 0)
+        add_group(buf, 1)
+        buf.reserve(weight_version=1)
+        assert (buf.size(), len(buf)) == (2, 2)
+        assert run(buf.remove([], remove_in_dp=True)) == 0
+        assert run(buf.remove([0], remove_in_dp=True)) == 1
+        assert (buf.size(), len(buf)) == (1, 1)
+
+    def test_remove_without_dp_refuses_a_ready_slot(self, make: Any) -> None:
+        """Deviation: a ready group leaves with its rows kept only through select."""
+        buf = make()
+        add_group(buf, 1)
+        with pytest.raises(BadArgument, match="sampler.select"):
+            run(buf.remove([0], remove_in_dp=False))
+        assert buf.size() == 1
+
+    def test_remove_group_of_an_unknown_id_raises_value_error(self, make: Any) -> None:
+        with pytest.raises(ValueError, match="unknown group_id"):
+            run(make().remove_group("nope"))
+
+
+class TestTargetSteps:
+    def test_count_for_target_step_includes_reserved_slots(self, make: Any) -> None:
+        buf = make(SAMPLERS["in_order"])
+        s = create_sampler(buf, SAMPLERS["in_order"])
+        stamp(buf, s, 5)
+        add_group(buf, 0, target_step=5)
+        buf.reserve(weight_version=0, target_step=5)
+        stamp(buf, s, 6)
+        add_group(buf, 0, target_step=6)
+        assert [buf.count_for_target_step(t) for t in (5, 6, 7)] == [2, 1, 0]
+
+    def test_the_furthest_step_lends_and_an_unready_group_is_not_borrowed(self, make: Any) -> None:
+        buf = make(SAMPLERS["in_order"])
+        s = create_sampler(buf, SAMPLERS["in_order"])
+        stamp(buf, s, 6)
+        add_group(buf, 0, target_step=6)
+        stamp(buf, s, 7)
+        add_group(buf, 0, target_step=7)
+        buf.reserve(weight_version=0, target_step=7)
+        assert buf.promote_ready_group(to_target_step=6) == 7
+        assert buf.target_step_list == [6, 6, 7]
+        assert buf.promote_ready_group(to_target_step=6) is None  # step 7's last slot is unready
+
+    def test_unstamped_groups_are_never_borrowed(self, make: Any) -> None:
+        buf = make()
+        add_group(buf, 0)
+        assert buf.promote_ready_group(to_target_step=5) is None
+        assert buf.target_step_list == [None]
+
+
+# == state_dict / load_state_dict (the controller's checkpoint and restore) =======================
+def _child_restore(cfg: dict[str, Any], state_file: str, step: int) -> dict[str, Any]:
+    """A fresh process on a fresh live path: NeMo-RL's restore order, then one train step."""
+    buf = TQReplayBuffer(None, partition_id="rollout_data", pad_value_dict={}, config=cfg)
+    sampler = create_sampler(buf, cfg["sampler"])
+    sampler.set_dispatch_index(step)
+    state = torch.load(state_file, weights_only=True)
+    restored = run(buf.load_state_dict(state, max_groups=cfg["max_buffered_rollouts"],
+                                       expected_partition_id="rollout_data", expected_group_size=N_GENS))
+    out = {"restored": restored, "slots": [buf.start_weight_list, buf.end_weight_list, buf.target_step_list],
+           "ledger": [[lease.group_id, lease.target_step] for lease in buf._idle.values()]}
+    meta, n = run(sampler.select(current_train_weight=step, min_prompt_groups=1, max_prompt_groups=8))
+    out["selected"] = sorted(meta.group_ids) if n else []
+    out["next_stamp"] = run(sampler.admit(trainer_version_fn=lambda: step + 1))
+    buf.close()
+    return out
+
+
+@pytest.mark.parametrize("name", list(SAMPLERS))
+def test_state_dict_round_trip_in_a_fresh_process(tmp_path: Any, name: str) -> None:
+    """Checkpoint at step 1 with two ready groups and one in flight; a new process restores it."""
+    cfg = store_config(str(tmp_path / "live.kv"), SAMPLERS[name])
+    buf = TQReplayBuffer(None, partition_id="rollout_data", pad_value_dict={}, config=cfg)
+    sampler = create_sampler(buf, SAMPLERS[name])
+    sampler.set_dispatch_index(0)
+    t = run(sampler.admit(trainer_version_fn=lambda: 0))
+    add_group(buf, 0, target_step=t)
+    add_group(buf, 0, target_step=t)
+    run(sampler.select(current_train_weight=0, min_prompt_groups=2, max_prompt_groups=2))
+    buf.ledger.reserve_group("p-inflight", prompt_idx=9)  # leaves the dataloader; admitted with the batch
+    t = run(sampler.admit(trainer_version_fn=lambda: 1, weight_version=1))
+    ready = [add_group(buf, 1, end_weight=2, target_step=t).group_ids[0] for _ in range(2)]
+    state = run(buf.state_dict(saved_capacity=16))
+    torch.save(state, str(tmp_path / "replay_buffer.pt"))
+    assert len(buf.ledger.entries()) == 1 and os.path.getsize(tmp_path / "replay_buffer.pt") < 4096
+    assert [g["group_id"] for g in state["groups"]] == ready
+    buf.close()
+    os.unlink(cfg["path"])  # a new machine: only the checkpoint directory survives
+    child = {**cfg, "path": str(tmp_path / "new-live.kv")}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps([child, str(tmp_path / "replay_buffer.pt"), 1])],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    stamped = name == "in_order"
+    assert out == {"restored": 2, "slots": [[1, 1], [2, 2], [1, 1] if stamped else [None, None]],
+                   "ledger": [["p-inflight", 1 if stamped else None]], "selected": sorted(ready),
+                   "next_stamp": 2 if stamped else None}
+
+
+def test_load_state_dict_validates_the_envelope_first(make: Any) -> None:
+    buf = make()
+    add_group(buf, 0)
+    state = run(buf.state_dict(saved_capacity=16))
+    before = dump_store(buf.core)
+    kwargs = {"max_groups": 16, "expected_partition_id": "rollout_data", "expected_group_size": N_GENS}
+    cases = [({k: v for k, v in state.items() if k != "groups"}, {}, FormatError, "missing required keys"),
+             ({**state, "backend": "tq"}, {}, FormatError, "backend 'tq'"),
+             (state, {"expected_partition_id": "other"}, ValueError, "partition_id mismatch"),
+             (state, {"expected_group_size": 3}, ValueError, "expected_group_size=3"),
+             ({**state, "groups": state["groups"] * 2}, {}, ValueError, "duplicate sample_id"),
+             (state, {"max_groups": 0}, CapacityError, "max_buffered_rollouts is 0")]
+    for bad, override, exc, message in cases:
+        with pytest.raises(exc, match=message):
+            run(buf.load_state_dict(bad, **{**kwargs, **override}))
+    assert dump_store(buf.core) == before
+
+
+# == generate_and_push's retry loop under failures ===============================================
+class InfraError(RuntimeError):
+    """A failure NeMo-RL classifies as infrastructure (retried on another shard)."""
+
+
+class DataError(ValueError):
+    """A deterministic failure (its own, smaller budget)."""
+
+
+async def generate_and_push(buf: TQReplayBuffer, weight: dict[str, int], prompt_idx: int, target_step: int | None,
+                            failures: list[type[Exception] | None], stats: dict[str, int],
+                            max_infra: int = 3, max_data: int = 2) -> str:
+    """NeMo-RL's retry loop, call for call: a fresh ``reserve`` per attempt, ``commit``, and
+    ``remove_group`` of the failed attempt; ``failures[k]`` is what attempt ``k`` raises."""
+    infra = data = 0
+    while infra < max_infra:
+        start = weight["v"]
+        group_id = buf.reserve(weight_version=start, target_step=target_step)
+        try:
+            await asyncio.sleep(0)  # the rollout: other prompts' attempts interleave here
+            failure = failures.pop(0) if failures else None
+            if failure is not None:
+                raise failure(f"prompt {prompt_idx}")
+            await buf.commit(group_id, grpo_record(prompt_idx), start_weight_version=start,
+                             end_weight_version=weight["v"])
+        except Exception as error:
+            await buf.remove_group(group_id)
+            stats["removed"] += 1
+            if isinstance(error, InfraError):
+                infra += 1
+                continue
+            data += 1
+            if data >= max_data:
+                return "SKIPPED"
+            continue
+        return "COMMITTED"
+    return "SKIPPED"
+
+
+@pytest.mark.parametrize("name", ["in_order", "windowed"])
+def test_retry_loop_under_failures_keeps_one_owner_and_leaks_no_capacity(tmp_path: Any, name: str) -> None:
+    """Four steps of four prompts; a fixed schedule of infra and data failures. Every prompt ends
+    committed or skipped, every failed attempt is an aborted tombstone, and the capacity the
+    failures used is all free again (issue 17 item 7: count 2, not 4; no capacity error at step 1)."""
+    schedule = {1: [InfraError], 2: [DataError, InfraError], 5: [InfraError, InfraError], 6: [DataError, DataError],
+                9: [InfraError] * 3, 13: [DataError]}
+    cfg = store_config(str(tmp_path / "r.kv"), SAMPLERS[name], capacity=8, per_step=4, schema=GRPO)
+    buf = TQReplayBuffer(None, partition_id="rollout_data", pad_value_dict={}, config=cfg)
+    sampler = create_sampler(buf, SAMPLERS[name])
+    sampler.set_dispatch_index(0)
+    weight, stats, outcomes = {"v": 0}, {"removed": 0}, {}
+
+    async def step(version: int) -> None:
+        target = await sampler.admit(trainer_version_fn=lambda: version)
+        prompts = range(4 * version, 4 * version + 4)
+        results = await asyncio.gather(*(generate_and_push(buf, weight, p, target, list(schedule.get(p, [])), stats)
+                                         for p in prompts))
+        outcomes.update(zip(prompts, results, strict=True))
+        if target is not None:
+            assert buf.count_for_target_step(target) == results.count("COMMITTED")
+        assert buf.size() == results.count("COMMITTED") and buf.core.state()["inflight"] == 0
+        await sampler.evict(current_train_weight=version)
+        meta, n = await sampler.select(current_train_weight=version, min_prompt_groups=1, max_prompt_groups=4)
+        assert n == results.count("COMMITTED")
+        weight["v"] = version + 1
+
+    async def main() -> None:
+        for version in range(4):
+            await step(version)
+
+    run(main())
+    assert [p for p, o in outcomes.items() if o == "SKIPPED"] == [6, 9]
+    aborted = buf.core.groups([ABORTED])
+    assert len(aborted) == stats["removed"] == sum(len(v) for v in schedule.values())
+    state = buf.core.state()
+    assert (state["inflight"], state["ready"]) == (0, 0)
+    assert state["counters"]["committed"] == 14
+    buf.close()
+    core = ReplayBuffer.open(cfg["path"])
+    assert core.store.read(lambda txn: check(txn).ok)
+    core.close()
+
+
+def test_a_fenced_attempt_of_a_ledger_owned_prompt_cannot_commit(make: Any) -> None:
+    """#3480's path: the ledger owns the prompt; remove_group fences the failed attempt and hands
+    the prompt back, so the retry reserves the same group id and the zombie's commit is refused."""
+    buf = make(SAMPLERS["in_order"])
+    s = create_sampler(buf, SAMPLERS["in_order"])
+    buf.ledger.reserve_group("batch-0-prompt-0", prompt_idx=0, expected_generations=N_GENS)
+    t = run(s.admit(trainer_version_fn=lambda: 0))
+    gid = buf.reserve(weight_version=0, target_step=t, group_id="batch-0-prompt-0")
+    zombie = buf._reserved[gid]
+    run(buf.remove_group(gid))
+    assert "batch-0-prompt-0" in buf.ledger and buf.count_for_target_step(0) == 1
+    buf.reserve(weight_version=0, target_step=t, group_id="batch-0-prompt-0")
+    with pytest.raises(StaleAttempt):
+        buf.core.commit_group(zombie, [dict(zip(("input_ids", "input_lengths", "total_reward"),
+                                                (torch.ones(3, dtype=torch.long), torch.tensor(3), torch.tensor(0.0)),
+                                                strict=True))] * N_GENS)
+    run(buf.commit(gid, batch(), start_weight_version=0, end_weight_version=0))
+    assert buf.ready_list == [True] and "batch-0-prompt-0" not in buf.ledger
+
+
+if __name__ == "__main__":
+    child_cfg, state_path, resume_step = json.loads(sys.argv[1])
+    print(json.dumps(_child_restore(child_cfg, state_path, resume_step)))
