@@ -131,9 +131,10 @@ def add_group(buf: TQReplayBuffer, weight: int, end_weight: int | None = None,
 
 def stamp(buf: TQReplayBuffer, sampler: KvckptSampler, step: int) -> None:
     """Admit in_order batches until one is stamped ``step`` (the trainer follows at the lookahead)."""
+    window = sampler.max_lookahead_versions
     while sampler.dispatch_index < step:
-        window = sampler.max_lookahead_versions
-        run(sampler.admit(trainer_version_fn=lambda: max(buf.core.trainer_version, sampler.dispatch_index + 1 - window)))
+        version = max(buf.core.trainer_version, sampler.dispatch_index + 1 - window)
+        run(sampler.admit(trainer_version_fn=lambda version=version: version))
 
 
 # == test_sampler_interface.py ===================================================================
@@ -487,7 +488,7 @@ class TestRemove:
         """Deviation: a ready group leaves with its rows kept only through select."""
         buf = make()
         add_group(buf, 1)
-        with pytest.raises(BadArgument, match="sampler.select"):
+        with pytest.raises(BadArgument, match=r"sampler\.select"):
             run(buf.remove([0], remove_in_dp=False))
         assert buf.size() == 1
 
@@ -565,8 +566,8 @@ def test_state_dict_round_trip_in_a_fresh_process(tmp_path: Any, name: str) -> N
     buf.close()
     os.unlink(cfg["path"])  # a new machine: only the checkpoint directory survives
     child = {**cfg, "path": str(tmp_path / "new-live.kv")}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps([child, str(tmp_path / "replay_buffer.pt"), 1])],
-                          capture_output=True, text=True, timeout=120)
+    argv = [sys.executable, os.path.abspath(__file__), json.dumps([child, str(tmp_path / "replay_buffer.pt"), 1])]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     stamped = name == "in_order"
@@ -655,7 +656,7 @@ def test_retry_loop_under_failures_keeps_one_owner_and_leaks_no_capacity(tmp_pat
             assert buf.count_for_target_step(target) == results.count("COMMITTED")
         assert buf.size() == results.count("COMMITTED") and buf.core.state()["inflight"] == 0
         await sampler.evict(current_train_weight=version)
-        meta, n = await sampler.select(current_train_weight=version, min_prompt_groups=1, max_prompt_groups=4)
+        _, n = await sampler.select(current_train_weight=version, min_prompt_groups=1, max_prompt_groups=4)
         assert n == results.count("COMMITTED")
         weight["v"] = version + 1
 

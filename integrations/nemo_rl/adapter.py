@@ -502,7 +502,8 @@ class TQReplayBuffer:
         / ``list`` / ``dict``, loadable with ``torch.load(weights_only=True)``): ``backend``,
         ``schema_version``, ``partition_id``, ``saved_capacity``, ``trainer_version``,
         ``dispatch_index``, ``checkpoint_file``, ``checkpoint_id`` and ``groups`` (per group that is
-        ready once restored, i.e. ready or claimed by the current step: ``group_id``, ``start_weight``, ``end_weight``, ``target_step``, ``sample_ids``). In-flight
+        ready once restored, i.e. ready or claimed by the current step: ``group_id``,
+        ``start_weight``, ``end_weight``, ``target_step``, ``sample_ids``). In-flight
         prompts are in the file's ledger, not dropped.
         """
         os.makedirs(self._checkpoint_dir, exist_ok=True)
