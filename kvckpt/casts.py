@@ -58,9 +58,9 @@ def bf16_values(bits: np.ndarray) -> np.ndarray:
 
 def _refuse(where: str, name: str, src: str, dtype: str, values: np.ndarray, bad: np.ndarray, why: str) -> None:
     idx = tuple(int(i) for i in np.unravel_index(int(np.flatnonzero(bad)[0]), values.shape)) if values.ndim else ()
-    value = values[idx].item() if values.ndim else values.item()
+    value = values[idx] if values.ndim else values[()]  # a numpy scalar prints shortest in its own dtype
     at = f" at index {list(idx)}" if values.ndim else ""
-    raise SchemaMismatch(f"{where}: field {name!r} is {src}, the schema says {dtype}, and value {value!r}{at} "
+    raise SchemaMismatch(f"{where}: field {name!r} is {src}, the schema says {dtype}, and value {value!s}{at} "
                          f"{why}; nothing was written")
 
 
@@ -103,7 +103,7 @@ def _cast_float_to_float(arr: np.ndarray, src: str, dtype: str, where: str, name
     ok = np.where(np.isfinite(x), np.isfinite(y) & close, same_class)
     if not ok.all():
         _refuse(where, name, src, dtype, values, ~ok,
-                f"does not survive rounding to {dtype} (it would become {_float_values(out, dtype)[~ok][0].item()!r})")
+                f"does not survive rounding to {dtype} (it would become {_float_values(out, dtype)[~ok][0]!s})")
     return out
 
 
