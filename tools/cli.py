@@ -435,14 +435,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     log = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
     if args.no_model:
         from kvckpt.demo import run_demo
+        from kvckpt.errors import BadArgument
 
+        if args.steps is not None:
+            raise BadArgument("--steps is an option of the model demo, not of --no-model")
         report = run_demo(args.out, fast=args.fast, sampler=args.sampler, recovery=args.recovery, log=log)
         _emit(args, report, _render_demo)
     else:
         from kvckpt.integrations.trainer.demo import render, run_demo
 
-        report = run_demo(args.out, fast=args.fast, sampler=args.sampler, recovery=args.recovery,
-                          backend=args.backend, log=log)
+        report = run_demo(args.out, fast=args.fast, steps=args.steps, sampler=args.sampler,
+                          recovery=args.recovery, backend=args.backend, log=log)
         _emit(args, report, render)
     return EXIT_OK if report["ok"] else EXIT_PROBLEMS
 
@@ -544,7 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("demo", "Train the reference GRPO setup, SIGKILL it mid-step, resume in a new process and audit it",
                 "kvckpt demo --fast --recovery checkpoint")
-    p.add_argument("--fast", action="store_true", help="the small run (about a minute instead of a few)")
+    p.add_argument("--fast", action="store_true", help="the small run (12 steps instead of 60)")
+    p.add_argument("--steps", type=int, metavar="N", help="train N steps (default 60; the checkpoint period and "
+                                                          "the crash step scale with it)")
     p.add_argument("--backend", choices=("transformers", "vllm"),
                    help="generation backend (default: vllm when importable, else transformers)")
     p.add_argument("--no-model", action="store_true",
@@ -552,8 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampler", choices=SAMPLERS, default="in_order", help="the sampler (default in_order)")
     p.add_argument("--recovery", choices=RECOVERY_MODES, default="live",
                    help="recover the crashed live store (default) or restore the latest checkpoint file")
-    p.add_argument("--out", metavar="DIR", help="keep the store, checkpoints and model files in DIR "
-                                                "(default: a temporary directory, removed)")
+    p.add_argument("--out", metavar="DIR", help="keep every file of the run in DIR (default: a new temporary "
+                                                "directory that keeps only the learning curve and metrics)")
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvckpt.buffer import ReplayBuffer
-from kvckpt.errors import LeaseError
+from kvckpt.errors import BadArgument, KvckptError, LeaseError
 from kvckpt.records import ABORTED, CONSUMED, EVICTED, Lease
 from kvckpt.verify import verify_path
 
@@ -51,14 +51,22 @@ SAMPLERS = {
 }
 RECOVERY_MODES = ("live", "checkpoint")
 BACKENDS = ("transformers", "vllm")
-#: The two sizes: steps, groups per step, completions per group, checkpoint period, crash step, warm-up.
+#: The two sizes: steps, groups per step, completions per group, checkpoint period, crash step, and
+#: the learning set-up: supervised warm-up steps, the task's largest operand, Adam's learning rate.
+#: A short warm-up on the 25 sums of 0..4 leaves the policy right about 40% of the time, so GRPO
+#: has both signal (groups with right and wrong answers) and room to improve within 60 steps.
 PRESETS = {
     "full": {"steps": 60, "groups_per_step": 4, "group_size": 8, "every_steps": 20, "crash_step": 47,
-             "sft_steps": 100},
+             "sft_steps": 30, "max_operand": 4, "lr": 4e-4},
     "fast": {"steps": 12, "groups_per_step": 4, "group_size": 8, "every_steps": 5, "crash_step": 8,
-             "sft_steps": 40},
+             "sft_steps": 30, "max_operand": 4, "lr": 4e-4},
 }
 PARK_WAIT_SECONDS = 60.0
+
+
+class DemoFailed(KvckptError):
+    """A training process of the demo ended before it should have; the message carries the last
+    line of its stderr and the path of the whole file (kept)."""
 
 
 class ParkedCommitDropped(LeaseError):
@@ -199,17 +207,34 @@ def read_events(path: str, event: str | None = None) -> list[dict[str, Any]]:
     return [d for d in docs if event is None or d["event"] == event]
 
 
-def wait_event(path: str, event: str, proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
-    """Wait for the first ``event`` in ``path``; raises if the process exits or time runs out."""
+def wait_event(path: str, event: str, proc: subprocess.Popen[bytes], timeout: float,
+               stderr: str | None = None) -> dict[str, Any]:
+    """Wait for the first ``event`` in ``path``.
+
+    Raises:
+        DemoFailed: the process exited first (with the last line of its ``stderr`` file) or
+            ``timeout`` seconds passed.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = read_events(path, event)
         if found:
             return found[0]
         if proc.poll() is not None:
-            raise RuntimeError(f"the training process exited ({proc.returncode}) before {event!r}")
+            raise DemoFailed(f"the training process exited ({proc.returncode}) before {event!r}: "
+                             f"{last_error_line(stderr)}")
         time.sleep(0.1)
-    raise TimeoutError(f"no {event!r} within {timeout:.0f} s")
+    raise DemoFailed(f"no {event!r} from the training process within {timeout:.0f} s")
+
+
+def last_error_line(stderr: str | None) -> str:
+    """The last non-empty line of a child's stderr file and where the whole file is."""
+    lines: list[str] = []
+    if stderr and os.path.exists(stderr):
+        with open(stderr, errors="replace") as fh:
+            lines = [line.strip() for line in fh if line.strip()]
+    where = f" (full output in {stderr})" if stderr else ""
+    return (lines[-1] if lines else "no output") + where
 
 
 # -- reading the stores ---------------------------------------------------------------------------
@@ -257,49 +282,122 @@ def _by_step(groups: Sequence[Any]) -> dict[int, list[int]]:
 
 
 # -- the demo -------------------------------------------------------------------------------------
+def demo_preset(fast: bool = False, steps: int | None = None) -> dict[str, Any]:
+    """The run's shape: the ``fast`` or the default preset, ``steps`` overriding its length (the
+    checkpoint period, a third of it, and the crash step, a third of a period after the second
+    checkpoint, scale with it).
+
+    Raises:
+        BadArgument: ``steps`` below 6 (two checkpoints and a crash need that many).
+    """
+    preset = dict(PRESETS["fast" if fast else "full"])
+    if steps is not None:
+        if steps < 6:
+            raise BadArgument(f"steps must be at least 6 (two checkpoints before the crash), got {steps}")
+        every = steps // 3
+        preset.update(steps=steps, every_steps=every, crash_step=2 * every + max(1, every * 7 // 20))
+    return preset
+
+
 def demo_config(out: str, preset: dict[str, Any], sampler: str, recovery: str, backend: str,
                 cache_dir: str | None = None) -> dict[str, Any]:
     """The trainer config of a demo run in ``out``."""
     gps = preset["groups_per_step"]
     return {"output_dir": out, "seed": 0,
             "model": {"cache_dir": cache_dir, "sft_steps": preset["sft_steps"]},
+            "task": {"max_operand": preset["max_operand"]},
             "generation": {"backend": backend, "group_size": preset["group_size"], "max_tokens": 4, "workers": 2},
-            "train": {"steps": preset["steps"], "groups_per_step": gps, "lr": 2e-4},
+            "train": {"steps": preset["steps"], "groups_per_step": gps, "lr": preset["lr"]},
             "replay_buffer": {"sampler": SAMPLERS[sampler], "max_buffered_rollouts": 3 * gps},
             "checkpoint": {"every_steps": preset["every_steps"], "keep": 2, "resume_from": recovery}}
 
 
-def run_demo(out: str | None = None, *, fast: bool = False, sampler: str = "in_order", recovery: str = "live",
-             backend: str | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+def reward_trend(rewards: Sequence[float], window: int = 10) -> dict[str, Any]:
+    """The least-squares line through one reward per step, and the means of the first and last
+    ``window`` steps.
+
+    ``slope`` is the fitted change per step (``intercept`` the fitted value at step 0); ``t`` is
+    the slope over its standard error (``|t| > 3``: a trend that noise around a flat line
+    practically never makes); ``None`` where undefined (under 3 steps, or every point on the line).
+    """
+    n, k = len(rewards), min(window, len(rewards))
+    doc: dict[str, Any] = {"steps": n, "window": k, "slope": None, "intercept": None, "t": None,
+                           "first_mean": sum(rewards[:k]) / k if k else None,
+                           "last_mean": sum(rewards[-k:]) / k if k else None}
+    if n < 3:
+        return doc
+    mx, my = (n - 1) / 2, sum(rewards) / n
+    sxx = sum((x - mx) ** 2 for x in range(n))
+    slope = sum((x - mx) * (y - my) for x, y in enumerate(rewards)) / sxx
+    residual = sum((y - my - slope * (x - mx)) ** 2 for x, y in enumerate(rewards))
+    se = (residual / (n - 2) / sxx) ** 0.5
+    doc.update(slope=slope, intercept=my - slope * mx, t=slope / se if se > 0 else None)
+    return doc
+
+
+def learning(metrics: Sequence[dict[str, Any]], first_run_lines: int, resume_step: int,
+             window: int = 10) -> dict[str, Any]:
+    """The reward curve of the model that survived: run 1's steps before the checkpoint it resumed
+    from, then run 2's (run 1's steps after that checkpoint died with its process). Its
+    :func:`reward_trend` (with the ``curve`` itself), and the mean of the ``window`` steps before
+    the checkpoint and after the resume, with their step ranges (a resumed run continues the
+    curve when they are close)."""
+    before = [m["reward_mean"] for m in metrics[:first_run_lines] if m["step"] < resume_step]
+    after = [m["reward_mean"] for m in metrics[first_run_lines:]]
+    k_before, k_after = min(window, len(before)), min(window, len(after))
+    return {**reward_trend(before + after, window), "curve": before + after,
+            "before_checkpoint_steps": [resume_step - k_before, resume_step - 1],
+            "before_checkpoint_mean": sum(before[-k_before:]) / k_before if k_before else None,
+            "after_resume_steps": [resume_step, resume_step + k_after - 1],
+            "after_resume_mean": sum(after[:k_after]) / k_after if k_after else None}
+
+
+def run_demo(out: str | None = None, *, fast: bool = False, steps: int | None = None, sampler: str = "in_order",
+             recovery: str = "live", backend: str | None = None,
+             log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train, SIGKILL mid-step, resume in a new process, audit; returns the report (see :func:`render`).
 
-    ``out`` keeps every file (config, live store, checkpoints, metrics, events, the PNG); without
-    it a temporary directory is used and removed, except the PNG, copied to the working directory.
-    ``backend`` defaults to ``"vllm"`` when vLLM is importable, else ``"transformers"``.
+    ``out`` keeps every file (config, live store, checkpoints, metrics, events, children's stderr,
+    the learning-curve PNG). Without it the run goes to a new temporary directory, which keeps only
+    the PNG and ``metrics.jsonl`` once the demo succeeded (everything, when it failed). ``steps``
+    overrides the preset's length (see :func:`demo_preset`). ``backend`` defaults to ``"vllm"``
+    when vLLM is importable, else ``"transformers"``.
+
+    Raises:
+        BadArgument: an unknown sampler or recovery mode, ``steps`` below 6, or ``backend="vllm"``
+            without vLLM installed (the message says how to get it).
+        DemoFailed: a training process ended early (the message quotes its stderr).
     """
     from .grpo import BUFFER_FILE, checkpoint_steps
 
     if sampler not in SAMPLERS or recovery not in RECOVERY_MODES:
-        raise ValueError(f"sampler must be one of {sorted(SAMPLERS)}, recovery one of {RECOVERY_MODES}")
-    backend = backend or ("vllm" if importlib.util.find_spec("vllm") else "transformers")
+        raise BadArgument(f"sampler must be one of {sorted(SAMPLERS)}, recovery one of {RECOVERY_MODES}")
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if backend == "vllm" and not has_vllm:
+        raise BadArgument("--backend vllm needs vLLM, which this Python environment lacks: run "
+                          "`bash scripts/setup_vllm_env.sh`, then `.venv-vllm/bin/kvckpt demo --backend vllm`")
+    backend = backend or ("vllm" if has_vllm else "transformers")
+    preset = demo_preset(fast, steps)
     keep = out is not None
     out = os.path.abspath(out) if out else tempfile.mkdtemp(prefix="kvckpt-demo-")
     os.makedirs(out, exist_ok=True)
-    preset = PRESETS["fast" if fast else "full"]
     cfg = demo_config(out, preset, sampler, recovery, backend)
     config_path = os.path.join(out, "config.json")
     with open(config_path, "w") as fh:
         json.dump(cfg, fh, indent=1)
     gps, crash = preset["groups_per_step"], preset["crash_step"]
     live, ckpt_dir = os.path.join(out, "buffer.kvckpt"), os.path.join(out, "checkpoints")
+    succeeded = False
     try:
         log(f"run 1: {backend} GRPO, {sampler}, {gps} prompts x {preset['group_size']} completions per step, "
             f"checkpoint every {preset['every_steps']} steps; SIGKILL in step {crash}")
         t0 = time.monotonic()
+        stderr1 = os.path.join(out, "run-1.stderr")
         proc = spawn_child(config_path, os.path.join(out, "events-1.jsonl"), park_prompt=(crash + 1) * gps + 1,
-                           crash_step=crash, stderr=os.path.join(out, "run-1.stderr"))
+                           crash_step=crash, stderr=stderr1)
         try:
-            killed_in = wait_event(os.path.join(out, "events-1.jsonl"), "crash-point", proc, timeout=900)["step"]
+            killed_in = wait_event(os.path.join(out, "events-1.jsonl"), "crash-point", proc, timeout=900,
+                                   stderr=stderr1)["step"]
         finally:
             proc.kill()
             proc.wait()
@@ -315,10 +413,11 @@ def run_demo(out: str | None = None, *, fast: bool = False, sampler: str = "in_o
 
         log(f"run 2: resume from step_{ckpt_step} and the {'live store' if recovery == 'live' else 'checkpoint file'}")
         events2, summary_path = os.path.join(out, "events-2.jsonl"), os.path.join(out, "summary-2.json")
+        stderr2 = os.path.join(out, "run-2.stderr")
         t_restart = time.time()
-        proc = spawn_child(config_path, events2, summary=summary_path, stderr=os.path.join(out, "run-2.stderr"))
+        proc = spawn_child(config_path, events2, summary=summary_path, stderr=stderr2)
         if proc.wait() != 0:
-            raise RuntimeError(f"the resumed run failed ({proc.returncode}); see {out}/run-2.stderr")
+            raise DemoFailed(f"the resumed run failed ({proc.returncode}): {last_error_line(stderr2)}")
         with open(summary_path) as fh:
             summary = json.load(fh)
         first = read_events(events2, "first-batch")
@@ -326,11 +425,13 @@ def run_demo(out: str | None = None, *, fast: bool = False, sampler: str = "in_o
         check = audit(live)
         verify = verify_path(live)
         metrics = _metrics(out)
+        curve = learning(metrics, len(metrics_before), ckpt_step)
         png = plot_learning_curve(metrics, len(metrics_before), killed_in, ckpt_step,
-                                  os.path.join(out if keep else os.getcwd(), "kvckpt-demo-learning-curve.png"))
+                                  os.path.join(out, "kvckpt-demo-learning-curve.png"), curve)
         rec = summary["recovery"]
         report = {
-            "backend": backend, "sampler": sampler, "out": out if keep else None, "learning_curve": png,
+            "backend": backend, "sampler": sampler, "out": out, "kept": "all" if keep else "plot and metrics",
+            "learning_curve": png,
             "run": {"steps": preset["steps"], "groups_per_step": gps, "group_size": preset["group_size"],
                     "killed_mid_step": killed_in, "checkpoint_step": ckpt_step,
                     "at_kill": {"claimed": at_kill["state"]["claimed"], "ready": at_kill["state"]["ready"],
@@ -344,17 +445,29 @@ def run_demo(out: str | None = None, *, fast: bool = False, sampler: str = "in_o
                                        "raw_bytes": 0 if recovery == "live" else after["raw_bytes"]},
                          "groups_after_checkpoint_recommitted": len(set(after["group_ids"]) & commits2),
                          "time_to_first_batch_seconds": first[0]["time"] - t_restart if first else None},
-            "finish": {"final_step": summary["steps_done"], "steps_trained": summary["steps_done"] - ckpt_step,
-                       "reward_first": summary["reward_first"], "reward_last": summary["reward_last"]},
+            "finish": {"final_step": summary["steps_done"], "steps_trained": summary["steps_done"] - ckpt_step},
+            "learning": curve,
             "check": {**{k: v for k, v in check.items() if k != "trained_by_step"},
                       "verify_ok": verify.ok, "verify_problems": [str(p) for p in verify.problems]},
         }
         report["ok"] = bool(not check["lost"] and not check["doubled"] and verify.ok
                             and len(redispatch) == rec["groups_redispatched"])
+        succeeded = report["ok"]
         return report
     finally:
-        if not keep:
-            shutil.rmtree(out, ignore_errors=True)
+        if not keep and succeeded:
+            _tidy(out, keep=("kvckpt-demo-learning-curve.png", "metrics.jsonl"))
+
+
+def _tidy(directory: str, keep: Sequence[str]) -> None:
+    """Remove everything in ``directory`` but the names in ``keep``."""
+    for name in os.listdir(directory):
+        if name not in keep:
+            path = os.path.join(directory, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
 
 
 def _metrics(out: str) -> list[dict[str, Any]]:
@@ -366,10 +479,14 @@ def _metrics(out: str) -> list[dict[str, Any]]:
 
 
 def plot_learning_curve(metrics: Sequence[dict[str, Any]], first_run_lines: int, crash_step: int,
-                        resume_step: int, path: str) -> str:
-    """Mean reward per step of both runs, the crash and the retrained steps marked; returns ``path``."""
-    import matplotlib
-
+                        resume_step: int, path: str, trend: dict[str, Any] | None = None) -> str | None:
+    """Mean reward per step of both runs, the crash and the retrained steps marked, and the
+    fitted line of ``trend`` (see :func:`learning`) over steps ``0..trend["steps"]-1``; returns
+    ``path``, or ``None`` (nothing drawn) when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -377,6 +494,14 @@ def plot_learning_curve(metrics: Sequence[dict[str, Any]], first_run_lines: int,
     for rows, label, color in ((metrics[:first_run_lines], "run 1 (killed)", "tab:blue"),
                                (metrics[first_run_lines:], "run 2 (resumed)", "tab:orange")):
         ax.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], "o-", ms=3, label=label, color=color)
+    if trend and trend["slope"] is not None:
+        curve, k = trend["curve"], trend["window"]
+        ax.plot(range(k - 1, len(curve)), [sum(curve[i - k + 1:i + 1]) / k for i in range(k - 1, len(curve))],
+                color="black", lw=2, alpha=0.6, label=f"mean of the last {k} kept steps")
+        xs = [0, trend["steps"] - 1]
+        t_text = "" if trend["t"] is None else f", t = {trend['t']:.1f}"
+        ax.plot(xs, [trend["intercept"] + trend["slope"] * x for x in xs], "k--", lw=1.2,
+                label=f"linear fit of the kept steps: {trend['slope']:+.4f}/step{t_text}")
     ax.axvline(crash_step, color="tab:red", ls="--", label=f"SIGKILL (mid-step {crash_step})")
     ax.axvspan(resume_step - 0.5, crash_step - 0.5, color="grey", alpha=0.15,
                label=f"trained again from checkpoint step_{resume_step}")
@@ -424,20 +549,35 @@ def render(doc: dict[str, Any]) -> list[str]:
         ("generation work lost", lost[0]), ("", lost[1]),
         ("time to first batch", "-" if first is None else f"{first:.1f} s after the restart (process start, model "
                                                           f"load, recover {recover_ms:.0f} ms)"),
-        ("finished", f"to step {fin['final_step']} ({fin['steps_trained']} steps after the resume); mean reward "
-                     f"{fin['reward_first']:.2f} -> {fin['reward_last']:.2f} (first -> last steps of run 2)"),
+        ("finished", f"to step {fin['final_step']} ({fin['steps_trained']} steps after the resume)"),
+        *_learning_lines(doc["learning"]),
         ("exactly once", f"{check['prompts']} prompts served: {check['trained_once']} trained once, "
                          f"{check['discarded']} discarded by the sampler, {check['pending']} buffered, "
                          f"{len(check['lost'])} lost, {len(check['doubled'])} doubled"),
         ("final store", "verifies clean" if check["verify_ok"] else "; ".join(check["verify_problems"])),
-        ("learning curve", doc["learning_curve"]),
+        ("learning curve", doc["learning_curve"] or "not drawn: matplotlib is not installed "
+                                                      "(pip install matplotlib)"),
     ]
     width = max(len(k) for k, _ in pairs)
     lines = ["", "recovery report", *[f"  {k:<{width}}  {v}" for k, v in pairs]]
     lines += ["", f"result: {'ok' if doc['ok'] else 'FAILED'}"]
     if doc.get("out"):
-        lines.append(f"  files kept in {doc['out']}")
+        lines.append(f"  files kept in {doc['out']}" + ("" if doc.get("kept", "all") == "all"
+                                                       else f" ({doc['kept']}; --out DIR keeps them all)"))
     return lines
+
+
+def _learning_lines(curve: dict[str, Any]) -> list[tuple[str, str]]:
+    """The report's lines on the reward curve of the model that survived (see :func:`learning`)."""
+    if curve["slope"] is None:
+        return [("mean reward", f"{curve['steps']} steps: too few for a trend")]
+    t = "-" if curve["t"] is None else f"{curve['t']:.1f}"
+    k = curve["window"]
+    return [("mean reward", f"{curve['first_mean']:.2f} (first {k} steps) -> {curve['last_mean']:.2f} (last {k}); "
+                            f"linear trend {curve['slope']:+.4f}/step, t = {t}, over {curve['steps']} steps"),
+            ("", "the resume continues it: {:.2f} over steps {}-{} (before the checkpoint), {:.2f} over steps {}-{} "
+                 "(after the resume)".format(curve["before_checkpoint_mean"], *curve["before_checkpoint_steps"],
+                                             curve["after_resume_mean"], *curve["after_resume_steps"]))]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
