@@ -19,6 +19,7 @@ demo: $(STAMP)
 # run them with `make test-slow`.
 test: $(STAMP)
 	$(BIN)/ruff check kvckpt integrations tools tests benchmarks
+	bash scripts/setup_fuse.sh
 	$(BIN)/python -m pytest -q -m "not vllm and not slow" $(PYTEST_ARGS)
 	bash scripts/setup_vllm_env.sh
 	.venv-vllm/bin/python -m pytest -q -m "vllm and not slow" tests/test_worker.py tests/test_trainer.py $(PYTEST_ARGS)

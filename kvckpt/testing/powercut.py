@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import hashlib
 import importlib
 import json
 import os
@@ -180,22 +181,30 @@ def _child(mount: str, timeline: str, start: str, source: str | None, sampler: d
 # -- the checker (runs in a fresh process) ---------------------------------------------------------
 
 
-def check_image(image: str, timeline: str, ops: list[dict[str, Any]], scratch: str) -> dict[str, Any]:
+def check_image(image: str, timeline: str, ops: list[dict[str, Any]], scratch: str,
+                restored_before: dict[str, str] | None = None, rows_seen: set[bytes] | None = None) -> dict[str, Any]:
     """Check the surviving ``image`` of run ``timeline`` against the acknowledged ``ops``.
 
-    Returns ``{"operations_checked", "checkpoints_restored", "violations"}``."""
+    ``restored_before`` maps checkpoint names to the digests of bytes that restored cleanly at an
+    earlier cut; a file still holding those bytes is not restored again (same bytes, same outcome).
+    ``rows_seen`` holds digests of (key, value) rows already compared with their producer's row.
+    Returns ``{"operations_checked", "checkpoints_restored", "violations", "restored", "rows_seen"}``
+    (the last two: what to pass next time)."""
+    restored_ok = dict(restored_before or {})
+    seen = set(rows_seen or ())
     found: list[str] = []
     bad = found.append
     restored = 0
     run = os.path.join(image, timeline)
     live_path = os.path.join(run, "live.kv")
     if not os.path.exists(live_path):
-        return {"operations_checked": len(ops), "checkpoints_restored": 0, "violations": [
+        return {"operations_checked": len(ops), "checkpoints_restored": 0, "restored": restored_ok,
+                "rows_seen": seen, "violations": [
             f"the store {timeline}/live.kv is gone after the power cut ({len(ops)} acknowledged operations "
             f"lost; its directory holds {sorted(os.listdir(run)) if os.path.isdir(run) else 'nothing'})"]}
     buf = ReplayBuffer.open(live_path, readonly=True)
     try:
-        snap = _check_buffer(buf, "live store", bad, set())
+        snap = _check_buffer(buf, "live store", bad, seen)
     finally:
         buf.close()
     found.extend(check_history(ops, snap))
@@ -209,24 +218,32 @@ def check_image(image: str, timeline: str, ops: list[dict[str, Any]], scratch: s
         bad(f"acknowledged checkpoint {os.path.basename(logged[-1])} is missing")
     for path in files:
         name = f"{timeline}/ckpt/{os.path.basename(path)}"
+        with open(path, "rb") as f:
+            digest = hashlib.blake2b(f.read()).hexdigest()
+        if restored_ok.get(name) == digest:
+            continue
         try:
             rbuf, _ = restore(path, os.path.join(scratch, "restored.kv"), overwrite=True)
         except Exception as exc:
             bad(f"checkpoint {name} under a final name does not restore: {type(exc).__name__}: {exc}")
             continue
         try:
-            compare_checkpoint(_check_buffer(rbuf, f"restored {name}", bad, set(), deep=False), snap, name, bad)
+            compare_checkpoint(_check_buffer(rbuf, f"restored {name}", bad, seen, deep=False), snap, name, bad)
         finally:
             rbuf.close()
         restored += 1
-    return {"operations_checked": len(ops), "checkpoints_restored": restored, "violations": found}
+        restored_ok[name] = digest
+    return {"operations_checked": len(ops), "checkpoints_restored": restored, "violations": found,
+            "restored": restored_ok, "rows_seen": seen}
 
 
-def _checker(image: str, timeline: str, ops: list[dict[str, Any]], scratch: str, conn: Any) -> None:
+def _checker(image: str, timeline: str, ops: list[dict[str, Any]], scratch: str, restored_before: dict[str, str],
+             rows_seen: set[bytes], conn: Any) -> None:
     try:
-        conn.send(check_image(image, timeline, ops, scratch))
+        conn.send(check_image(image, timeline, ops, scratch, restored_before, rows_seen))
     except BaseException as exc:
-        conn.send({"operations_checked": 0, "checkpoints_restored": 0, "violations": [
+        conn.send({"operations_checked": 0, "checkpoints_restored": 0, "restored": restored_before,
+                   "rows_seen": rows_seen, "violations": [
             f"the checker raised {type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"]})
 
 
@@ -237,9 +254,13 @@ def _in_fresh_process(target: Callable[..., None], *args: Any, timeout: float = 
     proc = ctx.Process(target=target, args=(*args, send), daemon=True)
     proc.start()
     send.close()
+    deadline = time.monotonic() + timeout
     try:
-        if not recv.poll(timeout):
-            raise TimeoutError(f"{target.__name__} sent nothing within {timeout}s (exit status {proc.exitcode})")
+        while not recv.poll(0.05):
+            if not proc.is_alive() and not recv.poll(0):
+                raise RuntimeError(f"{target.__name__} died without an answer (exit status {proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{target.__name__} sent nothing within {timeout}s")
         return recv.recv()
     finally:
         proc.kill()
@@ -257,6 +278,8 @@ class _Run:
     image: str
     timeline: str | None = None
     ops: list[dict[str, Any]] = field(default_factory=list)
+    restored: dict[str, str] = field(default_factory=dict)  #: checkpoint name -> digest of bytes that restored
+    rows_seen: set[bytes] = field(default_factory=set)  #: rows already compared with their producer's
 
 
 def _collect(conn: Any, into: list[bytes]) -> None:
@@ -266,7 +289,8 @@ def _collect(conn: Any, into: list[bytes]) -> None:
 
 
 def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: random.Random, max_delay: float,
-             breakage: str | None, result: PowercutResult, bad: Callable[[str], None]) -> None:
+             breakage: str | None, modes: tuple[str, ...], result: PowercutResult,
+             bad: Callable[[str], None]) -> None:
     mnt, image = os.path.join(root, "mnt"), os.path.join(root, f"image-{k:06d}")
     if chain.timeline is None:
         start, source = "create", None
@@ -276,7 +300,7 @@ def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: rando
         source = os.path.join(mnt, chain.timeline, "ckpt", os.path.basename(ckpts[-1])) if start == "restore" else None
     timeline = chain.timeline if start in ("recover", "open") else f"run-{k:06d}"
     result.starts[start] = result.starts.get(start, 0) + 1
-    mode = rng.choice(CUT_MODES)
+    mode = rng.choice(modes)
     result.modes[mode] = result.modes.get(mode, 0) + 1
     errpath = os.path.join(root, "child.stderr")
     open(errpath, "wb").close()
@@ -322,7 +346,7 @@ def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: rando
     ops = [op for op in ops if op["op"] != "violation"]
     for i, op in enumerate(ops):
         if op["op"] in ("created", "restored"):
-            chain.timeline, chain.ops = op["timeline"], []
+            chain.timeline, chain.ops, chain.restored = op["timeline"], [], {}
             ops = ops[i:]
             break
     chain.ops.extend(ops)
@@ -331,7 +355,8 @@ def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: rando
     scratch = os.path.join(root, "scratch")
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
-    outcome = _in_fresh_process(_checker, image, chain.timeline, chain.ops, scratch)
+    outcome = _in_fresh_process(_checker, image, chain.timeline, chain.ops, scratch, chain.restored, chain.rows_seen)
+    chain.restored, chain.rows_seen = outcome["restored"], outcome["rows_seen"]
     result.operations_checked += len(ops)
     result.checkpoints_restored += outcome["checkpoints_restored"]
     for violation in outcome["violations"]:
@@ -349,8 +374,9 @@ def _tidy(image: str, timeline: str) -> None:
         os.unlink(partial)
 
 
-def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = None, chain: int = 20,
-                          max_delay: float = 1.0, breakage: str | None = None, minutes: float | None = None,
+def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = None, chain: int = 10,
+                          max_delay: float = 1.0, breakage: str | None = None, modes: tuple[str, ...] = CUT_MODES,
+                          minutes: float | None = None,
                           progress: Callable[[PowercutResult], None] | None = None) -> PowercutResult:
     """Cut the power under a live workload ``cuts`` times and check every promise after each cut.
 
@@ -358,13 +384,16 @@ def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = N
         cuts: number of power cuts.
         seed: makes the cut times, modes, start kinds and the workload's choices reproducible
             (thread interleavings are not).
-        directory: where images, mounts and logs go (a temporary directory by default, removed
-            afterwards unless a violation was found).
+        directory: where images, mounts and logs go (by default a temporary directory, in
+            ``/dev/shm`` where it exists: the disk is simulated, so real fsyncs are only cost;
+            removed afterwards unless a violation was found).
         chain: cuts on one chain of images before starting from an empty disk again (the sampler
-            rotates through all four built-ins per chain). Defaults to 20.
+            rotates through all four built-ins per chain). Defaults to 10.
         max_delay: longest wait (seconds) between the workload's start and the cut. Defaults to 1.
         breakage: one of :data:`BREAKAGES` to break durability on purpose (the campaign must then
             report violations). Defaults to None.
+        modes: the cut modes drawn from, each cut at random (see :meth:`powerfs.PowerFS.cut`).
+            Defaults to both, ``strict`` and ``random``.
         minutes: start no cut after this many minutes (``result.cuts`` says how many ran).
         progress: called after every cut with the running result.
 
@@ -376,11 +405,14 @@ def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = N
         raise RuntimeError(f"the power-cut campaign cannot run here: {why}")
     if breakage is not None and breakage not in BREAKAGES:
         raise ValueError(f"unknown breakage {breakage!r} (one of {', '.join(BREAKAGES)})")
+    if not modes or set(modes) - set(CUT_MODES):
+        raise ValueError(f"modes must be drawn from {CUT_MODES}, not {modes!r}")
     rng = random.Random(seed)
     result = PowercutResult()
     t0 = time.perf_counter()
     owned = directory is None
-    root = tempfile.mkdtemp(prefix="kvckpt-powercut-") if owned else os.path.abspath(directory)
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    root = tempfile.mkdtemp(prefix="kvckpt-powercut-", dir=shm) if owned else os.path.abspath(directory)
     os.makedirs(root, exist_ok=True)
     current: _Run | None = None
     try:
@@ -398,7 +430,7 @@ def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = N
                 result.violations.append(f"cut {k}: {message}")
 
             try:
-                _one_cut(k, root, current, sampler, rng, max_delay, breakage, result, bad)
+                _one_cut(k, root, current, sampler, rng, max_delay, breakage, modes, result, bad)
             except Exception as exc:  # a crash of the harness is a finding, not a reason to stop
                 bad(f"the cut cycle raised {type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}")
             result.cuts += 1
@@ -421,10 +453,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuts", type=int, default=100)
     parser.add_argument("--soak", action="store_true", help="the soak size: 2000 cuts (overrides --cuts)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--chain", type=int, default=20, help="cuts per chain of images before an empty disk")
+    parser.add_argument("--chain", type=int, default=10, help="cuts per chain of images before an empty disk")
     parser.add_argument("--max-delay", type=float, default=1.0, help="longest wait before a cut (seconds)")
     parser.add_argument("--break", dest="breakage", choices=BREAKAGES, default=None,
                         help="break durability on purpose: the campaign must find violations")
+    parser.add_argument("--mode", choices=CUT_MODES, default=None, help="only this cut mode (default: both)")
     parser.add_argument("--dir", default=None, help="keep the campaign's files here (default: a temp dir)")
     parser.add_argument("--minutes", type=float, default=None, help="start no cut after this long")
     opts = parser.parse_args(argv)
@@ -434,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = run_powercut_campaign(2000 if opts.soak else opts.cuts, seed=opts.seed, directory=opts.dir,
                                    chain=opts.chain, max_delay=opts.max_delay, breakage=opts.breakage,
-                                   minutes=opts.minutes, progress=_every(50))
+                                   modes=(opts.mode,) if opts.mode else CUT_MODES, minutes=opts.minutes,
+                                   progress=_every(50))
     for violation in result.violations[:50]:
         print("VIOLATION", violation)
     if result.violations:
