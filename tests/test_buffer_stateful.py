@@ -2,7 +2,11 @@
 
 Random sequences of admit / commit_group / commit_sample / select / finish_step / evict (the
 sampler's or named groups) / abort / abort_stale_inflight / redispatch / promote_ready_group /
-checkpoint / close-and-reopen / recover run on a real LMDB file, once per sampler. Every
+checkpoint / close-and-reopen / recover / restore of *any* earlier checkpoint run on a real LMDB
+file, once per sampler. Every lease ever issued is kept, and zombies — leases of abandoned
+timelines (before a recovery or a restore, including earlier restores of the same checkpoint) and
+leases of another store with the same group ids — try to commit at random moments: none may be
+accepted, and the rows a trainer reads are always those of the one legitimate commit. Every
 operation's outcome (result or exact error) is predicted by the model first; a refused operation
 must leave every table byte-for-byte unchanged. After every step the machine checks the
 invariants of replay_semantics.md §G that apply: single owner (§G.10), capacity conservation
@@ -14,12 +18,15 @@ CI runs a short profile (about 30 s in all); ``KVCKPT_HYPOTHESIS_PROFILE=soak`` 
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import copy
 import os
 import shutil
 import tempfile
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from conftest import SCHEMA, dump_store, make_row
@@ -34,16 +41,19 @@ from hypothesis.stateful import (
 )
 
 from kvckpt import (
+    AbandonedTimeline,
     BadArgument,
     BufferConfig,
     CapacityError,
     DuplicateCommit,
+    ForeignLease,
     GateTimeout,
     Prompt,
     RecoveryError,
     ReplayBuffer,
     StaleAttempt,
     UnknownGroup,
+    restore,
 )
 from kvckpt.samplers import BufferView
 from kvckpt.verify import check, verify_path
@@ -59,7 +69,7 @@ N = 2  # rows per group
 #: Operations with their relative frequency (drawn as a number: sampled_from favours its first item).
 WEIGHTS = {"produce": 4, "commit_group": 3, "select": 3, "admit": 2, "commit_sample": 3, "train": 2, "finish_step": 1,
            "evict": 1, "abort": 1, "abort_stale_inflight": 1, "redispatch": 1, "promote_ready_group": 1,
-           "checkpoint": 1, "reopen": 1, "recover": 1}
+           "checkpoint": 1, "reopen": 1, "recover": 1, "restore": 1, "foreign_admit": 1, "zombie": 2}
 OPERATIONS = [op for op, weight in WEIGHTS.items() for _ in range(weight)]
 INFLIGHT = "inflight"
 
@@ -84,6 +94,7 @@ class Owned:
     claimed_step: int | None = None
     consumed_step: int | None = None
     rows_stored: bool = True
+    timeline: str = ""
 
 
 class Model:
@@ -104,6 +115,7 @@ class Model:
         self.prompts: dict[str, Owned] = {}
         self.dataloader: bytes | None = None
         self.rolled_back = False
+        self.timeline = ""  # learnt from the store: random at create, restore and recovery
 
     def having(self, *states: str) -> list[Owned]:
         return sorted((p for p in self.prompts.values() if p.state in states), key=lambda p: p.seq)
@@ -158,7 +170,7 @@ class Model:
         target = self.dispatch if self.name == "in_order" else None
         admitted = []
         for j in range(count):
-            prompt = Owned(f"a{self.admissions}-p{j}", self.seq, weight, target)
+            prompt = Owned(f"a{self.admissions}-p{j}", self.seq, weight, target, timeline=self.timeline)
             self.seq += 1
             self.prompts[prompt.gid] = prompt
             admitted.append(prompt)
@@ -167,12 +179,17 @@ class Model:
         self.dataloader = dataloader
         return admitted
 
-    def commit_error(self, lease: Any, rows: dict[int, int], whole: bool) -> tuple[type[Exception] | None, bool]:
+    def commit_error(self, lease: Any, rows: dict[int, int], whole: bool,
+                     store_id: str) -> tuple[type[Exception] | None, bool]:
         """The error a commit raises (or None), and whether it is a replay that writes nothing."""
-        prompt = self.prompts[lease.group_id]
+        prompt = self.prompts.get(lease.group_id)
+        if prompt is None:
+            return UnknownGroup, False
+        fenced = (ForeignLease if lease.store_id != store_id else AbandonedTimeline
+                  if lease.timeline != prompt.timeline else StaleAttempt if lease.attempt != prompt.attempt else None)
         if prompt.state == INFLIGHT:
-            if lease.attempt != prompt.attempt:
-                return StaleAttempt, False
+            if fenced is not None:
+                return fenced, False
             if not whole:
                 [(index, variant)] = rows.items()
                 if index in prompt.rows:
@@ -180,10 +197,9 @@ class Model:
             return None, False
         if prompt.state in ("evicted", "aborted"):
             return UnknownGroup, False
-        if lease.attempt < prompt.attempt:
-            return StaleAttempt, False
-        if prompt.rows_stored and lease.attempt == prompt.attempt \
-                and all(prompt.rows[i] == v for i, v in rows.items()):
+        if fenced is not None:
+            return fenced, False
+        if prompt.rows_stored and all(prompt.rows[i] == v for i, v in rows.items()):
             return None, True
         return DuplicateCommit, False
 
@@ -241,6 +257,7 @@ class Model:
     def redispatch(self, gid: str, start_weight: int | None) -> Owned:
         prompt = self.prompts[gid]
         prompt.attempt += 1
+        prompt.timeline = self.timeline
         if start_weight is not None:
             prompt.start_weight = start_weight
         self.counters["redispatched"] += 1
@@ -263,7 +280,7 @@ class Model:
     def recover_error(self, version: int) -> bool:
         return version > self.tv or version < self.drop_floor
 
-    def recover(self, version: int) -> tuple[int, list[Owned]]:
+    def recover(self, version: int, timeline: str) -> tuple[int, list[Owned]]:
         returned = 0
         for prompt in self.having("claimed", "consumed"):
             step = prompt.claimed_step if prompt.state == "claimed" else prompt.consumed_step
@@ -275,8 +292,11 @@ class Model:
         self.tv = self.wv = version
         self.durable = [v for v in self.durable if v <= version]
         inflight = self.having(INFLIGHT)
+        assert timeline != self.timeline, "recovery must start a new timeline"
+        self.timeline = timeline
         for prompt in inflight:
             prompt.attempt += 1
+            prompt.timeline = timeline
         self.counters["redispatched"] += len(inflight)
         return returned, inflight
 
@@ -285,6 +305,8 @@ class BufferMachine(RuleBasedStateMachine):
     """One buffer under random operations; ``SAMPLER`` is set per subclass."""
 
     SAMPLER = "in_order"
+    #: How often the fencing rules really ran (a run where none did would prove nothing).
+    seen: ClassVar[collections.Counter[str]] = collections.Counter()
 
     def __init__(self) -> None:
         super().__init__()
@@ -293,6 +315,8 @@ class BufferMachine(RuleBasedStateMachine):
         self.buf: ReplayBuffer | None = None
         self.leases: list[Any] = []
         self.checkpoints = 0
+        self.saved: list[tuple[str, Model]] = []  # each checkpoint file with the model at its stamp
+        self.foreign: ReplayBuffer | None = None
 
     # -- setup ---------------------------------------------------------------------------------------
     @initialize(window=st.sampled_from([1, 2, 0]), freshest=st.booleans(), groups_per_step=st.integers(1, 2),
@@ -307,10 +331,17 @@ class BufferMachine(RuleBasedStateMachine):
             group_size=N, schema=SCHEMA, sampler=sampler, max_buffered_rollouts=capacity,
             groups_per_step=groups_per_step, retain_consumed=retain, durable_checkpoints=keep))
         self.model = Model(sampler, capacity, retain, keep)
+        self.model.timeline = self.buf.state()["timeline"]
+        self.store_id = self.buf.store.store_id
+        # Another store of the same config: its group ids collide with ours, its leases must not commit.
+        self.foreign = ReplayBuffer.create(os.path.join(self.dir, "foreign.kv"), BufferConfig(
+            group_size=N, schema=SCHEMA, sampler=sampler, max_buffered_rollouts=capacity,
+            groups_per_step=groups_per_step, retain_consumed=retain, durable_checkpoints=keep))
 
     def teardown(self) -> None:
-        if self.buf is not None:
-            self.buf.close()
+        for buf in (self.buf, self.foreign):
+            if buf is not None:
+                buf.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def refused(self, error: type[Exception], fn: Any, *args: Any, **kwargs: Any) -> None:
@@ -328,8 +359,9 @@ class BufferMachine(RuleBasedStateMachine):
 
     def lease(self, data: Any) -> Any:
         """Mostly a lease that can still commit; sometimes any lease ever issued (stale, replayed)."""
-        live = [x for x in self.leases if (p := self.model.prompts[x.group_id]).state == INFLIGHT
-                and p.attempt == x.attempt]
+        m = self.model
+        live = [x for x in self.leases if x.store_id == self.store_id and x.timeline == m.timeline
+                and (p := m.prompts.get(x.group_id)) is not None and p.state == INFLIGHT and p.attempt == x.attempt]
         pool = live if live and data.draw(st.sampled_from([True, True, True, False]), label="live") else self.leases
         return data.draw(st.sampled_from(pool), label="lease")
 
@@ -359,9 +391,50 @@ class BufferMachine(RuleBasedStateMachine):
                 self.commit_lease(lease, 0, False, None)
 
     def train(self, data):
-        """A training step: select, then finish the step."""
-        self.select(data)
+        """A training step: select, read the batch (the rows of the one legitimate commit of each
+        group, never a fenced lease's), then finish the step."""
+        selection = self.select(data)
+        if selection.group_ids:
+            batch = self.buf.read_batch(selection, layout="list")
+            for gid, index, row in zip(batch.group_ids, batch.row_indices, batch.rows, strict=True):
+                want = row_for(gid, index, self.model.prompts[gid].rows[index])
+                assert all(bool((row[k] == want[k]).all()) for k in want), f"{gid} row {index}: wrong rows"
         self.finish_step(data)
+
+    def zombie(self, data):
+        """A lease of an abandoned timeline or another store commits (zombies use variant 2)."""
+        stale = [x for x in self.leases if x.store_id != self.store_id or x.timeline != self.model.timeline]
+        if not stale:
+            return
+        lease = data.draw(st.sampled_from(stale), label="zombie")
+        self.seen["foreign zombie" if lease.store_id != self.store_id else "timeline zombie"] += 1
+        if data.draw(st.booleans(), label="whole group"):
+            self.commit_lease(lease, 2, False, None)
+        else:
+            index = data.draw(st.integers(0, N - 1), label="index")
+            error, _ = self.model.commit_error(lease, {index: 2}, whole=False, store_id=self.store_id)
+            assert error is not None, f"zombie {lease} would be accepted"
+            self.refused(error, self.buf.commit_sample, lease, index, row_for(lease.group_id, index, 2))
+
+    def foreign_admit(self, data):
+        """Another store admits prompts (its group ids collide with ours): keep its leases as zombies."""
+        with contextlib.suppress(GateTimeout, CapacityError):
+            self.leases += self.foreign.admit([Prompt(prompt_idx=0)], timeout=0)
+
+    def restore(self, data):
+        """Restore any earlier checkpoint (a crash loop may restore the same one many times)."""
+        if not self.saved:
+            return
+        dest, snapshot = data.draw(st.sampled_from(self.saved), label="checkpoint")
+        self.seen["restore"] += 1
+        self.buf.close()
+        self.buf = None
+        self.buf, plan = restore(dest, self.path, overwrite=True)
+        self.model = m = copy.deepcopy(snapshot)
+        _, redispatch = m.recover(m.tv, plan.timeline)
+        assert [(x.group_id, x.attempt, x.timeline, x.store_id) for x in plan.leases] == [
+            (p.gid, p.attempt, m.timeline, self.store_id) for p in redispatch]
+        self.leases += plan.leases
 
     def commit_group(self, data):
         if not self.leases:
@@ -376,7 +449,7 @@ class BufferMachine(RuleBasedStateMachine):
         indices = list(lease.missing) if missing_only and len(lease.missing) < N else list(range(N))
         rows = {i: variant for i in indices}
         payload = [row_for(lease.group_id, i, variant) for i in indices]
-        error, replay = self.model.commit_error(lease, rows, whole=True)
+        error, replay = self.model.commit_error(lease, rows, whole=True, store_id=self.store_id)
         if error is not None:
             self.refused(error, self.buf.commit_group, lease, payload, end_weight=end_weight)
             return
@@ -395,7 +468,7 @@ class BufferMachine(RuleBasedStateMachine):
         lease = self.lease(data)
         index = data.draw(st.integers(0, N - 1), label="index")
         rows = {index: data.draw(st.integers(0, 1), label="variant")}
-        error, replay = self.model.commit_error(lease, rows, whole=False)
+        error, replay = self.model.commit_error(lease, rows, whole=False, store_id=self.store_id)
         payload = row_for(lease.group_id, index, rows[index])
         if error is not None:
             self.refused(error, self.buf.commit_sample, lease, index, payload)
@@ -432,6 +505,7 @@ class BufferMachine(RuleBasedStateMachine):
         selection = self.buf.select(min_groups, max_groups)
         assert selection.group_ids == self.model.select(min_groups, max_groups)
         assert selection.step == self.model.tv
+        return selection
 
     def finish_step(self, data):
         assert self.buf.finish_step() == self.model.tv + 1
@@ -469,8 +543,10 @@ class BufferMachine(RuleBasedStateMachine):
     def checkpoint(self, data):
         self.checkpoints += 1
         dest = os.path.join(self.dir, f"ckpt{self.checkpoints}.kv")
+        snapshot = copy.deepcopy(self.model)  # what the file holds: durable is marked after the copy
         result = self.buf.checkpoint(dest, {"n": self.checkpoints}).wait()
         assert result.trainer_version == self.model.tv
+        self.saved.append((dest, snapshot))
         self.model.checkpoint()
         assert verify_path(dest).ok
 
@@ -486,7 +562,7 @@ class BufferMachine(RuleBasedStateMachine):
             self.refused(RecoveryError, self.buf.recover, version)
             return
         plan = self.buf.recover(None if back is None else version)
-        returned, redispatch = m.recover(version)
+        returned, redispatch = m.recover(version, plan.timeline)
         assert (plan.resume_version, plan.groups_returned_to_ready) == (version, returned)
         assert plan.groups_complete_restored == len(m.having("ready"))
         assert [(x.group_id, x.attempt, x.target_step, x.start_weight) for x in plan.leases] == [
@@ -520,13 +596,15 @@ class BufferMachine(RuleBasedStateMachine):
         groups = buf.groups()
         assert not {e.group_id for e in ledger} & {g.group_id for g in groups}
         assert sorted([e.group_id for e in ledger] + [g.group_id for g in groups]) == sorted(m.prompts)
-        assert [(e.group_id, e.seq, e.attempt, e.target_step, e.start_weight, e.siblings) for e in ledger] == [
-            (p.gid, p.seq, p.attempt, p.target_step, p.start_weight, tuple(sorted(p.rows))) for p in inflight]
+        assert st_["timeline"] == m.timeline
+        assert [(e.group_id, e.seq, e.attempt, e.timeline, e.target_step, e.start_weight, e.siblings)
+                for e in ledger] == [(p.gid, p.seq, p.attempt, p.timeline, p.target_step, p.start_weight,
+                                      tuple(sorted(p.rows))) for p in inflight]
         # Stamps (§G.9) and states of every group record, tombstones included.
-        assert [(g.group_id, g.seq, g.state, g.start_weight, g.end_weight, g.target_step, g.attempt, g.claimed_step,
-                 g.consumed_step, g.rows_stored) for g in groups] == [
-            (p.gid, p.seq, p.state, p.start_weight, p.end_weight, p.target_step, p.attempt, p.claimed_step,
-             p.consumed_step, p.rows_stored) for p in sorted(m.prompts.values(), key=lambda p: p.seq)
+        assert [(g.group_id, g.seq, g.state, g.start_weight, g.end_weight, g.target_step, g.attempt, g.timeline,
+                 g.claimed_step, g.consumed_step, g.rows_stored) for g in groups] == [
+            (p.gid, p.seq, p.state, p.start_weight, p.end_weight, p.target_step, p.attempt, p.timeline,
+             p.claimed_step, p.consumed_step, p.rows_stored) for p in sorted(m.prompts.values(), key=lambda p: p.seq)
             if p.state != INFLIGHT]
         # Cursor exactness (§G.12): no owned work is stamped past the cursor.
         targets = [p.target_step for p in inflight + ready + claimed if p.target_step is not None]
@@ -546,4 +624,6 @@ def machine_for(sampler: str) -> type[BufferMachine]:
 
 @pytest.mark.parametrize("sampler", ["in_order", "weight_fifo", "windowed", "ready_first"])
 def test_buffer_matches_the_model(sampler):
+    BufferMachine.seen.clear()
     run_state_machine_as_test(machine_for(sampler), settings=SETTINGS)
+    assert min(BufferMachine.seen[k] for k in ("restore", "timeline zombie", "foreign zombie")) > 0, BufferMachine.seen
