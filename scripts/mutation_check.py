@@ -23,7 +23,12 @@ Usage::
     .venv/bin/python scripts/mutation_check.py --list
 
 A JSON mutation object has the keys ``name``, ``file``, ``old``, ``new``, ``tests`` and optionally
-``count``. The exit status is 0 only if every mutation was killed.
+``count``, for example::
+
+    [{"name": "fence-ignores-timeline", "file": "kvckpt/buffer.py",
+      "old": "if lease.timeline != timeline:", "new": "if False:", "tests": ["tests/test_fencing.py"]}]
+
+The exit status is 0 only if every mutation was killed (1 otherwise, 2 if the baseline fails).
 """
 
 from __future__ import annotations

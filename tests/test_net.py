@@ -103,7 +103,8 @@ def test_operations_on_a_group_leave_groups_whose_ids_extend_its_id_untouched(bu
 # -- the checkpoint holds the snapshot pinned at its stamp ------------------------------------------
 # Bug: the copy reads the live state at copy time (a fresh read transaction, or ``Environment.copy``
 # without ``txn=``), so a commit landing between the stamp and the copy leaks into the checkpoint:
-# it then holds a committed group whose prompt the restored dataloader/ledger also accounts for.
+# the file then holds a state its own stamp (step, trainer state, dataloader position) does not
+# describe.
 def test_a_commit_after_the_stamp_stays_out_of_the_checkpoint(buffer_factory, tmp_path, monkeypatch):
     buf = buffer_factory({"name": "windowed", "max_staleness_versions": 8}, group_size=GROUP_SIZE, capacity=16)
     early, late = admit(buf, "early", "late")
