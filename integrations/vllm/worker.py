@@ -31,6 +31,7 @@ import torch
 from kvckpt.errors import KvckptError
 from kvckpt.records import CommitResult, Lease
 
+from .rows import make_row, sampled_logprobs
 from .tiny_model import AdditionTask
 
 #: The row schema the worker fills (NeMo-RL's field names). A store may declare fewer of these
@@ -169,8 +170,7 @@ class VLLMBackend:
                 grouped.append([])
                 continue
             request = next(outputs)
-            grouped.append([Sample(tuple(request.prompt_token_ids), tuple(c.token_ids),
-                                   tuple(step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs, strict=True)),
+            grouped.append([Sample(tuple(request.prompt_token_ids), tuple(c.token_ids), tuple(sampled_logprobs(c)),
                                    c.text, "stop" if c.finish_reason == "stop" else "length")
                             for c in request.outputs])
         return grouped
@@ -288,16 +288,8 @@ class RolloutWorker:
         """
         out = {}
         for index, sample in zip(lease.missing, samples, strict=True):
-            prompt, completion = list(sample.prompt_ids), list(sample.completion_ids)
-            length = len(prompt) + len(completion)
-            row = {
-                "input_ids": torch.tensor(prompt + completion, dtype=torch.int64),
-                "generation_logprobs": torch.tensor([0.0] * len(prompt) + list(sample.logprobs), dtype=torch.float32),
-                "token_mask": torch.tensor([0] * len(prompt) + [1] * len(completion), dtype=torch.int64),
-                "input_lengths": torch.tensor(length, dtype=torch.int64),
-                "sample_mask": torch.tensor(1.0, dtype=torch.float32),
-                "total_reward": torch.tensor(self.task.reward(lease.prompt_idx, sample.text), dtype=torch.float32),
-            }
+            row = make_row(sample.prompt_ids, sample.completion_ids, sample.logprobs,
+                           self.task.reward(lease.prompt_idx, sample.text), completion_text=sample.text)
             if self.extra_fields is not None:
                 row.update(self.extra_fields(lease, index, sample))
             out[index] = {k: v for k, v in row.items() if k in self.fields}
