@@ -9,7 +9,8 @@ bytes, so memory stays bounded whatever the store's size. Each output row is one
   ``claimed_step``, ``consumed_step``, ``seq`` = dispatch order);
 * one column per exported field: token fields as ``list<dtype>``, scalar row fields as plain
   columns, row fields with a shape as (nested) lists. ``bfloat16`` is widened to ``float32``
-  (exactly), since Parquet has no bfloat16;
+  (exactly), since Parquet has no bfloat16. Text fields are ``string`` (``str``) and ``binary``
+  (``bytes``) columns; in JSONL, strings and base64 text;
 * ``text`` when a tokenizer is given: ``input_ids`` detokenized.
 
 Parquet files are written with ``pyarrow.parquet.ParquetWriter`` (zstd), one row group per batch.
@@ -24,6 +25,7 @@ busy.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -110,6 +112,22 @@ def _widen(arr: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         return (arr.astype(np.uint32) << 16).view(np.float32)
     return arr
+
+
+def _arrow_type(pa: Any, dtype: str) -> Any:
+    """The Arrow type of a field's values: text as ``string`` / ``binary``, bfloat16 widened."""
+    if dtype in codec.TEXT_DTYPES:
+        return pa.string() if dtype == "str" else pa.binary()
+    return pa.from_numpy_dtype(_widen(np.zeros(0, codec.DTYPES[dtype]), dtype).dtype)
+
+
+def _json_value(value: Any) -> Any:
+    """A field value as JSON: arrays as (nested) lists, text as is, bytes as base64 text."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    return value.tolist()
 
 
 def export(path: str, out: str, *, fmt: str = "parquet", states: Sequence[str] | None = None,
@@ -234,7 +252,7 @@ def _add_group(txn: Any, doc: dict[str, Any], schema: RowSchema, names: list[str
         for name in names:
             arr = record.arrays.get(name)
             if arr is not None:
-                batch.raw_bytes += arr.nbytes
+                batch.raw_bytes += codec.value_nbytes(arr)
                 arr = _widen(arr, record.dtypes[name])
             batch.arrays[name].append(arr)
         if decode:
@@ -312,7 +330,7 @@ class _JsonlSink:
             row = dict(zip(META_COLUMNS, meta, strict=True))
             for name in self._names:
                 arr = batch.arrays[name][i]
-                row[name] = None if arr is None else arr.tolist()
+                row[name] = _json_value(arr)
             if texts is not None:
                 row[TEXT_COLUMN] = texts[i]
             lines.append(json.dumps(row, separators=(",", ":")))
@@ -351,7 +369,9 @@ class _ParquetSink:
     def _column(self, name: str, arrays: list[np.ndarray | None]) -> Any:
         pa = self._pa
         spec = self._schema.fields[name]
-        value_type = pa.from_numpy_dtype(_widen(np.zeros(0, codec.DTYPES[spec.dtype]), spec.dtype).dtype)
+        value_type = _arrow_type(pa, spec.dtype)
+        if spec.dtype in codec.TEXT_DTYPES:
+            return pa.array(arrays, type=value_type)
         present = [a for a in arrays if a is not None]
         if spec.kind == "row" and present and all(a.ndim == 0 for a in present):
             if len(present) == len(arrays):
@@ -365,7 +385,7 @@ class _ParquetSink:
         fields = [pa.field(n, t) for n, t in zip(META_COLUMNS, self._meta_types, strict=True)]
         for name in self._names:
             spec = self._schema.fields[name]
-            value_type = pa.from_numpy_dtype(_widen(np.zeros(0, codec.DTYPES[spec.dtype]), spec.dtype).dtype)
+            value_type = _arrow_type(pa, spec.dtype)
             fields.append(pa.field(name, pa.list_(value_type) if spec.kind == "token" else value_type))
         if self._decoder is not None:
             fields.append(pa.field(TEXT_COLUMN, pa.string()))

@@ -312,3 +312,29 @@ def test_read_batch_of_rows_a_pin_never_covered_is_a_kvckpt_error(buffer_factory
                                              "and \\[3\\], which do not stack"):
         buf.read_batch(gids)
     assert [r["total_reward"].shape for r in buf.read_batch(gids, layout="list").rows] == [(), (3,)]
+
+
+# -- export of text fields -----------------------------------------------------------------------
+def test_text_fields_export_as_text(buffer_factory, tmp_path):
+    pytest.importorskip("pyarrow")
+    import json
+
+    import pyarrow.parquet as pq
+
+    from kvckpt.export import export
+
+    schema = {"input_ids": ("int64", "token"), "total_reward": ("float32", "row"), "prompt": ("str", "row"),
+              "raw": ("bytes", "row")}
+    buf = buffer_factory(schema=schema, group_size=2)
+    [lease] = buf.admit([0])
+    assert buf.commit_group(lease, [{"input_ids": [1, 2], "total_reward": 0.5, "prompt": "héllo", "raw": b"\x00\x01"},
+                                    {"input_ids": [3], "total_reward": 1.0, "prompt": "", "raw": b""}]).ready
+    path = buf.path
+    buf.close()
+    export(path, str(tmp_path / "o.jsonl"), fmt="jsonl")
+    lines = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [(r["prompt"], r["raw"]) for r in lines] == [("héllo", "AAE="), ("", "")]  # bytes as base64
+    export(path, str(tmp_path / "o.parquet"), fmt="parquet")
+    table = pq.read_table(tmp_path / "o.parquet")
+    assert str(table.schema.field("prompt").type) == "string" and str(table.schema.field("raw").type) == "binary"
+    assert table.column("prompt").to_pylist() == ["héllo", ""] and table.column("raw").to_pylist() == [b"\x00\x01", b""]
