@@ -225,7 +225,6 @@ def _same_rows(ta: Txn, tb: Txn, gid: str, da: dict[str, Any], db: dict[str, Any
         other = rb[index]
         if rec.dtypes != other.dtypes or rec.meta != other.meta:
             return False
-        for name, arr in rec.arrays.items():
-            if arr.shape != other.arrays[name].shape or arr.tobytes() != other.arrays[name].tobytes():
-                return False
+        if not all(codec.same_value(value, other.arrays[name]) for name, value in rec.arrays.items()):
+            return False
     return True
