@@ -16,6 +16,7 @@ outcomes are NeMo-RL's; the few deviations (docs/integrations.md) are asserted a
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import subprocess
@@ -150,6 +151,25 @@ class TestBuiltinsAndFactory:
         s = create_sampler(buf, cfg)
         assert isinstance(s, cls) and getattr(s, attr) == value
         assert s.supports_buffer_checkpoint is True
+
+    @pytest.mark.parametrize("name", list(SAMPLERS))
+    def test_every_prompt_group_sampler_member_with_its_keywords(self, make: Any, name: str) -> None:
+        """NeMo-RL's ``PromptGroupSampler`` protocol, member by member (what its isinstance checks)."""
+        s = create_sampler(make(SAMPLERS[name]), SAMPLERS[name])
+        keyword_only = {"admit": ["trainer_version_fn"], "evict": ["current_train_weight"],
+                        "select": ["current_train_weight", "min_prompt_groups", "max_prompt_groups"],
+                        "should_abort_inflight": ["start_weight_version", "current_train_weight"]}
+        for member, names in keyword_only.items():
+            params = inspect.signature(getattr(s, member)).parameters
+            assert [n for n in names if params[n].kind is inspect.Parameter.KEYWORD_ONLY] == names, member
+        for member in ("admit", "select", "evict"):
+            assert inspect.iscoroutinefunction(getattr(s, member)), member
+        assert isinstance(s.is_on_policy, bool) and callable(s.set_dispatch_index)
+        assert isinstance(s.required_buffer_capacity(1), int) and isinstance(s.dispatch_index, int)
+
+    def test_negative_staleness_is_rejected(self, tmp_path: Any) -> None:
+        with pytest.raises(ValueError, match="max_staleness_versions"):
+            configure(store_config(str(tmp_path / "r.kv"), {"name": "ready_first", "max_staleness_versions": -1}))
 
     def test_a_pydantic_sampler_config_is_read_through_model_dump(self, make: Any) -> None:
         class InOrderSamplerConfig:  # NeMo-RL's config objects are pydantic models
@@ -356,11 +376,12 @@ class TestDispatchCursorRestore:
         with pytest.raises(ValueError, match="resume_from_step"):
             create_sampler(make(), SAMPLERS["windowed"]).set_dispatch_index(-1)
 
-    def test_resumed_in_order_stamps_from_trainer_version(self, tmp_path: Any) -> None:
-        """Seven real steps, the process gone, a fresh one resumes at 7: stamps 7 then 8."""
-        cfg = store_config(str(tmp_path / "r.kv"), SAMPLERS["in_order"])
+    @staticmethod
+    def _seven_steps_then_a_fresh_handle(tmp_path: Any, sampler: dict[str, Any]) -> tuple[TQReplayBuffer, Any]:
+        """Seven real steps (one batch each), the handle gone, a fresh one seeded at step 7."""
+        cfg = store_config(str(tmp_path / "r.kv"), sampler)
         buf = TQReplayBuffer(None, partition_id="rollout_data", pad_value_dict={}, config=cfg)
-        s = create_sampler(buf, SAMPLERS["in_order"])
+        s = create_sampler(buf, sampler)
         for step in range(7):
             t = run(s.admit(trainer_version_fn=lambda step=step: step))
             add_group(buf, step, target_step=t)
@@ -368,11 +389,22 @@ class TestDispatchCursorRestore:
         run(s.evict(current_train_weight=7))
         buf.close()
         buf = TQReplayBuffer(None, partition_id="rollout_data", pad_value_dict={}, config=cfg)
-        s = create_sampler(buf, SAMPLERS["in_order"])
+        s = create_sampler(buf, sampler)
         s.set_dispatch_index(7)
-        assert run(s.admit(trainer_version_fn=lambda: 7)) == 7
-        assert run(s.admit(trainer_version_fn=lambda: 8)) == 8
-        buf.close()
+        return buf, s
+
+    def test_resumed_in_order_stamps_from_trainer_version(self, tmp_path: Any) -> None:
+        buf, s = self._seven_steps_then_a_fresh_handle(tmp_path, SAMPLERS["in_order"])
+        with buf:
+            assert run(s.admit(trainer_version_fn=lambda: 7)) == 7
+            assert run(s.admit(trainer_version_fn=lambda: 8)) == 8
+
+    def test_resumed_gate_admits_window_then_blocks(self, tmp_path: Any) -> None:
+        buf, s = self._seven_steps_then_a_fresh_handle(tmp_path, {"name": "weight_fifo", "max_staleness_versions": 0})
+        with buf:
+            assert run(s.admit(trainer_version_fn=lambda: 7)) is None
+            with pytest.raises(asyncio.TimeoutError):
+                run(asyncio.wait_for(s.admit(trainer_version_fn=lambda: 7), timeout=0.05))
 
     def test_a_store_behind_the_resumed_step_refuses_admission_until_loaded(self, make: Any) -> None:
         s = create_sampler(make(SAMPLERS["in_order"]), SAMPLERS["in_order"])
@@ -520,6 +552,23 @@ class TestTargetSteps:
         assert buf.target_step_list == [6, 6, 7]
         assert buf.promote_ready_group(to_target_step=6) is None  # step 7's last slot is unready
 
+    def test_only_later_steps_lend_and_borrowing_twice_takes_two_groups(self, make: Any) -> None:
+        buf = make(SAMPLERS["in_order"])
+        s = create_sampler(buf, SAMPLERS["in_order"])
+        assert buf.promote_ready_group(to_target_step=5) is None  # an empty buffer has nothing to lend
+        stamp(buf, s, 4)
+        add_group(buf, 0, target_step=4)
+        stamp(buf, s, 5)
+        add_group(buf, 0, target_step=5)
+        assert buf.promote_ready_group(to_target_step=5) is None
+        stamp(buf, s, 6)
+        add_group(buf, 0, target_step=6)
+        add_group(buf, 0, target_step=6)
+        assert buf.promote_ready_group(to_target_step=5) == 6
+        assert buf.promote_ready_group(to_target_step=5) == 6
+        assert buf.promote_ready_group(to_target_step=5) is None
+        assert buf.count_for_target_step(5) == 3 and buf.target_step_list == [4, 5, 5, 5]
+
     def test_unstamped_groups_are_never_borrowed(self, make: Any) -> None:
         buf = make()
         add_group(buf, 0)
@@ -576,6 +625,22 @@ def test_state_dict_round_trip_in_a_fresh_process(tmp_path: Any, name: str) -> N
                    "next_stamp": 2 if stamped else None}
 
 
+def test_state_dict_skips_pending_slots_and_an_empty_buffer_round_trips(make: Any) -> None:
+    kwargs = {"max_groups": 16, "expected_partition_id": "rollout_data", "expected_group_size": N_GENS}
+    buf = make()
+    empty = run(buf.state_dict(saved_capacity=16))
+    assert empty["groups"] == []
+    assert run(make().load_state_dict(empty, **kwargs)) == 0
+    first = add_group(buf, 1).group_ids[0]
+    buf.reserve(weight_version=2)  # in flight, sandwiched: in the file's ledger, not in "groups"
+    last = add_group(buf, 3).group_ids[0]
+    state = run(buf.state_dict(saved_capacity=16))
+    assert [(g["group_id"], g["start_weight"]) for g in state["groups"]] == [(first, 1), (last, 3)]
+    assert state["saved_capacity"] == 16 and state["partition_id"] == "rollout_data"
+    with pytest.raises(RecoveryError, match="a later save of the same step replaced it"):
+        run(buf.load_state_dict(empty, **kwargs))  # the step-0 file now holds the second save
+
+
 def test_load_state_dict_validates_the_envelope_first(make: Any) -> None:
     buf = make()
     add_group(buf, 0)
@@ -587,6 +652,7 @@ def test_load_state_dict_validates_the_envelope_first(make: Any) -> None:
              (state, {"expected_partition_id": "other"}, ValueError, "partition_id mismatch"),
              (state, {"expected_group_size": 3}, ValueError, "expected_group_size=3"),
              ({**state, "groups": state["groups"] * 2}, {}, ValueError, "duplicate sample_id"),
+             ({**state, "groups": [{"group_id": "g"}]}, {}, FormatError, "group is malformed"),
              (state, {"max_groups": 0}, CapacityError, "max_buffered_rollouts is 0")]
     for bad, override, exc, message in cases:
         with pytest.raises(exc, match=message):
@@ -675,6 +741,74 @@ def test_retry_loop_under_failures_keeps_one_owner_and_leaks_no_capacity(tmp_pat
     core = ReplayBuffer.open(cfg["path"])
     assert core.store.read(lambda txn: check(txn).ok)
     core.close()
+
+
+@pytest.mark.parametrize("name", list(SAMPLERS))
+def test_a_single_controller_run_with_both_pumps_on_one_event_loop(tmp_path: Any, name: str) -> None:
+    """The controller's two pumps as concurrent tasks, with its capacity semaphore and calls: the
+    rollout pump admits (gated), tops up and launches ``generate_and_push`` per prompt; the train
+    pump evicts, selects and advances the trainer. Every prompt is trained exactly once."""
+    steps, per_step = 4, 2
+    cfg = store_config(str(tmp_path / "r.kv"), SAMPLERS[name], capacity=4, per_step=per_step, schema=GRPO)
+    buf = TQReplayBuffer(None, partition_id="rollout_data", pad_value_dict={"token_ids": 0, "input_ids": 0},
+                         config=cfg)
+    sampler = create_sampler(buf, SAMPLERS[name])
+    sampler.set_dispatch_index(0)
+    assert sampler.required_buffer_capacity(per_step) <= 4
+    capacity = asyncio.Semaphore(4)
+    trainer = {"version": 0}
+    weight = {"v": 0}
+    dispatched: dict[int, int | None] = {}
+    trained: list[tuple[int, str]] = []
+    schedule = {3: [InfraError], 6: [DataError]}  # retried, each succeeds on its next attempt
+
+    async def rollout_pump(tasks: asyncio.TaskGroup) -> None:
+        for batch_index in range(steps):
+            target = await sampler.admit(trainer_version_fn=lambda: trainer["version"])
+            if target is not None:
+                assert buf.count_for_target_step(target) == 0  # no restored groups: dispatch the whole batch
+            for j in range(per_step):
+                prompt = batch_index * per_step + j
+                await capacity.acquire()
+                dispatched[prompt] = target
+                tasks.create_task(generate_and_push(buf, weight, prompt, target, list(schedule.get(prompt, [])),
+                                                    {"removed": 0}))
+
+    async def train_pump() -> None:
+        while trainer["version"] < steps:
+            got = 0
+            while got < per_step:
+                await asyncio.sleep(0)
+                for _ in range(await sampler.evict(current_train_weight=trainer["version"])):
+                    capacity.release()
+                meta, n = await sampler.select(current_train_weight=trainer["version"],
+                                               min_prompt_groups=1, max_prompt_groups=per_step - got)
+                if meta is None:
+                    continue
+                for _ in range(n):
+                    capacity.release()
+                got += n
+                rows = buf.get_samples(meta, ["input_ids", "total_reward"])
+                trained.extend((trainer["version"], gid) for gid in meta.group_ids)
+                assert rows.tensors["total_reward"].tolist() == [0.0, 1.0] * n
+            trainer["version"] += 1
+            weight["v"] = trainer["version"]
+            assert not sampler.should_abort_inflight(start_weight_version=weight["v"],
+                                                     current_train_weight=trainer["version"])
+
+    async def main() -> None:
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(rollout_pump(tasks))
+            tasks.create_task(train_pump())
+
+    run(asyncio.wait_for(main(), timeout=300))
+    assert len(trained) == steps * per_step == len({gid for _, gid in trained})
+    assert [v for v, _ in trained] == sorted(v for v, _ in trained)
+    if name == "in_order":  # each step trains exactly the batch stamped for it
+        assert sorted(dispatched.values()) == sorted(v for v, _ in trained)
+    assert len(buf) == 0 and buf.core.state()["inflight"] == 0
+    assert len(buf.core.groups([ABORTED])) == 2 and buf.core.store.read(lambda txn: check(txn).ok)
+    buf.close()
 
 
 def test_a_fenced_attempt_of_a_ledger_owned_prompt_cannot_commit(make: Any) -> None:

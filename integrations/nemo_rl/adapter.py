@@ -538,8 +538,9 @@ class TQReplayBuffer:
         Raises:
             FormatError: a malformed envelope or one another backend wrote. BadArgument: partition
             or group size mismatch, duplicate sample ids. CapacityError: more groups than
-            ``max_groups`` (kvckpt never drops restored groups). RecoveryError: the store does not
-            hold the envelope's groups as stamped.
+            ``max_groups`` (kvckpt never drops restored groups). RecoveryError: the file holds
+            another checkpoint (a later save of the same step), or the store does not hold the
+            envelope's groups as stamped.
         """
         self._check_envelope(state, expected_partition_id, expected_group_size)
         groups = state["groups"]
@@ -549,7 +550,7 @@ class TQReplayBuffer:
         stamp = self.core.store.read(lambda t: t.get_json("meta", b"checkpoint")) or {}
         resume_step = self._resume_step
         if stamp.get("checkpoint_id") != state["checkpoint_id"] or resume_step is not None:
-            await asyncio.to_thread(self._restore_file, state["checkpoint_file"], max_groups)
+            await asyncio.to_thread(self._restore_file, state["checkpoint_file"], state["checkpoint_id"], max_groups)
             if resume_step is not None and self.core.trainer_version != resume_step:
                 self._resume_step = resume_step
                 raise RecoveryError(f"the run resumes from step {resume_step} but the replay checkpoint is of step "
@@ -564,12 +565,15 @@ class TQReplayBuffer:
                                     "are from different runs")
         return len(groups)
 
-    def _restore_file(self, checkpoint_file: str, max_groups: int) -> None:
+    def _restore_file(self, checkpoint_file: str, checkpoint_id: str, max_groups: int) -> None:
         path = self.core.path
         self.core.close()
         core, plan = restore(checkpoint_file, path, overwrite=True, max_buffered_rollouts=max_groups)
         self.core = core
         self._adopt(plan)
+        if plan.checkpoint_id != checkpoint_id:
+            raise RecoveryError(f"{checkpoint_file!r} holds checkpoint {plan.checkpoint_id}, not the envelope's "
+                                f"{checkpoint_id}: a later save of the same step replaced it")
 
     @staticmethod
     def _check_envelope(state: Any, partition_id: str, group_size: int) -> None:
