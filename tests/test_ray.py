@@ -26,8 +26,10 @@ kray = pytest.importorskip("kvckpt.integrations.ray")
 ray = pytest.importorskip("ray")
 
 from kvckpt import (  # noqa: E402
+    AbandonedTimeline,
     BadArgument,
     CorruptRecord,
+    ForeignLease,
     SchemaMismatch,
     StaleAttempt,
     read_stamp,
@@ -258,8 +260,14 @@ def test_ray_kill_restart_fences_leases_and_voids_the_open_selection(ray_local, 
     assert [(x["group_id"], x["attempt"]) for x in plan["leases"]] == [("a0-p6", 1), ("a0-p7", 1)]
     with pytest.raises(StaleAttempt, match="restarted"):  # the step's claims were undone: no empty step
         ray.get(actor.finish_step.remote(session=selection["session"]))
-    with pytest.raises(StaleAttempt):
+    with pytest.raises(AbandonedTimeline):  # the restart's recovery started a new timeline
         ray.get(actor.commit_group.remote(leases[6], rows(6)))
+    old_wire = {k: v for k, v in plan["leases"][0].items() if k not in ("store_id", "timeline")}
+    with pytest.raises(ForeignLease, match="no store id"):  # a lease of an older kvckpt on the wire
+        ray.get(actor.commit_group.remote(old_wire, rows(6)))
+    with kray.BufferClient(actor, batch_groups=2) as client:
+        refused = [client.commit(lease, rows(6)) for lease in (old_wire, leases[6])]
+    assert [type(f.exception()) for f in refused] == [ForeignLease, AbandonedTimeline]
     again = ray.get(actor.select.remote(4, 4))
     assert [g["group_id"] for g in again["groups"]] == [g["group_id"] for g in selection["groups"]]
     assert ray.get(actor.finish_step.remote(session=again["session"])) == 1

@@ -21,12 +21,13 @@ What crosses the wire:
 Restart: with ``max_restarts`` the actor is started again after its process dies (SIGKILL,
 ``ray.kill(no_restart=False)``, OOM). The new incarnation reopens the store and runs live-store
 recovery (:meth:`kvckpt.ReplayBuffer.recover`): every acknowledged commit is there (each one was a
-durable transaction), nothing half-written is, claims of the interrupted step return to ready,
-and every in-flight lease gets a bumped attempt, so producers still holding the old lease are
-refused with :class:`~kvckpt.StaleAttempt`. The driver fetches the redispatch list with
-:meth:`BufferActor.recovery_plan`. A restart never creates a store: if the file is gone (the
-actor landed on another node), the restart fails instead of silently starting empty.
-"""
+durable transaction), nothing half-written is, claims of the interrupted step return to ready, and
+every in-flight lease moves to a new timeline with a bumped attempt, so producers still holding the
+old lease are refused with :class:`~kvckpt.AbandonedTimeline` (a :class:`~kvckpt.StaleAttempt`).
+Leases travel as ``Lease.to_dict()`` dicts; one without ``store_id``/``timeline`` (an older
+kvckpt's) is refused with :class:`~kvckpt.ForeignLease`. The driver fetches the redispatch list
+with :meth:`BufferActor.recovery_plan`. A restart never creates a store: if the file is gone (the
+actor landed on another node), the restart fails instead of silently starting empty. """
 
 from __future__ import annotations
 

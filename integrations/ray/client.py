@@ -7,11 +7,11 @@ call (rows in one Ray object) and keeps up to ``max_in_flight`` calls outstandin
 always has work queued while acknowledgements travel back.
 
 Exactly-once across actor failures: if the actor dies with a call in flight, the client waits for
-the restarted actor and resends the *same* object (same rows, same leases). Commits that had
-landed come back ``replayed=True`` (the core recognises an identical re-commit); commits that had
-not landed are refused with :class:`~kvckpt.StaleAttempt`, because the restart's recovery fenced
-their leases: the driver redispatches them from the actor's ``recovery_plan()``.
-"""
+the restarted actor and resends the *same* object (same rows, same leases). Commits that had landed
+come back ``replayed=True`` (the core recognises an identical re-commit); commits that had not
+landed are refused with :class:`~kvckpt.AbandonedTimeline` (a :class:`~kvckpt.StaleAttempt`),
+because the restart's recovery moved their prompts to a new timeline: the driver redispatches them
+from the actor's ``recovery_plan()``. """
 
 from __future__ import annotations
 
