@@ -648,7 +648,7 @@ class ReplayBuffer:
             key = keys.row_key(gid, r.index)
             if r.index in siblings:  # a whole commit regenerated a kept sibling: it replaces it
                 old = txn.get("rows", key)
-                raw -= sum(a.nbytes for a in codec.decode(old, f"rows/{keys.row_id(gid, r.index)}").arrays.values())
+                raw -= codec.decode(old, f"rows/{keys.row_id(gid, r.index)}").nbytes
                 stored -= len(old)
             txn.put("rows", key, r.value)
             raw += r.raw_bytes

@@ -338,3 +338,13 @@ def test_text_fields_export_as_text(buffer_factory, tmp_path):
     table = pq.read_table(tmp_path / "o.parquet")
     assert str(table.schema.field("prompt").type) == "string" and str(table.schema.field("raw").type) == "binary"
     assert table.column("prompt").to_pylist() == ["héllo", ""] and table.column("raw").to_pylist() == [b"\x00\x01", b""]
+
+
+def test_a_whole_commit_replaces_a_text_sibling_and_keeps_byte_counts(buffer_factory):
+    buf = buffer_factory(schema=TEXT_SCHEMA, group_size=3)
+    [lease] = buf.admit([0])
+    rows = trainer_rows(3)
+    assert not buf.commit_sample(lease, 0, {**rows[0], "prompt": "a much longer first draft"}).ready
+    assert buf.commit_group(lease, rows).ready  # regenerates row 0: its old bytes leave the counts
+    raw = sum(codec.decode(v).nbytes for _, v in buf.store.read(lambda t: list(t.iter_prefix("rows", b""))))
+    assert buf.group(lease.group_id).raw_bytes == raw == buf.stats()["raw_bytes"]
