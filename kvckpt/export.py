@@ -11,7 +11,17 @@ bytes, so memory stays bounded whatever the store's size. Each output row is one
   columns, row fields with a shape as (nested) lists. ``bfloat16`` is widened to ``float32``
   (exactly), since Parquet has no bfloat16. Text fields are ``string`` (``str``) and ``binary``
   (``bytes``) columns; in JSONL, strings and base64 text;
-* ``text`` when a tokenizer is given: ``input_ids`` detokenized.
+* ``text`` when a tokenizer is given: ``input_ids`` detokenized, special tokens skipped;
+* with ``sft=True`` (``--sft``), the SFT layout on top: ``store_id`` (provenance, with
+  ``group_id``, the weight versions and the reward fields already there), ``prompt_ids`` and
+  ``completion_ids`` — ``input_ids`` split at the first non-zero position of the completion mask
+  field (``token_mask`` by default: 1 on generated tokens) — and, with a tokenizer, ``prompt`` and
+  ``completion`` texts.
+
+Groups the selection names but whose rows are gone (consumed rows dropped once enough later
+checkpoints covered their step, unless ``retain_consumed``; evicted and aborted groups) are
+counted in :attr:`ExportResult.groups_without_rows`, and :attr:`ExportResult.warnings` says so,
+as it does for a selection that matched no rows at all (``kvckpt export --strict`` then exits 1).
 
 Parquet files are written with ``pyarrow.parquet.ParquetWriter`` (zstd), one row group per batch.
 JSONL writes one object per line; non-finite floats appear as ``NaN``/``Infinity``/``-Infinity``
@@ -53,6 +63,10 @@ FORMATS = ("parquet", "jsonl")
 META_COLUMNS = ("group_id", "row", "prompt_idx", "task_name", "state", "start_weight", "end_weight",
                 "target_step", "claimed_step", "consumed_step", "seq")
 TEXT_COLUMN = "text"
+#: The SFT layout's extra columns (token ids, then texts when a tokenizer is given).
+SFT_COLUMNS = ("store_id", "prompt_ids", "completion_ids")
+SFT_TEXT_COLUMNS = ("prompt", "completion")
+DEFAULT_COMPLETION_MASK = "token_mask"
 #: States whose groups hold rows (the default selection).
 STATES_WITH_ROWS = (READY, CLAIMED, CONSUMED)
 DEFAULT_BATCH_BYTES = 32 << 20
@@ -60,7 +74,8 @@ DEFAULT_BATCH_BYTES = 32 << 20
 
 @dataclass
 class ExportResult:
-    """What :func:`export` wrote: counts, raw row bytes exported, the file's size, seconds."""
+    """What :func:`export` wrote: counts, raw row bytes exported, the file's size, seconds, and
+    ``warnings`` (an empty selection, or ``groups_without_rows`` groups it named whose rows are gone)."""
 
     path: str
     format: str
@@ -70,6 +85,8 @@ class ExportResult:
     raw_bytes: int = 0
     file_bytes: int = 0
     seconds: float = 0.0
+    groups_without_rows: int = 0
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (``kvckpt export --json``)."""
@@ -104,6 +121,7 @@ class _Batch:
     meta: list[tuple[Any, ...]] = field(default_factory=list)
     arrays: dict[str, list[np.ndarray]] = field(default_factory=dict)
     input_ids: list[np.ndarray] = field(default_factory=list)
+    split: list[int] = field(default_factory=list)
     raw_bytes: int = 0
 
 
@@ -133,7 +151,8 @@ def _json_value(value: Any) -> Any:
 def export(path: str, out: str, *, fmt: str = "parquet", states: Sequence[str] | None = None,
            steps: tuple[int | None, int | None] | None = None, fields: Sequence[str] | None = None,
            tokenizer: str | None = None, force: bool = False, batch_bytes: int = DEFAULT_BATCH_BYTES,
-           progress: Progress | None = None) -> ExportResult:
+           progress: Progress | None = None, sft: bool = False,
+           completion_mask: str = DEFAULT_COMPLETION_MASK) -> ExportResult:
     """Export the rows of ``path`` to ``out``; see the module docstring.
 
     Args:
@@ -146,10 +165,13 @@ def export(path: str, out: str, *, fmt: str = "parquet", states: Sequence[str] |
             groups claimed or consumed at such a step. Defaults to every group.
         fields: row fields to export. Defaults to every field of the schema.
         tokenizer: a local Hugging Face tokenizer (directory) to detokenize ``input_ids`` into a
-            ``text`` column; needs ``transformers``. Defaults to None.
+            ``text`` column (special tokens skipped); needs ``transformers``. Defaults to None.
         force: replace an existing ``out``. Defaults to False.
         batch_bytes: raw row bytes buffered before a batch is written. Defaults to 32 MiB.
         progress: called with ``(groups scanned, groups in the store)``.
+        sft: add the SFT layout's columns (see the module docstring). Defaults to False.
+        completion_mask: the token field whose first non-zero position starts the completion.
+            Defaults to ``"token_mask"``.
 
     Raises:
         BadArgument: bad format, state, field, step range or destination, a missing optional
@@ -176,8 +198,10 @@ def export(path: str, out: str, *, fmt: str = "parquet", states: Sequence[str] |
                 raise BadArgument(f"{path!r} holds no replay buffer (no meta/config): nothing to export")
             schema = RowSchema.from_dict(config["schema"])
             names = _check_fields(schema, fields, decoder is not None)
+            layout = _Layout(names, decoder, _sft_store_id(txn, schema, names, completion_mask) if sft else None,
+                             completion_mask)
             result = ExportResult(out, fmt, names)
-            sink = _BackgroundSink(sink_class(tmp, schema, names, decoder))
+            sink = _BackgroundSink(sink_class(tmp, schema, layout))
             try:
                 total = table_entries(txn, "groups")
                 batch = _Batch(arrays={n: [] for n in names})
@@ -185,12 +209,15 @@ def export(path: str, out: str, *, fmt: str = "parquet", states: Sequence[str] |
                     doc = codec.decode_meta(value, f"groups/{key.decode(errors='replace')}")
                     if progress is not None:
                         progress(done, total)
-                    if doc["state"] not in wanted or not doc.get("rows_stored"):
+                    if doc["state"] not in wanted:
                         continue
                     if steps is not None and not _in_range(_step_of(doc), steps):
                         continue
+                    if not doc.get("rows_stored"):
+                        result.groups_without_rows += 1
+                        continue
                     result.groups += 1
-                    _add_group(txn, doc, schema, names, batch, decoder is not None)
+                    _add_group(txn, doc, names, batch, layout)
                     if batch.raw_bytes >= batch_bytes:
                         result.rows += len(batch.meta)
                         result.raw_bytes += batch.raw_bytes
@@ -213,7 +240,49 @@ def export(path: str, out: str, *, fmt: str = "parquet", states: Sequence[str] |
             os.unlink(tmp)
     result.file_bytes = os.path.getsize(out)
     result.seconds = time.perf_counter() - t0
+    result.warnings = _warnings(result, wanted, steps)
     return result
+
+
+def _warnings(result: ExportResult, states: Sequence[str], steps: tuple[int | None, int | None] | None) -> list[str]:
+    """What a person exporting training data must hear: nothing matched, or rows are gone."""
+    where = f"state {','.join(states)}" + ("" if steps is None else " and steps {}:{}".format(
+        *("" if b is None else b for b in steps)))
+    out = []
+    if result.groups_without_rows:
+        out.append(f"{result.groups_without_rows:,} group(s) matching {where} have no rows: consumed groups' rows are "
+                   "dropped once enough later checkpoints cover their step (set retain_consumed=True in the buffer "
+                   "config, or export a checkpoint taken before), evicted and aborted ones never keep any")
+    if not result.rows:
+        out.append(f"nothing exported: no rows match {where}")
+    return out
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The columns a sink writes: the fields, ``text`` with a decoder, the SFT columns with a store id."""
+
+    names: list[str]
+    decoder: Any
+    store_id: str | None
+    completion_mask: str
+
+    @property
+    def sft(self) -> bool:
+        return self.store_id is not None
+
+
+def _sft_store_id(txn: Any, schema: RowSchema, names: list[str], mask: str) -> str:
+    """The store id for the SFT layout, after checking the schema has what the split needs."""
+    missing = [n for n in ("input_ids", mask) if n not in schema.fields or schema.fields[n].kind != "token"]
+    if missing:
+        raise BadArgument(f"--sft needs token fields input_ids and {mask!r} (the completion mask); this store's "
+                          f"schema lacks {', '.join(repr(m) for m in missing)}")
+    clash = [n for n in names if n in SFT_COLUMNS + SFT_TEXT_COLUMNS]
+    if clash:
+        raise BadArgument(f"field(s) {', '.join(clash)} clash with the SFT columns; leave them out with --fields")
+    info = txn.get_json("meta", b"format") or {}
+    return str(info.get("store_id", ""))
 
 
 def _in_range(step: int | None, bounds: tuple[int | None, int | None]) -> bool:
@@ -237,8 +306,7 @@ def _check_fields(schema: RowSchema, fields: Sequence[str] | None, decode: bool)
     return names
 
 
-def _add_group(txn: Any, doc: dict[str, Any], schema: RowSchema, names: list[str], batch: _Batch,
-               decode: bool) -> None:
+def _add_group(txn: Any, doc: dict[str, Any], names: list[str], batch: _Batch, layout: _Layout) -> None:
     gid = doc["group_id"]
     for key, value in txn.iter_prefix("rows", keys.row_prefix(gid)):
         index = int.from_bytes(key[-4:], "big")
@@ -255,8 +323,11 @@ def _add_group(txn: Any, doc: dict[str, Any], schema: RowSchema, names: list[str
                 batch.raw_bytes += codec.value_nbytes(arr)
                 arr = _widen(arr, record.dtypes[name])
             batch.arrays[name].append(arr)
-        if decode:
+        if layout.decoder is not None or layout.sft:
             batch.input_ids.append(record.arrays["input_ids"])
+        if layout.sft:
+            nonzero = np.flatnonzero(record.arrays[layout.completion_mask])
+            batch.split.append(int(nonzero[0]) if nonzero.size else len(record.arrays["input_ids"]))
 
 
 def _load_tokenizer(path: str) -> Any:
@@ -272,8 +343,22 @@ def _load_tokenizer(path: str) -> Any:
         raise BadArgument(f"cannot load a tokenizer from {path!r}: {exc}") from None
 
 
-def _texts(decoder: Any, batch: _Batch) -> list[str]:
-    return decoder.batch_decode([ids.tolist() for ids in batch.input_ids])
+def _texts(decoder: Any, ids: list[np.ndarray]) -> list[str]:
+    return decoder.batch_decode([a.tolist() for a in ids], skip_special_tokens=True)
+
+
+def _extra_columns(layout: _Layout, batch: _Batch) -> dict[str, list[Any]]:
+    """The ``text`` and SFT columns of a batch, by name, in output order."""
+    out: dict[str, list[Any]] = {}
+    if layout.decoder is not None:
+        out[TEXT_COLUMN] = _texts(layout.decoder, batch.input_ids)
+    if layout.sft:
+        prompts = [ids[:cut] for ids, cut in zip(batch.input_ids, batch.split, strict=True)]
+        completions = [ids[cut:] for ids, cut in zip(batch.input_ids, batch.split, strict=True)]
+        out.update(store_id=[layout.store_id] * len(batch.meta), prompt_ids=prompts, completion_ids=completions)
+        if layout.decoder is not None:
+            out.update(prompt=_texts(layout.decoder, prompts), completion=_texts(layout.decoder, completions))
+    return out
 
 
 class _BackgroundSink:
@@ -318,21 +403,21 @@ class _JsonlSink:
     def check_available() -> None:
         """JSONL needs nothing beyond the standard library."""
 
-    def __init__(self, path: str, schema: RowSchema, names: list[str], decoder: Any) -> None:
+    def __init__(self, path: str, schema: RowSchema, layout: _Layout) -> None:
         self._file = open(path, "x", encoding="utf-8")  # noqa: SIM115 -- closed by close()
-        self._names = names
-        self._decoder = decoder
+        self._layout = layout
 
     def write(self, batch: _Batch) -> None:
-        texts = _texts(self._decoder, batch) if self._decoder is not None else None
+        extra = _extra_columns(self._layout, batch)
         lines = []
         for i, meta in enumerate(batch.meta):
             row = dict(zip(META_COLUMNS, meta, strict=True))
-            for name in self._names:
+            for name in self._layout.names:
                 arr = batch.arrays[name][i]
                 row[name] = _json_value(arr)
-            if texts is not None:
-                row[TEXT_COLUMN] = texts[i]
+            for name, values in extra.items():
+                value = values[i]
+                row[name] = value.tolist() if isinstance(value, np.ndarray) else value
             lines.append(json.dumps(row, separators=(",", ":")))
         self._file.write("\n".join(lines) + "\n")
 
@@ -353,14 +438,14 @@ class _ParquetSink:
             raise BadArgument("Parquet export needs pyarrow: pip install 'kvckpt[export]' "
                               "(or use --format jsonl)") from None
 
-    def __init__(self, path: str, schema: RowSchema, names: list[str], decoder: Any) -> None:
+    def __init__(self, path: str, schema: RowSchema, layout: _Layout) -> None:
         import pyarrow as pa
 
         self._pa = pa
         self._path = path
         self._schema = schema
-        self._names = names
-        self._decoder = decoder
+        self._layout = layout
+        self._names = layout.names
         self._writer: Any = None
         self._arrow_schema: Any = None
         self._meta_types = [pa.string(), pa.int32(), pa.int64(), pa.string(), pa.string(), pa.int64(), pa.int64(),
@@ -387,8 +472,10 @@ class _ParquetSink:
             spec = self._schema.fields[name]
             value_type = _arrow_type(pa, spec.dtype)
             fields.append(pa.field(name, pa.list_(value_type) if spec.kind == "token" else value_type))
-        if self._decoder is not None:
-            fields.append(pa.field(TEXT_COLUMN, pa.string()))
+        ids = pa.list_(pa.int64())
+        types = {TEXT_COLUMN: pa.string(), "store_id": pa.string(), "prompt_ids": ids, "completion_ids": ids,
+                 "prompt": pa.string(), "completion": pa.string()}
+        fields += [pa.field(name, types[name]) for name in _extra_columns(self._layout, _Batch())]
         return pa.schema(fields)
 
     def write(self, batch: _Batch) -> None:
@@ -399,9 +486,10 @@ class _ParquetSink:
         for name in self._names:
             columns.append(self._column(name, batch.arrays[name]))
             names.append(name)
-        if self._decoder is not None:
-            columns.append(pa.array(_texts(self._decoder, batch), type=pa.string()))
-            names.append(TEXT_COLUMN)
+        for name, values in _extra_columns(self._layout, batch).items():
+            ids = name in ("prompt_ids", "completion_ids")
+            columns.append(_nested(pa, values, pa.int64()) if ids else pa.array(values, type=pa.string()))
+            names.append(name)
         table = pa.Table.from_arrays(columns, names=names)
         if self._writer is None:
             import pyarrow.parquet as pq

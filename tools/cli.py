@@ -331,11 +331,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         result = export(args.path, args.out, fmt=args.format, states=_csv(args.state), steps=steps,
                         fields=_csv(args.fields), tokenizer=args.decode, force=args.force,
-                        batch_bytes=int(args.batch_mb * 2**20), progress=bar)
+                        batch_bytes=int(args.batch_mb * 2**20), progress=bar, sft=args.sft,
+                        completion_mask=args.completion_mask)
     finally:
         bar.close()
     _emit(args, result.to_dict(), _render_export)
-    return EXIT_OK
+    for warning in result.warnings:
+        print(f"kvckpt export: warning: {warning}", file=sys.stderr)
+    return EXIT_PROBLEMS if args.strict and result.warnings else EXIT_OK
 
 
 # -- diff ----------------------------------------------------------------------------------------
@@ -532,7 +535,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only groups claimed or consumed at training steps A <= step < B (either end optional)")
     p.add_argument("--fields", metavar="F,...", help="row fields to export (default: all)")
     p.add_argument("--decode", metavar="TOKENIZER",
-                   help="add a text column: input_ids detokenized with a local Hugging Face tokenizer directory")
+                   help="add a text column: input_ids detokenized (special tokens skipped) with a local Hugging "
+                        "Face tokenizer directory")
+    p.add_argument("--sft", action="store_true",
+                   help="SFT layout: add store_id, prompt_ids and completion_ids (and prompt/completion text "
+                        "with --decode), split where the completion mask first turns on")
+    p.add_argument("--completion-mask", default="token_mask", metavar="FIELD",
+                   help="with --sft: the token field that is non-zero on completion tokens (default token_mask)")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 when the export warns (nothing matched, or matching groups have no rows)")
     p.add_argument("--batch-mb", type=_positive, default=32, metavar="MB",
                    help="raw MiB of rows buffered per batch (one Parquet row group); bounds memory (default 32)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")

@@ -118,6 +118,9 @@ class ReplayBufferConfig:
         sampler: a kvckpt sampler config. Defaults to ``{name: in_order, max_lookahead_versions: 1}``.
         max_buffered_rollouts: capacity (in flight + ready groups). Defaults to 16.
         durable_checkpoints: see :class:`kvckpt.BufferConfig`. Defaults to 2.
+        retain_consumed: keep trained groups' rows (``kvckpt export --sft`` of the whole run);
+            otherwise they are dropped once ``durable_checkpoints`` later checkpoints cover their
+            step. Defaults to False.
     """
 
     backend: str = "kvckpt"
@@ -125,6 +128,7 @@ class ReplayBufferConfig:
     sampler: Any = field(default_factory=lambda: {"name": "in_order", "max_lookahead_versions": 1})
     max_buffered_rollouts: int = 16
     durable_checkpoints: int = 2
+    retain_consumed: bool = False
 
 
 @dataclass

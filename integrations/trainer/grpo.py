@@ -393,7 +393,7 @@ class GRPOTrainer:
         return BufferConfig(group_size=gen.group_size, schema=DEFAULT_SCHEMA, sampler=rb.sampler,
                             max_buffered_rollouts=rb.max_buffered_rollouts,
                             groups_per_step=self.config.train.groups_per_step,
-                            durable_checkpoints=rb.durable_checkpoints)
+                            durable_checkpoints=rb.durable_checkpoints, retain_consumed=rb.retain_consumed)
 
     def _open_buffer(self, resume_step: int | None) -> Any:
         """Open (creating, recovering or restoring) the buffer; returns the recovery plan or None."""
