@@ -39,7 +39,7 @@ from kvckpt.integrations.nemo_rl import (
 )
 
 from kvckpt import ReplayBuffer, StaleAttempt
-from kvckpt.errors import BadArgument, CapacityError, FormatError, RecoveryError, SchemaMismatch
+from kvckpt.errors import BadArgument, CapacityError, RecoveryError, SchemaMismatch
 from kvckpt.records import ABORTED
 from kvckpt.verify import check
 
@@ -370,6 +370,7 @@ class TestDispatchCursorRestore:
     def test_fresh_start_is_a_noop_seed(self, make: Any) -> None:
         s = create_sampler(make(SAMPLERS["in_order"]), SAMPLERS["in_order"])
         s.set_dispatch_index(0)
+        s.set_dispatch_index(resume_from_trainer_version=0)  # #3480's keyword
         assert run(s.admit(trainer_version_fn=lambda: 0)) == 0
 
     def test_negative_resume_step_rejected(self, make: Any) -> None:
@@ -647,12 +648,12 @@ def test_load_state_dict_validates_the_envelope_first(make: Any) -> None:
     state = run(buf.state_dict(saved_capacity=16))
     before = dump_store(buf.core)
     kwargs = {"max_groups": 16, "expected_partition_id": "rollout_data", "expected_group_size": N_GENS}
-    cases = [({k: v for k, v in state.items() if k != "groups"}, {}, FormatError, "missing required keys"),
-             ({**state, "backend": "tq"}, {}, FormatError, "backend 'tq'"),
+    cases = [({k: v for k, v in state.items() if k != "groups"}, {}, ValueError, "missing required keys"),
+             ({**state, "backend": "tq"}, {}, ValueError, "backend 'tq'"),
              (state, {"expected_partition_id": "other"}, ValueError, "partition_id mismatch"),
              (state, {"expected_group_size": 3}, ValueError, "expected_group_size=3"),
              ({**state, "groups": state["groups"] * 2}, {}, ValueError, "duplicate sample_id"),
-             ({**state, "groups": [{"group_id": "g"}]}, {}, FormatError, "group is malformed"),
+             ({**state, "groups": [{"group_id": "g"}]}, {}, ValueError, "group is malformed"),
              (state, {"max_groups": 0}, CapacityError, "max_buffered_rollouts is 0")]
     for bad, override, exc, message in cases:
         with pytest.raises(exc, match=message):

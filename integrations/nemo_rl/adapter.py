@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvckpt import Batch, CheckpointResult, Lease, Prompt, RecoveryPlan, ReplayBuffer, restore
-from kvckpt.errors import BadArgument, CapacityError, FormatError, RecoveryError
+from kvckpt.errors import BadArgument, CapacityError, RecoveryError
 from kvckpt.records import CLAIMED, READY, Admission, GroupInfo
 
 from .config import AdapterConfig, configured, parse_config
@@ -536,8 +536,8 @@ class TQReplayBuffer:
         stamps. Staleness is not applied: the first ``sampler.evict`` does.
 
         Raises:
-            FormatError: a malformed envelope or one another backend wrote. BadArgument: partition
-            or group size mismatch, duplicate sample ids. CapacityError: more groups than
+            BadArgument (a ValueError, as NeMo-RL raises): a malformed envelope, one another
+            backend wrote, a partition or group size mismatch, duplicate sample ids. CapacityError: more groups than
             ``max_groups`` (kvckpt never drops restored groups). RecoveryError: the file holds
             another checkpoint (a later save of the same step), or the store does not hold the
             envelope's groups as stamped.
@@ -581,19 +581,19 @@ class TQReplayBuffer:
                     "checkpoint_id", "groups"}
         if not isinstance(state, Mapping) or required - set(state):
             missing = sorted(required - set(state)) if isinstance(state, Mapping) else sorted(required)
-            raise FormatError(f"replay buffer checkpoint missing required keys: {missing}")
+            raise BadArgument(f"replay buffer checkpoint missing required keys: {missing}")
         if state["backend"] != "kvckpt" or state["schema_version"] != STATE_SCHEMA_VERSION:
-            raise FormatError(f"replay buffer checkpoint of backend {state['backend']!r} schema "
+            raise BadArgument(f"replay buffer checkpoint of backend {state['backend']!r} schema "
                               f"{state['schema_version']!r}; this is kvckpt schema {STATE_SCHEMA_VERSION}")
         if state["partition_id"] != partition_id:
             raise BadArgument(f"replay buffer checkpoint partition_id mismatch: checkpoint={state['partition_id']!r}, "
                               f"expected={partition_id!r}")
         if not isinstance(state["groups"], list):
-            raise FormatError("replay buffer checkpoint groups must be a list")
+            raise BadArgument("replay buffer checkpoint groups must be a list")
         seen: set[str] = set()
         for doc in state["groups"]:
             if not isinstance(doc, Mapping) or not isinstance(doc.get("sample_ids"), list):
-                raise FormatError(f"replay buffer checkpoint group is malformed: {doc!r:.200}")
+                raise BadArgument(f"replay buffer checkpoint group is malformed: {doc!r:.200}")
             if len(doc["sample_ids"]) != group_size:
                 raise BadArgument(f"replay buffer checkpoint group {doc.get('group_id')!r} has "
                                   f"{len(doc['sample_ids'])} rows, expected_group_size={group_size}")

@@ -76,8 +76,10 @@ class KvckptSampler:
         """The admission cursor (-1 before the first admission), read from the store."""
         return self._buffer.core.state()["dispatch_index"]
 
-    def set_dispatch_index(self, resume_from_step: int) -> None:
-        """NeMo-RL's start-of-run call: ``resume_from_step`` is 0 on a fresh run, else the step resumed.
+    def set_dispatch_index(self, resume_from_step: int | None = None, *,
+                           resume_from_trainer_version: int | None = None) -> None:
+        """NeMo-RL's start-of-run call: ``resume_from_step`` is 0 on a fresh run, else the step resumed
+        (``resume_from_trainer_version``, #3480's name for it, is accepted too).
 
         kvckpt keeps the store's exact cursor instead of writing ``resume_from_step - 1`` (which
         would re-stamp a batch the ledger already holds). A store at or ahead of that step is
@@ -89,6 +91,8 @@ class KvckptSampler:
         Raises:
             BadArgument (a ValueError): ``resume_from_step`` negative or not an integer.
         """
+        if resume_from_step is None:
+            resume_from_step = resume_from_trainer_version
         if isinstance(resume_from_step, bool) or not isinstance(resume_from_step, int) or resume_from_step < 0:
             raise BadArgument(f"resume_from_step must be non-negative, got {resume_from_step!r}")
         self._buffer._resume_at(resume_from_step)
