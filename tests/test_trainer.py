@@ -247,3 +247,39 @@ def test_vllm_generation_backend(tmp_path, cache_dir):
     assert all(math.isfinite(r["loss"]) for r in rows)
     assert all(r["ratio_mean"] == pytest.approx(1.0, abs=0.05) for r in rows)  # engine logprobs ~ policy's
     assert _consumed_prompts(os.path.join(cfg["output_dir"], "buffer.kvckpt")) == list(range(2 * GPS))
+
+
+def test_metrics_hook_gets_buffer_stats_and_the_step_record_every_step(tmp_path, cache_dir, caplog):
+    """The hook sees the store's counters as they are after each step (one consumed batch more
+    each time) and the step's own numbers; the trainer logs on its library logger, handler-free."""
+    import logging
+
+    from kvckpt.metrics import MetricsHook
+
+    seen: list[tuple[int, dict[str, float]]] = []
+    cfg = _config(tmp_path, cache_dir, replay_buffer={"retain_consumed": True})
+    with caplog.at_level(logging.INFO, logger="kvckpt.integrations.trainer.grpo"):
+        summary = GRPOTrainer(cfg, metrics=MetricsHook(lambda m, step: seen.append((step, dict(m))))).run()
+    assert summary["steps_done"] == 3
+    assert [step for step, _ in seen] == [0, 1, 2]
+    assert [m["kvckpt/consumed"] for _, m in seen] == [GPS, 2 * GPS, 3 * GPS]
+    assert [m["kvckpt/trainer_version"] for _, m in seen] == [1, 2, 3]
+    rows = _metrics(summary)
+    assert [m["train/reward_mean"] for _, m in seen] == [r["reward_mean"] for r in rows]
+    messages = [r.getMessage() for r in caplog.records if r.name == "kvckpt.integrations.trainer.grpo"]
+    assert any(m.startswith("checkpoint step_2 written") for m in messages)
+    assert any(m.startswith("run ended at step 3") for m in messages)
+    assert logging.getLogger("kvckpt.integrations.trainer.grpo").handlers == []
+    with ReplayBuffer.open(os.path.join(cfg["output_dir"], "buffer.kvckpt"), readonly=True) as buf:
+        assert buf.config.retain_consumed is True  # the trainer config reaches the store
+        assert all(g.rows_stored for g in buf.groups([CONSUMED]))
+
+
+def test_metrics_config_names_a_sink_that_must_be_installed(tmp_path, cache_dir):
+    from kvckpt.errors import BadArgument
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed: nothing to refuse")
+    cfg = _config(tmp_path, cache_dir, metrics={"tensorboard_dir": str(tmp_path / "tb")})
+    with pytest.raises(BadArgument, match="pip install tensorboard"):
+        GRPOTrainer(cfg)

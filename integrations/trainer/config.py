@@ -157,6 +157,22 @@ class CheckpointConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Where the per-step metrics go besides ``metrics_path`` (see :mod:`kvckpt.metrics`).
+
+    Args:
+        tensorboard_dir: a TensorBoard ``SummaryWriter`` log directory (needs ``tensorboard``).
+            Defaults to None.
+        wandb_project: a W&B project to ``wandb.init`` a run in (needs ``wandb``). Defaults to None.
+        every_steps: report every this many steps. Defaults to 1.
+    """
+
+    tensorboard_dir: str | None = None
+    wandb_project: str | None = None
+    every_steps: int = 1
+
+
+@dataclass
 class TrainerConfig:
     """The whole configuration. Build it with :meth:`from_any`.
 
@@ -164,6 +180,7 @@ class TrainerConfig:
         output_dir: run directory (metrics, checkpoints, live store by default).
         seed: seeds the model, the dataset order, sampling and the supervised warm-up. Defaults to 0.
         metrics_path: per-step JSONL. Defaults to ``<output_dir>/metrics.jsonl``.
+        metrics: TensorBoard / W&B reporting (:class:`MetricsConfig`). Defaults to none.
     """
 
     output_dir: str
@@ -175,6 +192,7 @@ class TrainerConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     replay_buffer: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         self.output_dir = os.path.abspath(self.output_dir)
@@ -229,4 +247,4 @@ def _build(cls: type, doc: dict[str, Any], where: str) -> Any:
 
 
 _SECTIONS = {"model": ModelConfig, "task": TaskConfig, "generation": GenerationConfig, "train": TrainConfig,
-             "replay_buffer": ReplayBufferConfig, "checkpoint": CheckpointConfig}
+             "replay_buffer": ReplayBufferConfig, "checkpoint": CheckpointConfig, "metrics": MetricsConfig}

@@ -27,6 +27,11 @@ prompt is served twice or skipped.
 samplers, nothing durable) for comparison; ``generation.ray: true`` hosts the workers — and the
 kvckpt buffer, as a :class:`~kvckpt.integrations.ray.BufferActor` — in Ray actors.
 
+Per-step numbers go to ``metrics_path`` (JSON lines) and, through a
+:class:`kvckpt.metrics.MetricsHook` (``metrics=`` or the config's ``metrics`` section: TensorBoard,
+W&B), together with the buffer's ``stats()``. Progress is logged on the
+``kvckpt.integrations.trainer.grpo`` logger (no handler installed: configure :mod:`logging` to see it).
+
 Run it: ``python -m kvckpt.integrations.trainer.grpo CONFIG.yaml``.
 """
 
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -50,6 +56,7 @@ import torch
 from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer
 from kvckpt.checkpoint import restore
 from kvckpt.errors import BadArgument, GateTimeout
+from kvckpt.metrics import MetricsHook, sink_from_config
 from kvckpt.records import GroupInfo, Lease, Selection
 
 from ..vllm.tiny_model import AdditionTask, TinyModelSpec, ensure_tiny_model
@@ -58,6 +65,7 @@ from .config import TrainerConfig
 from .faults import Hooks
 from .memory_buffer import MemoryReplayBuffer
 
+logger = logging.getLogger(__name__)
 MODEL_FILE, BUFFER_FILE = "model.pt", "buffer.kvckpt"
 #: Buffer operations whose time counts as "time in kvckpt" in the metrics.
 BUFFER_OPS = ("admit", "admissible", "commit_group", "commit_sample", "select", "read_batch", "finish_step",
@@ -340,6 +348,9 @@ class GRPOTrainer:
     Args:
         config: a :class:`~.config.TrainerConfig`, its dict form, or a YAML/JSON path.
         hooks: test-only fault injection (:mod:`.faults`). Defaults to no-op hooks.
+        metrics: called after every step with the buffer's ``stats()``, the step and the step's
+            record (a :class:`kvckpt.metrics.MetricsHook`, or any callable of that shape).
+            Defaults to the hook the config's ``metrics`` section names, if any.
 
     Examples:
         >>> summary = GRPOTrainer({"output_dir": "runs/demo", "train": {"steps": 20}}).run()  # doctest: +SKIP
@@ -347,9 +358,11 @@ class GRPOTrainer:
         True
     """
 
-    def __init__(self, config: TrainerConfig | Mapping[str, Any] | str, *, hooks: Hooks | None = None) -> None:
+    def __init__(self, config: TrainerConfig | Mapping[str, Any] | str, *, hooks: Hooks | None = None,
+                 metrics: Any = None) -> None:
         self.config = TrainerConfig.from_any(config)
         self.hooks = hooks or Hooks()
+        self.metrics = metrics if metrics is not None else _configured_hook(self.config)
         self.task = AdditionTask(self.config.task.max_operand, self.config.seed)
         self.clock = OpClock()
         self._stop = threading.Event()
@@ -485,6 +498,7 @@ class GRPOTrainer:
                     self._rows_committed += sum(len(lease.missing) for lease in done)
                 self.hooks.at("after_commit", leases=leases, results=results)
         except BaseException as exc:
+            logger.error("rollout pump %s stopped: %r", threading.current_thread().name, exc)
             self._errors.append(exc)
             self._stop.set()
 
@@ -518,7 +532,9 @@ class GRPOTrainer:
         self.hooks.at("after_checkpoint", step=step)
         for old in checkpoint_steps(self.config.checkpoint.dir)[:-self.config.checkpoint.keep]:
             shutil.rmtree(self._step_dir(old), ignore_errors=True)
-        return {"step": step, "seconds": time.perf_counter() - t0}
+        seconds = time.perf_counter() - t0
+        logger.info("checkpoint step_%d written in %.2f s (%s)", step, seconds, directory)
+        return {"step": step, "seconds": seconds}
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -545,6 +561,11 @@ class GRPOTrainer:
             if plan.dataloader_state:
                 self._cursor = int(json.loads(plan.dataloader_state)["cursor"])
         step = resume_step or 0
+        if resume_step is None:
+            logger.info("new run in %s: %s", cfg.output_dir, warmup)
+        else:
+            logger.info("resumed from step_%d (%s): %s", resume_step, cfg.checkpoint.resume_from,
+                        plan.report() if plan is not None else "no buffer to recover")
         self._start_workers(model_path)
         self._sync_weights(step)
         summary: dict[str, Any] = {"start_step": step, "resumed_from": resume_step, "warmup": warmup,
@@ -571,6 +592,9 @@ class GRPOTrainer:
                     rewards.append(record["reward_mean"])
                     metrics.write(json.dumps(record) + "\n")
                     metrics.flush()
+                    logger.debug("step %d: %s", record["step"], record)
+                    if self.metrics is not None:
+                        self.metrics(buffer.stats(), record["step"], record)
                     limit = cfg.train.time_limit_seconds
                     if limit is not None and time.perf_counter() - t_start >= limit:
                         summary["time_limited"] = True
@@ -580,6 +604,7 @@ class GRPOTrainer:
             if cfg.checkpoint.at_end and step not in checkpoint_steps(cfg.checkpoint.dir):
                 summary["checkpoints"].append(self._checkpoint(step, buffer))
             summary.update(self._summary(step, wall, rewards))
+            logger.info("run ended at step %d after %.1f s", step, wall)
             return summary
         finally:
             self._stop.set()
@@ -653,6 +678,12 @@ class GRPOTrainer:
             import ray
 
             ray.shutdown()
+
+
+def _configured_hook(config: TrainerConfig) -> MetricsHook | None:
+    m = config.metrics
+    sink = sink_from_config(m.tensorboard_dir, m.wandb_project)
+    return None if sink is None else MetricsHook(sink, every=m.every_steps)
 
 
 def main(argv: list[str] | None = None) -> int:
