@@ -44,11 +44,11 @@ def identifier(name: str, value: Any) -> str:
 
 
 def timeout(name: str, value: Any) -> float | None:
-    """A finite number of seconds >= 0, or ``None``."""
+    """A number of seconds >= 0 (``math.inf``: forever), or ``None`` (the default applies)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise BadArgument(f"{name} must be a finite number of seconds >= 0 or None, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+        raise BadArgument(f"{name} must be a number of seconds >= 0 (math.inf: forever) or None, got {value!r}")
     return float(value)
 
 

@@ -30,6 +30,8 @@ the dataloader remains accounted for.
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 import uuid
@@ -82,6 +84,11 @@ CONFIG_KEY, STATE_KEY, DATALOADER_KEY, SHORTFALL_KEY, CHECKPOINT_KEY = (
     b"config", b"state", b"dataloader", b"shortfall", b"checkpoint")
 #: ``meta/shapes``: field name -> the shape the store pinned at the field's first commit.
 SHAPES_KEY = b"shapes"
+log = logging.getLogger("kvckpt.buffer")
+#: A wait for the gate logs a warning this often (seconds).
+WAIT_LOG_SECONDS = 30.0
+#: A commit slower than this (seconds, encode and durable transaction) is logged as slow.
+SLOW_COMMIT_SECONDS = 1.0
 COUNTERS = ("admitted", "committed", "samples_committed", "selected", "consumed", "evicted", "aborted",
             "redispatched", "raw_bytes", "stored_bytes")
 
@@ -101,6 +108,9 @@ class BufferConfig:
         compression_level: zstd level of row payloads, 0 for none. Defaults to 1.
         durable_checkpoints: consumed rows are dropped only once this many later checkpoints
             exist, so a trainer can still resume from an older model checkpoint. Defaults to 2.
+        wait_timeout: seconds ``admit`` and ``advance_dispatch`` wait for the gate or capacity when
+            the caller gives no ``timeout`` (then :class:`~kvckpt.errors.GateTimeout`); ``None``
+            waits forever. Waits are logged on ``kvckpt.buffer``. Defaults to 600.
     """
 
     group_size: int
@@ -111,6 +121,7 @@ class BufferConfig:
     retain_consumed: bool = False
     compression_level: int = codec.DEFAULT_LEVEL
     durable_checkpoints: int = 2
+    wait_timeout: float | None = 600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.schema, RowSchema):
@@ -120,6 +131,9 @@ class BufferConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise BadArgument(f"{name} must be an integer >= 1, got {value!r}")
+        self.wait_timeout = args.timeout("wait_timeout", self.wait_timeout)
+        if self.wait_timeout is not None and not math.isfinite(self.wait_timeout):
+            raise BadArgument("wait_timeout must be finite; None waits forever")
         self.sampler.check_capacity(self.max_buffered_rollouts, self.groups_per_step)
 
     def to_dict(self) -> dict[str, Any]:
@@ -127,7 +141,8 @@ class BufferConfig:
         return {"group_size": self.group_size, "schema": self.schema.to_dict(),
                 "sampler": self.sampler.config(), "max_buffered_rollouts": self.max_buffered_rollouts,
                 "groups_per_step": self.groups_per_step, "retain_consumed": self.retain_consumed,
-                "compression_level": self.compression_level, "durable_checkpoints": self.durable_checkpoints}
+                "compression_level": self.compression_level, "durable_checkpoints": self.durable_checkpoints,
+                "wait_timeout": self.wait_timeout}
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> BufferConfig:
@@ -395,7 +410,8 @@ class ReplayBuffer:
             prompts: :class:`Prompt` objects, prompt indices, or dicts with Prompt's fields.
             dataloader_state: the trainer's opaque dataloader state *after* this batch; stored
                 with the admission so a restart resumes the dataloader exactly past it.
-            timeout: seconds to wait for the gate; ``None`` waits forever, ``0`` does not wait.
+            timeout: seconds to wait for the gate and capacity; ``0`` does not wait, ``math.inf``
+                waits forever. Defaults to the config's ``wait_timeout``.
             weight_version: the rollout weight version the prompts are generated with
                 (``start_weight``). Defaults to the buffer's current weight version.
             admission: join an admission :meth:`advance_dispatch` already made instead of making
@@ -436,7 +452,8 @@ class ReplayBuffer:
 
         Args:
             dataloader_state: the dataloader state after the batch, stored with the cursor.
-            timeout: seconds to wait for the gate; ``None`` waits forever, ``0`` does not wait.
+            timeout: seconds to wait for the gate and capacity; ``0`` does not wait, ``math.inf``
+                waits forever. Defaults to the config's ``wait_timeout``.
 
         Raises:
             GateTimeout: the gate stayed closed for ``timeout`` seconds.
@@ -457,17 +474,27 @@ class ReplayBuffer:
         return self._write_when_open(txn_fn, timeout)
 
     def _write_when_open(self, fn: Any, timeout: float | None) -> Any:
-        """Run ``fn`` in a transaction until it returns something other than a blocker string."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Run ``fn`` in a transaction until it returns something other than a blocker string,
+        waiting (outside any transaction) at most ``timeout`` seconds, the config's by default."""
+        if timeout is None:
+            timeout = math.inf if self.config.wait_timeout is None else self.config.wait_timeout
+        start = time.monotonic()
+        deadline, next_log = start + timeout, start + WAIT_LOG_SECONDS
         while True:
             result = self._write(fn)
             if not isinstance(result, str):
+                if time.monotonic() >= start + WAIT_LOG_SECONDS:
+                    log.info("%s: admission went through after %.1fs", self.path, time.monotonic() - start)
                 return result
             with self._changed:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise GateTimeout(f"admission still blocked after {timeout}s: {result}")
-                self._changed.wait(0.05 if remaining is None else min(0.05, remaining))
+                now = time.monotonic()
+                if now >= deadline:
+                    raise GateTimeout(f"admission still blocked after {timeout}s: {result} (raise the timeout, "
+                                      "or BufferConfig.wait_timeout, if training is just slow)")
+                if now >= next_log:
+                    log.warning("%s: admission has waited %.0fs: %s", self.path, now - start, result)
+                    next_log = now + WAIT_LOG_SECONDS
+                self._changed.wait(min(0.05, deadline - now))
 
     def _new_admission(self, st: dict[str, Any]) -> Admission:
         """Advance the cursor (gated samplers) and issue the next admission id, in ``st``."""
@@ -588,17 +615,18 @@ class ReplayBuffer:
 
         Raises:
             UnknownGroup: the group is neither in flight nor committed (aborted, evicted, unknown).
-            StaleAttempt: the lease's attempt is older than the current one (a zombie).
+            StaleAttempt: the lease is fenced: :class:`~kvckpt.errors.ForeignLease` (another store),
+                :class:`~kvckpt.errors.AbandonedTimeline` (issued before a restore or recovery), or
+                plain ``StaleAttempt`` (a redispatch issued a newer attempt).
+            LeaseMismatch: the lease's group size, prompt or stamps differ from its ledger entry.
             DuplicateCommit: the group is already committed with other content.
-            SchemaMismatch: wrong row count, missing/extra field, wrong dtype.
+            SchemaMismatch: wrong row count, missing/extra field, wrong dtype or shape.
         """
         t0 = time.perf_counter()
         self._check_lease(lease)
         end_weight = args.optional_integer("end_weight", end_weight)
         encoded = self._encode_rows(lease, rows)
-        result = self._write(lambda txn: self._commit_txn(txn, lease, encoded, end_weight, whole=True))
-        self._latencies.append(time.perf_counter() - t0)
-        return result
+        return self._commit(lease, encoded, end_weight, True, t0)
 
     def commit_sample(self, lease: Lease, index: int, row: Mapping[str, Any],
                       *, end_weight: int | None = None) -> CommitResult:
@@ -609,8 +637,21 @@ class ReplayBuffer:
         end_weight = args.optional_integer("end_weight", end_weight)
         index = args.integer("index", index, minimum=None)
         encoded = self._encode_rows(lease, {index: row})
-        result = self._write(lambda txn: self._commit_txn(txn, lease, encoded, end_weight, whole=False))
-        self._latencies.append(time.perf_counter() - t0)
+        return self._commit(lease, encoded, end_weight, False, t0)
+
+    def _commit(self, lease: Lease, encoded: list[_EncodedRow], end_weight: int | None, whole: bool,
+                t0: float) -> CommitResult:
+        try:
+            result = self._write(lambda txn: self._commit_txn(txn, lease, encoded, end_weight, whole=whole))
+        except StaleAttempt as exc:
+            log.warning("%s: fenced a commit of group %r (%s differs): %s", self.path, lease.group_id,
+                        exc.differs, exc)
+            raise
+        elapsed = time.perf_counter() - t0
+        self._latencies.append(elapsed)
+        if elapsed >= SLOW_COMMIT_SECONDS:
+            log.warning("%s: commit of group %r took %.2fs (encode and durable transaction)", self.path,
+                        lease.group_id, elapsed)
         return result
 
     def _check_lease(self, lease: Any) -> None:

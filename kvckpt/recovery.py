@@ -26,6 +26,7 @@ Groups committed after the checkpoint are kept; finished siblings of partial gro
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,8 @@ from .verify import check
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer
     from .store import Txn
+
+log = logging.getLogger("kvckpt.recovery")
 
 
 @dataclass
@@ -172,6 +175,10 @@ def recover(buffer: ReplayBuffer, resume_version: int | None = None, *, sampler:
         buffer.config, buffer.sampler = config, config.sampler
     plan.dataloader_state = buffer.dataloader_state()
     plan.timings.update(timings, recover=time.perf_counter() - t0)
+    log.info("%s: recovered to trainer version %d on timeline %s: %d prompts to redispatch (%d siblings reused), "
+             "%d groups returned to ready, %d ready in all%s", buffer.path, plan.resume_version, plan.timeline,
+             plan.groups_redispatched, plan.siblings_reused, plan.groups_returned_to_ready,
+             plan.groups_complete_restored, "".join(f"; {c}" for c in plan.changes))
     return plan
 
 
