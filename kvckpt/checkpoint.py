@@ -6,7 +6,11 @@ then a background thread copies the snapshot with LMDB's compacting copy (which 
 GIL and never blocks writers; on Linux it runs at nice 19 so that it only takes CPU the
 producers and the trainer leave idle), fsyncs the copy, renames it to its final name and fsyncs the
 directory. A file under the final name is therefore always complete; a failed or interrupted
-copy leaves only a ``.partial`` file, never a half-written checkpoint.
+copy leaves only a ``.partial`` file, never a half-written checkpoint. The destination is reserved
+when :func:`checkpoint` is called: ``dest + ".partial"`` is created (mode 0600) and ``flock``-ed
+for the whole copy, so a second checkpoint to the same name while the first copies is refused at
+call time, before anything is stamped (a reservation left by a crashed process holds no lock and
+is reused).
 
 :func:`restore` copies a checkpoint file to the live path (the checkpoint stays immutable),
 opens a fresh environment handle on the copy and runs :func:`kvckpt.recovery.recover` at the
@@ -16,9 +20,9 @@ stamped trainer version.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
-import shutil
 import sys
 import threading
 import time
@@ -36,7 +40,7 @@ from .errors import (
     StoreLocked,
     VerificationFailed,
 )
-from .store import Store, writer_active
+from .store import FILE_MODE, writer_active
 
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer
@@ -108,11 +112,10 @@ def checkpoint(buffer: ReplayBuffer, dest: str | os.PathLike[str], trainer_state
         background: copy on a background thread. Defaults to True; False copies before returning.
 
     Raises:
-        CheckpointError: ``dest`` exists (without ``overwrite``) or its directory is missing or
-            not writable; checked before anything is stamped.
+        CheckpointError: ``dest`` exists (without ``overwrite``), another checkpoint to ``dest``
+            is still being written, or its directory is missing or not writable; checked before
+            anything is stamped.
     """
-    from .buffer import STATE_KEY
-
     dest = os.path.abspath(os.fspath(dest))
     directory = os.path.dirname(dest)
     if os.path.exists(dest) and not overwrite:
@@ -127,7 +130,46 @@ def checkpoint(buffer: ReplayBuffer, dest: str | os.PathLike[str], trainer_state
         json.dumps(doc, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise BadArgument(f"trainer_state must be JSON-serialisable: {exc}") from None
+    partial = dest + PARTIAL_SUFFIX
+    reservation = _reserve(partial, dest)
+    try:
+        return _stamp_and_copy(buffer, dest, doc, partial, reservation, background)
+    except BaseException:
+        _release(partial, reservation)
+        raise
 
+
+def _reserve(partial: str, dest: str) -> int:
+    """Create (or reuse a crashed run's) ``partial`` and lock it; the descriptor holds the lock."""
+    try:
+        fd = os.open(partial, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    except OSError as exc:
+        raise CheckpointError(f"cannot reserve checkpoint destination {dest!r} ({partial!r}): {exc.strerror}; "
+                              "nothing was stamped") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise CheckpointError(f"another checkpoint to {dest!r} is still being written (it holds {partial!r}); "
+                              "wait for it or choose another name. Nothing was stamped") from None
+    os.ftruncate(fd, 0)
+    return fd
+
+
+def _release(partial: str, fd: int) -> None:
+    """Delete the reservation (while still holding its lock) and close it."""
+    with contextlib.suppress(OSError):
+        if os.path.exists(partial) and os.path.samestat(os.fstat(fd), os.stat(partial)):
+            os.unlink(partial)
+    os.close(fd)
+
+
+def _stamp_and_copy(buffer: ReplayBuffer, dest: str, doc: dict[str, Any], partial: str, fd: int,
+                    background: bool) -> CheckpointHandle:
+    """The stamp transaction, then the copy into the reserved ``fd`` (on a thread if ``background``)."""
+    from .buffer import STATE_KEY
+
+    directory = os.path.dirname(dest)
     checkpoint_id = uuid.uuid4().hex
     t0 = time.perf_counter()
 
@@ -145,26 +187,31 @@ def checkpoint(buffer: ReplayBuffer, dest: str | os.PathLike[str], trainer_state
     handle = CheckpointHandle(result)
 
     def copy() -> None:
-        partial = f"{dest}.{checkpoint_id[:8]}{PARTIAL_SUFFIX}"
+        renamed = False
         try:
             t1 = time.perf_counter()
             if background:
-                _at_lowest_cpu_priority(lambda: buffer.store.copy_snapshot(partial, snapshot.txn))
+                _at_lowest_cpu_priority(lambda: buffer.store.copy_snapshot(fd, snapshot.txn))
             else:
-                buffer.store.copy_snapshot(partial, snapshot.txn)
+                buffer.store.copy_snapshot(fd, snapshot.txn)
             snapshot.close()
             t2 = time.perf_counter()
-            _fsync_file(partial)
+            os.fsync(fd)
             os.replace(partial, dest)
+            renamed = True
             _fsync_dir(directory)
+            os.close(fd)
             t3 = time.perf_counter()
             result.timings.update(copy=t2 - t1, fsync_rename=t3 - t2)
             result.file_bytes = os.path.getsize(dest)
             _mark_durable(buffer, version)
         except BaseException as exc:
             snapshot.close()
-            with contextlib.suppress(OSError):
-                os.unlink(partial)
+            if renamed:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            else:
+                _release(partial, fd)
             # Whatever failed (disk full, a bad name, a closed store), the caller sees the
             # documented CheckpointError; the original error stays attached as its cause.
             error = exc
@@ -249,7 +296,9 @@ def read_stamp(path: str) -> dict[str, Any]:
     Raises:
         FormatError: not a kvckpt store. RecoveryError: the file has no checkpoint stamp.
     """
-    with Store(path, readonly=True) as store:
+    from .safe_open import open_readonly
+
+    with open_readonly(path) as store:
         stamp = store.read(lambda t: t.get_json("meta", STAMP_KEY))
     if stamp is None:
         raise RecoveryError(f"{path!r} is a kvckpt store but not a checkpoint (no stamp)")
@@ -297,11 +346,11 @@ def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
         The live store is left untouched whenever ``restore`` raises.
     """
     from .buffer import ReplayBuffer
-    from .safe_open import check_header, check_structure
+    from .safe_open import check_header, check_structure, copy_used
 
     t0 = time.perf_counter()
     checkpoint_file = os.fspath(checkpoint_file)
-    check_header(checkpoint_file)
+    used = check_header(checkpoint_file)  # also refuses sparse files, before anything is copied
     live_path = os.path.abspath(live_path)
     if os.path.exists(live_path):
         if os.path.samefile(live_path, checkpoint_file):
@@ -316,7 +365,7 @@ def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
     flush: _BackgroundFsync | None = None
     timings: dict[str, float] = {}
     try:
-        shutil.copyfile(checkpoint_file, tmp)
+        copy_used(checkpoint_file, tmp, used)
         timings["copy"] = time.perf_counter() - t0
         flush = _BackgroundFsync(tmp)  # the copy's write-back overlaps the checks below
         if not trusted:
@@ -361,10 +410,19 @@ def _recover_copy(tmp: str, checkpoint_file: str, sampler: Any, max_buffered_rol
         stamp = buffer.store.read(lambda t: t.get_json("meta", STAMP_KEY))
         if stamp is None:
             raise RecoveryError(f"{checkpoint_file!r} is a kvckpt store but not a checkpoint (no stamp)")
-        return buffer.recover(stamp["trainer_version"], sampler=sampler, max_buffered_rollouts=max_buffered_rollouts,
+        version = stamp.get("trainer_version")
+        if type(version) is not int or not 0 <= version < 1 << 63:
+            raise FormatError(f"{checkpoint_file!r}: meta/checkpoint passes its checksum but its trainer_version "
+                              f"is {str(version)[:40]!r}, not a step number: the file is damaged or crafted")
+        return buffer.recover(version, sampler=sampler, max_buffered_rollouts=max_buffered_rollouts,
                               checksums=checksums, deep=deep)
     except VerificationFailed as exc:
         raise VerificationFailed(f"checkpoint {checkpoint_file!r}", exc.problems) from None
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError, RecursionError) as exc:
+        if isinstance(exc, KvckptError):
+            raise
+        raise FormatError(f"{checkpoint_file!r}: a record passes its checksum but is not one kvckpt writes "
+                          f"({type(exc).__name__}: {str(exc)[:200]}); the file is damaged or crafted") from None
     finally:
         buffer.close()
 

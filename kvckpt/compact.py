@@ -32,6 +32,7 @@ from .buffer import CONFIG_KEY, STATE_KEY, ReplayBuffer
 from .checkpoint import PARTIAL_SUFFIX, _fsync_dir, _fsync_file
 from .errors import BadArgument, StoreLocked
 from .inspect import table_entries
+from .safe_open import open_readonly
 from .store import Store, Txn, writer_active
 
 #: Bytes of stored row payloads re-encoded per write transaction.
@@ -109,7 +110,7 @@ def compact(src: str, dest: str, *, level: int | None = None, force: bool = Fals
     second = f"{dest}.{token}.2{PARTIAL_SUFFIX}"
     result = CompactResult(src, dest, os.path.getsize(src) if os.path.exists(src) else 0, 0, level)
     try:
-        with Store(src, readonly=True) as store:
+        with open_readonly(src) as store:
             _copy(store, first, progress)
         final = first
         if level is not None:

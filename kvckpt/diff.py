@@ -28,6 +28,7 @@ from .buffer import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STATE_KEY
 from .checkpoint import STAMP_KEY
 from .inspect import Progress, table_entries
 from .records import GroupInfo, LedgerEntry
+from .safe_open import open_readonly
 from .store import Store, Txn
 
 #: Fields whose values depend on the encoding, compared only when digests are comparable.
@@ -107,13 +108,13 @@ def diff_paths(a: str, b: str, *, rows: bool = False, progress: Progress | None 
     """
     a, b = os.fspath(a), os.fspath(b)
     result = DiffResult(a, b)
-    with Store(a, readonly=True) as sa:
+    with open_readonly(a) as sa:
         if os.path.samefile(a, b):  # LMDB opens a file once per process: compare the snapshot to itself
             result.notes.append("A and B are the same file")
             with sa.reader() as txn:
                 _compare(result, sa, sa, txn, txn, rows, progress)
             return result
-        with Store(b, readonly=True) as sb, sa.reader() as ta, sb.reader() as tb:
+        with open_readonly(b) as sb, sa.reader() as ta, sb.reader() as tb:
             _compare(result, sa, sb, ta, tb, rows, progress)
     return result
 

@@ -23,7 +23,8 @@ from .buffer import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STATE_KEY
 from .checkpoint import STAMP_KEY
 from .errors import CorruptRecord
 from .records import CLAIMED, CONSUMED, GROUP_STATES, READY
-from .store import Store, Txn, writer_active
+from .safe_open import open_readonly
+from .store import Txn, writer_active
 
 INFLIGHT = "inflight"
 #: Column order of the by-weight histogram: in flight first, then the group states.
@@ -69,7 +70,7 @@ def inspect_path(path: str, *, ledger_limit: int = 5, progress: Progress | None 
     """
     path = os.fspath(path)
     live = writer_active(path)
-    with Store(path, readonly=True) as store:
+    with open_readonly(path) as store:
         info = store.env.info()
         page = store.env.stat()["psize"]
         with store.reader() as txn:

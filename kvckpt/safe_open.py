@@ -39,7 +39,7 @@ import sys
 from lmdb import verify as lmdb_verify
 
 from .errors import FormatError, KvckptError, StoreNotFound
-from .store import Store, _check_lmdb_header, writer_active
+from .store import FILE_MODE, Store, _check_lmdb_header, writer_active
 from .verify import Report, verify_path
 
 #: At most this many structural findings are quoted in an error message.
@@ -122,6 +122,26 @@ def hole_bytes(path: str, limit: int) -> int:
         return 0
     finally:
         os.close(fd)
+
+
+def copy_used(src: str, dest: str, used: int) -> None:
+    """Copy the first ``used`` bytes of ``src`` (what its meta page says is in use: bytes past it
+    are never read) to ``dest``, a new file of mode 0600.
+
+    Raises:
+        FormatError: ``src`` shrank below ``used`` meanwhile. FileExistsError / OSError: as ``open``.
+    """
+    with open(src, "rb") as fin:
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        try:
+            done = 0
+            while done < used:
+                sent = os.sendfile(fd, fin.fileno(), done, used - done)
+                if sent == 0:
+                    raise FormatError(f"{src!r} shrank to {done} bytes while being copied; it needs {used}")
+                done += sent
+        finally:
+            os.close(fd)
 
 
 def open_readonly(path: str | os.PathLike[str], *, map_size: int | None = None,

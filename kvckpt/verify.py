@@ -128,12 +128,70 @@ def check(txn: Any, *, deep: bool = False, checksums: bool = False,
         if not report.problems:
             report.add("missing-meta", "meta", "meta/config or meta/state is missing: not a replay buffer store")
         return report
+    if not _check_config(config, report):
+        return report
+    _check_ints(meta.get(CHECKPOINT_KEY), "meta/checkpoint", ("trainer_version", "dispatch_index"), report,
+                required=True)
+    _check_ints(state, "meta/state", _STATE_INTS, report, required=True)
+    if deep:
+        _check_dataloader(txn, report)
     try:
         _check_snapshot(txn, report, config, state, meta.get(SHORTFALL_KEY) or {}, deep, checksums, progress)
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError) as exc:
         report.add("malformed", "?", f"a record passes its checksum but lacks a field or has a wrong type "
                                      f"({type(exc).__name__}: {exc}); the store was not written by kvckpt")
     return report
+
+
+#: Integer fields of ``meta/state``, group records and ledger entries (``None`` allowed where optional).
+_STATE_INTS = ("seq", "trainer_version", "dispatch_index", "inflight", "ready", "claimed")
+_RECORD_INTS = ("seq", "group_size", "prompt_idx", "start_weight", "attempt", "raw_bytes", "stored_bytes")
+_OPTIONAL_INTS = ("end_weight", "target_step", "claimed_step", "consumed_step")
+_INT64 = 1 << 63
+
+
+def _check_ints(doc: dict[str, Any] | None, key: str, names: tuple[str, ...], report: Report, *,
+                required: bool = False, optional: tuple[str, ...] = ()) -> bool:
+    """Each named field is a 64-bit integer (``optional`` ones may also be ``None``); ``required``
+    fields must be present. Reports ``malformed`` (a checksum-valid record kvckpt never writes)."""
+    if doc is None:
+        return True
+    for name in (*names, *optional):
+        if name not in doc:
+            if required and name in names:
+                report.add("malformed", key, f"the record has no {name!r}")
+                return False
+            continue
+        value = doc[name]
+        if value is None and name in optional:
+            continue
+        if type(value) is not int or not -_INT64 <= value < _INT64:
+            report.add("malformed", key, f"{name} is {str(value)[:40]!r}, not a 64-bit integer")
+            return False
+    return True
+
+
+def _check_config(config: dict[str, Any], report: Report) -> bool:
+    """``meta/config`` is one this kvckpt can build a buffer from."""
+    from .buffer import BufferConfig
+
+    try:
+        BufferConfig.from_dict(config)
+    except (KvckptError, TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+        report.add("malformed", "meta/config", f"not a buffer config kvckpt writes ({type(exc).__name__}: "
+                                               f"{str(exc)[:200]})")
+        return False
+    return True
+
+
+def _check_dataloader(txn: Any, report: Report) -> None:
+    """The dataloader state decodes within the codec's limits (``deep`` only)."""
+    value = txn.get("meta", DATALOADER_KEY)
+    if value is not None:
+        try:
+            codec.decode(value, "meta/dataloader")
+        except CorruptRecord as exc:
+            report.add("corrupt-record", exc.key, exc.reason)
 
 
 def _check_lookups(txn: Any, report: Report) -> None:
@@ -208,6 +266,8 @@ def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dic
     by_state = dict.fromkeys(GROUP_STATES, 0)
     max_target = -1
     for gid, doc in groups.items():
+        if not _check_ints(doc, gid, _RECORD_INTS, report, optional=_OPTIONAL_INTS):
+            continue
         state_name = doc.get("state")
         if state_name not in GROUP_STATES:
             report.add("bad-state", gid, f"unknown state {state_name!r}")
@@ -239,6 +299,8 @@ def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dic
             max_target = max(max_target, doc["target_step"])
 
     for gid, doc in ledger.items():
+        if not _check_ints(doc, gid, _RECORD_INTS, report, optional=_OPTIONAL_INTS):
+            continue
         _check_seq(doc, gid, seqs, state["seq"], report)
         if doc.get("group_size") != n:
             report.add("group-size", gid, f"ledger entry expects {doc.get('group_size')} rows, store's n is {n}")

@@ -512,16 +512,68 @@ def test_checkpoint_to_an_existing_destination_is_refused_before_stamping(tmp_pa
         assert buf.store.read(lambda t: t.get("meta", b"checkpoint")) == before
 
 
-def test_failed_copy_leaves_no_file_under_the_final_name(tmp_path):
-    # The final name is legal (252 bytes) but its temporary sibling ``<name>.<id>.partial`` exceeds
-    # NAME_MAX, so the copy itself fails after the stamp: a real failure, no mock.
-    dest = tmp_path / ("x" * 245 + ".kvckpt")
+def test_a_destination_whose_reservation_cannot_be_made_is_refused_before_stamping(tmp_path):
+    # The final name is legal (255 bytes) but its reservation ``<name>.partial`` exceeds NAME_MAX.
+    dest = tmp_path / ("x" * 248 + ".kvckpt")
     with new_buffer(str(tmp_path / "live.kv"), "in_order") as buf:
         Driver(buf).admit("g00 g01 g02")
-        handle = buf.checkpoint(str(dest), {"step": 0})
         with pytest.raises(CheckpointError, match="File name too long"):
-            handle.wait()
-        assert not dest.exists()
+            buf.checkpoint(str(dest), {"step": 0})
+        assert buf.store.read(lambda t: t.get("meta", b"checkpoint")) is None
         assert sorted(os.listdir(tmp_path)) == ["live.kv", "live.kv-lock"]
+
+
+def test_failed_copy_leaves_no_file_under_the_final_name(tmp_path):
+    # A directory under the final name: the reservation and the copy succeed, the rename over it
+    # fails after the stamp (a real failure, no mock).
+    dest = tmp_path / "d.kvckpt"
+    dest.mkdir()
+    (dest / "keep").write_text("x")
+    with new_buffer(str(tmp_path / "live.kv"), "in_order") as buf:
+        Driver(buf).admit("g00 g01 g02")
+        handle = buf.checkpoint(str(dest), {"step": 0}, overwrite=True)
+        with pytest.raises(CheckpointError, match="directory"):
+            handle.wait()
+        assert dest.is_dir() and os.listdir(dest) == ["keep"]
+        assert sorted(os.listdir(tmp_path)) == ["d.kvckpt", "live.kv", "live.kv-lock"]  # no .partial left
         assert buf.state()["durable"] == []  # a failed copy never counts as a durable checkpoint
         buf.checkpoint(str(tmp_path / "ok.kvckpt")).wait()  # and the buffer carries on
+
+
+def test_a_second_checkpoint_to_a_name_being_written_is_refused_at_call_time(tmp_path):
+    """Issue 20 item 6: the destination is reserved when checkpoint() is called. A checkpoint in
+    progress holds ``dest.partial`` locked (here: another open file description, exactly what a
+    concurrent checkpoint in another thread or process holds); a second one is refused before it
+    stamps anything. Once the lock is gone the leftover reservation is reused."""
+    import fcntl
+
+    dest = tmp_path / "same.kvckpt"
+    with new_buffer(str(tmp_path / "live.kv"), "in_order") as buf:
+        Driver(buf).admit("g00 g01 g02")
+        fd = os.open(str(dest) + ".partial", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with pytest.raises(CheckpointError, match="still being written"):
+                buf.checkpoint(str(dest), {"step": 1})
+            assert buf.store.read(lambda t: t.get("meta", b"checkpoint")) is None  # nothing stamped
+        finally:
+            os.close(fd)  # the holder died: its reservation stays behind, unlocked
+        result = buf.checkpoint(str(dest), {"step": 1}).wait()
+        assert result.file_bytes > 0 and not os.path.exists(str(dest) + ".partial")
+        assert oct(os.stat(dest).st_mode & 0o777) == "0o600"  # checkpoints are owner-only by default
+        assert oct(os.stat(buf.path).st_mode & 0o777) == "0o600"  # and so is the store
+
+
+def test_two_background_checkpoints_to_one_name_never_both_succeed(tmp_path):
+    """Without a lock held by the test: two checkpoints to one name back to back. Either the
+    second is refused at call time (the first still copies) or it is refused because the first's
+    file now exists; it is never silently lost while the durable stamp names it."""
+    dest = str(tmp_path / "same.kvckpt")
+    with new_buffer(str(tmp_path / "live.kv"), "in_order") as buf:
+        Driver(buf).admit("g00 g01 g02")
+        first = buf.checkpoint(dest, {"step": 0})
+        with pytest.raises(CheckpointError, match=r"still being written|already exists"):
+            buf.checkpoint(dest, {"step": 1})
+        first.wait()
+        stamp = buf.store.read(lambda t: t.get_json("meta", b"checkpoint"))
+        assert stamp["checkpoint_id"] == first.checkpoint_id

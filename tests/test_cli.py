@@ -21,7 +21,7 @@ import torch
 from kvckpt.tools.cli import main
 
 from kvckpt import BufferConfig, Prompt, ReplayBuffer, codec, keys
-from kvckpt.store import Store
+from kvckpt.store import FORMAT_VERSION, Store
 
 SCRIPT = shutil.which("kvckpt", path=os.path.dirname(sys.executable))
 KVCKPT = [SCRIPT] if SCRIPT else [sys.executable, "-m", "kvckpt.tools.cli"]
@@ -166,7 +166,7 @@ def test_inspect_reports_counts_cursors_and_stamp(store: dict) -> None:
     doc = kv_json("inspect", store["live"])
     with Store(store["live"], readonly=True) as s:
         store_id = s.store_id
-    assert doc["identity"]["store_id"] == store_id and doc["identity"]["version"] == 1
+    assert doc["identity"]["store_id"] == store_id and doc["identity"]["version"] == FORMAT_VERSION
     assert doc["live"] is False and doc["problems"] == []
     assert doc["counts"] == {"inflight": 2, "ready": 1, "claimed": 0, "consumed": 12, "evicted": 0, "aborted": 0,
                              "groups": 13, "rows": 12 * 2 + 2 + 1}
