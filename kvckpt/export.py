@@ -56,8 +56,8 @@ from .compact import check_destination
 from .errors import BadArgument, InvariantViolation
 from .inspect import Progress, table_entries
 from .records import CLAIMED, CONSUMED, GROUP_STATES, READY
+from .safe_open import open_readonly
 from .schema import RowSchema
-from .store import Store
 
 FORMATS = ("parquet", "jsonl")
 META_COLUMNS = ("group_id", "row", "prompt_idx", "task_name", "state", "start_weight", "end_weight",
@@ -192,7 +192,7 @@ def export(path: str, out: str, *, fmt: str = "parquet", states: Sequence[str] |
     t0 = time.perf_counter()
     tmp = f"{out}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
     try:
-        with Store(path, readonly=True) as store, store.reader() as txn:
+        with open_readonly(path) as store, store.reader() as txn:
             config = txn.get_json("meta", CONFIG_KEY)
             if config is None:
                 raise BadArgument(f"{path!r} holds no replay buffer (no meta/config): nothing to export")
