@@ -13,17 +13,26 @@ reused, byte for byte (same digest, same attempt), never regenerated.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from kvckpt.integrations.trainer.demo import (
+    DemoFailed,
     audit,
+    demo_preset,
+    learning,
     read_events,
+    reward_trend,
+    run_demo,
     spawn_child,
     store_view,
     wait_event,
@@ -32,6 +41,7 @@ from kvckpt.integrations.trainer.demo import (
 from kvckpt.integrations.trainer.grpo import BUFFER_FILE, checkpoint_steps
 from kvckpt.integrations.vllm import ensure_tiny_model
 
+from kvckpt.errors import BadArgument
 from kvckpt.records import CONSUMED
 
 GPS, N = 2, 2
@@ -218,12 +228,16 @@ def test_sigkill_mid_step_then_resume_from_the_live_store(tmp_path, cache_dir, s
 
 @pytest.mark.slow
 def test_kvckpt_demo_fast_reports_exactly_once_and_writes_the_learning_curve(tmp_path):
-    """The real ``kvckpt demo --fast`` end to end (slow: two trainer processes with a warm-up)."""
-    out = tmp_path / "demo"
+    """The real ``kvckpt demo --fast`` end to end (slow: two trainer processes with a warm-up).
+    Without ``--out`` it leaves the working directory alone: the PNG and the metrics stay in its
+    own run directory, everything else is removed."""
     proc = subprocess.run([sys.executable, "-m", "kvckpt.tools.cli", "demo", "--fast", "--backend", "transformers",
-                           "--out", str(out), "--json"], capture_output=True, text=True, timeout=600)
+                           "--json"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
+    out = Path(doc["out"])
+    assert list(tmp_path.iterdir()) == [] and out != tmp_path
+    assert sorted(p.name for p in out.iterdir()) == ["kvckpt-demo-learning-curve.png", "metrics.jsonl"]
     check, rec = doc["check"], doc["recovery"]
     assert doc["ok"] is True and check["lost"] == [] and check["doubled"] == [] and check["verify_ok"] is True
     assert check["trained_once"] == 12 * 4 and doc["run"]["killed_mid_step"] == 8
@@ -233,3 +247,64 @@ def test_kvckpt_demo_fast_reports_exactly_once_and_writes_the_learning_curve(tmp
     assert doc["learning_curve"] == str(out / "kvckpt-demo-learning-curve.png")
     with open(doc["learning_curve"], "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    curve = doc["learning"]
+    assert curve["steps"] == 12 and len(curve["curve"]) == 12 and curve["slope"] is not None
+    assert curve["before_checkpoint_steps"] == [0, 4] and curve["after_resume_steps"] == [5, 11]
+    shutil.rmtree(out)
+
+
+# -- the demo's pieces ----------------------------------------------------------------------------
+def test_reward_trend_is_the_least_squares_line_with_its_t_value():
+    rewards = [0.1, 0.3, 0.2, 0.5, 0.4, 0.6, 0.5, 0.8]
+    trend = reward_trend(rewards, window=3)
+    slope, intercept = np.polyfit(np.arange(8), rewards, 1)
+    residual = np.asarray(rewards) - (intercept + slope * np.arange(8))
+    se = np.sqrt(residual @ residual / 6 / ((np.arange(8) - 3.5) ** 2).sum())
+    assert trend["slope"] == pytest.approx(slope) and trend["intercept"] == pytest.approx(intercept)
+    assert trend["t"] == pytest.approx(slope / se)
+    assert (trend["first_mean"], trend["last_mean"]) == (pytest.approx(0.2), pytest.approx(0.63333333))
+    assert reward_trend([0.5] * 5)["t"] is None and reward_trend([0.5] * 5)["slope"] == 0.0  # no spread
+    assert reward_trend([1.0, 0.0])["slope"] is None  # too few points for a line and its error
+    assert reward_trend([1.0, 2.0, 3.0])["t"] is None  # on the line: no error to divide by
+    assert reward_trend([0.3, 0.1, 0.2, 0.0])["t"] < 0
+
+
+def test_learning_keeps_the_curve_of_the_model_that_survived():
+    """Run 1 trained steps 0-6 and died; run 2 resumed from step_4 and trained 4-7: the kept
+    curve is run 1's 0-3 then run 2's 4-7 (run 1's 4-6 died with it)."""
+    run1 = [{"step": s, "reward_mean": s / 10} for s in range(7)]
+    run2 = [{"step": s, "reward_mean": 1.0 + s} for s in range(4, 8)]
+    curve = learning(run1 + run2, len(run1), resume_step=4, window=2)
+    assert curve["curve"] == [0.0, 0.1, 0.2, 0.3, 5.0, 6.0, 7.0, 8.0]
+    assert curve["before_checkpoint_steps"] == [2, 3] and curve["before_checkpoint_mean"] == pytest.approx(0.25)
+    assert curve["after_resume_steps"] == [4, 5] and curve["after_resume_mean"] == pytest.approx(5.5)
+
+
+def test_demo_presets_scale_with_steps():
+    assert demo_preset()["steps"] == 60 and demo_preset()["crash_step"] == 47
+    long = demo_preset(steps=200)
+    assert (long["steps"], long["every_steps"], long["crash_step"]) == (200, 66, 155)
+    assert 2 * long["every_steps"] < long["crash_step"] < min(3 * long["every_steps"], 200)
+    with pytest.raises(BadArgument, match="at least 6"):
+        demo_preset(steps=5)
+
+
+def test_a_child_that_dies_is_reported_with_its_own_last_words(tmp_path):
+    stderr = str(tmp_path / "child.stderr")
+    proc = spawn_child(str(tmp_path / "no-such-config.yaml"), str(tmp_path / "events.jsonl"), stderr=stderr)
+    with pytest.raises(DemoFailed) as caught:
+        wait_event(str(tmp_path / "events.jsonl"), "crash-point", proc, TIMEOUT, stderr=stderr)
+    message = str(caught.value)
+    assert "exited (1) before 'crash-point'" in message and "FileNotFoundError" in message
+    assert f"(full output in {stderr})" in message and os.path.exists(stderr)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_the_vllm_demo_without_vllm_says_how_to_get_it_in_one_line(tmp_path):
+    with pytest.raises(BadArgument, match=r"setup_vllm_env\.sh.*\.venv-vllm/bin/kvckpt demo --backend vllm"):
+        run_demo(str(tmp_path / "demo"), backend="vllm", log=lambda line: None)
+    assert not (tmp_path / "demo").exists()  # refused before anything ran
+    proc = subprocess.run([sys.executable, "-m", "kvckpt.tools.cli", "demo", "--backend", "vllm"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("kvckpt demo: error: --backend vllm needs vLLM")
