@@ -280,7 +280,7 @@ def _fork_server() -> Any:
     global _FORK_SERVER
     if _FORK_SERVER is None:
         _FORK_SERVER = multiprocessing.get_context("forkserver")
-        _FORK_SERVER.set_forkserver_preload(["__main__", __name__])
+        _FORK_SERVER.set_forkserver_preload(["__main__", __name__, "mfusepy"])  # mfusepy: kvckpt.testing.powerfs
     return _FORK_SERVER
 
 

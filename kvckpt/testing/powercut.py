@@ -60,6 +60,7 @@ from ..campaign import (
     workload_config,
 )
 from ..checkpoint import restore
+from ..errors import KvckptError
 from . import powerfs
 
 #: Deliberately broken durability, applied in the child before it opens anything.
@@ -202,7 +203,12 @@ def check_image(image: str, timeline: str, ops: list[dict[str, Any]], scratch: s
                 "rows_seen": seen, "violations": [
             f"the store {timeline}/live.kv is gone after the power cut ({len(ops)} acknowledged operations "
             f"lost; its directory holds {sorted(os.listdir(run)) if os.path.isdir(run) else 'nothing'})"]}
-    buf = ReplayBuffer.open(live_path, readonly=True)
+    try:
+        buf = ReplayBuffer.open(live_path, readonly=True)
+    except KvckptError as exc:
+        return {"operations_checked": len(ops), "checkpoints_restored": 0, "restored": restored_ok,
+                "rows_seen": seen, "violations": [f"the store {timeline}/live.kv does not open after the power cut "
+                                                  f"({len(ops)} acknowledged operations): {type(exc).__name__}: {exc}"]}
     try:
         snap = _check_buffer(buf, "live store", bad, seen)
     finally:
@@ -361,6 +367,10 @@ def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: rando
     result.checkpoints_restored += outcome["checkpoints_restored"]
     for violation in outcome["violations"]:
         bad(violation)
+    if outcome["violations"]:  # keep the evidence; a damaged run would only repeat its finding
+        shutil.copytree(image, os.path.join(root, f"violation-{k:06d}"))
+        chain.timeline, chain.ops, chain.restored, chain.rows_seen = None, [], {}, set()
+        return
     _tidy(image, chain.timeline)
 
 
@@ -376,7 +386,7 @@ def _tidy(image: str, timeline: str) -> None:
 
 def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = None, chain: int = 10,
                           max_delay: float = 1.0, breakage: str | None = None, modes: tuple[str, ...] = CUT_MODES,
-                          minutes: float | None = None,
+                          existing_store: bool = False, minutes: float | None = None,
                           progress: Callable[[PowercutResult], None] | None = None) -> PowercutResult:
     """Cut the power under a live workload ``cuts`` times and check every promise after each cut.
 
@@ -394,6 +404,9 @@ def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = N
             report violations). Defaults to None.
         modes: the cut modes drawn from, each cut at random (see :meth:`powerfs.PowerFS.cut`).
             Defaults to both, ``strict`` and ``random``.
+        existing_store: start each chain from a store created on the image before the first
+            power-on (so durable by construction) instead of creating it under power cuts; tests
+            about other durability use it so a create bug cannot mask theirs. Defaults to False.
         minutes: start no cut after this many minutes (``result.cuts`` says how many ran).
         progress: called after every cut with the running result.
 
@@ -425,6 +438,11 @@ def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = N
                 current = _Run(os.path.join(root, f"image-start-{k:06d}"))
                 os.makedirs(current.image)
             sampler = SAMPLERS[(k // chain + seed) % len(SAMPLERS)]
+            if existing_store and current.timeline is None:
+                current.timeline = f"run-start-{k:06d}"
+                os.makedirs(os.path.join(current.image, current.timeline, "ckpt"))
+                ReplayBuffer.create(os.path.join(current.image, current.timeline, "live.kv"),
+                                    workload_config(sampler)).close()
 
             def bad(message: str, k: int = k) -> None:
                 result.violations.append(f"cut {k}: {message}")
@@ -457,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-delay", type=float, default=1.0, help="longest wait before a cut (seconds)")
     parser.add_argument("--break", dest="breakage", choices=BREAKAGES, default=None,
                         help="break durability on purpose: the campaign must find violations")
+    parser.add_argument("--existing-store", action="store_true",
+                        help="start each chain from a store created before the first power-on")
     parser.add_argument("--mode", choices=CUT_MODES, default=None, help="only this cut mode (default: both)")
     parser.add_argument("--dir", default=None, help="keep the campaign's files here (default: a temp dir)")
     parser.add_argument("--minutes", type=float, default=None, help="start no cut after this long")
@@ -467,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result = run_powercut_campaign(2000 if opts.soak else opts.cuts, seed=opts.seed, directory=opts.dir,
                                    chain=opts.chain, max_delay=opts.max_delay, breakage=opts.breakage,
-                                   modes=(opts.mode,) if opts.mode else CUT_MODES, minutes=opts.minutes,
+                                   modes=(opts.mode,) if opts.mode else CUT_MODES,
+                                   existing_store=opts.existing_store, minutes=opts.minutes,
                                    progress=_every(50))
     for violation in result.violations[:50]:
         print("VIOLATION", violation)

@@ -94,15 +94,10 @@ class CutReport:
     ops_unsynced: int = 0
 
 
-try:
-    from mfusepy import Operations as _Operations
-except (ImportError, OSError):  # OSError: mfusepy found no libfuse; unavailable() says so
-    _Operations = object
-
-
-class PowerFS(_Operations):  # type: ignore[misc,valid-type]
-    """The FUSE operations; one instance serves one mount. Every operation holds one lock, so a
-    :meth:`cut` sees no operation half done."""
+class PowerFS:
+    """The FUSE operations (the methods ``mfusepy.FUSE`` looks up; importing this module does not
+    import mfusepy, which takes a third of a second); one instance serves one mount. Every
+    operation holds one lock, so a :meth:`cut` sees no operation half done."""
 
     use_ns = True
 
