@@ -812,6 +812,40 @@ def test_a_single_controller_run_with_both_pumps_on_one_event_loop(tmp_path: Any
     buf.close()
 
 
+def test_main_controller_restart_gives_up_anonymous_prompts_and_refills_the_short_step(tmp_path: Any) -> None:
+    """NeMo-RL main after a crash: step 0 had one group committed and one in flight, step 1 (the
+    lookahead) was complete. A fresh handle resumes at step 0 with NeMo-RL's calls only: the
+    anonymous in-flight prompt is given up, admit hands out stamp 0 again without moving the
+    cursor, the top-up guard dispatches the one missing prompt, and both steps train."""
+    cfg = store_config(str(tmp_path / "r.kv"), SAMPLERS["in_order"], capacity=4)
+    buf = TQReplayBuffer(None, partition_id="rollout_data", pad_value_dict={}, config=cfg)
+    s = create_sampler(buf, SAMPLERS["in_order"])
+    s.set_dispatch_index(0)
+    assert run(s.admit(trainer_version_fn=lambda: 0)) == 0
+    done = add_group(buf, 0, target_step=0).group_ids[0]
+    lost = buf.reserve(weight_version=0, target_step=0)  # its worker dies with the process
+    assert run(s.admit(trainer_version_fn=lambda: 0)) == 1
+    step1 = sorted(add_group(buf, 0, target_step=1).group_ids[0] for _ in range(2))
+    buf.close()
+
+    buf = TQReplayBuffer(None, partition_id="rollout_data", pad_value_dict={}, config=cfg)
+    s = create_sampler(buf, SAMPLERS["in_order"])
+    s.set_dispatch_index(0)
+    assert buf.core.group(lost).state == ABORTED and buf.ledger.entries() == []
+    target = run(s.admit(trainer_version_fn=lambda: 0))
+    assert (target, s.dispatch_index) == (0, 1)  # the short step again, no cursor move
+    missing = 2 - buf.count_for_target_step(target)  # NeMo-RL's top-up guard
+    assert missing == 1
+    refill = add_group(buf, 0, target_step=target).group_ids[0]
+    meta, n = run(s.select(current_train_weight=0, min_prompt_groups=2, max_prompt_groups=2))
+    assert (n, sorted(meta.group_ids)) == (2, sorted([done, refill]))
+    meta, n = run(s.select(current_train_weight=1, min_prompt_groups=2, max_prompt_groups=2))
+    assert (n, sorted(meta.group_ids)) == (2, step1)
+    assert run(s.admit(trainer_version_fn=lambda: 1)) == 2
+    assert buf.core.store.read(lambda txn: check(txn).ok)
+    buf.close()
+
+
 def test_a_fenced_attempt_of_a_ledger_owned_prompt_cannot_commit(make: Any) -> None:
     """#3480's path: the ledger owns the prompt; remove_group fences the failed attempt and hands
     the prompt back, so the retry reserves the same group id and the zombie's commit is refused."""

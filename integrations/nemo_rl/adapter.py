@@ -110,6 +110,7 @@ class TQReplayBuffer:
         self._admissions: dict[int | None, Admission] = {}  # the latest admission per stamp, for joins
         self._meta: dict[str, ReplayMeta] = {}
         self._resume_step: int | None = None
+        self._refill: list[int] = []  # in_order steps a restart left short, re-admitted first
         self.sampler = create_sampler(self, self.core.sampler.config())
         self.ledger = KvckptLedger(self)
 
@@ -119,10 +120,39 @@ class TQReplayBuffer:
             self._resume_step = step  # load_state_dict restores the store to it
             return
         # a (re)start: claims of steps >= step return to ready and every in-flight attempt is fenced
-        self.recover(step)
-        if self.core.sampler.gate_window is not None and self.sampler.dispatch_index < step - 1:
-            raise RecoveryError(f"the store is at step {step} but its dispatch_index {self.sampler.dispatch_index} "
+        plan = self.recover(step)
+        cursor = self.sampler.dispatch_index
+        if self.core.sampler.gate_window is not None and cursor < step - 1:
+            raise RecoveryError(f"the store is at step {step} but its dispatch_index {cursor} "
                                 f"is behind {step - 1}: it was not written by this run")
+        self._settle(plan)
+
+    def _settle(self, plan: RecoveryPlan) -> None:
+        """After a restart or a restore: prompts main's ``reserve`` left anonymous cannot be
+        generated again by anyone, so they are given up (one abort each) and nothing waits for
+        them; ``admit`` then hands out the stamps of the steps left short first, as NeMo-RL's
+        rewound cursor would (its top-up guard fills them)."""
+        for lease in plan.leases:
+            if lease.task_name == UNIDENTIFIED_TASK:
+                self.core.abort(lease.group_id, "in flight at a restart, reserved without a prompt identity")
+                with self._lock:
+                    self._idle.pop(lease.group_id, None)
+                    self._owned.discard(lease.group_id)
+        if self.core.sampler.stamps_target_step:
+            per_step = self.core.config.groups_per_step
+            self._refill = [t for t in range(plan.resume_version, self.sampler.dispatch_index + 1)
+                            if self.core.count_for_target_step(t) < per_step]
+
+    def _next_refill(self) -> int | None:
+        """The next step a restart left short (``in_order`` only), admitted again without moving the
+        cursor: its prompts join that step's admission."""
+        if not self._refill:
+            return None
+        step = self._refill.pop(0)
+        admission = self._admission_for(step)
+        with self._lock:
+            self._admissions[step] = admission
+        return step
 
     def _advance_to(self, version: int) -> None:
         """Close the store's steps up to the trainer's ``version`` (one ``finish_step`` each)."""
@@ -183,10 +213,10 @@ class TQReplayBuffer:
             admission = self._admissions.get(target_step)
         if admission is not None:
             return admission
-        if target_step is not None:  # an admission made before a restart: its entries name it
-            for entry in self.core.ledger():
-                if entry.target_step == target_step:
-                    return Admission(entry.admission_id, self.sampler.dispatch_index, target_step)
+        if target_step is not None:  # an admission made before a restart: its records name it
+            for record in [*self.core.ledger(), *self.core.groups()]:
+                if record.target_step == target_step:
+                    return Admission(record.admission_id, self.sampler.dispatch_index, target_step)
         raise BadArgument(f"no admission is stamped for target_step {target_step}: await sampler.admit first")
 
     # -- slots ------------------------------------------------------------------------------------
@@ -482,6 +512,7 @@ class TQReplayBuffer:
             self._admissions.clear()
             self._meta.clear()
         self._resume_step = None
+        self._refill = []
         return plan
 
     def recover(self, resume_version: int | None = None) -> RecoveryPlan:
@@ -574,6 +605,7 @@ class TQReplayBuffer:
         if plan.checkpoint_id != checkpoint_id:
             raise RecoveryError(f"{checkpoint_file!r} holds checkpoint {plan.checkpoint_id}, not the envelope's "
                                 f"{checkpoint_id}: a later save of the same step replaced it")
+        self._settle(plan)
 
     @staticmethod
     def _check_envelope(state: Any, partition_id: str, group_size: int) -> None:

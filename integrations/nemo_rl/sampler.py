@@ -85,7 +85,9 @@ class KvckptSampler:
         would re-stamp a batch the ledger already holds). A store at or ahead of that step is
         recovered to it (one transaction: claims of that step and later return to ready, every
         in-flight attempt of the previous process is fenced and its prompt handed to the ledger
-        for redispatch; on a fresh store this changes nothing); a store behind it waits for
+        for redispatch; on a fresh store this changes nothing). In-flight prompts reserved without
+        an identity (main's ``reserve``) cannot be regenerated and are aborted, one transaction
+        each; ``admit`` then re-admits the steps left short. A store behind it waits for
         ``load_state_dict`` to restore the checkpoint of that step, and admission refuses until then.
 
         Raises:
@@ -121,7 +123,9 @@ class KvckptSampler:
         Gated samplers poll (``await asyncio.sleep``, 5 ms) while ``dispatch_index >=
         trainer_version_fn() + W``; then, in one transaction, the cursor advance,
         ``dataloader_state`` and a ledger entry for every prompt ``ledger.reserve_group`` staged.
-        With nothing staged the prompts join later, one ``reserve`` each. ``windowed`` never gates
+        With nothing staged the prompts join later, one ``reserve`` each. After a restart,
+        ``in_order`` first hands out the stamps of the steps left short (no cursor move, no gate
+        wait), as NeMo-RL's rewound cursor would. ``windowed`` never gates
         and has no cursor: it returns ``None`` at once, writing only staged prompts or a
         ``dataloader_state`` if given (nothing otherwise).
 
@@ -135,6 +139,9 @@ class KvckptSampler:
             GateTimeout: still closed after ``timeout``. RecoveryError: the run resumes from a step
             the store has not been restored to yet (``load_state_dict`` first).
         """
+        refill = self._buffer._next_refill()
+        if refill is not None:
+            return refill
         deadline = None if timeout is None else time.monotonic() + timeout
         gate = self._core.gate_window
         version = trainer_version_fn()
