@@ -176,7 +176,8 @@ class Batch:
 
     ``tensors`` maps field names to torch tensors: ``padded`` gives ``[N, L_max]`` token fields
     (right-padded with ``pad_value``) and stacked row fields; ``packed`` gives 1-D concatenated
-    token fields with ``cu_seqlens``. ``rows`` (layout ``list``) keeps one dict per row.
+    token fields with ``cu_seqlens``. Text fields are lists of ``N`` ``str`` / ``bytes``. ``rows``
+    (layout ``list``) keeps one dict per row.
     """
 
     group_ids: list[str]
@@ -968,6 +969,8 @@ class ReplayBuffer:
             NotSelectable: a group has no stored rows (evicted, aborted, dropped or unknown).
             CorruptRecord: a row failed its checksum or does not match the store's schema.
             InvariantViolation: a row's payload names another group or index than its key.
+            SchemaMismatch: rows whose shapes do not stack (only in a store written before shapes
+                were pinned); the list layout reads them.
         """
         if layout not in ("padded", "packed", "list"):
             raise BadArgument(f"layout must be padded, packed or list, got {layout!r}")

@@ -82,7 +82,8 @@ class Field:
 
     @classmethod
     def of(cls, spec: Any, name: str = "?") -> Field:
-        """A field from any declared form: a :class:`Field`, a dtype string (kind ``token``), a
+        """A field from any declared form: a :class:`Field`, a dtype string (kind ``token``, or
+        ``row`` for ``str`` / ``bytes``), a
         ``(dtype, kind)`` or ``(dtype, kind, shape)`` tuple or list, or a dict with the keys
         ``dtype``, ``kind`` and ``shape``.
 
@@ -92,7 +93,7 @@ class Field:
         if isinstance(spec, Field):
             return spec
         if isinstance(spec, str):
-            return cls(spec)
+            return cls(spec, "row" if spec in TEXT_DTYPES else "token")
         if isinstance(spec, Mapping):
             unknown = set(spec) - {"dtype", "kind", "shape"}
             if unknown or "dtype" not in spec:
