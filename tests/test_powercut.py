@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import mmap
 import os
+import shutil
 import types
 
 import pytest
@@ -207,6 +208,8 @@ def test_powercut_campaign_fails_when_durability_is_broken(breakage):
     result = run_powercut_campaign(12, seed=3, breakage=breakage, modes=("strict",), max_delay=1.5,
                                    existing_store=True)  # so the create bug (item 7) cannot stand in for these
     print(result.summary())
+    if result.directory:  # kept because of the (expected) violations
+        shutil.rmtree(result.directory, ignore_errors=True)
     assert result.violations, f"{breakage}: the campaign found nothing"
     if breakage == "checkpoint-nofsync":
         assert any("checkpoint" in v for v in result.violations), result.violations[:5]
