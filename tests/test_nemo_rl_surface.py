@@ -846,6 +846,34 @@ def test_main_controller_restart_gives_up_anonymous_prompts_and_refills_the_shor
     buf.close()
 
 
+def test_weight_fifo_restart_after_losing_both_admitted_batches_does_not_deadlock(tmp_path: Any) -> None:
+    """Both admitted batches were in flight (anonymous) at the crash, so the gate is closed and
+    nothing is ready: admit re-admits two batches without moving the cursor, and training goes on."""
+    cfg = store_config(str(tmp_path / "r.kv"), SAMPLERS["weight_fifo"], capacity=4)
+    buf = TQReplayBuffer(None, partition_id="rollout_data", pad_value_dict={}, config=cfg)
+    s = create_sampler(buf, SAMPLERS["weight_fifo"])
+    for _ in range(2):
+        assert run(s.admit(trainer_version_fn=lambda: 0)) is None
+        buf.reserve(weight_version=0)
+        buf.reserve(weight_version=0)
+    buf.close()
+
+    buf = TQReplayBuffer(None, partition_id="rollout_data", pad_value_dict={}, config=cfg)
+    s = create_sampler(buf, SAMPLERS["weight_fifo"])
+    s.set_dispatch_index(0)
+    assert len(buf.core.groups([ABORTED])) == 4 and s.dispatch_index == 1
+    for _ in range(2):
+        assert run(s.admit(trainer_version_fn=lambda: 0)) is None
+        add_group(buf, 0)
+        add_group(buf, 0)
+    assert s.dispatch_index == 1
+    for version in (0, 1):
+        _, n = run(s.select(current_train_weight=version, min_prompt_groups=2, max_prompt_groups=2))
+        assert n == 2
+    assert run(s.admit(trainer_version_fn=lambda: 1)) is None and s.dispatch_index == 2
+    buf.close()
+
+
 def test_a_fenced_attempt_of_a_ledger_owned_prompt_cannot_commit(make: Any) -> None:
     """#3480's path: the ledger owns the prompt; remove_group fences the failed attempt and hands
     the prompt back, so the retry reserves the same group id and the zombie's commit is refused."""

@@ -110,7 +110,7 @@ class TQReplayBuffer:
         self._admissions: dict[int | None, Admission] = {}  # the latest admission per stamp, for joins
         self._meta: dict[str, ReplayMeta] = {}
         self._resume_step: int | None = None
-        self._refill: list[int] = []  # in_order steps a restart left short, re-admitted first
+        self._refill: list[int | None] = []  # stamps of batches a restart left short, re-admitted first
         self.sampler = create_sampler(self, self.core.sampler.config())
         self.ledger = KvckptLedger(self)
 
@@ -132,27 +132,31 @@ class TQReplayBuffer:
         generated again by anyone, so they are given up (one abort each) and nothing waits for
         them; ``admit`` then hands out the stamps of the steps left short first, as NeMo-RL's
         rewound cursor would (its top-up guard fills them)."""
+        lost = 0
         for lease in plan.leases:
             if lease.task_name == UNIDENTIFIED_TASK:
                 self.core.abort(lease.group_id, "in flight at a restart, reserved without a prompt identity")
+                lost += 1
                 with self._lock:
                     self._idle.pop(lease.group_id, None)
                     self._owned.discard(lease.group_id)
+        per_step = self.core.config.groups_per_step
         if self.core.sampler.stamps_target_step:
-            per_step = self.core.config.groups_per_step
             self._refill = [t for t in range(plan.resume_version, self.sampler.dispatch_index + 1)
                             if self.core.count_for_target_step(t) < per_step]
+        elif self.core.sampler.gate_window is not None:  # a closed gate would wait for them forever
+            self._refill = [None] * -(-lost // per_step)
 
-    def _next_refill(self) -> int | None:
-        """The next step a restart left short (``in_order`` only), admitted again without moving the
-        cursor: its prompts join that step's admission."""
+    def _next_refill(self) -> tuple[bool, int | None]:
+        """``(True, stamp)`` for the next batch a restart left short, admitted again without moving
+        the cursor (its prompts join an admission of that stamp); ``(False, None)`` once none is left."""
         if not self._refill:
-            return None
+            return False, None
         step = self._refill.pop(0)
         admission = self._admission_for(step)
         with self._lock:
             self._admissions[step] = admission
-        return step
+        return True, step
 
     def _advance_to(self, version: int) -> None:
         """Close the store's steps up to the trainer's ``version`` (one ``finish_step`` each)."""
@@ -213,10 +217,9 @@ class TQReplayBuffer:
             admission = self._admissions.get(target_step)
         if admission is not None:
             return admission
-        if target_step is not None:  # an admission made before a restart: its records name it
-            for record in [*self.core.ledger(), *self.core.groups()]:
-                if record.target_step == target_step:
-                    return Admission(record.admission_id, self.sampler.dispatch_index, target_step)
+        for record in [*self.core.ledger(), *self.core.groups()]:  # one made before a restart: its records name it
+            if record.target_step == target_step:
+                return Admission(record.admission_id, self.sampler.dispatch_index, target_step)
         raise BadArgument(f"no admission is stamped for target_step {target_step}: await sampler.admit first")
 
     # -- slots ------------------------------------------------------------------------------------

@@ -123,9 +123,10 @@ class KvckptSampler:
         Gated samplers poll (``await asyncio.sleep``, 5 ms) while ``dispatch_index >=
         trainer_version_fn() + W``; then, in one transaction, the cursor advance,
         ``dataloader_state`` and a ledger entry for every prompt ``ledger.reserve_group`` staged.
-        With nothing staged the prompts join later, one ``reserve`` each. After a restart,
-        ``in_order`` first hands out the stamps of the steps left short (no cursor move, no gate
-        wait), as NeMo-RL's rewound cursor would. ``windowed`` never gates
+        With nothing staged the prompts join later, one ``reserve`` each. After a restart that
+        gave up anonymous in-flight prompts, gated samplers first re-admit the batches left short
+        (``in_order``: the stamps of the short steps; no cursor move, no gate wait), as NeMo-RL's
+        rewound cursor would. ``windowed`` never gates
         and has no cursor: it returns ``None`` at once, writing only staged prompts or a
         ``dataloader_state`` if given (nothing otherwise).
 
@@ -139,9 +140,9 @@ class KvckptSampler:
             GateTimeout: still closed after ``timeout``. RecoveryError: the run resumes from a step
             the store has not been restored to yet (``load_state_dict`` first).
         """
-        refill = self._buffer._next_refill()
-        if refill is not None:
-            return refill
+        refilled, stamp = self._buffer._next_refill()
+        if refilled:
+            return stamp
         deadline = None if timeout is None else time.monotonic() + timeout
         gate = self._core.gate_window
         version = trainer_version_fn()
