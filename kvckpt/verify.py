@@ -232,6 +232,7 @@ def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dic
                     progress: Callable[[int], None] | None) -> None:
     n = config["group_size"]
     schema = RowSchema.from_dict(config["schema"])
+    pins = _shape_pins(txn, schema, report) if deep else {}
     groups = _decode_table(txn, "groups", report)
     ledger = _decode_table(txn, "ledger", report)
     report.counts.update(groups=len(groups), ledger=len(ledger))
@@ -252,7 +253,7 @@ def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dic
             continue
         rows.setdefault(gid, set()).add(index)
         if deep:
-            _check_row(value, gid, index, schema, report)
+            _check_row(value, gid, index, schema, pins, report)
         elif checksums:
             _check_row_identity(value, gid, index, report)
         if read_values:
@@ -401,16 +402,30 @@ def _check_identity(meta: dict[str, Any], key: str, gid: str, index: int, report
         report.add("key-mismatch", key, f"payload says group {meta.get('group_id')!r} row {meta.get('index')!r}")
 
 
-def _check_row(value: bytes, gid: str, index: int, schema: RowSchema, report: Report) -> None:
+def _shape_pins(txn: Any, schema: RowSchema, report: Report) -> dict[str, Any]:
+    """The store's pinned row shapes (``meta/shapes``); a pin map the schema refuses is reported."""
+    try:
+        pins = txn.get_json("meta", SHAPES_KEY) or {}
+        schema.limits(pins)  # checks that it maps declared fields to shapes
+        return pins
+    except CorruptRecord:  # already reported with the meta table
+        return {}
+    except KvckptError as exc:
+        report.add("schema", "meta/shapes", str(exc))
+        return {}
+
+
+def _check_row(value: bytes, gid: str, index: int, schema: RowSchema, pins: dict[str, Any], report: Report) -> None:
     key = f"rows/{keys.row_id(gid, index)}"
     try:
-        record = codec.decode(value, key, limits=schema.limits())
+        record = codec.decode(value, key, limits=schema.limits(pins))
     except CorruptRecord as exc:
         report.add("corrupt-record", key, exc.reason)
         return
     _check_identity(record.meta, key, gid, index, report)
     try:
         schema.check_record(record, key)
+        schema.pin(pins, [(key, {n: schema.shape_of(schema.fields[n], v) for n, v in record.arrays.items()})])
     except KvckptError as exc:
         report.add("schema", key, str(exc))
 

@@ -348,3 +348,19 @@ def test_a_whole_commit_replaces_a_text_sibling_and_keeps_byte_counts(buffer_fac
     assert buf.commit_group(lease, rows).ready  # regenerates row 0: its old bytes leave the counts
     raw = sum(codec.decode(v).nbytes for _, v in buf.store.read(lambda t: list(t.iter_prefix("rows", b""))))
     assert buf.group(lease.group_id).raw_bytes == raw == buf.stats()["raw_bytes"]
+
+
+def test_deep_verify_holds_rows_to_the_pins(buffer_factory):
+    from kvckpt import check
+
+    buf = buffer_factory(schema=TEXT_SCHEMA, group_size=3)
+    [lease] = buf.admit([0])
+    assert buf.commit_group(lease, trainer_rows(3)).ready
+    assert buf.store.read(lambda t: check(t, deep=True)).ok
+    buf.store.write(lambda t: t.put_json("meta", b"shapes", {"total_reward": [5]}))  # a pin no row matches
+    problems = buf.store.read(lambda t: check(t, deep=True)).problems
+    assert [(p.code, p.key) for p in problems] == [("schema", f"rows/a0-p0_g{i}") for i in range(3)]
+    assert "fixes it at [5]" in problems[0].message
+    buf.store.write(lambda t: t.put_json("meta", b"shapes", {"nope": []}))
+    assert [(p.code, p.key) for p in buf.store.read(lambda t: check(t, deep=True)).problems] == [
+        ("schema", "meta/shapes")]
