@@ -77,7 +77,8 @@ class TQReplayBuffer:
         require_routed_experts: refuse to start unless the store schema has ``routed_experts``.
         config: the store's config (a :func:`~.config.parse_config` dict or an
             :class:`~.config.AdapterConfig`). Defaults to what :func:`~.config.configure` set.
-        store: an open kvckpt buffer to own instead (the factories below pass it).
+        store: an open kvckpt buffer to own instead of opening ``config``'s (the factories below
+            pass it; ``config`` then only supplies ``checkpoint_dir``).
         leases: in-flight prompts the ledger owns (a recovery plan's leases).
 
     Raises:
@@ -88,10 +89,8 @@ class TQReplayBuffer:
                  pad_value_dict: Mapping[str, int] | None = None, require_routed_experts: bool = False,
                  config: Mapping[str, Any] | AdapterConfig | None = None, store: ReplayBuffer | None = None,
                  leases: Iterable[Lease] = ()) -> None:
-        cfg = None
-        if store is None:
-            cfg = configured() if config is None else config if isinstance(config, AdapterConfig) \
-                else parse_config(config)
+        cfg = config if isinstance(config, AdapterConfig) else parse_config(config) if config is not None \
+            else configured() if store is None else None
         self.core = store if store is not None else open_store(cfg)
         self._dp_client = dp_client
         self.partition_id = partition_id
@@ -687,4 +686,4 @@ def restore_replay_buffer(config: Mapping[str, Any] | AdapterConfig,
     cfg = config if isinstance(config, AdapterConfig) else parse_config(config)
     core, plan = restore(checkpoint_file, cfg.path, overwrite=True, sampler=cfg.buffer.sampler.config(),
                          max_buffered_rollouts=cfg.buffer.max_buffered_rollouts)
-    return TQReplayBuffer(None, cfg.partition_id, store=core, leases=plan.leases), plan
+    return TQReplayBuffer(None, cfg.partition_id, config=cfg, store=core, leases=plan.leases), plan
