@@ -43,6 +43,15 @@ def check_group_rows(groups: Sequence[Any], raw: Sequence[tuple[str, int, bytes]
         rows = by_gid.get(group.group_id, {})
         if len(rows) != group.group_size or set(rows) != set(range(group.group_size)):
             continue
-        if group_digest(row_digest(rows[i]) for i in range(group.group_size)) != group.digest:
-            raise CorruptRecord(f"groups/{group.group_id}", "its rows do not match the group digest recorded "
-                                "at commit (a row was changed after the group was committed)")
+        check_group_digest(group.group_id, group.digest, [rows[i] for i in range(group.group_size)])
+
+
+def check_group_digest(group_id: str, recorded: Any, values: Sequence[bytes]) -> None:
+    """Refuse a group whose stored row ``values`` (in index order) do not match ``recorded``.
+
+    Raises:
+        CorruptRecord: they do not (naming the group).
+    """
+    if group_digest(row_digest(v) for v in values) != recorded:
+        raise CorruptRecord(f"groups/{group_id}", "its rows do not match the group digest recorded at commit "
+                            "(a row was changed after the group was committed)")

@@ -1,13 +1,16 @@
 """Inspection of a store or checkpoint file: what it is, what it holds, where its cursors are.
 
-:func:`inspect_path` opens the file read-only (no lock file unless a writer holds it, in which
-case the writer's lock file is shared), reads **one snapshot** and returns a JSON-able dict:
+:func:`inspect_path` opens the file read-only through :func:`kvckpt.safe_open.open_readonly` (no
+lock file unless a writer holds it, in which case the writer's lock file is shared), reads
+**one snapshot** and returns a JSON-able dict:
 identity, config, group counts by state, the ledger (count and the first few entries), cursors,
 the last checkpoint stamp, bytes (raw, stored, file), the oldest and newest weight versions, and
 histograms by weight version and by training step. It never writes.
 
-Records that fail their checksum are counted under ``problems`` instead of aborting the scan
-(``kvckpt verify`` lists them all). Cost: one JSON decode per group and ledger entry; row payloads
+Records that fail their checksum, and checksum-valid records kvckpt never writes (a config it
+cannot build a buffer from, a group record with a missing or mistyped field), are counted under
+``problems`` instead of aborting the scan (``kvckpt verify`` lists them all).
+Cost: one JSON decode per group and ledger entry; row payloads
 are never read.
 """
 
@@ -19,9 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 from . import codec
-from .buffer import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STATE_KEY
+from .buffer import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STATE_KEY, BufferConfig
 from .checkpoint import STAMP_KEY
-from .errors import CorruptRecord
+from .errors import CorruptRecord, KvckptError
 from .records import CLAIMED, CONSUMED, GROUP_STATES, READY
 from .safe_open import open_readonly
 from .store import Txn, writer_active
@@ -51,6 +54,25 @@ def _scan(txn: Txn, table: str, problems: list[dict[str, str]], progress: Progre
             yield codec.decode_meta(value, name)
         except CorruptRecord as exc:
             problems.append({"key": name, "problem": exc.reason})
+
+
+#: The fields of group records and ledger entries the scan reads, and the types kvckpt writes.
+_FIELDS = {"group_id": (str,), "state": (str,), "start_weight": (int,), "target_step": (int, type(None)),
+           "claimed_step": (int, type(None)), "consumed_step": (int, type(None)), "rows_stored": (bool,),
+           "raw_bytes": (int,), "stored_bytes": (int,), "seq": (int,), "siblings": (list,)}
+_REQUIRED = {"groups": ("group_id", "state", "start_weight"), "ledger": ("group_id", "start_weight")}
+
+
+def _well_formed(doc: dict[str, Any], table: str, problems: list[dict[str, str]]) -> bool:
+    """Whether a record has the fields the scan needs, of the types kvckpt writes; else a problem."""
+    missing = [k for k in _REQUIRED[table] if k not in doc]
+    wrong = [k for k, types in _FIELDS.items() if k in doc and not isinstance(doc[k], types)]
+    if missing or wrong:
+        name = str(doc.get("group_id"))[:100]
+        problems.append({"key": f"{table}/{name}", "problem": f"checksum-valid but not a record kvckpt writes "
+                                                             f"(missing {missing}, mistyped {wrong})"})
+        return False
+    return True
 
 
 def _span(values: list[int]) -> dict[str, int | None]:
@@ -93,6 +115,13 @@ def _describe(txn: Txn, ledger_limit: int, progress: Progress | None) -> dict[st
     except CorruptRecord as exc:
         problems.append({"key": exc.key, "problem": exc.reason})
         config = state = stamp = shortfall = None
+    if config is not None:
+        try:
+            BufferConfig.from_dict(config)
+        except (KvckptError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            problems.append({"key": "meta/config", "problem": f"not a buffer config kvckpt writes "
+                                                              f"({type(exc).__name__}: {str(exc)[:200]})"})
+            config = None
     out["config"] = config
     dataloader = None
     try:
@@ -111,6 +140,8 @@ def _describe(txn: Txn, ledger_limit: int, progress: Progress | None) -> dict[st
     all_weights: list[int] = []
     raw = stored = 0
     for doc in _scan(txn, "groups", problems, progress, done, total):
+        if not _well_formed(doc, "groups", problems):
+            continue
         name = doc.get("state")
         counts[name] += 1
         weight = doc.get("start_weight")
@@ -131,6 +162,8 @@ def _describe(txn: Txn, ledger_limit: int, progress: Progress | None) -> dict[st
 
     entries = []
     for doc in _scan(txn, "ledger", problems, progress, done, total):
+        if not _well_formed(doc, "ledger", problems):
+            continue
         entries.append(doc)
         counts[INFLIGHT] += 1
         by_weight[doc["start_weight"]][INFLIGHT] += 1
@@ -153,7 +186,8 @@ def _describe(txn: Txn, ledger_limit: int, progress: Progress | None) -> dict[st
     cursor_keys = ("dispatch_index", "trainer_version", "weight_version", "admissions", "seq", "drop_floor",
                    "durable")
     out["cursors"] = {k: state.get(k) for k in cursor_keys} if state else None
-    out["counters"] = dict(state.get("counters", {})) if state else None
+    counters = state.get("counters") if state else None
+    out["counters"] = dict(counters) if isinstance(counters, dict) else None
     out["batch_shortfall"] = shortfall or {}
     out["dataloader_state_bytes"] = dataloader
     out["checkpoint"] = None if stamp is None else {

@@ -2,8 +2,11 @@
 
 Every command works on a live store or a checkpoint file, opens its inputs read-only without
 creating lock files, never modifies them, prints a readable report (``--json`` prints JSON
-instead) and exits 0 when all is well, 1 when it found problems (``diff``: differences), 2 on a
-usage or I/O error (one line on stderr). Long work shows a progress bar on a terminal.
+instead) and exits 0 when all is well, 1 when it found problems (a damaged, crafted or foreign
+file included, the same status from every command; ``diff``: differences), 2 on a usage or I/O
+error (one line on stderr). Long work shows a progress bar on a terminal. Every input goes
+through :func:`kvckpt.safe_open.open_readonly` (structure-checked before liblmdb maps it), and
+control characters from a file (group ids, messages) are printed escaped, never raw.
 
 inspect PATH
     Identity, config, counts by state, ledger, cursors, checkpoint stamp, sizes, histograms.
@@ -31,17 +34,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvckpt.errors import CorruptRecord, InvariantViolation, KvckptError
+from kvckpt.errors import CorruptRecord, FormatError, InvariantViolation, KvckptError, RecoveryError
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
 
 
 # -- output helpers ------------------------------------------------------------------------------
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every C0/C1 control character (ESC, BEL, newline...) written as ``\\xNN``, so
+    nothing read from a file can drive the terminal or forge an output line."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
 def _size(n: int | None) -> str:
     """Bytes for people: ``1.23 MiB``."""
     if n is None:
@@ -149,7 +161,7 @@ def _emit(args: argparse.Namespace, doc: dict[str, Any], render: Callable[[dict[
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
-        print("\n".join(render(doc)))
+        print("\n".join(printable(line) for line in render(doc)))
 
 
 # -- inspect -------------------------------------------------------------------------------------
@@ -160,6 +172,15 @@ def _sampler_text(sampler: dict[str, Any] | None) -> str:
     return f"{sampler['name']}({extra})"
 
 
+def _ratio(raw: int, stored: int) -> str:
+    """How compression changed the rows, in words that cannot be misread when it made them larger."""
+    if not raw or not stored:
+        return "-"
+    if stored > raw:
+        return f"{stored / raw:.2f}x larger than raw: these rows are too small to compress"
+    return f"{raw / stored:.2f}x smaller than raw"
+
+
 def _render_inspect(doc: dict[str, Any]) -> list[str]:
     ident, cfg = doc["identity"], doc.get("config")
     live = "live: a writer holds it" if doc["live"] else "no writer"
@@ -167,8 +188,8 @@ def _render_inspect(doc: dict[str, Any]) -> list[str]:
     out += _pairs([("store id", ident["store_id"]), ("format", f"{ident['format']} v{ident['version']}"),
                    ("created", _when(ident.get("created")))])
     if cfg is None:
-        out.append("  (no replay buffer in this store)")
-        return out
+        out.append("  (no readable replay buffer config in this store)")
+        return out + _problem_lines(doc)
     schema = ", ".join(f"{n} {d} {k}" for n, (d, k) in cfg["schema"]["fields"].items())
     out += ["", "config"]
     out += _pairs([("sampler", _sampler_text(cfg["sampler"])), ("group size n", cfg["group_size"]),
@@ -206,7 +227,7 @@ def _render_inspect(doc: dict[str, Any]) -> list[str]:
                        ("written", _when(stamp.get("created"))), ("file", stamp.get("file") or "-"),
                        ("trainer state", json.dumps(stamp.get("trainer_state") or {}))])
     size = doc["bytes"]
-    ratio = f"{size['raw'] / size['stored']:.2f}x" if size["stored"] else "-"
+    ratio = _ratio(size["raw"], size["stored"])
     weights = doc["weights"]
     out += ["", "bytes and versions"]
     out += _table(["", "bytes", "human"], [["rows raw", size["raw"], _size(size["raw"])],
@@ -231,10 +252,14 @@ def _render_inspect(doc: dict[str, Any]) -> list[str]:
                       [[r["step"], r["target_inflight"], r["target_ready"], r["claimed"], r["consumed"]]
                        for r in rows])
         out += [f"  ... {more} more (see --json)"] if more else []
-    if doc["problems"]:
-        out += ["", f"{len(doc['problems'])} damaged record(s) (run `kvckpt verify`):"]
-        out += [f"  {p['key']}: {p['problem']}" for p in doc["problems"][:20]]
-    return out
+    return out + _problem_lines(doc)
+
+
+def _problem_lines(doc: dict[str, Any]) -> list[str]:
+    if not doc["problems"]:
+        return []
+    return ["", f"{len(doc['problems'])} damaged record(s) (run `kvckpt verify`):",
+            *[f"  {p['key']}: {p['problem']}" for p in doc["problems"][:20]]]
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -496,7 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="kvckpt", description="Inspect, verify, compact, export and diff kvckpt stores and "
                      "checkpoint files (opened read-only, never modified); run the crash/recovery demo.",
-                     epilog="Exit status: 0 ok, 1 problems or differences found, 2 usage or I/O error.")
+                     epilog="Exit status: 0 ok, 1 problems or differences found (a damaged or foreign file too), "
+                     "2 usage or I/O error.")
     parser.add_argument("--version", action="version", version=f"kvckpt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -585,11 +611,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `kvckpt inspect x | head`: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-    except (CorruptRecord, InvariantViolation) as exc:
-        print(f"kvckpt {args.command}: {exc}", file=sys.stderr)
+    except (CorruptRecord, InvariantViolation, FormatError, RecoveryError) as exc:
+        print(printable(f"kvckpt {args.command}: {exc}"), file=sys.stderr)
         return EXIT_PROBLEMS
     except (KvckptError, OSError) as exc:
-        print(f"kvckpt {args.command}: error: {exc}", file=sys.stderr)
+        print(printable(f"kvckpt {args.command}: error: {exc}"), file=sys.stderr)
         return EXIT_USAGE
 
 

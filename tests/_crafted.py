@@ -1,0 +1,375 @@
+"""Hostile checkpoint files, built on purpose (not random flips), and a runner for one entry point.
+
+:func:`build_all` writes one file per :data:`CASES` entry from two valid checkpoints
+(:func:`kvckpt.campaign.build_base`): valid LMDB with valid record checksums and hostile content,
+and files with edited pages. Each case says what it attacks (the issue-20 class) and whether a
+reader may accept it (``either``: the data must then be exactly right) or must refuse it
+(``refuse``: a specific kvckpt error, or a CLI exit status with a named message).
+
+``python tests/_crafted.py FILE WORKDIR`` runs the in-process entry points (``restore`` then a read
+of everything restored; ``readonly``: ``ReplayBuffer.open(readonly=True)`` then ``read_batch`` of
+every group with rows) and prints one JSON line per entry point: ``{"entry": ..., "outcome":
+"ok"|"error", "type": ..., "message": ...}``; an exception that is not a specific kvckpt error is
+reported with ``"generic": true``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import lmdb
+import zstandard
+
+PAGE = 4096
+_LEAF, _OVERFLOW, _BIGDATA = 0x02, 0x04, 0x01
+# MDB_meta: mm_last_pg sits after magic, version, address, mapsize and the two 48-byte MDB_db.
+_LAST_PG_OFFSET = 16 + 4 + 4 + 8 + 8 + 48 + 48
+
+
+@dataclass(frozen=True)
+class Case:
+    """One crafted file: its name, the attack class, what a reader may do, and how to make it."""
+
+    name: str
+    attack: str
+    must_refuse: tuple[str, ...]  # entry points that must refuse it; the others may accept it
+    base: str  # "small" or "large"
+    build: Callable[[str], None]
+
+
+# -- record crafting -----------------------------------------------------------------------------
+def raw_json_record(meta_text: bytes) -> bytes:
+    """A JSON-only record whose meta is exactly ``meta_text`` (even JSON Python cannot write),
+    with a valid checksum."""
+    header = b'{"z":0,"raw":0,"meta":' + meta_text + b',"fields":[]}'
+    tail = struct.pack("<I", len(header)) + header
+    return struct.pack("<4sI", b"KVR1", zlib.crc32(tail)) + tail
+
+
+def json_record(doc: dict[str, Any]) -> bytes:
+    return raw_json_record(json.dumps(doc, separators=(",", ":")).encode())
+
+
+def zero_bomb_record(meta: dict[str, Any], name: str, dtype: str, count: int, itemsize: int) -> bytes:
+    """A valid record with one field of ``count`` zeros, zstd-compressed (a few KB on disk)."""
+    raw = count * itemsize
+    cctx = zstandard.ZstdCompressor(level=1)
+    chunk = bytes(1 << 24)
+    out = cctx.compressobj(size=raw)
+    parts, left = [], raw
+    while left:
+        n = min(left, len(chunk))
+        parts.append(out.compress(chunk[:n]))
+        left -= n
+    parts.append(out.flush())
+    body = b"".join(parts)
+    header = json.dumps({"z": 1, "raw": raw, "meta": meta, "fields": [[name, dtype, [count], [], raw]]},
+                        separators=(",", ":")).encode()
+    tail = struct.pack("<I", len(header)) + header + body
+    return struct.pack("<4sI", b"KVR1", zlib.crc32(tail)) + tail
+
+
+def _meta(value: bytes) -> dict[str, Any]:
+    hlen = struct.unpack_from("<I", value, 8)[0]
+    return json.loads(value[12:12 + hlen])["meta"]
+
+
+def _digest(value: bytes) -> str:
+    return hashlib.blake2b(value, digest_size=8).hexdigest()
+
+
+class _Edit:
+    """Raw LMDB edits of a copy (no kvckpt code on the write path)."""
+
+    def __init__(self, path: str) -> None:
+        self.env = lmdb.open(path, subdir=False, max_dbs=8, lock=False, map_size=1 << 32)
+        self.dbs = {n: self.env.open_db(n.encode(), create=False) for n in ("meta", "groups", "rows", "ledger",
+                                                                            "index")}
+        self.txn = self.env.begin(write=True)
+
+    def get(self, table: str, key: bytes) -> bytes:
+        return self.txn.get(key, db=self.dbs[table])
+
+    def doc(self, table: str, key: bytes) -> dict[str, Any]:
+        return _meta(self.get(table, key))
+
+    def put(self, table: str, key: bytes, value: bytes) -> None:
+        self.txn.put(key, value, db=self.dbs[table])
+
+    def items(self, table: str) -> list[tuple[bytes, bytes]]:
+        return list(self.txn.cursor(db=self.dbs[table]))
+
+    def ready_group(self) -> tuple[bytes, dict[str, Any]]:
+        for key, value in self.items("groups"):
+            doc = _meta(value)
+            if doc["state"] in ("ready", "claimed", "consumed") and doc["rows_stored"]:
+                return key, doc
+        raise AssertionError("the base has no group with rows")
+
+    def refresh_digest(self, gid: str, doc: dict[str, Any]) -> None:
+        """Make the group's digest (and raw/stored sizes when asked) agree with its stored rows."""
+        rows = [v for k, v in self.items("rows") if k.startswith(gid.encode() + b"\0")]
+        doc["digest"] = _digest("".join(_digest(v) for v in rows).encode())
+        self.put("groups", gid.encode(), json_record(doc))
+
+    def close(self) -> None:
+        self.txn.commit()
+        self.env.close()
+
+
+def _edited(fn: Callable[[_Edit], None]) -> Callable[[str], None]:
+    def build(path: str) -> None:
+        edit = _Edit(path)
+        fn(edit)
+        edit.close()
+    return build
+
+
+# -- the cases -----------------------------------------------------------------------------------
+def _state_5000_digits(e: _Edit) -> None:
+    text = json.dumps(e.doc("meta", b"state"), separators=(",", ":")).encode()
+    text = re.sub(rb'"dispatch_index":\d+', b'"dispatch_index":1' + b"0" * 5000, text, count=1)
+    e.put("meta", b"state", raw_json_record(text))
+
+
+def _start_weight_2_70(e: _Edit) -> None:
+    key, doc = e.ready_group()
+    doc["start_weight"] = 2 ** 70
+    e.put("groups", key, json_record(doc))
+
+
+def _stamp_without_version(e: _Edit) -> None:
+    doc = e.doc("meta", b"checkpoint")
+    del doc["trainer_version"]
+    e.put("meta", b"checkpoint", json_record(doc))
+
+
+def _state_without_version(e: _Edit) -> None:
+    doc = e.doc("meta", b"state")
+    del doc["trainer_version"]
+    e.put("meta", b"state", json_record(doc))
+
+
+def _config(change: Callable[[dict[str, Any]], None]) -> Callable[[_Edit], None]:
+    def edit(e: _Edit) -> None:
+        doc = e.doc("meta", b"config")
+        change(doc)
+        e.put("meta", b"config", json_record(doc))
+    return edit
+
+
+def _group_size_1e12(e: _Edit) -> None:
+    key, doc = e.ready_group()
+    doc["group_size"] = 10 ** 12
+    e.put("groups", key, json_record(doc))
+
+
+def _row(e: _Edit, make: Callable[[str, int], bytes], sizes: bool = False) -> None:
+    """Replace row 0 of a ready group, keep the group digest (and, with ``sizes``, the group's
+    declared byte counts) consistent with it."""
+    key, doc = e.ready_group()
+    gid = key.decode()
+    value = make(gid, 0)
+    e.put("rows", gid.encode() + b"\0" + (0).to_bytes(4, "big"), value)
+    if sizes:
+        meta_len = struct.unpack_from("<I", value, 8)[0]
+        doc["raw_bytes"] = json.loads(value[12:12 + meta_len])["raw"] * 4
+        doc["stored_bytes"] = len(value) * 4
+    e.refresh_digest(gid, doc)
+
+
+def _shape_overflow(gid: str, index: int) -> bytes:
+    header = json.dumps({"z": 0, "raw": 0, "meta": {"group_id": gid, "index": index},
+                         "fields": [["input_ids", "int64", [2 ** 39] * 3, [], 0],
+                                    ["logprobs", "float32", [2 ** 39] * 3, [], 0],
+                                    ["reward", "float32", [], [], 0]]}, separators=(",", ":")).encode()
+    tail = struct.pack("<I", len(header)) + header
+    return struct.pack("<4sI", b"KVR1", zlib.crc32(tail)) + tail
+
+
+def _bomb_row(gid: str, index: int) -> bytes:
+    return zero_bomb_record({"group_id": gid, "index": index}, "logprobs", "float32", 2 ** 29, 4)
+
+
+def _stale_digest(e: _Edit) -> None:
+    from kvckpt import codec
+
+    key, _ = e.ready_group()
+    gid = key.decode()
+    row_key = gid.encode() + b"\0" + (1).to_bytes(4, "big")
+    record = codec.decode(e.get("rows", row_key))
+    arrays = dict(record.arrays)
+    arrays["reward"] = arrays["reward"] + 1  # a different reward, a valid record checksum
+    e.put("rows", row_key, codec.encode(arrays, record.meta))
+
+
+def _dataloader_bomb(e: _Edit) -> None:
+    e.put("meta", b"dataloader", zero_bomb_record({}, "state", "uint8", 2 ** 31, 1))
+
+
+def _control_chars(e: _Edit) -> None:
+    """Rename an in-flight prompt without siblings to an id full of terminal escapes."""
+    entries = [(k, _meta(v)) for k, v in e.items("ledger")]
+    rename, doc = next((k, d) for k, d in entries if not d["siblings"])
+    evil = "x\x1b]0;owned\x07\x1b[2J\x1b[31m"
+    for ikey, ivalue in e.items("index"):
+        if ivalue == rename:
+            e.put("index", ikey, evil.encode())
+    e.txn.delete(rename, db=e.dbs["ledger"])
+    doc["group_id"] = evil
+    e.put("ledger", evil.encode(), json_record(doc))
+
+
+def _bigdata_node(path: str) -> None:
+    """Set the data size of the first large-value node to 1.5 GiB (its overflow pages stay small)."""
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+    page = 2
+    while page < len(data) // PAGE:
+        off = page * PAGE
+        flags, lower = struct.unpack_from("<HH", data, off + 10)
+        if flags & _OVERFLOW:  # a run of pages: only the first has a header
+            page += struct.unpack_from("<I", data, off + 12)[0]
+            continue
+        for i in range((lower - 16) // 2 if flags & _LEAF else 0):
+            ptr = struct.unpack_from("<H", data, off + 16 + 2 * i)[0]
+            if struct.unpack_from("<H", data, off + ptr + 4)[0] & _BIGDATA:
+                size = 3 << 29
+                struct.pack_into("<HH", data, off + ptr, size & 0xFFFF, size >> 16)
+                with open(path, "r+b") as f:
+                    f.write(data)
+                return
+        page += 1
+    raise AssertionError("no large value in the base")
+
+
+def _sparse_tail(path: str) -> None:
+    os.truncate(path, os.path.getsize(path) + (3 << 30))
+
+
+def _million_pages(path: str) -> None:
+    with open(path, "r+b") as f:
+        for meta in (0, 1):
+            f.seek(meta * PAGE + _LAST_PG_OFFSET)
+            f.write(struct.pack("<Q", (1 << 20) - 1))
+    os.truncate(path, (1 << 20) * PAGE)
+
+
+def _foreign(path: str) -> None:
+    os.unlink(path)
+    env = lmdb.open(path, subdir=False, max_dbs=8, lock=False, map_size=1 << 24)
+    db = env.open_db(b"users")
+    with env.begin(write=True) as txn:
+        txn.put(b"alice", b"x" * 100, db=db)
+    env.close()
+
+
+#: Every entry point the suite feeds each file to.
+ENTRIES = ("restore", "readonly", "inspect", "verify", "verify --deep", "export", "diff", "compact")
+#: Entry points that check (or use) the stamp, the cursors and every group record.
+_META = ("restore", "verify", "verify --deep")
+#: Entry points that decode rows.
+_ROWS = ("restore", "readonly", "export", "verify --deep")
+_CONFIG = ("restore", "readonly", "inspect", "verify", "verify --deep", "export")
+
+CASES: tuple[Case, ...] = (
+    Case("state-5000-digit-int", "hostile value: json ValueError", (*_META, "inspect", "diff"), "small",
+         _edited(_state_5000_digits)),
+    Case("start-weight-2**70", "hostile value: OverflowError", _META, "small", _edited(_start_weight_2_70)),
+    Case("stamp-without-trainer-version", "hostile value: KeyError", _META, "small",
+         _edited(_stamp_without_version)),
+    Case("state-without-trainer-version", "hostile value: KeyError", _META, "small",
+         _edited(_state_without_version)),
+    Case("config-unknown-key", "hostile value: TypeError", tuple(e for e in _CONFIG if e != "export"), "small",
+         _edited(_config(lambda d: d.update(bogus=1)))),
+    Case("config-schema-list", "hostile value: AttributeError", _CONFIG, "small",
+         _edited(_config(lambda d: d.update(schema=[["input_ids", "int64", "token"]])))),
+    Case("config-group-size-1e12", "memory bomb: group_size", _META, "small",
+         _edited(_config(lambda d: d.update(group_size=10 ** 12)))),
+    Case("group-size-1e12", "memory bomb: group_size", (*_META, "readonly"), "small", _edited(_group_size_1e12)),
+    Case("row-shape-overflow", "hostile value: element count overflow", _ROWS, "small",
+         _edited(lambda e: _row(e, _shape_overflow))),
+    Case("row-zstd-bomb", "decompression bomb: 2 GiB row, group sizes stale", _ROWS, "small",
+         _edited(lambda e: _row(e, _bomb_row))),
+    Case("row-zstd-bomb-declared", "decompression bomb: 2 GiB row, group sizes agree", _ROWS, "small",
+         _edited(lambda e: _row(e, _bomb_row, sizes=True))),
+    Case("dataloader-bomb", "decompression bomb: meta/dataloader 2 GiB", ("restore", "readonly", "inspect",
+                                                                          "verify --deep"), "small",
+         _edited(_dataloader_bomb)),
+    Case("stale-group-digest", "wrong data: row changed, checksum fixed", _ROWS, "small",
+         _edited(_stale_digest)),
+    Case("bigdata-node-1.5GiB", "edited page: SIGBUS", ENTRIES, "large", _bigdata_node),
+    Case("sparse-tail-3GiB", "sparse file: truncate -s +3G", (), "small", _sparse_tail),
+    Case("meta-claims-1M-pages", "sparse file: meta claims 1M pages", ENTRIES, "small", _million_pages),
+    Case("control-chars-in-id", "terminal escapes in a group id", (), "small", _edited(_control_chars)),
+    Case("foreign-lmdb", "another application's LMDB file", ENTRIES, "small", _foreign),
+)
+
+
+def build_all(directory: str) -> dict[str, str]:
+    """Write the two bases and every case into ``directory``; returns case name -> file."""
+    from kvckpt.campaign import build_base
+
+    bases = {}
+    for kind in ("small", "large"):
+        bases[kind] = os.path.join(directory, f"base-{kind}.kvckpt")
+        build_base(bases[kind], kind == "large")
+    out = {}
+    for case in CASES:
+        path = os.path.join(directory, f"{case.name}.kvckpt")
+        shutil.copyfile(bases[case.base], path)
+        case.build(path)
+        out[case.name] = path
+    out.update({f"base-{k}": v for k, v in bases.items()})
+    return out
+
+
+# -- running one in-process entry point ----------------------------------------------------------
+def _read_everything(buf: Any) -> int:
+    gids = [g.group_id for g in buf.groups() if g.rows_stored and g.state not in ("evicted", "aborted")]
+    rows = 0
+    for gid in gids:
+        rows += len(buf.read_batch([gid], layout="list").rows)
+    buf.ledger()
+    buf.dataloader_state()
+    return rows
+
+
+def run_entry(entry: str, path: str, workdir: str) -> dict[str, Any]:
+    """Run one entry point on ``path``; never raises (the outcome is the return value)."""
+    from kvckpt import ReplayBuffer, restore
+    from kvckpt.errors import KvckptError
+
+    try:
+        if entry == "restore":
+            buf, plan = restore(path, os.path.join(workdir, "live.kv"))
+            try:
+                rows = _read_everything(buf)
+                live_bytes = os.path.getsize(buf.path)
+            finally:
+                buf.close()
+            return {"outcome": "ok", "rows": rows, "redispatch": len(plan.leases), "live_bytes": live_bytes}
+        if entry == "readonly":
+            with ReplayBuffer.open(path, readonly=True) as buf:
+                return {"outcome": "ok", "rows": _read_everything(buf)}
+        raise ValueError(f"unknown entry point {entry!r}")
+    except KvckptError as exc:
+        return {"outcome": "error", "type": type(exc).__name__, "message": str(exc)[:400],
+                "generic": type(exc) is KvckptError}
+    except BaseException as exc:  # the point: report any other exception
+        return {"outcome": "error", "type": type(exc).__name__, "message": str(exc)[:400], "generic": True}
+
+
+if __name__ == "__main__":
+    for name in ("restore", "readonly"):
+        print(json.dumps({"entry": name, **run_entry(name, sys.argv[1], sys.argv[2])}), flush=True)
