@@ -53,6 +53,7 @@ from . import codec, keys
 from .buffer import CONFIG_KEY
 from .checkpoint import PARTIAL_SUFFIX, _fsync_dir, _fsync_file
 from .compact import check_destination
+from .digest import check_group_digest
 from .errors import BadArgument, InvariantViolation
 from .inspect import Progress, table_entries
 from .records import CLAIMED, CONSUMED, GROUP_STATES, READY
@@ -308,6 +309,7 @@ def _check_fields(schema: RowSchema, fields: Sequence[str] | None, decode: bool)
 
 def _add_group(txn: Any, doc: dict[str, Any], names: list[str], batch: _Batch, layout: _Layout) -> None:
     gid = doc["group_id"]
+    check_group_digest(gid, doc.get("digest"), [v for _, v in txn.iter_prefix("rows", keys.row_prefix(gid))])
     for key, value in txn.iter_prefix("rows", keys.row_prefix(gid)):
         index = int.from_bytes(key[-4:], "big")
         record = codec.decode(value, f"rows/{keys.row_id(gid, index)}")
