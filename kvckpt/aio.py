@@ -185,6 +185,10 @@ class AsyncReplayBuffer:
         """Commit one row of a group (see :meth:`ReplayBuffer.commit_sample`)."""
         return await self._write(self.buffer.commit_sample, lease, index, row, end_weight=end_weight)
 
+    async def commit_many(self, items: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """Commit several groups or rows in one durable transaction (see :meth:`ReplayBuffer.commit_many`)."""
+        return await self._write(self.buffer.commit_many, items)
+
     # -- training side ---------------------------------------------------------------------------
     async def select(self, min_groups: int = 1, max_groups: int | None = None) -> Selection:
         """Claim groups for the current step (see :meth:`ReplayBuffer.select`)."""

@@ -30,6 +30,7 @@ the dataloader remains accounted for.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -62,6 +63,7 @@ from .errors import (
     StoreNotFound,
     UnknownGroup,
 )
+from .group_commit import GroupCommitter
 from .records import (
     ABORTED,
     CLAIMED,
@@ -224,6 +226,7 @@ class ReplayBuffer:
         self.schema: RowSchema = self.config.schema
         self._changed = threading.Condition()
         self._latencies: deque[float] = deque(maxlen=4096)
+        self._committer = GroupCommitter(store)
 
     # -- lifecycle -------------------------------------------------------------------------------
     @classmethod
@@ -303,9 +306,12 @@ class ReplayBuffer:
     # -- internal helpers ------------------------------------------------------------------------
     def _write(self, fn: Any) -> Any:
         result = self.store.write(fn)
+        self._notify()
+        return result
+
+    def _notify(self) -> None:
         with self._changed:
             self._changed.notify_all()
-        return result
 
     @staticmethod
     def _state(txn: Txn) -> dict[str, Any]:
@@ -640,20 +646,57 @@ class ReplayBuffer:
         encoded = self._encode_rows(lease, {index: row})
         return self._commit(lease, encoded, end_weight, False, t0)
 
+    def commit_many(self, items: Sequence[Mapping[str, Any]]) -> list[CommitResult | KvckptError]:
+        """Commit several groups (or single rows) in one durable transaction, each its own
+        transition: one refused item (stale lease, duplicate, schema) does not fail the others.
+
+        Each item is ``{"lease": Lease, "rows": rows, "end_weight": int | None}``, plus
+        ``"index": i`` for a single-row commit (then ``rows`` is that row). Returns, in item
+        order, each commit's result or the error that refused it (nothing of it was written).
+        Every result is durable when this returns.
+        """
+        t0 = time.perf_counter()
+        jobs, out = [], []
+        for item in items:
+            try:
+                lease = item["lease"]
+                self._check_lease(lease)
+                end_weight = args.optional_integer("end_weight", item.get("end_weight"))
+                whole = item.get("index") is None
+                rows = item["rows"] if whole else {args.integer("index", item["index"], minimum=None): item["rows"]}
+                jobs.append((lease, self._encode_rows(lease, rows), end_weight, whole))
+                out.append(None)
+            except KvckptError as exc:
+                out.append(exc)
+            except (KeyError, TypeError) as exc:
+                out.append(BadArgument(f"a commit_many item needs lease and rows (and optionally end_weight, "
+                                       f"index): {exc!r}"))
+        results = iter(self._commit_all(jobs, t0))
+        return [next(results) if slot is None else slot for slot in out]
+
     def _commit(self, lease: Lease, encoded: list[_EncodedRow], end_weight: int | None, whole: bool,
                 t0: float) -> CommitResult:
-        try:
-            result = self._write(lambda txn: self._commit_txn(txn, lease, encoded, end_weight, whole=whole))
-        except StaleAttempt as exc:
-            log.warning("%s: fenced a commit of group %r (%s differs): %s", self.path, lease.group_id,
-                        exc.differs, exc)
-            raise
-        elapsed = time.perf_counter() - t0
-        self._latencies.append(elapsed)
-        if elapsed >= SLOW_COMMIT_SECONDS:
-            log.warning("%s: commit of group %r took %.2fs (encode and durable transaction)", self.path,
-                        lease.group_id, elapsed)
+        [result] = self._commit_all([(lease, encoded, end_weight, whole)], t0)
+        if isinstance(result, BaseException):
+            raise result
         return result
+
+    def _commit_all(self, jobs: list[tuple[Lease, list[_EncodedRow], int | None, bool]], t0: float) -> list[Any]:
+        """Run commit transitions through the group committer: each acknowledged once durable."""
+        results = self._committer.submit_many([
+            functools.partial(self._commit_txn, lease=lease, encoded=encoded, end_weight=end_weight, whole=whole)
+            for lease, encoded, end_weight, whole in jobs])
+        self._notify()
+        elapsed = time.perf_counter() - t0
+        for (lease, _, _, _), result in zip(jobs, results, strict=True):
+            if isinstance(result, StaleAttempt):
+                log.warning("%s: fenced a commit of group %r (%s differs): %s", self.path, lease.group_id,
+                            result.differs, result)
+            elif not isinstance(result, BaseException):
+                self._latencies.append(elapsed)
+        if elapsed >= SLOW_COMMIT_SECONDS:
+            log.warning("%s: %d commit(s) took %.2fs (encode and durable transaction)", self.path, len(jobs), elapsed)
+        return results
 
     def _check_lease(self, lease: Any) -> None:
         """What can be refused before encoding: not a lease, or a group size the store does not have."""
@@ -665,7 +708,7 @@ class ReplayBuffer:
                                 f"{lease.group_size!r} but this store's groups have {self.config.group_size} rows; "
                                 "nothing was written", "group_size")
 
-    def _commit_txn(self, txn: Txn, lease: Lease, encoded: list[_EncodedRow], end_weight: int | None,
+    def _commit_txn(self, txn: Txn, *, lease: Lease, encoded: list[_EncodedRow], end_weight: int | None,
                     whole: bool) -> CommitResult:
         gid = lease.group_id
         entry = self._entry(txn, gid)
@@ -1059,13 +1102,15 @@ class ReplayBuffer:
 
     def stats(self) -> dict[str, Any]:
         """Counters users graph: admitted, committed, selected, consumed, evicted, aborted, ledger
-        size, bytes raw and stored, and this process's commit latency percentiles (seconds)."""
+        size, bytes raw and stored, this process's commit latency percentiles (seconds), and the
+        writer's last reader check (``oldest_reader_lag``: commits the oldest open snapshot is
+        behind; ``stale_readers_cleared``; see :meth:`kvckpt.store.Store.check_readers`)."""
         st = self.state()
         lat = sorted(self._latencies)
         out = dict(st["counters"])
         out.update(ledger_size=st["inflight"], ready=st["ready"], claimed=st["claimed"],
                    trainer_version=st["trainer_version"], dispatch_index=st["dispatch_index"],
-                   file_bytes=self.store.file_size())
+                   file_bytes=self.store.file_size(), **self.store.reader_stats)
         if lat:
             out.update(commit_latency_p50=lat[len(lat) // 2], commit_latency_p99=lat[int(len(lat) * 0.99)])
         return out

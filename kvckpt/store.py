@@ -35,7 +35,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -205,7 +205,8 @@ class Store:
             raise StoreNotFound(f"no kvckpt store at {self.path!r} (pass create=True to make one)")
         if exists and not os.path.isfile(self.path):
             raise FormatError(f"{self.path!r} is not a regular file; a kvckpt store is one file")
-        used = _check_lmdb_header(self.path) if exists else 0
+        with fd_limit(self.path):
+            used = _check_lmdb_header(self.path) if exists else 0
         if map_size is None:  # a reader of a file no writer holds maps only what the file uses
             map_size = used if readonly and not writer_active(self.path) else DEFAULT_MAP_SIZE
         if not readonly:
@@ -331,6 +332,32 @@ class Store:
                 except BaseException:
                     txn.abort()
                     raise
+
+    def write_each(self, fns: Sequence[Callable[[Txn], T]]) -> list[T | KvckptError]:
+        """Run every function of ``fns`` in one durable write transaction (one fsync), each in its
+        own nested transaction, and return their results in order.
+
+        A function that raises a :class:`~kvckpt.errors.KvckptError` (a deliberate refusal) has
+        its nested transaction aborted, so it writes nothing, and the error takes its place in the
+        result list; the others still commit. Any other exception aborts the whole transaction
+        and propagates. As with :meth:`write`, a full map replays the whole batch.
+        """
+        def batch(txn: Txn) -> list[T | KvckptError]:
+            results: list[T | KvckptError] = []
+            for fn in fns:
+                child = self.env.begin(write=True, parent=txn.raw)
+                try:
+                    results.append(fn(Txn(child, self.dbs, True)))
+                    child.commit()
+                except KvckptError as exc:
+                    child.abort()
+                    results.append(exc)
+                except BaseException:
+                    child.abort()
+                    raise
+            return results
+
+        return self.write(batch)
 
     def check_readers(self) -> dict[str, int]:
         """Clear reader slots left by dead processes and measure the oldest live snapshot.
@@ -468,6 +495,19 @@ def _writer_in_this_process(path: str) -> Store | None:
     with _WRITERS_LOCK:
         owner = _WRITERS.get(key)
     return owner if owner is not None and owner.env is not None else None
+
+
+@contextmanager
+def fd_limit(path: str) -> Iterator[None]:
+    """Turn running out of file descriptors (EMFILE/ENFILE) while opening ``path`` into
+    :class:`~kvckpt.errors.ResourceLimit`."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        raise ResourceLimit(exc.errno, f"cannot open {path!r}: too many open files; close stores or raise "
+                                       "`ulimit -n`") from None
 
 
 def writer_active(path: str) -> bool:

@@ -46,7 +46,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kvckpt.aio import DEFAULT_WORKERS, AsyncReplayBuffer
 from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer
 from kvckpt.checkpoint import CheckpointHandle, restore
-from kvckpt.errors import BadArgument, RecoveryError, StaleAttempt
+from kvckpt.errors import BadArgument, KvckptError, RecoveryError, StaleAttempt
 from kvckpt.records import Admission, Lease
 from kvckpt.recovery import RecoveryPlan
 from kvckpt.verify import check
@@ -268,23 +268,27 @@ class BufferActor:
         return result.to_dict()
 
     async def commit_many(self, items: Sequence[Mapping[str, Any]]) -> list[dict[str, Any] | BaseException]:
-        """Commit several groups (or samples) in one call, each in its own transaction.
+        """Commit several groups (or samples) in one call and one durable transaction (group
+        commit), each its own transition.
 
         Each item is ``{"lease": dict, "rows": rows, "end_weight": int | None}``, plus
-        ``"index": i`` for a single-row commit (then ``rows`` is that row). The commits run
-        concurrently (encoding overlaps); the result list holds, in item order, each commit's
-        result dict or the exception that refused it (nothing of a refused item was written).
+        ``"index": i`` for a single-row commit (then ``rows`` is that row). The result list holds,
+        in item order, each commit's result dict or the exception that refused it (nothing of a
+        refused item was written). Concurrent calls from several producers share transactions too.
         """
-        async def one(item: Mapping[str, Any]) -> dict[str, Any]:
-            lease = Lease.from_dict(dict(item["lease"]))
-            end_weight = item.get("end_weight")
-            if item.get("index") is not None:
-                result = await self._abuf.commit_sample(lease, item["index"], item["rows"], end_weight=end_weight)
-            else:
-                result = await self._abuf.commit_group(lease, item["rows"], end_weight=end_weight)
-            return result.to_dict()
-
-        return list(await asyncio.gather(*(one(item) for item in items), return_exceptions=True))
+        parsed: list[Any] = []
+        for item in items:
+            try:
+                parsed.append({**item, "lease": Lease.from_dict(dict(item["lease"]))})
+            except (KvckptError, KeyError, TypeError) as exc:
+                parsed.append(exc if isinstance(exc, KvckptError) else BadArgument(f"malformed commit item: {exc!r}"))
+        good = [p for p in parsed if not isinstance(p, BaseException)]
+        results = iter(await self._abuf.commit_many(good))
+        out: list[dict[str, Any] | BaseException] = []
+        for p in parsed:
+            result = p if isinstance(p, BaseException) else next(results)
+            out.append(result if isinstance(result, BaseException) else result.to_dict())
+        return out
 
     async def abort(self, group_id: str, reason: str) -> None:
         """Give up on an in-flight prompt (see :meth:`kvckpt.ReplayBuffer.abort`)."""
