@@ -131,23 +131,28 @@ def test_powerfs_strict_cut_keeps_exactly_what_was_made_durable(mounted):
     _write(j(mnt, "synced"), b"b" * 5000, sync=True)
     _write(j(mnt, "moved"), b"c" * 100, sync=True)
     _write(j(mnt, "dsync"), b"d" * 100, flags=os.O_DSYNC)
+    _write(j(mnt, "trunc"), b"t" * 5000, sync=True)
     os.mkdir(j(mnt, "sub"))
     _fsync_path(mnt, os.O_RDONLY | os.O_DIRECTORY)  # the four names and sub/ are durable now
     _write(j(mnt, "late"), b"e" * 100, sync=True)  # data durable, name not
     _write(j(mnt, "sub", "f"), b"f" * 100, sync=True)  # sub/ never fsynced
     os.rename(j(mnt, "moved"), j(mnt, "moved2"))  # not durable: the old name survives
     _write(j(mnt, "synced"), b"X" * 10)  # unsynced overwrite of a synced file
+    with open(j(mnt, "trunc"), "wb") as f:  # an unsynced O_TRUNC rewrite
+        f.write(b"u" * 10)
+    assert os.path.getsize(j(mnt, "trunc")) == 10
     with open(j(mnt, "synced"), "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as view:
         assert view[:10] == b"X" * 10  # read-only mmap sees the writes (LMDB reads this way)
     report = m.cut(str(tmp / "image"), "strict")
     with pytest.raises(OSError):  # frozen: nothing can be acknowledged after the cut
         os.listdir(mnt)
     image = tmp / "image"
-    assert sorted(os.listdir(image)) == ["dsync", "moved", "sub", "synced", "unsynced"]
+    assert sorted(os.listdir(image)) == ["dsync", "moved", "sub", "synced", "trunc", "unsynced"]
     assert (image / "unsynced").read_bytes() == b""
     assert (image / "synced").read_bytes() == b"b" * 5000
     assert (image / "moved").read_bytes() == b"c" * 100
     assert (image / "dsync").read_bytes() == b"d" * 100
+    assert (image / "trunc").read_bytes() == b"t" * 5000
     assert os.listdir(image / "sub") == []
     assert report.pages_kept == 0 and report.ops_unsynced > 0
 

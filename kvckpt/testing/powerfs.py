@@ -192,6 +192,10 @@ class PowerFS:
             self._guard()
             node = self._lookup(path)
             fd = os.open(self._real(path), (flags & ~(_NOT_PASSED | os.O_ACCMODE | _SYNC_FLAGS)) | os.O_RDWR)
+            if flags & os.O_TRUNC:  # libfuse passes O_TRUNC here (atomic_o_trunc): a truncate, not yet durable
+                os.ftruncate(fd, 0)
+                node.size = 0
+                node.dirty.clear()
             node.fds.add(fd)
             self.handles[fd] = (node, bool(flags & os.O_DSYNC))
             return fd
