@@ -303,10 +303,14 @@ def demo_config(out: str, preset: dict[str, Any], sampler: str, recovery: str, b
                 cache_dir: str | None = None) -> dict[str, Any]:
     """The trainer config of a demo run in ``out``."""
     gps = preset["groups_per_step"]
+    # vLLM engines share process-wide state: two of them generating at once in one process race
+    # (seen: "Cannot copy out of meta tensor", and a hang), so the vLLM run has one worker.
+    workers = 1 if backend == "vllm" else 2
     return {"output_dir": out, "seed": 0,
             "model": {"cache_dir": cache_dir, "sft_steps": preset["sft_steps"]},
             "task": {"max_operand": preset["max_operand"]},
-            "generation": {"backend": backend, "group_size": preset["group_size"], "max_tokens": 4, "workers": 2},
+            "generation": {"backend": backend, "group_size": preset["group_size"], "max_tokens": 4,
+                           "workers": workers},
             "train": {"steps": preset["steps"], "groups_per_step": gps, "lr": preset["lr"]},
             "replay_buffer": {"sampler": SAMPLERS[sampler], "max_buffered_rollouts": 3 * gps},
             "checkpoint": {"every_steps": preset["every_steps"], "keep": 2, "resume_from": recovery}}
@@ -364,8 +368,8 @@ def run_demo(out: str | None = None, *, fast: bool = False, steps: int | None = 
     when vLLM is importable, else ``"transformers"``.
 
     Raises:
-        BadArgument: an unknown sampler or recovery mode, ``steps`` below 6, or ``backend="vllm"``
-            without vLLM installed (the message says how to get it).
+        BadArgument: an unknown sampler or recovery mode, ``steps`` below 6, ``out`` not empty, or
+            ``backend="vllm"`` without vLLM installed (the message says how to get it).
         DemoFailed: a training process ended early (the message quotes its stderr).
     """
     from .grpo import BUFFER_FILE, checkpoint_steps
@@ -379,6 +383,8 @@ def run_demo(out: str | None = None, *, fast: bool = False, steps: int | None = 
     backend = backend or ("vllm" if has_vllm else "transformers")
     preset = demo_preset(fast, steps)
     keep = out is not None
+    if keep and os.path.isdir(out) and os.listdir(out):
+        raise BadArgument(f"{out!r} is not empty (a run there would resume it); choose an empty or new directory")
     out = os.path.abspath(out) if out else tempfile.mkdtemp(prefix="kvckpt-demo-")
     os.makedirs(out, exist_ok=True)
     cfg = demo_config(out, preset, sampler, recovery, backend)
