@@ -32,8 +32,9 @@ from typing import Any
 
 from kvckpt import Batch, CheckpointResult, Lease, Prompt, RecoveryPlan, ReplayBuffer, restore
 from kvckpt.errors import BadArgument, CapacityError, RecoveryError
-from kvckpt.records import CLAIMED, READY, Admission, GroupInfo
+from kvckpt.records import READY, Admission, GroupInfo
 
+from . import envelope
 from .config import AdapterConfig, configured, parse_config
 from .ledger import KvckptLedger
 from .meta import ReplayMeta
@@ -43,8 +44,6 @@ from .sampler import create_sampler
 #: ``task_name`` of a prompt NeMo-RL reserved without saying which prompt it is (main's
 #: ``reserve`` carries no identity; pass ``prompt_idx=``/``task_name=`` or use the ledger).
 UNIDENTIFIED_TASK = "nemo_rl.unidentified"
-#: ``state_dict``'s envelope version.
-STATE_SCHEMA_VERSION = 1
 
 
 def open_store(cfg: AdapterConfig) -> ReplayBuffer:
@@ -92,7 +91,7 @@ class TQReplayBuffer:
         cfg = config if isinstance(config, AdapterConfig) else parse_config(config) if config is not None \
             else configured() if store is None else None
         self.core = store if store is not None else open_store(cfg)
-        self._dp_client = dp_client
+        del dp_client  # kept for TQReplayBuffer's signature: the rows are in the store, not the data plane
         self.partition_id = partition_id
         self._pad_value_dict = dict(pad_value_dict or {})
         self._checkpoint_dir = (cfg.checkpoint_dir if cfg is not None else None) or f"{self.core.path}.checkpoints"
@@ -531,30 +530,19 @@ class TQReplayBuffer:
         """NeMo-RL's checkpoint call: write a kvckpt checkpoint file and return its small envelope.
 
         The file (``checkpoint_dir/step_<trainer_version>.kv``) holds rows, ledger, cursors and
-        dataloader state of one instant; the returned dict is tensor-free (plain ``str`` / ``int``
-        / ``list`` / ``dict``, loadable with ``torch.load(weights_only=True)``): ``backend``,
-        ``schema_version``, ``partition_id``, ``saved_capacity``, ``trainer_version``,
-        ``dispatch_index``, ``checkpoint_file``, ``checkpoint_id`` and ``groups`` (per group that is
-        ready once restored, i.e. ready or claimed by the current step: ``group_id``,
-        ``start_weight``, ``end_weight``, ``target_step``, ``sample_ids``). In-flight
-        prompts are in the file's ledger, not dropped.
+        dataloader state of one instant; the returned dict (:mod:`.envelope`) names it and lists
+        its groups, tensor-free (``torch.load(weights_only=True)`` reads it). In-flight prompts are
+        in the file's ledger, not dropped.
         """
         os.makedirs(self._checkpoint_dir, exist_ok=True)
         dest = os.path.join(self._checkpoint_dir, f"step_{self.core.trainer_version}.kv")
         result = await asyncio.to_thread(self.save_checkpoint, dest)
-        # the file is one snapshot; its manifest is read from the file itself, not the moving live store
+        # the manifest is read from the file itself (one snapshot), not from the moving live store
         snapshot = await asyncio.to_thread(ReplayBuffer.open, result.path, readonly=True)
         try:
-            groups = [{"group_id": g.group_id, "start_weight": g.start_weight, "end_weight": g.end_weight,
-                       "target_step": g.target_step, "sample_ids": [f"{g.group_id}_g{i}" for i in range(g.group_size)]}
-                      for g in snapshot.groups([READY, CLAIMED])]  # claims of this step are undone on restore
-            dispatch_index = snapshot.state()["dispatch_index"]
+            return envelope.build(snapshot, result, self.partition_id, saved_capacity)
         finally:
             snapshot.close()
-        return {"backend": "kvckpt", "schema_version": STATE_SCHEMA_VERSION, "partition_id": self.partition_id,
-                "saved_capacity": int(saved_capacity), "trainer_version": result.trainer_version,
-                "dispatch_index": dispatch_index, "checkpoint_file": result.path,
-                "checkpoint_id": result.checkpoint_id, "groups": groups}
 
     async def load_state_dict(self, state: Mapping[str, Any], *, max_groups: int, expected_partition_id: str,
                               expected_group_size: int) -> int:
@@ -575,7 +563,7 @@ class TQReplayBuffer:
             another checkpoint (a later save of the same step), or the store does not hold the
             envelope's groups as stamped.
         """
-        self._check_envelope(state, expected_partition_id, expected_group_size)
+        envelope.check(state, expected_partition_id, expected_group_size)
         groups = state["groups"]
         if len(groups) > max_groups:
             raise CapacityError(f"the checkpoint holds {len(groups)} groups but async_rl.max_buffered_rollouts is "
@@ -608,33 +596,6 @@ class TQReplayBuffer:
             raise RecoveryError(f"{checkpoint_file!r} holds checkpoint {plan.checkpoint_id}, not the envelope's "
                                 f"{checkpoint_id}: a later save of the same step replaced it")
         self._settle(plan)
-
-    @staticmethod
-    def _check_envelope(state: Any, partition_id: str, group_size: int) -> None:
-        required = {"backend", "schema_version", "partition_id", "saved_capacity", "checkpoint_file",
-                    "checkpoint_id", "groups"}
-        if not isinstance(state, Mapping) or required - set(state):
-            missing = sorted(required - set(state)) if isinstance(state, Mapping) else sorted(required)
-            raise BadArgument(f"replay buffer checkpoint missing required keys: {missing}")
-        if state["backend"] != "kvckpt" or state["schema_version"] != STATE_SCHEMA_VERSION:
-            raise BadArgument(f"replay buffer checkpoint of backend {state['backend']!r} schema "
-                              f"{state['schema_version']!r}; this is kvckpt schema {STATE_SCHEMA_VERSION}")
-        if state["partition_id"] != partition_id:
-            raise BadArgument(f"replay buffer checkpoint partition_id mismatch: checkpoint={state['partition_id']!r}, "
-                              f"expected={partition_id!r}")
-        if not isinstance(state["groups"], list):
-            raise BadArgument("replay buffer checkpoint groups must be a list")
-        seen: set[str] = set()
-        for doc in state["groups"]:
-            if not isinstance(doc, Mapping) or not isinstance(doc.get("sample_ids"), list):
-                raise BadArgument(f"replay buffer checkpoint group is malformed: {doc!r:.200}")
-            if len(doc["sample_ids"]) != group_size:
-                raise BadArgument(f"replay buffer checkpoint group {doc.get('group_id')!r} has "
-                                  f"{len(doc['sample_ids'])} rows, expected_group_size={group_size}")
-            for sid in doc["sample_ids"]:
-                if sid in seen:
-                    raise BadArgument(f"replay buffer checkpoint has duplicate sample_id: {sid!r}")
-                seen.add(sid)
 
     def close(self) -> None:
         """Close the store. Idempotent."""
