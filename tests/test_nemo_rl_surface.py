@@ -472,6 +472,20 @@ class TestReserveCommit:
         assert dump_store(buf.core) == before
         assert (buf.size(), buf.ready_list, buf.meta_list) == (1, [False], [None])
 
+    @pytest.mark.parametrize("record", [
+        PromptGroupRecord(0, [], None, {}, []),  # no completions
+        PromptGroupRecord(0, [], None, {}, [Completion([{"role": "user", "token_ids": "abc"}], 0.0)] * N_GENS),
+        {**batch(), "input_ids": torch.ones(N_GENS, dtype=torch.long)},  # a token field without a token axis
+        {**batch(), "input_lengths": torch.full((N_GENS,), 9, dtype=torch.long)},  # longer than the rows
+        "not a record"])
+    def test_a_record_that_does_not_tensorise_is_refused_before_writing(self, make: Any, record: Any) -> None:
+        buf = make()
+        group_id = buf.reserve(weight_version=0)
+        before = dump_store(buf.core)
+        with pytest.raises(SchemaMismatch):
+            run(buf.commit(group_id, record, start_weight_version=0, end_weight_version=0))
+        assert dump_store(buf.core) == before and buf.ready_list == [False]
+
     def test_commit_raises_for_unknown_group_id_before_writing(self, make: Any) -> None:
         buf = make()
         buf.reserve(weight_version=3)

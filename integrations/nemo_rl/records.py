@@ -22,10 +22,13 @@ from typing import Any
 from kvckpt.errors import SchemaMismatch
 
 
-def _tensor(value: Any, dtype: Any) -> Any:
+def _tensor(value: Any, dtype: Any, where: str) -> Any:
     import torch
 
-    return value.to(dtype) if isinstance(value, torch.Tensor) else torch.as_tensor(value, dtype=dtype)
+    try:
+        return value.to(dtype) if isinstance(value, torch.Tensor) else torch.as_tensor(value, dtype=dtype)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise SchemaMismatch(f"{where}: {type(value).__name__} is not a {dtype} tensor ({exc})") from None
 
 
 def _completion_row(completion: Any, where: str) -> dict[str, Any]:
@@ -35,12 +38,13 @@ def _completion_row(completion: Any, where: str) -> dict[str, Any]:
     for m, message in enumerate(getattr(completion, "message_log", None) or ()):
         if not isinstance(message, Mapping) or "token_ids" not in message:
             raise SchemaMismatch(f"{where}: message {m} has no token_ids")
-        tokens = _tensor(message["token_ids"], torch.int64).reshape(-1)
+        tokens = _tensor(message["token_ids"], torch.int64, f"{where}: message {m} token_ids").reshape(-1)
         assistant = message.get("role") == "assistant"
         ids.append(tokens)
         mask.append(torch.full_like(tokens, int(assistant)))
         lp = message.get("generation_logprobs") if assistant else None
-        lp = torch.zeros(len(tokens), dtype=torch.float32) if lp is None else _tensor(lp, torch.float32).reshape(-1)
+        lp = torch.zeros(len(tokens), dtype=torch.float32) if lp is None \
+            else _tensor(lp, torch.float32, f"{where}: message {m} generation_logprobs").reshape(-1)
         if len(lp) != len(tokens):
             raise SchemaMismatch(f"{where}: message {m} has {len(tokens)} tokens but {len(lp)} generation_logprobs")
         logprobs.append(lp)
@@ -49,7 +53,7 @@ def _completion_row(completion: Any, where: str) -> dict[str, Any]:
     input_ids = torch.cat(ids)
     return {"input_ids": input_ids, "token_mask": torch.cat(mask), "generation_logprobs": torch.cat(logprobs),
             "input_lengths": torch.tensor(len(input_ids), dtype=torch.int64),
-            "total_reward": torch.tensor(float(getattr(completion, "reward", 0.0)), dtype=torch.float32),
+            "total_reward": _tensor(getattr(completion, "reward", 0.0), torch.float32, f"{where}: reward").reshape(()),
             "sample_mask": torch.tensor(1.0, dtype=torch.float32)}
 
 
@@ -58,12 +62,15 @@ def _batch_rows(batch: Mapping[str, Any], token_fields: Sequence[str]) -> list[d
 
     if "input_lengths" not in batch:
         raise SchemaMismatch(f"a tensorised group needs input_lengths, got fields {sorted(batch)}")
-    lengths = [int(x) for x in torch.as_tensor(batch["input_lengths"]).reshape(-1).tolist()]
+    lengths = [int(x) for x in _tensor(batch["input_lengths"], torch.int64, "input_lengths").reshape(-1).tolist()]
     rows: list[dict[str, Any]] = [{} for _ in lengths]
     for name, value in batch.items():
-        value = torch.as_tensor(value)
+        value = value if isinstance(value, torch.Tensor) else _tensor(value, None, f"field {name!r}")
         if value.shape[:1] != (len(lengths),):
             raise SchemaMismatch(f"field {name!r} has shape {tuple(value.shape)}, not {len(lengths)} rows")
+        if name in token_fields and (value.dim() != 2 or max(lengths, default=0) > value.shape[1]):
+            raise SchemaMismatch(f"token field {name!r} has shape {tuple(value.shape)}, not [rows, >= "
+                                 f"{max(lengths, default=0)}] for input_lengths {lengths}")
         for i, row in enumerate(rows):
             row[name] = value[i, :lengths[i]] if name in token_fields else value[i]
     return rows

@@ -158,6 +158,9 @@ class KvckptSampler:
 
     @staticmethod
     def _validate_group_bounds(min_prompt_groups: int, max_prompt_groups: int) -> None:
+        for name, value in (("min_prompt_groups", min_prompt_groups), ("max_prompt_groups", max_prompt_groups)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise BadArgument(f"{name} must be an integer, got {value!r}")
         if min_prompt_groups < 1:
             raise BadArgument(f"min_prompt_groups must be >= 1, got {min_prompt_groups}")
         if max_prompt_groups < min_prompt_groups:
