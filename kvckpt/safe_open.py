@@ -38,8 +38,8 @@ import sys
 
 from lmdb import verify as lmdb_verify
 
-from .errors import FormatError, KvckptError, StoreNotFound
-from .store import FILE_MODE, Store, _check_lmdb_header, writer_active
+from .errors import FormatError, KvckptError, ResourceLimit, StoreNotFound
+from .store import FILE_MODE, Store, _check_lmdb_header, fd_limit, writer_active
 from .verify import Report, verify_path
 
 #: At most this many structural findings are quoted in an error message.
@@ -61,12 +61,16 @@ def check_structure(path: str | os.PathLike[str], *, name: str | None = None) ->
     """
     path = os.fspath(path)
     shown_as = repr(name if name is not None else path)
-    check_header(path, name=name)
+    with fd_limit(path):
+        check_header(path, name=name)
     try:
-        problems = lmdb_verify.verify(path, subdir=False)
+        with fd_limit(path):
+            problems = lmdb_verify.verify(path, subdir=False)
     except lmdb_verify.VerifyError as exc:
         raise FormatError(f"{shown_as} is not a sound LMDB file: {exc}") from None
     except (OSError, ValueError, IndexError, KeyError, OverflowError, MemoryError, RecursionError) as exc:
+        if isinstance(exc, ResourceLimit):
+            raise
         raise FormatError(f"{shown_as} could not be parsed as an LMDB file ({type(exc).__name__}: {exc}); "
                           "it is damaged") from None
     if problems:

@@ -276,3 +276,119 @@ def test_second_writer_is_refused_in_this_and_another_process(tmp_path: Path) ->
     finally:
         buf.close()
     ReplayBuffer.open(str(path)).close()  # the lock went with the handle
+
+
+# -- issue 20, items 8-10: reader slots, pinned snapshots, address space, descriptors, modes --------
+def test_a_reader_killed_holding_a_snapshot_is_cleared_while_the_writer_runs(tmp_path: Path) -> None:
+    """A reader SIGKILLed inside a read transaction leaves its slot in the lock file; the writer
+    clears it (``check_readers``, which ``Store.write`` runs every READER_CHECK_COMMITS commits)
+    without being reopened, so the pages that slot pinned become reusable."""
+    path = tmp_path / "live.kv"
+    buf = _create(path)
+    try:
+        _commit(buf, 1, tokens=16)
+        reader = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import sys
+            from kvckpt.store import Store
+            store = Store({str(path)!r}, readonly=True)
+            txn = store.env.begin()  # a snapshot held open
+            print("holding", flush=True)
+            sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert reader.stdout.readline().strip() == "holding"
+            _commit(buf, 2, tokens=16)
+            assert buf.store.check_readers()["readers"] == 1  # alive: kept, and it lags one commit
+        finally:
+            reader.kill()
+            reader.wait()
+        stats = buf.store.check_readers()
+        assert stats["stale_readers_cleared"] == 1 and stats["readers"] == 0
+        assert buf.stats()["stale_readers_cleared"] == 1
+    finally:
+        buf.close()
+
+
+def test_a_reader_pinning_old_pages_is_logged_and_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    from kvckpt import store as store_module
+
+    monkeypatch.setattr(store_module, "READER_CHECK_COMMITS", 2)
+    monkeypatch.setattr(store_module, "PIN_WARN_COMMITS", 4)
+    buf = _create(tmp_path / "live.kv")
+    try:
+        with buf.store.reader(), caplog.at_level("WARNING", logger="kvckpt.store"):
+            for seed in range(4):  # 4 admissions + 4 commits while the snapshot stays open
+                _commit(buf, seed, tokens=16)
+            assert buf.stats()["oldest_reader_lag"] >= 4
+        assert any("held a snapshot for" in r.getMessage() for r in caplog.records if r.name == "kvckpt.store")
+        buf.store.check_readers()
+        assert buf.stats()["oldest_reader_lag"] == 0  # the snapshot ended
+    finally:
+        buf.close()
+
+
+def test_read_only_opens_map_the_file_not_64_gib(tmp_path: Path) -> None:
+    """Under an address-space limit far below 64 GiB (``ulimit -v`` on HPC clusters) a checkpoint
+    still opens read-only (its map is the file's used bytes); a writer that cannot reserve its map
+    gets ResourceLimit naming ``ulimit -v`` and ``map_size``, and succeeds with a smaller map_size."""
+    buf = _create(tmp_path / "live.kv")
+    try:
+        _commit(buf, 1, tokens=16)
+        ckpt = buf.checkpoint(str(tmp_path / "c.kvckpt"), background=False).wait().path
+    finally:
+        buf.close()
+    out = _run_fresh(f"""
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+        from kvckpt import ReplayBuffer
+        from kvckpt.errors import ResourceLimit
+        with ReplayBuffer.open({ckpt!r}, readonly=True) as ro:
+            print("readonly", ro.store.env.info()["map_size"], len(ro.groups()))
+        try:
+            ReplayBuffer.open({str(tmp_path / "live.kv")!r})
+        except ResourceLimit as exc:
+            print("writer refused:", "ulimit -v" in str(exc) and "map_size" in str(exc))
+        with ReplayBuffer.open({str(tmp_path / "live.kv")!r}, map_size=64 << 20) as rw:
+            print("writer with map_size", len(rw.groups()))
+    """).splitlines()
+    assert out[0].split()[0] == "readonly" and int(out[0].split()[1]) == os.path.getsize(ckpt)
+    assert out[1:] == ["writer refused: True", "writer with map_size 1"]
+
+
+def test_running_out_of_file_descriptors_is_a_resource_limit(tmp_path: Path) -> None:
+    buf = _create(tmp_path / "live.kv")
+    try:
+        ckpt = buf.checkpoint(str(tmp_path / "c.kvckpt"), background=False).wait().path
+    finally:
+        buf.close()
+    out = _run_fresh(f"""
+        import resource, shutil
+        for i in range(120):
+            shutil.copyfile({ckpt!r}, f"{tmp_path}/copy{{i}}.kvckpt")
+        from kvckpt import ReplayBuffer
+        from kvckpt.errors import ResourceLimit
+        resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+        opened = []
+        try:
+            for i in range(120):
+                opened.append(ReplayBuffer.open(f"{tmp_path}/copy{{i}}.kvckpt", readonly=True))
+            print("all opened")
+        except ResourceLimit as exc:
+            print("ResourceLimit", "ulimit -n" in str(exc), len(opened) > 0)
+    """)
+    assert out.split() == ["ResourceLimit", "True", "True"]
+
+
+def test_new_stores_and_checkpoints_are_owner_only(tmp_path: Path) -> None:
+    os.umask(0o022)
+    buf = _create(tmp_path / "live.kv")
+    try:
+        ckpt = buf.checkpoint(str(tmp_path / "c.kvckpt"), background=False).wait().path
+    finally:
+        buf.close()
+    restored, _ = restore(ckpt, str(tmp_path / "restored.kv"))
+    restored.close()
+    modes = {name: oct(os.stat(tmp_path / name).st_mode & 0o777) for name in ("live.kv", "live.kv-lock", "c.kvckpt",
+                                                                             "restored.kv")}
+    assert set(modes.values()) == {"0o600"}, modes
