@@ -108,7 +108,7 @@ def test_missing_corrupt_and_unstorable_values_are_refused(tmp_path: Any) -> Non
     store.write(lambda t: t.put("rows", b"tq/1@a", bytes(raw)))
     with pytest.raises(CorruptRecord, match="corrupt record 'rows/1@a': checksum mismatch"):
         client.get(["1@a"], custom_backend_meta=ids[1:])
-    with pytest.raises(BadArgument, match="is a object, which the kvckpt backend cannot store without pickling"):
+    with pytest.raises(BadArgument, match="is of type object, which the kvckpt backend cannot store without pickling"):
         client.put(["5@a", "6@a"], [torch.ones(1), object()])
     assert client.count() == 2  # the refused batch wrote nothing, not even its first value
     client.close()
@@ -245,6 +245,35 @@ def test_kv_api_through_transferqueue_and_a_recycled_global_index(ray_local: Any
         check_batch(tq.kv_batch_get(keys=["k3"], partition_id=PARTITION), [3])
         with pytest.raises(ktq.WriteIdentityMismatch, match=f"key '{stale.global_indexes[0]}@"):
             client.get_data(stale)  # k1's metadata must never be answered with k3's bytes
+    finally:
+        stop_tq()
+
+
+def test_a_ray_worker_gets_the_backend_registered_without_importing_it(ray_local: Any, tmp_path: Any) -> None:
+    start_tq(str(tmp_path / "live.kv"))
+    try:
+        # Defined here so Ray ships it by value: the worker imports neither this module nor kvckpt.
+        @ray.remote(max_calls=1)
+        def join_and_use(key: str) -> dict[str, Any]:
+            import sys
+
+            import torch
+            import transfer_queue as tq
+
+            before = [m for m in sys.modules if m.startswith("kvckpt")]
+            tq.init()  # joins the running TransferQueue: no config, no import of the plugin
+            tq.kv_put(key=key, partition_id="worker", fields={"x": torch.tensor([4, 5])})
+            got = tq.kv_batch_get(keys=key, partition_id="worker")["x"]
+            return {"before": before, "manager": type(tq.get_client().storage_manager).__name__,
+                    "registered": "kvckpt.integrations.transferqueue" in sys.modules,
+                    "got": [t.tolist() for t in got.unbind()]}
+
+        # A fresh worker process (its own runtime env), so nothing imported by an earlier task helps.
+        fresh = join_and_use.options(runtime_env={"env_vars": {"KVCKPT_TQ_FRESH_WORKER": str(tmp_path)}})
+        seen = ray.get(fresh.remote("w0"), timeout=120)
+        assert seen == {"before": [], "manager": "KvckptStorageManager", "registered": True, "got": [[4, 5]]}
+        conf = ray.get(ray.get_actor("TransferQueueController", namespace="transfer_queue").get_config.remote())
+        assert isinstance(conf.backend.kvckpt.plugin, ktq.PluginRef)  # what carries the registration
     finally:
         stop_tq()
 

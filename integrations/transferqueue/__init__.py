@@ -1,12 +1,15 @@
 """kvckpt as a TransferQueue storage backend (``backend.storage_backend: kvckpt``).
 
 Install with ``pip install 'kvckpt[tq]'`` (TransferQueue 0.1.11). TransferQueue finds storage
-plugins through class-level registries, not entry points, so **import this package in every
-process before** ``tq.init``; the import registers:
+plugins through class-level registries, not entry points. Importing this package registers:
 
 * ``StorageManagerFactory["kvckpt"]`` -> :class:`KvckptStorageManager`,
 * ``StorageClientFactory["KvckptStorageClient"]`` -> :class:`KvckptStorageClient`,
 * ``StorageBootstrapProvider["kvckpt"]`` -> :func:`start_value_store`.
+
+Import it in the process whose ``tq.init(config)`` names the backend. Every process that joins
+afterwards with ``tq.init()`` (Ray workers included) needs no import: the config TransferQueue
+hands it carries a :class:`PluginRef`, and receiving it registers the backend there.
 
 Examples:
     >>> import kvckpt.integrations.transferqueue  # doctest: +SKIP
@@ -23,13 +26,13 @@ if importlib.util.find_spec("transfer_queue") is None:
     raise ModuleNotFoundError("kvckpt.integrations.transferqueue needs TransferQueue: pip install 'kvckpt[tq]'",
                               name="transfer_queue")
 
-from .backend import BACKEND_NAME, KvckptStorageManager, start_value_store, stop_value_store
+from .backend import BACKEND_NAME, KvckptStorageManager, PluginRef, start_value_store, stop_value_store
 from .client import CLIENT_NAME, BackendSettings, KvckptStorageClient
 from .errors import ValueMissing, WriteIdentityMismatch
 from .owner import CHECKPOINT_FILE, ValueStore, ValueStoreActor
 
 __all__ = [
     "BACKEND_NAME", "CHECKPOINT_FILE", "CLIENT_NAME", "BackendSettings", "KvckptStorageClient",
-    "KvckptStorageManager", "ValueMissing", "ValueStore", "ValueStoreActor", "WriteIdentityMismatch",
+    "KvckptStorageManager", "PluginRef", "ValueMissing", "ValueStore", "ValueStoreActor", "WriteIdentityMismatch",
     "start_value_store", "stop_value_store",
 ]

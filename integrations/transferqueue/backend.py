@@ -1,9 +1,11 @@
 """The ``kvckpt`` storage backend of TransferQueue: manager and bootstrap, in TQ's own registries.
 
 Select it with ``backend.storage_backend: kvckpt`` and a ``backend.kvckpt`` section
-(:class:`~.client.BackendSettings`). TransferQueue has no plugin entry points: import
-:mod:`kvckpt.integrations.transferqueue` in every process before ``tq.init`` so the names below
-are registered there.
+(:class:`~.client.BackendSettings`). TransferQueue has no plugin entry points; it looks backends
+up in in-process registries. The process whose ``tq.init(config)`` names the backend imports
+:mod:`kvckpt.integrations.transferqueue` (that registers the names below); every process that
+joins later with ``tq.init()`` (Ray workers, other drivers) registers them by itself, through
+the :class:`PluginRef` the bootstrap puts in the config TransferQueue ships it.
 
 * :class:`KvckptStorageManager` (``StorageManagerFactory`` name ``kvckpt``): TransferQueue's
   ``KVStorageManager`` with :class:`~.client.KvckptStorageClient`; its ``save_checkpoint`` /
@@ -29,7 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import ray
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, flag_override
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from transfer_queue.storage.bootstrap.provider import StorageBootstrapProvider
 from transfer_queue.storage.managers.base import KVStorageManager, StorageManagerFactory
@@ -90,13 +92,32 @@ class KvckptStorageManager(KVStorageManager):
         super().close()
 
 
+class PluginRef:
+    """The backend's registration, carried to every process that joins TransferQueue.
+
+    :func:`start_value_store` stores one in ``backend.kvckpt.plugin``. TransferQueue hands its
+    config (pickled by Ray) to every process that calls ``tq.init()`` after the first, before it
+    looks the backend up; unpickling a ``PluginRef`` imports this module, and so registers the
+    ``kvckpt`` names in that process. It holds no data and has no other effect.
+    """
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (PluginRef, ())
+
+    def __repr__(self) -> str:
+        return "PluginRef(kvckpt.integrations.transferqueue)"
+
+
 @StorageBootstrapProvider.register_provider(BACKEND_NAME)
 def start_value_store(conf: DictConfig) -> dict[str, Any]:
     """TransferQueue's start-up hook for the ``kvckpt`` backend (run by the first ``tq.init``).
 
-    Rewrites ``backend.kvckpt.path`` as an absolute path (every process reads the same file) and,
-    for ``owner: actor``, starts the owner actor pinned to this node, or reuses a live one serving
-    the same path.
+    Rewrites ``backend.kvckpt.path`` as an absolute path (every process reads the same file), puts
+    a :class:`PluginRef` in ``backend.kvckpt.plugin`` (every joining process registers the backend
+    when it receives the config) and, for ``owner: actor``, starts the owner actor pinned to this
+    node, or reuses a live one serving the same path.
 
     Raises:
         BadArgument: the section is invalid, or an actor of that name serves another file.
@@ -106,6 +127,8 @@ def start_value_store(conf: DictConfig) -> dict[str, Any]:
     settings = BackendSettings.from_config(_plain(section))
     path = os.path.abspath(settings.path)
     section.path = path
+    with flag_override(section, "allow_objects", True):  # tq.init's config allows objects; a bare one may not
+        section.plugin = PluginRef()
     if settings.owner == "process":
         return {"owner": "process", "path": path}
     node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)

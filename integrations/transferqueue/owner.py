@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
 import uuid
 from typing import Any
@@ -35,14 +34,15 @@ import ray
 from kvckpt import codec
 from kvckpt.checkpoint import PARTIAL_SUFFIX, STAMP_KEY, _fsync_dir, _fsync_file
 from kvckpt.errors import CheckpointError, FormatError, RecoveryError
-from kvckpt.safe_open import check_structure
+from kvckpt.safe_open import check_header, copy_used, open_readonly
 from kvckpt.store import Store, Txn
 
 from .values import KEY_PREFIX, store_key, write_id_of
 
 #: ``meta`` record that marks a store file as a TransferQueue value store.
 FORMAT_KEY = b"transferqueue"
-FORMAT = {"kind": "transferqueue-values", "version": 1}
+#: Version 2: JSON values in the record body, numpy text and object arrays (version 1 files are refused).
+FORMAT = {"kind": "transferqueue-values", "version": 2}
 #: Name of the store file inside a TransferQueue checkpoint directory.
 CHECKPOINT_FILE = "kvckpt_values.kv"
 
@@ -72,9 +72,8 @@ class ValueStore:
                     if txn.get("meta", b"config") is not None:
                         raise FormatError(f"{path!r} is a kvckpt replay buffer, not a TransferQueue value store")
                     txn.put_json("meta", FORMAT_KEY, {**FORMAT, "created": time.time()})
-                elif doc.get("kind") != FORMAT["kind"] or doc.get("version") != FORMAT["version"]:
-                    raise FormatError(f"{path!r} holds {doc.get('kind')!r} version {doc.get('version')!r}; this "
-                                      f"backend reads {FORMAT['kind']!r} version {FORMAT['version']}")
+                else:
+                    _check_format(path, doc)
             store.write(init)
             return store
         except BaseException:
@@ -176,12 +175,12 @@ class ValueStore:
         source = os.path.abspath(source)
         if not os.path.isfile(source):
             raise FileNotFoundError(f"no TransferQueue storage checkpoint at {source!r}")
-        check_structure(source)
-        stamp = _validate(source)
+        stamp = _validate(source)  # through kvckpt's hardened read-only open
+        used = check_header(source)
         self._store.close()
         tmp = f"{self.path}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
         try:
-            shutil.copyfile(source, tmp)
+            copy_used(source, tmp, used)  # only the pages the file uses
             _fsync_file(tmp)
             os.replace(tmp, self.path)
             _fsync_dir(os.path.dirname(self.path))
@@ -198,6 +197,13 @@ class ValueStore:
         self._store.close()
 
 
+def _check_format(path: str, doc: dict[str, Any]) -> None:
+    """Refuse a value store of another kind or format version (its records would decode wrongly)."""
+    if doc.get("kind") != FORMAT["kind"] or doc.get("version") != FORMAT["version"]:
+        raise FormatError(f"{path!r} holds {str(doc.get('kind'))[:100]!r} version {str(doc.get('version'))[:20]}; "
+                          f"this backend reads {FORMAT['kind']!r} version {FORMAT['version']}")
+
+
 def _count(txn: Txn) -> int:
     """Number of TransferQueue values in a snapshot (keys only: no value is copied)."""
     cur = txn.cursor("rows")
@@ -208,11 +214,12 @@ def _count(txn: Txn) -> int:
 
 def _validate(path: str) -> dict[str, Any]:
     """Check a checkpoint file read-only: its kind, its stamp, every record's checksum and key."""
-    with Store(path, readonly=True) as store:
+    with open_readonly(path) as store:
         def txn_fn(txn: Txn) -> dict[str, Any]:
             doc = txn.get_json("meta", FORMAT_KEY)
-            if doc is None or doc.get("kind") != FORMAT["kind"]:
+            if doc is None:
                 raise FormatError(f"{path!r} is not a TransferQueue value store checkpoint")
+            _check_format(path, doc)
             stamp = txn.get_json("meta", STAMP_KEY)
             if stamp is None:
                 raise RecoveryError(f"{path!r} is a TransferQueue value store but not a checkpoint (no stamp)")
