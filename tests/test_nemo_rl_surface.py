@@ -656,6 +656,21 @@ def test_state_dict_skips_pending_slots_and_an_empty_buffer_round_trips(make: An
         run(buf.load_state_dict(empty, **kwargs))  # the step-0 file now holds the second save
 
 
+def test_state_dict_follows_the_trainer_version_the_controller_already_advanced(make: Any) -> None:
+    """The controller saves right after ``self._trainer_version += 1``, before any sampler call."""
+    buf = make(SAMPLERS["in_order"])
+    s = create_sampler(buf, SAMPLERS["in_order"])
+    trainer = {"version": 0}
+    t = run(s.admit(trainer_version_fn=lambda: trainer["version"]))
+    add_group(buf, 0, target_step=t)
+    add_group(buf, 0, target_step=t)
+    run(s.select(current_train_weight=0, min_prompt_groups=2, max_prompt_groups=2))
+    trainer["version"] = 1
+    state = run(buf.state_dict(saved_capacity=16))
+    assert state["trainer_version"] == 1 == buf.core.trainer_version
+    assert state["checkpoint_file"].endswith("step_1.kv") and state["groups"] == []
+
+
 def test_load_state_dict_validates_the_envelope_first(make: Any) -> None:
     buf = make()
     add_group(buf, 0)

@@ -27,7 +27,7 @@ import asyncio
 import os
 import threading
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvckpt import Batch, CheckpointResult, Lease, Prompt, RecoveryPlan, ReplayBuffer, restore
@@ -109,6 +109,7 @@ class TQReplayBuffer:
         self._meta: dict[str, ReplayMeta] = {}
         self._resume_step: int | None = None
         self._refill: list[int | None] = []  # stamps of batches a restart left short, re-admitted first
+        self._trainer_version_fn: Callable[[], int] | None = None  # the controller's, from sampler.admit
         self.sampler = create_sampler(self, self.core.sampler.config())
         self.ledger = KvckptLedger(self)
 
@@ -529,11 +530,15 @@ class TQReplayBuffer:
     async def state_dict(self, *, saved_capacity: int) -> dict[str, Any]:
         """NeMo-RL's checkpoint call: write a kvckpt checkpoint file and return its small envelope.
 
-        The file (``checkpoint_dir/step_<trainer_version>.kv``) holds rows, ledger, cursors and
+        The store first closes the steps the trainer finished since it last looked (the version
+        ``sampler.admit``'s ``trainer_version_fn`` returns now). The file
+        (``checkpoint_dir/step_<trainer_version>.kv``) then holds rows, ledger, cursors and
         dataloader state of one instant; the returned dict (:mod:`.envelope`) names it and lists
         its groups, tensor-free (``torch.load(weights_only=True)`` reads it). In-flight prompts are
         in the file's ledger, not dropped.
         """
+        if self._trainer_version_fn is not None:  # NeMo-RL saves right after `trainer_version += 1`
+            await asyncio.to_thread(self._advance_to, self._trainer_version_fn())
         os.makedirs(self._checkpoint_dir, exist_ok=True)
         dest = os.path.join(self._checkpoint_dir, f"step_{self.core.trainer_version}.kv")
         result = await asyncio.to_thread(self.save_checkpoint, dest)

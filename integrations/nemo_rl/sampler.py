@@ -140,6 +140,7 @@ class KvckptSampler:
             GateTimeout: still closed after ``timeout``. RecoveryError: the run resumes from a step
             the store has not been restored to yet (``load_state_dict`` first).
         """
+        self._buffer._trainer_version_fn = trainer_version_fn
         refilled, stamp = self._buffer._next_refill()
         if refilled:
             return stamp
