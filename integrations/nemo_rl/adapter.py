@@ -502,6 +502,7 @@ class TQReplayBuffer:
             for gid in aborted:
                 self._reserved.pop(gid, None)
                 self._idle.pop(gid, None)
+                self._owned.discard(gid)
         return aborted
 
     # -- checkpoints ------------------------------------------------------------------------------
