@@ -364,3 +364,16 @@ def test_deep_verify_holds_rows_to_the_pins(buffer_factory):
     buf.store.write(lambda t: t.put_json("meta", b"shapes", {"nope": []}))
     assert [(p.code, p.key) for p in buf.store.read(lambda t: check(t, deep=True)).problems] == [
         ("schema", "meta/shapes")]
+
+
+def test_the_in_memory_baseline_buffer_reads_text_and_bfloat16_like_the_store():
+    from kvckpt.integrations.trainer.memory_buffer import MemoryReplayBuffer
+
+    from kvckpt import BufferConfig
+
+    mem = MemoryReplayBuffer(BufferConfig(group_size=3, schema=TEXT_SCHEMA))
+    [lease] = mem.admit([0])
+    assert mem.commit_group(lease, trainer_rows(3)).ready
+    batch = mem.read_batch([lease.group_id])
+    assert batch.tensors["prompt"] == ["what is 0+1? ✓", "what is 1+1? ✓", "what is 2+1? ✓"]
+    assert batch.tensors["half"].dtype == torch.bfloat16 and batch.tensors["input_ids"].dtype == torch.int64

@@ -22,9 +22,8 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import torch
-
 from kvckpt.buffer import Batch, BufferConfig, _assemble
+from kvckpt.codec import Record
 from kvckpt.errors import BadArgument, CapacityError, GateTimeout, StaleAttempt, UnknownGroup
 from kvckpt.records import (
     ABORTED,
@@ -230,7 +229,9 @@ class MemoryReplayBuffer:
         with self._lock:
             infos = [self._groups[g] for g in gids]
             rows = [(g, i, self._rows[g][i]) for g in gids for i in sorted(self._rows[g])]
-        decoded = [{k: torch.from_numpy(v.copy()) for k, v in arrays.items() if fields is None or k in fields}
+        dtypes = self.schema.dtypes
+        decoded = [Record({k: v if isinstance(v, (str, bytes)) else v.copy() for k, v in arrays.items()
+                           if fields is None or k in fields}, dtypes).tensors()  # bfloat16 bits -> bfloat16
                    for _, _, arrays in rows]
         return _assemble(self.schema, infos, [(g, i, b"") for g, i, _ in rows], decoded, layout, pad_value)
 
