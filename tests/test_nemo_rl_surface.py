@@ -421,6 +421,17 @@ class TestInflightAbortPolicy:
         assert s.should_abort_inflight(start_weight_version=2, current_train_weight=5)
         assert not s.should_abort_inflight(start_weight_version=3, current_train_weight=5)
 
+    def test_abort_stale_inflight_gives_up_what_should_abort_inflight_names(self, make: Any) -> None:
+        """kvckpt's one-transaction form of the controller's ``_abort_stale_inflight``."""
+        buf = make()
+        s = create_sampler(buf, SAMPLERS["windowed"])
+        stale, fresh = buf.reserve(weight_version=0), buf.reserve(weight_version=4)
+        run(s.evict(current_train_weight=5))  # the store follows the trainer to version 5
+        verdicts = [s.should_abort_inflight(start_weight_version=w, current_train_weight=5) for w in (0, 4)]
+        assert verdicts == [True, False]
+        assert buf.abort_stale_inflight() == [stale]
+        assert buf._group_ids == [fresh] and buf.core.group(stale).state == ABORTED
+
     @pytest.mark.parametrize("name", ["weight_fifo", "in_order"])
     def test_gated_samplers_never_abort_inflight(self, make: Any, name: str) -> None:
         s = create_sampler(make(SAMPLERS[name]), SAMPLERS[name])
