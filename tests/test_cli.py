@@ -154,11 +154,26 @@ def test_usage_errors_exit_2_with_one_line(store: dict, args: tuple[str, ...], m
     assert proc.stdout == ""
 
 
-def test_not_a_store_is_an_error(tmp_path) -> None:
+def test_not_a_store_is_a_problem_with_one_exit_status_from_every_verb(tmp_path) -> None:
+    """Issue 18 item 7: verify said 1 and inspect 2 on the same foreign file; now every verb that
+    reads it says 1 (a problem with the file) in one line naming it."""
     junk = tmp_path / "junk.kv"
     junk.write_bytes(b"hello")
-    proc = kv("inspect", junk, check=2)
+    proc = kv("inspect", junk, check=1)
     assert "truncated, or not a kvckpt store" in proc.stderr and proc.stderr.count("\n") == 1
+    assert "truncated, or not a kvckpt store" in kv("verify", junk, check=1).stdout
+    for args in (("export", junk, tmp_path / "o.jsonl", "--format", "jsonl"), ("diff", junk, junk),
+                 ("compact", junk, tmp_path / "o.kv")):
+        proc = kv(*args, check=1)
+        assert "not a kvckpt store" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_inspect_says_when_compression_made_rows_larger() -> None:
+    from kvckpt.tools.cli import _ratio, printable
+
+    assert _ratio(100, 275) == "2.75x larger than raw: these rows are too small to compress"
+    assert _ratio(300, 100) == "3.00x smaller than raw"
+    assert printable("g\x1b[2J\x07\n") == "g\\x1b[2J\\x07\\x0a"
 
 
 # -- inspect -------------------------------------------------------------------------------------
