@@ -114,11 +114,13 @@ def pytest_runtest_logreport(report: Any) -> None:
 
 
 def pytest_collectreport(report: Any) -> None:
+    """Record a suite that failed to import (it would otherwise just be missing)."""
     if report.outcome == "failed":
         _PLUGIN_STATE.setdefault("errors", {})[f"collect {report.nodeid}"] = str(report.longrepr)[-3000:]
 
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
+    """Hand the outcomes, failures and collected test ids to the parent."""
     with open(os.environ[RESULTS_ENV], "w") as f:
         json.dump({"outcomes": _PLUGIN_STATE.get("outcomes", {}), "errors": _PLUGIN_STATE.get("errors", {}),
                    "collected": [_test_id(i) for i in session.items]}, f, indent=1)
