@@ -377,3 +377,31 @@ def test_the_in_memory_baseline_buffer_reads_text_and_bfloat16_like_the_store():
     batch = mem.read_batch([lease.group_id])
     assert batch.tensors["prompt"] == ["what is 0+1? ✓", "what is 1+1? ✓", "what is 2+1? ✓"]
     assert batch.tensors["half"].dtype == torch.bfloat16 and batch.tensors["input_ids"].dtype == torch.int64
+
+
+def test_read_batch_decodes_rows_under_the_schema_limits(buffer_factory):
+    """A stored row whose checksums and group digest are all valid but whose zstd body would
+    decode far past max_tokens is refused before it is decompressed (a crafted checkpoint)."""
+    from kvckpt import keys
+    from kvckpt.digest import group_digest, row_digest
+
+    schema = RowSchema({"input_ids": ("int64", "token"), "generation_logprobs": ("float32", "token"),
+                        "total_reward": ("float32", "row")}, max_tokens=1000)
+    buf = buffer_factory(schema=schema, group_size=1)
+    [lease] = buf.admit([0])
+    assert buf.commit_group(lease, [make_group(1, 1)[0]]).ready
+    tokens = 1 << 22  # 4M tokens: 48 MiB decoded, a few KB stored
+    bomb = codec.encode({"input_ids": np.zeros(tokens, np.int64), "generation_logprobs": np.zeros(tokens, np.float32),
+                         "total_reward": np.float32(1)}, {"group_id": lease.group_id, "index": 0}, level=19)
+    assert len(bomb) < 100_000
+
+    def forge(txn):
+        txn.put("rows", keys.row_key(lease.group_id, 0), bomb)
+        doc = txn.get_json("groups", keys.group_key(lease.group_id))
+        txn.put_json("groups", keys.group_key(lease.group_id), {**doc, "digest": group_digest([row_digest(bomb)])})
+
+    buf.store.write(forge)
+    with pytest.raises(CorruptRecord, match=r"field 'input_ids' would decode to 33554432 bytes .*over its limit "
+                                            r"of 8000") as info:
+        buf.read_batch([lease.group_id])
+    assert info.value.key == f"rows/{lease.group_id}_g0"
