@@ -481,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="keep the campaign's files here (default: a temp dir)")
     parser.add_argument("--minutes", type=float, default=None, help="start no cut after this long")
     opts = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # unwind, so the mount is detached
     why = powerfs.unavailable()
     if why is not None:
         print(f"power-cut campaign skipped: {why}", file=sys.stderr)
@@ -496,6 +497,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"files kept in {result.directory}")
     print(result.summary(), flush=True)
     return 1 if result.violations else 0
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _every(n: int) -> Callable[[PowercutResult], None]:

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-PAGE = 4096
+PAGE = 4096  #: the unit in which unsynced writes survive (or not) a ``random`` cut
 _SYNC_FLAGS = os.O_SYNC | os.O_DSYNC
 _NOT_PASSED = os.O_CREAT | os.O_EXCL | os.O_TRUNC | os.O_APPEND | getattr(os, "O_DIRECT", 0)
 
@@ -95,9 +95,15 @@ class CutReport:
 
 
 class PowerFS:
-    """The FUSE operations (the methods ``mfusepy.FUSE`` looks up; importing this module does not
-    import mfusepy, which takes a third of a second); one instance serves one mount. Every
-    operation holds one lock, so a :meth:`cut` sees no operation half done."""
+    """The FUSE operations; one instance serves one mount. Every operation holds one lock, so a
+    :meth:`cut` sees no operation half done.
+
+    The callbacks (``getattr`` ... ``utimens``) have mfusepy's names and signatures and do what
+    their system call does on the backing file, recording durability as the module docstring
+    says; after a cut each raises ``EIO`` (``release`` still closes). The class does not derive
+    from ``mfusepy.Operations``, so importing this module does not import mfusepy (a third of a
+    second per process).
+    """
 
     use_ns = True
 
