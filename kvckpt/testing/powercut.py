@@ -77,7 +77,8 @@ class PowercutResult:
     checkpoints_restored: int = 0
     starts: dict[str, int] = field(default_factory=dict)  #: how children began: create/recover/open/restore
     modes: dict[str, int] = field(default_factory=dict)  #: cuts per mode
-    pages_kept: int = 0  #: unsynced pages a ``random`` cut kept
+    pages_kept: int = 0  #: unsynced pages ``random`` cuts kept
+    ops_kept: int = 0  #: unsynced directory operations ``random`` cuts kept
     violations: list[str] = field(default_factory=list)
     seconds: float = 0.0
     directory: str | None = None  #: the campaign's files, kept when given or when a violation was found
@@ -87,7 +88,8 @@ class PowercutResult:
         starts = ", ".join(f"{k} {v}" for k, v in sorted(self.starts.items()))
         modes = ", ".join(f"{k} {v}" for k, v in sorted(self.modes.items()))
         return (f"power-cut campaign: cuts {self.cuts} ({modes}), operations checked {self.operations_checked}, "
-                f"checkpoints restored {self.checkpoints_restored}, starts ({starts}), "
+                f"checkpoints restored {self.checkpoints_restored}, starts ({starts}), unsynced pages / directory "
+                f"operations kept by random cuts {self.pages_kept} / {self.ops_kept}, "
                 f"violations found {len(self.violations)}, {self.seconds:.0f}s")
 
 
@@ -336,6 +338,7 @@ def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: rando
                     f"{f.read().decode(errors='replace')[-1500:]}")
         report = fs.cut(image, mode, rng.randrange(1 << 30))
         result.pages_kept += report.pages_kept
+        result.ops_kept += report.ops_kept
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, signal.SIGKILL)
         child.join()
