@@ -13,7 +13,9 @@ Blocks are found by their fence's language:
   made).
 * ``sh`` / ``bash`` — every non-comment line is a command that must exit 0 (run from the
   repository root).
-* ``yaml`` / ``json`` — must parse (YAML with ``yaml.safe_load``).
+* ``yaml`` / ``json`` — must parse (YAML with ``yaml.safe_load``); a YAML document with an
+  ``output_dir`` is a reference-trainer config and must also pass ``TrainerConfig.from_any``
+  (which refuses unknown keys).
 
 Anything else (``text``, no language: diagrams, listings) is not code. A marker comment on the
 line right before a fence changes what happens to that block, and says why:
@@ -125,13 +127,9 @@ def _params() -> list[object]:
     return params
 
 
-def _env(tmp_path: Path) -> dict[str, str]:
-    bindir = tmp_path / ".bin"
-    bindir.mkdir(exist_ok=True)
-    for name, target in (("python", sys.executable), ("kvckpt", str(Path(sys.executable).parent / "kvckpt"))):
-        link = bindir / name
-        if not link.exists():
-            link.symlink_to(target)
+def _env() -> dict[str, str]:
+    """This environment's ``bin`` first on ``PATH``: its ``python`` and ``kvckpt`` answer."""
+    bindir = os.path.dirname(sys.executable)
     return {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
 
 
@@ -171,7 +169,7 @@ def console_commands(text: str) -> list[tuple[str, int]]:
 
 @pytest.mark.parametrize("unit", _params())
 def test_block_runs_as_written(unit: Block, tmp_path: Path) -> None:
-    env = _env(tmp_path)
+    env = _env()
     if unit.lang == "python":
         source = "".join(part.text for part in unit.parts)
         if source.lstrip().startswith(">>>"):
@@ -201,7 +199,12 @@ def test_block_runs_as_written(unit: Block, tmp_path: Path) -> None:
     elif unit.lang == "yaml":
         import yaml
 
-        assert yaml.safe_load(unit.text) is not None, f"{unit.name}: empty YAML"
+        doc = yaml.safe_load(unit.text)
+        assert doc is not None, f"{unit.name}: empty YAML"
+        if isinstance(doc, dict) and "output_dir" in doc:  # the reference trainer's config: every key checked
+            from kvckpt.integrations.trainer import TrainerConfig
+
+            TrainerConfig.from_any(doc)
     else:
         json.loads(unit.text)
 
