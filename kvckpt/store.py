@@ -42,7 +42,16 @@ from typing import Any, TypeVar
 import lmdb
 
 from . import codec
-from .errors import DiskFull, FormatError, KvckptError, ReadOnlyStore, ResourceLimit, StoreLocked, StoreNotFound
+from .errors import (
+    CheckpointError,
+    DiskFull,
+    FormatError,
+    KvckptError,
+    ReadOnlyStore,
+    ResourceLimit,
+    StoreLocked,
+    StoreNotFound,
+)
 
 FORMAT_NAME = "kvckpt"
 FORMAT_VERSION = 2
@@ -430,7 +439,12 @@ class Store:
             if isinstance(dest, int):
                 self.env.copyfd(dest, compact=True, txn=txn.raw)
                 return
-            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+            try:
+                fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    raise ResourceLimit(exc.errno, f"cannot create {dest!r}: too many open files") from None
+                raise CheckpointError(f"cannot create the copy {dest!r}: {exc.strerror}") from None
             try:
                 self.env.copyfd(fd, compact=True, txn=txn.raw)
             finally:

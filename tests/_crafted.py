@@ -304,7 +304,7 @@ CASES: tuple[Case, ...] = (
     Case("row-zstd-bomb-declared", "decompression bomb: 2 GiB row, group sizes agree", _ROWS, "small",
          _edited(lambda e: _row(e, _bomb_row, sizes=True))),
     Case("dataloader-bomb", "decompression bomb: meta/dataloader 2 GiB", ("restore", "readonly", "inspect",
-                                                                          "verify --deep"), "small",
+                                                                          "verify", "verify --deep"), "small",
          _edited(_dataloader_bomb)),
     Case("stale-group-digest", "wrong data: row changed, checksum fixed", _ROWS, "small",
          _edited(_stale_digest)),
