@@ -310,8 +310,10 @@ def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
             trusted: bool = False, deep: bool = False) -> tuple[ReplayBuffer, RecoveryPlan]:
     """Restore a checkpoint file into ``live_path`` and return the open buffer and its plan.
 
-    The checkpoint file is only read: its header is checked, then it is copied under a temporary
-    name next to ``live_path``. The copy is what gets validated (so nothing can change between
+    The checkpoint file is only read: its header is checked (a file whose used pages are mostly
+    holes, such as ``truncate -s`` or a meta page claiming pages never written, is refused before
+    anything is copied), then exactly the pages its meta page says are used are copied under a
+    temporary name (mode 0600) next to ``live_path``. The copy is what gets validated (so nothing can change between
     the check and the use): a pure-Python structure check before liblmdb maps it (see
     :mod:`kvckpt.safe_open`), then, in the recovery transaction at the stamped version, every
     kvckpt invariant and every stored value's checksum (claims made after the stamp are undone,
