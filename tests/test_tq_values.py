@@ -150,6 +150,8 @@ U8, U32 = np.zeros(6, np.uint8), np.zeros(6, np.uint32)
     (record("numpy", {"v": U8}, d="|S3", s=False), "invalid numpy shape None"),
     (record("numpy", {"v": U8}, d="|S0", shape=[2], s=False), "unknown numpy dtype '\\|S0'"),
     (record("numpy", {"v": U8}, d="|S99999999999", shape=[2], s=False), "unknown numpy dtype"),
+    (record("numpy", {"v": U8[:0]}, d="|S2147483648", shape=[0], s=False), "wider than numpy allows"),
+    (record("numpy", {"v": U32[:0]}, d="<U536870912", shape=[0], s=False), "wider than numpy allows"),
     (record("numpy", {"v": U8}, d="<U3", shape=[2], s=False), "holds fields \\{'v': 'uint8'\\}, expected one uint32"),
     (record("numpy", {"v": np.full(6, 0x110000, np.uint32)}, d="<U3", shape=[2], s=False),
      "code point beyond U\\+10FFFF"),
@@ -174,6 +176,25 @@ def test_a_record_whose_description_lies_is_refused(raw: bytes, why: str) -> Non
     with pytest.raises(CorruptRecord, match=why) as err:
         decode_value(KEY, raw, WID)
     assert err.value.key == f"rows/{KEY}"
+
+
+ODD = [None, 0, -1, 1.5, True, "x", [], [2], [[1]], {"a": 1}, 2**70, [2**70], ["2"], [0, 2**60], [-1],
+       "|S2", "<U1", "<U0", "|S01", " |S2", "|S2\n", "|O", "uint8", "int64", "bool", "float16", "bfloat16"]
+FIELDS = [None, {"v": U8}, {"v": U32}, {"v": np.zeros((2, 2), np.int64)}, {"v": np.frombuffer(b'["a",1]', np.uint8)},
+          {"v": np.array(True)}, {"v": U8, "x": U8}]
+
+
+def test_no_description_makes_a_read_fail_with_anything_but_corrupt_record() -> None:
+    outcomes = {"value": 0, "refused": 0}
+    cases = [("numpy", f, d, shape, s) for f in FIELDS for d in ODD for shape in ODD[:15] for s in (True, False, 1)]
+    cases += [(t, f, None, None, None) for t in ("json", "bytes", "torch", *ODD) for f in FIELDS]
+    for kind, fields, d, shape, s in cases:
+        try:
+            decode_value(KEY, record(kind, fields, d=d, shape=shape, s=s), WID)
+            outcomes["value"] += 1
+        except CorruptRecord:
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 0.9 * len(cases) and outcomes["value"] > 0  # both branches were reached
 
 
 def test_another_keys_or_writes_record_is_refused_before_its_description_is_read() -> None:

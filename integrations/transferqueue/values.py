@@ -44,8 +44,11 @@ from .errors import WriteIdentityMismatch
 KEY_PREFIX = b"tq/"
 #: Numpy dtypes of stored text arrays: ``|S<n>`` (bytes) and ``<U<n>`` (UCS-4), 0 < n < 10**10.
 _TEXT_DTYPE = re.compile(r"(\|S|<U)([1-9][0-9]{0,9})")
-#: The codec dtype each text kind is stored as.
+#: The codec dtype each text kind is stored as (its item is that many bytes per character).
 _TEXT_STORED = {"|S": "uint8", "<U": "uint32"}
+_CHAR_BYTES = {"|S": 1, "<U": 4}
+#: numpy's largest item size in bytes.
+_MAX_ITEM_BYTES = (1 << 31) - 1
 _MAX_CODE_POINT = 0x10FFFF
 
 
@@ -167,9 +170,13 @@ def _decode_numpy(where: str, record: codec.Record) -> Any:
     count = math.prod(shape)
     if not isinstance(scalar, bool) or (scalar and shape != ()):
         raise CorruptRecord(where, f"invalid numpy scalar flag {scalar!r} for shape {shape}")
-    text = _TEXT_DTYPE.fullmatch(dtype) if isinstance(dtype, str) else None
+    if not isinstance(dtype, str):
+        raise CorruptRecord(where, f"unknown numpy dtype {str(dtype)[:100]!r}")
+    text = _TEXT_DTYPE.fullmatch(dtype)
     if text is not None:
         prefix, size = text.group(1), int(text.group(2))
+        if size * _CHAR_BYTES[prefix] > _MAX_ITEM_BYTES:
+            raise CorruptRecord(where, f"numpy dtype {dtype} is wider than numpy allows")
         flat = _field(record, where, _TEXT_STORED[prefix])
         if flat.ndim != 1 or flat.size != count * size:
             raise CorruptRecord(where, f"{flat.size} stored items for {count} values of {dtype}")
