@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import signal
@@ -42,6 +43,8 @@ from kvckpt.records import ABORTED, CONSUMED, EVICTED, Lease
 from kvckpt.verify import verify_path
 
 from .faults import Hooks, ParkRollout
+
+logger = logging.getLogger(__name__)
 
 SAMPLERS = {
     "in_order": {"name": "in_order", "max_lookahead_versions": 1},
@@ -221,6 +224,8 @@ def wait_event(path: str, event: str, proc: subprocess.Popen[bytes], timeout: fl
         if found:
             return found[0]
         if proc.poll() is not None:
+            logger.error("training process %d exited (%s) before %r; its stderr: %s", proc.pid, proc.returncode,
+                         event, stderr)
             raise DemoFailed(f"the training process exited ({proc.returncode}) before {event!r}: "
                              f"{last_error_line(stderr)}")
         time.sleep(0.1)
@@ -410,6 +415,7 @@ def run_demo(out: str | None = None, *, fast: bool = False, steps: int | None = 
         at_kill = store_view(live)
         killed_in = at_kill["state"]["trainer_version"] if killed_in is None else killed_in
         log(f"  killed (SIGKILL) in step {killed_in} after {time.monotonic() - t0:.0f} s")
+        logger.info("demo in %s: run 1 SIGKILLed in step %s", out, killed_in)
         ckpt_step = checkpoint_steps(ckpt_dir)[-1]
         ckpt = store_view(os.path.join(ckpt_dir, f"step_{ckpt_step}", BUFFER_FILE))
         after = work_after_checkpoint(at_kill, ckpt)
@@ -459,6 +465,8 @@ def run_demo(out: str | None = None, *, fast: bool = False, steps: int | None = 
         report["ok"] = bool(not check["lost"] and not check["doubled"] and verify.ok
                             and len(redispatch) == rec["groups_redispatched"])
         succeeded = report["ok"]
+        logger.info("demo in %s: %s; reward trend %s/step, t = %s", out, "ok" if succeeded else "FAILED",
+                    curve["slope"], curve["t"])
         return report
     finally:
         if not keep and succeeded:
