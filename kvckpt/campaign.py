@@ -763,11 +763,23 @@ def dump(buf: ReplayBuffer, plan: Any) -> str:
             for key, value in txn.iter_prefix(table, b""):
                 if not cur.set_key(key):
                     return f"lookup of {table}/{key!r} misses a key iteration finds"
+                value = _without_timeline(table, key, value)
                 h.update(struct.pack("<II", len(key), len(value)) + key + value)
-    plan_doc = {k: v for k, v in plan.report().items() if not k.endswith("_seconds")}
-    h.update(json.dumps([plan_doc, [lease.to_dict() for lease in plan.leases], plan.trainer_state,
-                         (plan.dataloader_state or b"").hex()], sort_keys=True).encode())
+    plan_doc = {k: v for k, v in plan.report().items() if not k.endswith("_seconds") and k != "timeline"}
+    leases = [{k: v for k, v in lease.to_dict().items() if k != "timeline"} for lease in plan.leases]
+    h.update(json.dumps([plan_doc, leases, plan.trainer_state, (plan.dataloader_state or b"").hex()],
+                        sort_keys=True).encode())
     return h.hexdigest()
+
+
+def _without_timeline(table: str, key: bytes, value: bytes) -> bytes:
+    """A record as :func:`dump` compares it: every restore starts a fresh random timeline (by design,
+    for fencing), so the state's and the ledger entries' ``timeline`` is left out; all else is kept."""
+    if table == "ledger" or (table == "meta" and key == b"state"):
+        doc = codec.decode_meta(value)
+        doc.pop("timeline", None)
+        return json.dumps(doc, sort_keys=True).encode()
+    return value
 
 
 #: The errors that say "this file is damaged" (a generic KvckptError or a BadArgument about the
