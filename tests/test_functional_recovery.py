@@ -308,3 +308,19 @@ def test_the_vllm_demo_without_vllm_says_how_to_get_it_in_one_line(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("kvckpt demo: error: --backend vllm needs vLLM")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="vLLM not installed (run in .venv-vllm: scripts/setup_vllm_env.sh)")
+def test_kvckpt_demo_with_vllm_gives_the_recovery_report(tmp_path):
+    """``kvckpt demo --backend vllm`` in the vLLM environment: trained, killed, resumed, audited, plotted."""
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "kvckpt.tools.cli", "demo", "--fast", "--backend", "vllm",
+                           "--out", str(out), "--json"], capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] is True and doc["backend"] == "vllm" and doc["check"]["lost"] == [] == doc["check"]["doubled"]
+    assert doc["recovery"]["work_lost"]["rows"] == 0 and doc["learning"]["steps"] == 12
+    assert doc["learning_curve"] == str(out / "kvckpt-demo-learning-curve.png")
