@@ -13,6 +13,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from . import codec, keys
 from .errors import CorruptRecord
 
 
@@ -47,11 +48,14 @@ def check_group_rows(groups: Sequence[Any], raw: Sequence[tuple[str, int, bytes]
 
 
 def check_group_digest(group_id: str, recorded: Any, values: Sequence[bytes]) -> None:
-    """Refuse a group whose stored row ``values`` (in index order) do not match ``recorded``.
+    """Refuse a group whose stored row ``values`` (rows ``0..n-1`` in order) do not match ``recorded``.
 
     Raises:
-        CorruptRecord: they do not (naming the group).
+        CorruptRecord: they do not; it names the row when a row also fails its own record
+            checksum (a flipped byte), else the group (a row changed with its checksum fixed up).
     """
     if group_digest(row_digest(v) for v in values) != recorded:
+        for index, value in enumerate(values):
+            codec.decode_meta(value, f"rows/{keys.row_id(group_id, index)}")  # raises for a damaged row
         raise CorruptRecord(f"groups/{group_id}", "its rows do not match the group digest recorded at commit "
                             "(a row was changed after the group was committed)")

@@ -120,7 +120,8 @@ def churned(tmp_path_factory: pytest.TempPathFactory) -> str:
 # -- help and usage ------------------------------------------------------------------------------
 def test_help_lists_every_command_with_an_example(capsys: pytest.CaptureFixture[str]) -> None:
     out = kv("--help").stdout
-    assert "Exit status: 0 ok, 1 problems or differences found, 2 usage or I/O error." in " ".join(out.split())
+    assert ("Exit status: 0 ok, 1 problems or differences found (a damaged or foreign file too), 2 usage or I/O "
+            "error.") in " ".join(out.split())
     assert "--deep" in kv("verify", "--help").stdout
     for name in ("inspect", "verify", "compact", "export", "diff", "demo"):
         assert f"\n    {name} " in out

@@ -130,6 +130,11 @@ class _Bar:
             self._bar.total = total
         self._bar.update(done - self._bar.n)
 
+    @property
+    def enabled(self) -> bool:
+        """Whether the bar will be drawn (a terminal, tqdm importable so far)."""
+        return self._enabled
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -288,17 +293,18 @@ def _render_verify(doc: dict[str, Any]) -> list[str]:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from kvckpt.inspect import table_entries
-    from kvckpt.store import Store
+    from kvckpt.safe_open import open_readonly
     from kvckpt.verify import verify_path
 
     _require_file(args.path)
     bar = _progress(args, "verifying rows", "rows")
-    if args.deep:
+    total = 0
+    if args.deep and bar.enabled:  # the bar's total: one more checked open, only on a terminal
         try:
-            with Store(args.path, readonly=True) as store:
+            with open_readonly(args.path) as store:
                 total = store.read(lambda t: table_entries(t, "rows"))
         except KvckptError:
-            total = 0  # verify_path reports why the file does not open
+            pass  # verify_path reports why the file does not open
     try:
         report = verify_path(args.path, deep=args.deep,
                              progress=(lambda done: bar(done, total)) if args.deep else None)
