@@ -45,6 +45,7 @@ import numpy as np
 
 from . import args, codec, keys
 from .digest import check_group_rows, row_digest
+from .encoding import CheckedRow, EncodedRow, RowEncoder, check_encoded
 from .errors import (
     AbandonedTimeline,
     BadArgument,
@@ -164,15 +165,6 @@ def new_timeline() -> str:
 
 
 @dataclass
-class _EncodedRow:
-    index: int
-    value: bytes
-    raw_bytes: int
-    where: str = ""
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # what the store pins (schema.shape_of)
-
-
-@dataclass
 class Batch:
     """Rows of selected groups, ready for training. Owns its memory (no open transaction).
 
@@ -227,6 +219,7 @@ class ReplayBuffer:
         self._changed = threading.Condition()
         self._latencies: deque[float] = deque(maxlen=4096)
         self._committer = GroupCommitter(store)
+        self._encoder = self.row_encoder()
 
     # -- lifecycle -------------------------------------------------------------------------------
     @classmethod
@@ -573,32 +566,11 @@ class ReplayBuffer:
         return leases
 
     # -- commits ---------------------------------------------------------------------------------
-    def _encode_rows(self, lease: Lease, rows: Sequence[Mapping[str, Any]] | Mapping[int, Mapping[str, Any]],
-                     ) -> list[_EncodedRow]:
-        n = self.config.group_size  # the store's, never the lease's: the ledger entry is the authority
-        if isinstance(rows, Mapping):
-            items = sorted(rows.items())
-        elif len(rows) == n:
-            items = list(enumerate(rows))
-        elif lease.missing and len(rows) == len(lease.missing):
-            items = list(zip(lease.missing, rows, strict=True))
-        else:
-            raise SchemaMismatch(f"group {lease.group_id!r} needs {n} rows (or the {len(lease.missing)} "
-                                 f"missing ones {list(lease.missing)}), got {len(rows)}")
-        out = []
-        for index, row in items:
-            if not 0 <= index < n:
-                raise SchemaMismatch(f"row index {index} of group {lease.group_id!r} is outside 0..{n - 1}")
-            where = f"row {keys.row_id(lease.group_id, index)}"
-            values = self.schema.validate(row, where)
-            value = codec.encode(values, {"group_id": lease.group_id, "index": index},
-                                 level=self.config.compression_level, dtypes=self.schema.dtypes)
-            shapes = {name: self.schema.shape_of(self.schema.fields[name], v) for name, v in values.items()}
-            out.append(_EncodedRow(index, value, sum(codec.value_nbytes(v) for v in values.values()), where, shapes))
-        self.schema.pin({}, [(r.where, r.shapes) for r in out])  # the rows of one commit agree (before any txn)
-        return out
+    def row_encoder(self) -> RowEncoder:
+        """An encoder of rows for this store; build the same elsewhere with ``RowEncoder.from_config``."""
+        return RowEncoder(self.schema, self.config.group_size, self.config.compression_level)
 
-    def _check_shapes(self, txn: Txn, encoded: list[_EncodedRow]) -> None:
+    def _check_shapes(self, txn: Txn, encoded: list[CheckedRow]) -> None:
         """Hold the rows' shapes against the store's pins (``meta/shapes``); fields seen for the first
         time are pinned in this same transaction, so the pin and the rows that set it commit together."""
         pins = txn.get_json("meta", SHAPES_KEY) or {}
@@ -632,7 +604,7 @@ class ReplayBuffer:
         t0 = time.perf_counter()
         self._check_lease(lease)
         end_weight = args.optional_integer("end_weight", end_weight)
-        encoded = self._encode_rows(lease, rows)
+        encoded = self._encoder.encode(lease, rows)
         return self._commit(lease, encoded, end_weight, True, t0)
 
     def commit_sample(self, lease: Lease, index: int, row: Mapping[str, Any],
@@ -643,8 +615,25 @@ class ReplayBuffer:
         self._check_lease(lease)
         end_weight = args.optional_integer("end_weight", end_weight)
         index = args.integer("index", index, minimum=None)
-        encoded = self._encode_rows(lease, {index: row})
+        encoded = self._encoder.encode(lease, {index: row})
         return self._commit(lease, encoded, end_weight, False, t0)
+
+    def commit_encoded(self, lease: Lease, rows: Sequence[EncodedRow | Mapping[str, Any]], *,
+                       end_weight: int | None = None, whole: bool = True) -> CommitResult:
+        """Commit rows a producer encoded itself (:class:`~kvckpt.encoding.RowEncoder`), checked
+        here without being rebuilt (:func:`~kvckpt.encoding.check_encoded`).
+
+        ``whole=True`` is :meth:`commit_group`'s semantics, ``False`` :meth:`commit_sample`'s (one
+        row). Same refusals and idempotence; a record that fails its checks is a
+        :class:`~kvckpt.errors.SchemaMismatch` and nothing is written.
+        """
+        t0 = time.perf_counter()
+        self._check_lease(lease)
+        end_weight = args.optional_integer("end_weight", end_weight)
+        checked = check_encoded(self.schema, self.config.group_size, lease.group_id, rows)
+        if not whole and len(checked) != 1:
+            raise SchemaMismatch(f"a single-row commit of group {lease.group_id!r} carries {len(checked)} rows")
+        return self._commit(lease, checked, end_weight, whole, t0)
 
     def commit_many(self, items: Sequence[Mapping[str, Any]]) -> list[CommitResult | KvckptError]:
         """Commit several groups (or single rows) in one durable transaction, each its own
@@ -664,7 +653,7 @@ class ReplayBuffer:
                 end_weight = args.optional_integer("end_weight", item.get("end_weight"))
                 whole = item.get("index") is None
                 rows = item["rows"] if whole else {args.integer("index", item["index"], minimum=None): item["rows"]}
-                jobs.append((lease, self._encode_rows(lease, rows), end_weight, whole))
+                jobs.append((lease, self._encoder.encode(lease, rows), end_weight, whole))
                 out.append(None)
             except KvckptError as exc:
                 out.append(exc)
@@ -674,14 +663,14 @@ class ReplayBuffer:
         results = iter(self._commit_all(jobs, t0))
         return [next(results) if slot is None else slot for slot in out]
 
-    def _commit(self, lease: Lease, encoded: list[_EncodedRow], end_weight: int | None, whole: bool,
+    def _commit(self, lease: Lease, encoded: list[CheckedRow], end_weight: int | None, whole: bool,
                 t0: float) -> CommitResult:
         [result] = self._commit_all([(lease, encoded, end_weight, whole)], t0)
         if isinstance(result, BaseException):
             raise result
         return result
 
-    def _commit_all(self, jobs: list[tuple[Lease, list[_EncodedRow], int | None, bool]], t0: float) -> list[Any]:
+    def _commit_all(self, jobs: list[tuple[Lease, list[CheckedRow], int | None, bool]], t0: float) -> list[Any]:
         """Run commit transitions through the group committer: each acknowledged once durable."""
         results = self._committer.submit_many([
             functools.partial(self._commit_txn, lease=lease, encoded=encoded, end_weight=end_weight, whole=whole)
@@ -708,7 +697,7 @@ class ReplayBuffer:
                                 f"{lease.group_size!r} but this store's groups have {self.config.group_size} rows; "
                                 "nothing was written", "group_size")
 
-    def _commit_txn(self, txn: Txn, *, lease: Lease, encoded: list[_EncodedRow], end_weight: int | None,
+    def _commit_txn(self, txn: Txn, *, lease: Lease, encoded: list[CheckedRow], end_weight: int | None,
                     whole: bool) -> CommitResult:
         gid = lease.group_id
         entry = self._entry(txn, gid)

@@ -517,8 +517,55 @@ def decode(value: bytes | memoryview, key: str = "?", *, limits: Limits | None =
         CorruptRecord: checksum mismatch, truncation, any header/length inconsistency, or a record
             larger than ``limits``; the message names ``key`` and the offending value.
     """
-    limits = Limits() if limits is None else limits
-    buf = memoryview(value)
+    header, specs, body = _verified_body(memoryview(value), key, Limits() if limits is None else limits)
+    record = Record(meta=header["meta"])
+    pos = 0
+    for spec in specs:
+        record.arrays[spec.name] = _decode_field(body[pos:pos + spec.nbytes], spec, key)
+        record.dtypes[spec.name] = spec.dtype
+        pos += spec.nbytes
+    return record
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    """What a record's header says of one field, checked against its bytes: ``shape``, ``nbytes``
+    (decoded bytes; a text field's length, also its ``len()``)."""
+
+    shape: tuple[int, ...]
+    nbytes: int
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
+def describe(value: bytes | memoryview, key: str = "?", *, limits: Limits | None = None) -> Record:
+    """Verify a record as :func:`decode` does, without building its arrays: a :class:`Record`
+    whose ``arrays`` are :class:`FieldInfo` (shape and size) and whose ``dtypes`` and ``meta`` are
+    the header's.
+
+    What :func:`decode` would refuse, this refuses too (checksum, header, sizes against
+    ``limits``, a body that does not decompress to the header's length, text that is not UTF-8),
+    so a record that passes will decode. The cost is the checksum and one bounded decompression:
+    the store's owner checks records producers encoded this way (:meth:`~kvckpt.ReplayBuffer.commit_encoded`).
+
+    Raises:
+        CorruptRecord: as :func:`decode`.
+    """
+    header, specs, body = _verified_body(memoryview(value), key, Limits() if limits is None else limits)
+    record = Record(meta=header["meta"])
+    pos = 0
+    for spec in specs:
+        if spec.dtype == "str":
+            _decode_field(body[pos:pos + spec.nbytes], spec, key)  # UTF-8 or CorruptRecord
+        record.arrays[spec.name] = FieldInfo(spec.shape, spec.decoded)
+        record.dtypes[spec.name] = spec.dtype
+        pos += spec.nbytes
+    return record
+
+
+def _verified_body(buf: memoryview, key: str, limits: Limits) -> tuple[dict, list[_Spec], memoryview]:
+    """The checked header, its field specs and the (decompressed) body of exactly ``raw`` bytes."""
     header, offset = _parse_header(buf, key)
     raw = header.get("raw")
     level = header.get("z")
@@ -543,10 +590,4 @@ def decode(value: bytes | memoryview, key: str = "?", *, limits: Limits | None =
             raise CorruptRecord(key, f"zstd frame does not decompress: {exc}") from None
     if len(body) != raw:
         raise CorruptRecord(key, f"body is {len(body)} bytes, header says {raw}")
-    record = Record(meta=header["meta"])
-    pos = 0
-    for spec in specs:
-        record.arrays[spec.name] = _decode_field(body[pos:pos + spec.nbytes], spec, key)
-        record.dtypes[spec.name] = spec.dtype
-        pos += spec.nbytes
-    return record
+    return header, specs, body
