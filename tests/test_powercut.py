@@ -24,6 +24,7 @@ from kvckpt.testing import powerfs
 from kvckpt.testing.powercut import run_powercut_campaign
 
 checkpoint_module = importlib.import_module("kvckpt.checkpoint")  # kvckpt.checkpoint is also the function
+store_module = importlib.import_module("kvckpt.store")
 
 WHY_NOT = powerfs.unavailable()
 needs_fuse = pytest.mark.skipif(WHY_NOT is not None, reason=f"power-cut tests skipped: {WHY_NOT}")
@@ -42,7 +43,7 @@ def test_store_environment_is_fully_durable(tmp_path):
 
 
 class _Recorder(types.ModuleType):
-    """``os`` for kvckpt.checkpoint: every call goes to the real ``os``; fsync, replace and rename
+    """``os`` for kvckpt.checkpoint and kvckpt.store: every call goes to the real ``os``; fsync, replace and rename
     are also recorded (fsync by the path its descriptor names)."""
 
     def __init__(self, calls: list[tuple[str, ...]]) -> None:
@@ -65,7 +66,9 @@ class _Recorder(types.ModuleType):
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd to name fsynced files")
 def test_checkpoint_and_restore_fsync_file_then_rename_then_fsync_directory(tmp_path, monkeypatch):
     calls: list[tuple[str, ...]] = []
-    monkeypatch.setattr(checkpoint_module, "os", _Recorder(calls))
+    recorder = _Recorder(calls)
+    monkeypatch.setattr(checkpoint_module, "os", recorder)
+    monkeypatch.setattr(store_module, "os", recorder)  # the fsync helpers live in the storage layer
     directory = os.path.realpath(tmp_path)
     buf = ReplayBuffer.create(os.path.join(directory, "live.kv"), workload_config(SAMPLERS[0]))
     buf.admit([Prompt(0), Prompt(1)], dataloader_state=b"2")

@@ -139,11 +139,15 @@ def _apply_breakage(breakage: str | None) -> None:
             return real_open(*args, **{**kwargs, "sync": False, "metasync": False})
 
         lmdb.open = open_without_sync
-    elif breakage == "checkpoint-nofsync":  # kvckpt.checkpoint sees an os whose fsync does nothing
+    elif breakage == "checkpoint-nofsync":  # kvckpt.checkpoint's fsyncs (its os, its fsync helpers) do nothing
+        checkpoint = importlib.import_module("kvckpt.checkpoint")  # the module: kvckpt.checkpoint is also a function
         unsynced = types.ModuleType("os")
         unsynced.__dict__.update(os.__dict__)
         unsynced.fsync = lambda fd: None
-        importlib.import_module("kvckpt.checkpoint").os = unsynced  # the module: kvckpt.checkpoint is also a function
+        checkpoint.os = unsynced
+        for name in ("fsync_file", "fsync_dir", "_fsync_file", "_fsync_dir"):
+            if hasattr(checkpoint, name):
+                setattr(checkpoint, name, lambda path: None)
     else:
         raise ValueError(f"unknown breakage {breakage!r} (one of {', '.join(BREAKAGES)})")
 
