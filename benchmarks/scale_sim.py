@@ -176,7 +176,8 @@ def simulate(gpus: int, p: Params, seconds: float = 20.0, warmup: float = 5.0, s
 def from_ingest(path: str, base: Params = Params()) -> Params:
     """The measured parameters of an :mod:`benchmarks.ingest_bench` result, its 8-row realistic
     groups scaled to 16 rows: the new path's buffer-side CPU per group at 1 producer split into the
-    records' check (``check_cpu_ms``) and the rest (the transition), bytes written per group, the
+    records' check (``check_cpu_ms``) and the rest (the transition), bytes written per group at 16
+    producers (group commit shares the metadata pages), the
     durable commit's fixed latency (the 1 KB bare loop's wall per group minus its CPU), the disk's
     fsync'd bandwidth."""
     with open(path) as f:
@@ -185,7 +186,7 @@ def from_ingest(path: str, base: Params = Params()) -> Params:
     one = real["new"]["1"]
     tiny_bare = result["kinds"]["tiny"]["bare_put"]
     return replace(base, check_ms=2 * real["check_cpu_ms"], apply_ms=2 * (one["store_cpu_ms"] - real["check_cpu_ms"]),
-                   bytes_per_group=2 * one["wchar_per_group"],
+                   bytes_per_group=2 * real["new"]["16"]["wchar_per_group"],
                    fsync_ms=1e3 / tiny_bare["groups_per_s"] - tiny_bare["cpu_ms"],
                    disk_MBps=result["disk_seq_fsync_MBps"])
 
