@@ -81,7 +81,7 @@ from .records import (
 )
 from .samplers import BufferView, Sampler, create_sampler
 from .schema import RowSchema
-from .store import FORMAT_VERSION, Store, Txn
+from .store import FORMAT_VERSION, Store, Txn, makedirs_durable
 
 CONFIG_KEY, STATE_KEY, DATALOADER_KEY, SHORTFALL_KEY, CHECKPOINT_KEY = (
     b"config", b"state", b"dataloader", b"shortfall", b"checkpoint")
@@ -234,7 +234,7 @@ class ReplayBuffer:
         if os.path.exists(path):
             raise BadArgument(f"{path!r} already exists; use ReplayBuffer.open to reopen it")
         kwargs = {"map_size": map_size} if map_size else {}
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        makedirs_durable(os.path.dirname(os.path.abspath(path)))
         store = Store(path, create=True, **kwargs)
         try:
             def init(txn: Txn) -> None:
@@ -640,9 +640,11 @@ class ReplayBuffer:
         transition: one refused item (stale lease, duplicate, schema) does not fail the others.
 
         Each item is ``{"lease": Lease, "rows": rows, "end_weight": int | None}``, plus
-        ``"index": i`` for a single-row commit (then ``rows`` is that row). Returns, in item
-        order, each commit's result or the error that refused it (nothing of it was written).
-        Every result is durable when this returns.
+        ``"index": i`` for a single-row commit (then ``rows`` is that row); or ``"encoded": [...]``
+        instead of ``rows``: rows a producer encoded (as :meth:`commit_encoded` takes them, with
+        ``"index"`` set for a single-row commit). Returns, in item order, each commit's result or
+        the error that refused it (nothing of it was written). Every result is durable when this
+        returns.
         """
         t0 = time.perf_counter()
         jobs, out = [], []
@@ -652,8 +654,15 @@ class ReplayBuffer:
                 self._check_lease(lease)
                 end_weight = args.optional_integer("end_weight", item.get("end_weight"))
                 whole = item.get("index") is None
-                rows = item["rows"] if whole else {args.integer("index", item["index"], minimum=None): item["rows"]}
-                jobs.append((lease, self._encoder.encode(lease, rows), end_weight, whole))
+                if "encoded" in item:
+                    checked = check_encoded(self.schema, self.config.group_size, lease.group_id, item["encoded"])
+                    if not whole and [r.index for r in checked] != [item["index"]]:
+                        raise SchemaMismatch(f"a single-row commit of group {lease.group_id!r} must carry "
+                                             f"exactly row {item['index']!r}")
+                    jobs.append((lease, checked, end_weight, whole))
+                else:
+                    rows = item["rows"] if whole else {args.integer("index", item["index"], minimum=None): item["rows"]}
+                    jobs.append((lease, self._encoder.encode(lease, rows), end_weight, whole))
                 out.append(None)
             except KvckptError as exc:
                 out.append(exc)

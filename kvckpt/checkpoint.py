@@ -40,7 +40,7 @@ from .errors import (
     StoreLocked,
     VerificationFailed,
 )
-from .store import FILE_MODE, writer_active
+from .store import FILE_MODE, fsync_dir, fsync_file, writer_active
 
 if TYPE_CHECKING:
     from .buffer import ReplayBuffer
@@ -199,7 +199,7 @@ def _stamp_and_copy(buffer: ReplayBuffer, dest: str, doc: dict[str, Any], partia
             os.fsync(fd)
             os.replace(partial, dest)
             renamed = True
-            _fsync_dir(directory)
+            fsync_dir(directory)
             os.close(fd)
             t3 = time.perf_counter()
             result.timings.update(copy=t2 - t1, fsync_rename=t3 - t2)
@@ -272,22 +272,6 @@ def _mark_durable(buffer: ReplayBuffer, version: int) -> None:
 
     with contextlib.suppress(KvckptError):  # closed meanwhile: the file is complete, the marker is skipped
         buffer._write(txn_fn)
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_stamp(path: str) -> dict[str, Any]:
@@ -379,7 +363,7 @@ def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
         timings["fsync_wait"] = time.perf_counter() - t1
         t2 = time.perf_counter()
         os.replace(tmp, live_path)
-        _fsync_dir(os.path.dirname(live_path))
+        fsync_dir(os.path.dirname(live_path))
         timings["rename"] = time.perf_counter() - t2
     except BaseException as exc:
         if flush is not None:
@@ -439,7 +423,7 @@ class _BackgroundFsync(threading.Thread):
 
     def run(self) -> None:
         try:
-            _fsync_file(self.path)
+            fsync_file(self.path)
         except OSError as exc:
             self.error = exc
 
@@ -465,5 +449,5 @@ def keep_latest(directory: str, pattern: str = "*.kvckpt", keep: int = 3) -> lis
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
     if doomed:
-        _fsync_dir(directory)
+        fsync_dir(directory)
     return doomed

@@ -29,11 +29,11 @@ from typing import Any
 
 from . import codec, keys
 from .buffer import CONFIG_KEY, STATE_KEY, ReplayBuffer
-from .checkpoint import PARTIAL_SUFFIX, _fsync_dir, _fsync_file
+from .checkpoint import PARTIAL_SUFFIX
 from .errors import BadArgument, StoreLocked
 from .inspect import table_entries
 from .safe_open import open_readonly
-from .store import Store, Txn, writer_active
+from .store import Store, Txn, fsync_dir, fsync_file, writer_active
 
 #: Bytes of stored row payloads re-encoded per write transaction.
 BATCH_BYTES = 16 << 20
@@ -119,10 +119,10 @@ def compact(src: str, dest: str, *, level: int | None = None, force: bool = Fals
                 _copy(store, second, progress)
             os.unlink(first)
             final = second
-        _fsync_file(final)
+        fsync_file(final)
         check_destination(src, dest, force)  # nothing appeared or got locked meanwhile
         os.replace(final, dest)
-        _fsync_dir(os.path.dirname(os.path.abspath(dest)))
+        fsync_dir(os.path.dirname(os.path.abspath(dest)))
     finally:
         for path in (first, first + "-lock", second):
             with contextlib.suppress(FileNotFoundError):

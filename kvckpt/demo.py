@@ -45,11 +45,11 @@ from typing import Any
 import numpy as np
 
 from .buffer import BufferConfig, ReplayBuffer
-from .checkpoint import _fsync_dir, read_stamp, restore
+from .checkpoint import read_stamp, restore
 from .errors import BadArgument, GateTimeout, KvckptError, LeaseError
 from .records import ABORTED, EVICTED, Lease, Prompt
 from .samplers import create_sampler
-from .store import Store
+from .store import Store, fsync_dir
 from .verify import verify_path
 
 SAMPLERS = ("in_order", "weight_fifo", "windowed", "ready_first")
@@ -125,7 +125,7 @@ def _write_json(path: str, doc: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    fsync_dir(os.path.dirname(path))
 
 
 class _Run:

@@ -51,7 +51,7 @@ import numpy as np
 
 from . import codec, keys
 from .buffer import CONFIG_KEY
-from .checkpoint import PARTIAL_SUFFIX, _fsync_dir, _fsync_file
+from .checkpoint import PARTIAL_SUFFIX
 from .compact import check_destination
 from .digest import check_group_digest
 from .errors import BadArgument, InvariantViolation
@@ -59,6 +59,7 @@ from .inspect import Progress, table_entries
 from .records import CLAIMED, CONSUMED, GROUP_STATES, READY
 from .safe_open import open_readonly
 from .schema import RowSchema
+from .store import fsync_dir, fsync_file
 
 FORMATS = ("parquet", "jsonl")
 META_COLUMNS = ("group_id", "row", "prompt_idx", "task_name", "state", "start_weight", "end_weight",
@@ -232,10 +233,10 @@ def export(path: str, out: str, *, fmt: str = "parquet", states: Sequence[str] |
                     progress(total, total)
             finally:
                 sink.close()
-        _fsync_file(tmp)
+        fsync_file(tmp)
         check_destination(path, out, force)
         os.replace(tmp, out)
-        _fsync_dir(os.path.dirname(os.path.abspath(out)))
+        fsync_dir(os.path.dirname(os.path.abspath(out)))
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -226,6 +226,8 @@ class Store:
             self.info = self._check_format()
             if not readonly:
                 self.env.reader_check()
+            if create and not exists:  # the new file's directory entry must survive a power cut too
+                fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         except BaseException:
             self._release()
             raise
@@ -489,6 +491,36 @@ class Store:
     def __repr__(self) -> str:
         mode = "readonly" if self.readonly else "writable"
         return f"Store({self.path!r}, {mode})"
+
+
+def fsync_file(path: str) -> None:
+    """Make ``path``'s data durable (``fsync``)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` (files created, renamed or removed in it) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def makedirs_durable(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, with each directory it creates made durable in its parent."""
+    path = os.path.abspath(path)
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for directory in reversed(missing):
+        os.makedirs(directory, exist_ok=True)
+        fsync_dir(os.path.dirname(directory))
 
 
 _WRITERS: dict[tuple[int, int], Store] = {}

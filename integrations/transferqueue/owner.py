@@ -32,10 +32,10 @@ from typing import Any
 import ray
 
 from kvckpt import codec
-from kvckpt.checkpoint import PARTIAL_SUFFIX, STAMP_KEY, _fsync_dir, _fsync_file
+from kvckpt.checkpoint import PARTIAL_SUFFIX, STAMP_KEY
 from kvckpt.errors import CheckpointError, FormatError, RecoveryError
 from kvckpt.safe_open import check_header, copy_used, open_readonly
-from kvckpt.store import Store, Txn
+from kvckpt.store import Store, Txn, fsync_dir, fsync_file
 
 from .values import KEY_PREFIX, store_key, write_id_of
 
@@ -148,9 +148,9 @@ class ValueStore:
             count = _count(snapshot.txn)
             self._store.copy_snapshot(partial, snapshot.txn)
             snapshot.close()
-            _fsync_file(partial)
+            fsync_file(partial)
             os.replace(partial, dest)
-            _fsync_dir(directory)
+            fsync_dir(directory)
         except BaseException as exc:
             snapshot.close()
             with contextlib.suppress(OSError):
@@ -181,9 +181,9 @@ class ValueStore:
         tmp = f"{self.path}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
         try:
             copy_used(source, tmp, used)  # only the pages the file uses
-            _fsync_file(tmp)
+            fsync_file(tmp)
             os.replace(tmp, self.path)
-            _fsync_dir(os.path.dirname(self.path))
+            fsync_dir(os.path.dirname(self.path))
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)

@@ -61,6 +61,7 @@ from ..campaign import (
 )
 from ..checkpoint import restore
 from ..errors import KvckptError
+from ..store import fsync_dir
 from . import powerfs
 
 #: Deliberately broken durability, applied in the child before it opens anything.
@@ -108,21 +109,13 @@ class PipeLog:
             self._conn.send_bytes(data)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _make_run(mount: str, timeline: str) -> str:
     """The harness's own directories for a run, made durable (that is the harness's job, not kvckpt's;
     the store's own entry in ``run`` is kvckpt's)."""
     run = os.path.join(mount, timeline)
     os.makedirs(os.path.join(run, "ckpt"))
-    _fsync_dir(run)
-    _fsync_dir(mount)
+    fsync_dir(run)
+    fsync_dir(mount)
     return run
 
 
