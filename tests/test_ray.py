@@ -123,6 +123,25 @@ def test_local_ray_is_loopback_only_without_dashboard(ray_local):
     assert ray.cluster_resources()["object_store_memory"] == 256 << 20
 
 
+def test_producers_encode_at_the_edge_and_the_actor_only_checks(ray_local, tmp_path):
+    actor = kray.start_buffer_actor(str(tmp_path / "live.kv"), CONFIG, name="edge")
+    leases = ray.get(actor.admit.remote(list(range(4))))
+    bad = make_group(2, 9)
+    bad[1] = {k: v for k, v in bad[1].items() if k != "total_reward"}
+    with kray.BufferClient(actor, batch_groups=2) as edge:  # encode_at_edge is the default
+        refused = edge.commit(leases[0], bad)
+        assert isinstance(refused.exception(timeout=0), SchemaMismatch)  # refused here, nothing was sent
+        futures = [edge.commit(lease, make_group(2, seed_of(lease["group_id"]))) for lease in leases[:3]]
+    with kray.BufferClient(actor, encode_at_edge=False) as plain:  # the owner encodes: the same bytes land
+        futures.append(plain.commit(leases[3], rows(seed_of(leases[3]["group_id"]))))
+    assert [f.result().ready for f in futures] == [True] * 4
+    with kray.BufferClient(actor) as again:  # an identical re-commit from the edge is an idempotent replay
+        replay = again.commit(leases[1], make_group(2, seed_of(leases[1]["group_id"])))
+    assert replay.result().replayed
+    assert verify_path(str(tmp_path / "live.kv"), deep=True).ok
+    ray.kill(actor)
+
+
 def test_corrupt_record_crosses_a_process_boundary(ray_local):
     """Regression: CorruptRecord's two-argument __init__ made it fail to unpickle in the caller."""
     assert pickle.loads(pickle.dumps(CorruptRecord("rows/g_0", "bad checksum"))).key == "rows/g_0"

@@ -198,9 +198,10 @@ class BufferActor:
 
     # -- identity and recovery -------------------------------------------------------------------
     async def info(self) -> dict[str, Any]:
-        """Where and what this incarnation is: path, pid, node id, session, restarted."""
+        """Where and what this incarnation is: path, pid, node id, session, restarted, and the
+        buffer's config (what a producer needs to encode rows itself: ``RowEncoder.from_config``)."""
         return {"path": self.path, "pid": os.getpid(), "node_id": self.node_id, "session": self.session,
-                "restarted": self.restarted}
+                "restarted": self.restarted, "config": self._abuf.buffer.config.to_dict()}
 
     async def recovery_plan(self) -> dict[str, Any] | None:
         """The plan of the recovery this incarnation ran on start (or of the last
@@ -272,7 +273,9 @@ class BufferActor:
         commit), each its own transition.
 
         Each item is ``{"lease": dict, "rows": rows, "end_weight": int | None}``, plus
-        ``"index": i`` for a single-row commit (then ``rows`` is that row). The result list holds,
+        ``"index": i`` for a single-row commit (then ``rows`` is that row), or, from a producer that
+        encodes at the edge, ``"encoded": [{"index", "value"}, ...]`` instead of ``rows`` (checked,
+        not re-encoded: :meth:`kvckpt.ReplayBuffer.commit_encoded`). The result list holds,
         in item order, each commit's result dict or the exception that refused it (nothing of a
         refused item was written). Concurrent calls from several producers share transactions too.
         """

@@ -27,7 +27,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from kvckpt.buffer import Batch
-from kvckpt.errors import BadArgument
+from kvckpt.encoding import RowEncoder
+from kvckpt.errors import BadArgument, KvckptError
 from kvckpt.records import CommitResult, GroupInfo, Lease
 from kvckpt.recovery import RecoveryPlan
 
@@ -59,6 +60,10 @@ class BufferClient:
         retries: resends of one call after the actor died under it. Defaults to 3.
         restart_timeout: seconds to wait for a restarted actor to answer before a resend.
             Defaults to 60.
+        encode_at_edge: validate, encode, compress and checksum rows in this process (with the
+            store's :class:`~kvckpt.encoding.RowEncoder`, built from the actor's config) and send
+            only record bytes; the actor checks them without re-encoding. A row the schema refuses
+            fails its future at once, before anything is sent. Defaults to True.
 
     Examples:
         >>> with BufferClient(actor, batch_groups=8, max_in_flight=4) as client:  # doctest: +SKIP
@@ -68,7 +73,7 @@ class BufferClient:
     """
 
     def __init__(self, actor: Any, *, batch_groups: int = 8, max_in_flight: int = 4, retries: int = 3,
-                 restart_timeout: float = 60.0) -> None:
+                 restart_timeout: float = 60.0, encode_at_edge: bool = True) -> None:
         if batch_groups < 1 or max_in_flight < 1 or retries < 0:
             raise BadArgument("batch_groups and max_in_flight must be >= 1 and retries >= 0")
         self.actor = actor
@@ -78,6 +83,8 @@ class BufferClient:
         self.restart_timeout = restart_timeout
         self._pending: list[tuple[dict[str, Any], Future[CommitResult]]] = []
         self._in_flight: deque[_Call] = deque()
+        self._encoder = RowEncoder.from_config(wait_for_actor(actor, restart_timeout)["config"]) \
+            if encode_at_edge else None
 
     def commit(self, lease: Lease | Mapping[str, Any], rows: Sequence[Mapping[str, Any]] | Mapping[int, Any], *,
                end_weight: int | None = None) -> Future[CommitResult]:
@@ -86,13 +93,13 @@ class BufferClient:
         The future's exception is the kvckpt error that refused the commit (nothing of it was
         written), or the Ray error if the actor stayed unreachable through every retry.
         """
-        return self._queue({"lease": _lease_dict(lease), "rows": to_wire(rows), "end_weight": end_weight})
+        return self._queue({"lease": _lease_dict(lease), "end_weight": end_weight}, rows)
 
     def commit_sample(self, lease: Lease | Mapping[str, Any], index: int, row: Mapping[str, Any], *,
                       end_weight: int | None = None) -> Future[CommitResult]:
         """Queue a single-row commit (see :meth:`kvckpt.ReplayBuffer.commit_sample`)."""
-        return self._queue({"lease": _lease_dict(lease), "index": int(index), "rows": to_wire(row),
-                            "end_weight": end_weight})
+        return self._queue({"lease": _lease_dict(lease), "index": int(index), "end_weight": end_weight},
+                           {int(index): row})
 
     def flush(self) -> None:
         """Send what is queued and wait until every outstanding call is answered."""
@@ -112,8 +119,17 @@ class BufferClient:
         self.flush()
 
     # -- internals -------------------------------------------------------------------------------
-    def _queue(self, item: dict[str, Any]) -> Future[CommitResult]:
+    def _queue(self, item: dict[str, Any], rows: Any) -> Future[CommitResult]:
         future: Future[CommitResult] = Future()
+        if self._encoder is None:
+            item["rows"] = to_wire(rows[item["index"]] if "index" in item else rows)
+        else:
+            try:
+                encoded = self._encoder.encode(Lease.from_dict(item["lease"]), rows)
+            except KvckptError as exc:  # refused here, before it costs the owner anything
+                future.set_exception(exc)
+                return future
+            item["encoded"] = [row.to_dict() for row in encoded]
         self._pending.append((item, future))
         if len(self._pending) >= self.batch_groups:
             self._send()
