@@ -48,6 +48,9 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import ray
+from kvckpt.integrations.ray import BufferClient, init_local_ray, start_buffer_actor
+
 from kvckpt import ReplayBuffer, keys
 from kvckpt.encoding import RowEncoder, check_encoded
 from kvckpt.group_commit import GroupCommitter
@@ -155,6 +158,89 @@ def bare_run(path: str, schema: Any, pool: list[Any], groups: int, encode: bool)
             "wchar_per_group": (io1["wchar"] - io0["wchar"]) / groups,
             "write_bytes_per_group": (io1["write_bytes"] - io0["write_bytes"]) / groups,
             "file_growth_per_group": growth / groups}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+ACTOR_MODES = {  # name: (encode at the edge, groups per call, calls in flight)
+    "owner encodes, 1 group per call": (False, 1, 1),
+    "owner encodes, batched 8 + 4 in flight": (False, 8, 4),
+    "edge-encoded, batched 8 + 4 in flight": (True, 8, 4),
+}
+
+
+def actor_runs(groups: dict[str, int], producers: int, directory: str, seed: int,
+               log: Callable[[str], None]) -> dict[str, Any]:
+    """Groups/s and the buffer actor's process CPU per group with ``producers`` producer actors,
+    every :data:`ACTOR_MODES` mode, both kinds; Ray on loopback only, one session."""
+    @ray.remote(num_cpus=0)
+    class Producer:
+        """A rollout worker stand-in: commits pre-made rows through a BufferClient."""
+
+        def __init__(self, actor: Any, pool: list[Any]) -> None:
+            self.actor, self.pool = actor, pool
+
+        def ready(self) -> bool:
+            return True
+
+        def run(self, leases: list[dict[str, Any]], edge: bool, batch: int, in_flight: int) -> int:
+            with BufferClient(self.actor, batch_groups=batch, max_in_flight=in_flight, encode_at_edge=edge) as c:
+                futures = [c.commit(lease, self.pool[i % len(self.pool)]) for i, lease in enumerate(leases)]
+            assert all(f.result().ready for f in futures)
+            return len(leases)
+
+    init_local_ray(num_cpus=producers + 1, object_store_memory=1 << 30)
+    out: dict[str, Any] = {"producers": producers}
+    try:
+        for kind in KINDS:
+            schema, pool, group_bytes = row_pool(kind, seed)
+            pool_ref = ray.put(pool)
+            res: dict[str, Any] = {"group_bytes": group_bytes, "groups": groups[kind], "modes": {}}
+            for i, (name, (edge, batch, in_flight)) in enumerate(ACTOR_MODES.items()):
+                path = os.path.join(directory, f"actor-{kind}-{i}.kv")
+                actor = start_buffer_actor(path, config(schema).to_dict(), name=f"ingest-{kind}-{i}")
+                pid = ray.get(actor.info.remote())["pid"]
+                leases = ray.get(actor.admit.remote(list(range(groups[kind]))))
+                workers = [Producer.remote(actor, pool_ref) for _ in range(producers)]
+                ray.get([w.ready.remote() for w in workers])
+                cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
+                done = ray.get([w.run.remote(leases[j::producers], edge, batch, in_flight)
+                                for j, w in enumerate(workers)])
+                wall, cpu = time.perf_counter() - t0, _cpu_seconds(pid) - cpu0
+                assert sum(done) == groups[kind] == ray.get(actor.stats.remote())["committed"]
+                ray.get(actor.close.remote())
+                for handle in [*workers, actor]:
+                    ray.kill(handle)
+                _remove(path)
+                res["modes"][name] = {"groups_per_s": groups[kind] / wall, "actor_cpu_ms": 1e3 * cpu / groups[kind]}
+                log(f"actor {kind} {name}: {groups[kind] / wall:.0f} groups/s, actor CPU "
+                    f"{1e3 * cpu / groups[kind]:.2f} ms/group")
+            out[kind] = res
+    finally:
+        ray.shutdown()
+    return out
+
+
+def actor_table(result: dict[str, Any], disk_MBps: float) -> str:
+    """The actor figures as a Markdown table."""
+    first = next(iter(ACTOR_MODES))
+    lines = [f"### Through the buffer actor, {result['producers']} producer actors (Ray, loopback)", "",
+             "| mode | realistic groups/s (× first) | MB/s raw (of the disk's fsync'd) | actor CPU ms/group | "
+             "1 KB groups/s (× first) | actor CPU ms/group |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    real, tiny = result["realistic"], result["tiny"]
+    for name in ACTOR_MODES:
+        r, t = real["modes"][name], tiny["modes"][name]
+        mbps = r["groups_per_s"] * real["group_bytes"] / 1e6
+        gain = r["groups_per_s"] / real["modes"][first]["groups_per_s"]
+        lines.append(f"| {name} | {r['groups_per_s']:,.0f} ({gain:.2f}×)"
+                     f" | {mbps:,.1f} ({mbps / disk_MBps:.0%}) | {r['actor_cpu_ms']:.2f} | {t['groups_per_s']:,.0f} "
+                     f"({t['groups_per_s'] / tiny['modes'][first]['groups_per_s']:.2f}×) | {t['actor_cpu_ms']:.2f} |")
+    return "\n".join(lines)
 
 
 def check_cost(schema: Any, pool: list[Any], groups: int) -> float:
@@ -302,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", help="directory for the stores (default: a new one under /var/tmp)")
     parser.add_argument("--json", help="also write the raw results here")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the new path's store side")
+    parser.add_argument("--ray", type=int, metavar="P", help="also commit through the buffer actor from P producer "
+                                                                  "actors (Ray on loopback; 16 in the issue)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     n = args.groups or (48 if args.quick else 384)
@@ -320,10 +408,14 @@ def main(argv: list[str] | None = None) -> int:
         result = run(groups, PRODUCERS, directory, args.seed, (64 if args.quick else 256) << 20, log)
         result.update({"command": command.strip(), "nproc": os.cpu_count(), "python": platform.python_version(),
                        "loadavg_start": load0, "loadavg_end": os.getloadavg(), "ratios": ratios(result)})
+        if args.ray:
+            result["actor"] = actor_runs({"realistic": n, "tiny": 2 * n}, args.ray, directory, args.seed, log)
         profile = profile_new(directory, *row_pool("realistic", args.seed)[:2], n) if args.profile else None
     print(f"## Run of `{result['command']}`\n\n{result['nproc']} CPUs, load average {load0[0]:.1f} at start, "
           f"{result['loadavg_end'][0]:.1f} at end.\n")
     print(tables(result))
+    if "actor" in result:
+        print("\n" + actor_table(result["actor"], result["disk_seq_fsync_MBps"]))
     if profile:
         print("\n```\n" + profile + "```")
     if args.json:
