@@ -44,6 +44,15 @@ def dump_store(buf: ReplayBuffer) -> dict[str, list[tuple[bytes, bytes]]]:
     return buf.store.read(lambda t: {name: list(t.iter_prefix(name, b"")) for name in TABLES})
 
 
+def refused(buf: ReplayBuffer, error: type[Exception], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Exception:
+    """Run ``fn``, expect ``error``, and prove the store is byte-for-byte unchanged; the error."""
+    before = dump_store(buf)
+    with pytest.raises(error) as info:
+        fn(*args, **kwargs)
+    assert dump_store(buf) == before
+    return info.value
+
+
 @pytest.fixture
 def buffer_factory(tmp_path: Any) -> Iterator[Callable[..., ReplayBuffer]]:
     """A factory of fresh buffers on real files under ``tmp_path``; every one is closed afterwards.

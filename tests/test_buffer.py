@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from conftest import SCHEMA, dump_store, make_group, make_row
+from conftest import SCHEMA, dump_store, make_group, make_row, refused
 
 from kvckpt import (
     AbandonedTimeline,
@@ -36,15 +36,6 @@ def ok(buf: ReplayBuffer, deep: bool = False) -> bool:
     report = buf.store.read(lambda t: check(t, deep=deep))
     assert report.problems == []
     return report.ok
-
-
-def refused(buf: ReplayBuffer, error: type[Exception], fn, *args, **kwargs) -> Exception:
-    """Run ``fn``, expect ``error``, and prove the store is byte-for-byte unchanged."""
-    before = dump_store(buf)
-    with pytest.raises(error) as info:
-        fn(*args, **kwargs)
-    assert dump_store(buf) == before
-    return info.value
 
 
 def admit_one(buf: ReplayBuffer, gid: str, **kwargs) -> Lease:

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import dump_store, make_group
+from conftest import make_group, refused
 
 from kvckpt import (
     AbandonedTimeline,
@@ -42,14 +42,6 @@ def step(name: str, **kwargs) -> dict:
                           timeout=120, cwd=os.path.dirname(__file__))
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
-
-
-def refused(buf: ReplayBuffer, error: type[Exception], fn, *args, **kwargs) -> Exception:
-    before = dump_store(buf)
-    with pytest.raises(error) as info:
-        fn(*args, **kwargs)
-    assert dump_store(buf) == before
-    return info.value
 
 
 @pytest.fixture
