@@ -55,13 +55,6 @@ class GroupCommitter:
         with self._cond:
             return len(self._queue)
 
-    def submit(self, fn: Callable[[Txn], Any]) -> Any:
-        """Run ``fn`` as one transition of the next batch; its result, or raise its refusal."""
-        [result] = self.submit_many([fn])
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
     def submit_many(self, fns: Sequence[Callable[[Txn], Any]]) -> list[Any]:
         """Run every ``fn`` as its own transition, in order (in one batch where ``max_batch``
         allows); each result in order, a refusal as its exception object."""

@@ -193,7 +193,6 @@ def test_a_bad_prompt_idx_is_a_bad_argument_and_writes_nothing(buffer_factory, p
 def test_arguments_are_checked_at_the_api_edge(buffer_factory, call, match):
     buf = buffer_factory()
     refused(buf, BadArgument, call, buf)
-    assert match  # the rule is named in the message
     with pytest.raises(BadArgument, match=match):
         call(buf)
 
