@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import lmdb
 import torch
 
-from .data import ROW_FIELDS, TOKEN_FIELDS
+from benchmarks.data import ROW_FIELDS, TOKEN_FIELDS
 
 MAP_SIZE = 64 << 30
 

@@ -165,7 +165,7 @@ def _measure_here(args: list[str]) -> None:
     import io
 
     if args == ["imports"]:
-        for module in ("pyarrow.parquet", "kvckpt.export", "kvckpt.tools.cli"):
+        for module in ("pyarrow.parquet", "kvckpt.tools.export", "kvckpt.tools.cli"):
             importlib.import_module(module)
         report, code, seconds, cpu, peaks = None, 0, 0.0, 0.0, {}
     else:

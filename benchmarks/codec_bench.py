@@ -34,9 +34,8 @@ import numpy as np
 import torch
 import zstandard
 
-from kvckpt import codec
-
-from .data import ROW_FIELDS, TOKEN_FIELDS, RolloutSpec, iter_groups
+from benchmarks.data import ROW_FIELDS, TOKEN_FIELDS, RolloutSpec, iter_groups
+from kvckpt.storage import codec
 
 GROUP = RolloutSpec().group_size
 PAGE = 4096

@@ -51,12 +51,12 @@ from typing import Any
 import ray
 from kvckpt.integrations.ray import BufferClient, init_local_ray, start_buffer_actor
 
-from kvckpt import ReplayBuffer, keys
-from kvckpt.encoding import RowEncoder, check_encoded
-from kvckpt.group_commit import GroupCommitter
-
-from . import baselines
-from .ray_bench import config, row_pool
+from benchmarks import baselines
+from benchmarks.ray_bench import config, row_pool
+from kvckpt import ReplayBuffer
+from kvckpt.storage import keys
+from kvckpt.storage.encoding import RowEncoder, check_encoded
+from kvckpt.storage.group_commit import GroupCommitter
 
 PRODUCERS = (1, 4, 16, 64)
 KINDS = ("realistic", "tiny")

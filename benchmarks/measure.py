@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from kvckpt import BufferConfig, Prompt, ReplayBuffer, codec, keys, restore
-from kvckpt.checkpoint import read_stamp
-from kvckpt.records import CLAIMED, CONSUMED, READY
-
-from . import baselines, data
+from benchmarks import baselines, data
+from kvckpt import BufferConfig, Prompt, ReplayBuffer, restore
+from kvckpt.durability.checkpoint import read_stamp
+from kvckpt.storage import codec, keys
+from kvckpt.tables.records import CLAIMED, CONSUMED, READY
 
 GB = 1e9
 CHUNK = 32  # groups per admission while ingesting

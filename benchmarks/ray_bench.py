@@ -40,9 +40,8 @@ import numpy as np
 import ray
 from kvckpt.integrations.ray import BufferClient, init_local_ray, start_buffer_actor, to_wire
 
+from benchmarks import data
 from kvckpt import BufferConfig, ReplayBuffer, verify_path
-
-from . import data
 
 GROUP_SIZE = 8
 

@@ -32,8 +32,7 @@ import torch
 import zstandard
 
 import kvckpt
-
-from . import figures, measure, plots
+from benchmarks import figures, measure, plots
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -18,7 +18,7 @@ The model (every parameter is a flag; ``--from-json`` takes the measured ones fr
 * Group commit: when the writer is idle it takes every checked group queued (up to ``max_batch``)
   into one transaction; once its CPU work is done the fsync takes ``fsync_ms`` plus the batch's
   bytes over the disk's fsync'd bandwidth; then every group of the batch is acknowledged. Groups
-  checked meanwhile form the next batch (the leader/follower queue of kvckpt.group_commit).
+  checked meanwhile form the next batch (the leader/follower queue of kvckpt.storage.group_commit).
 
 Reported per fleet size: offered and achieved groups/s, mean groups per fsync, the latency from a
 group's completion on its GPU to its acknowledgement (p50/p99), the CPU's and the disk's busy

@@ -36,7 +36,7 @@ import kvckpt.integrations.transferqueue as ktq
 import numpy as np
 import torch
 
-from . import data
+from benchmarks import data
 
 BACKENDS: dict[str, dict[str, Any]] = {
     "SimpleStorage": {"storage_backend": "SimpleStorage"},

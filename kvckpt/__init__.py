@@ -5,10 +5,19 @@ file; every state transition is one durable write transaction; a checkpoint is o
 transaction plus a background copy to one file; restore opens a fresh handle on a copy.
 """
 
-from .aio import AsyncReplayBuffer
-from .buffer import Batch, BufferConfig, ReplayBuffer
-from .checkpoint import CheckpointHandle, CheckpointResult, checkpoint, keep_latest, read_stamp, restore
-from .errors import (
+from kvckpt.aio import AsyncReplayBuffer
+from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer
+from kvckpt.durability.checkpoint import (
+    CheckpointHandle,
+    CheckpointResult,
+    checkpoint,
+    keep_latest,
+    read_stamp,
+    restore,
+)
+from kvckpt.durability.recovery import RecoveryPlan, recover
+from kvckpt.durability.verify import Report, check, verify_path
+from kvckpt.errors import (
     AbandonedTimeline,
     BadArgument,
     CapacityError,
@@ -33,12 +42,10 @@ from .errors import (
     UnknownGroup,
     VerificationFailed,
 )
-from .records import CommitResult, GroupInfo, Lease, LedgerEntry, Prompt, Selection
-from .recovery import RecoveryPlan, recover
-from .samplers import Sampler, create_sampler, register
-from .schema import Field, RowSchema, split_padded
-from .store import Store
-from .verify import Report, check, verify_path
+from kvckpt.samplers import Sampler, create_sampler, register
+from kvckpt.storage.schema import Field, RowSchema, split_padded
+from kvckpt.storage.store import Store
+from kvckpt.tables.records import CommitResult, GroupInfo, Lease, LedgerEntry, Prompt, Selection
 
 __version__ = "0.1.0"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .errors import BadArgument
+from kvckpt.errors import BadArgument
 
 #: Longest group id or task name accepted: row keys (``{group_id}\\0`` + index) stay far below
 #: LMDB's 511-byte key limit.

@@ -43,10 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from . import args, codec, keys
-from .digest import check_group_rows, row_digest
-from .encoding import CheckedRow, EncodedRow, RowEncoder, check_encoded
-from .errors import (
+from kvckpt import args
+from kvckpt.errors import (
     AbandonedTimeline,
     BadArgument,
     CapacityError,
@@ -64,8 +62,14 @@ from .errors import (
     StoreNotFound,
     UnknownGroup,
 )
-from .group_commit import GroupCommitter
-from .records import (
+from kvckpt.samplers import BufferView, Sampler, create_sampler
+from kvckpt.storage import codec, keys
+from kvckpt.storage.encoding import CheckedRow, EncodedRow, RowEncoder, check_encoded
+from kvckpt.storage.group_commit import GroupCommitter
+from kvckpt.storage.schema import RowSchema
+from kvckpt.storage.store import FORMAT_VERSION, Store, Txn, makedirs_durable
+from kvckpt.tables.digest import check_group_rows, row_digest
+from kvckpt.tables.records import (
     ABORTED,
     CLAIMED,
     CONSUMED,
@@ -79,9 +83,6 @@ from .records import (
     Prompt,
     Selection,
 )
-from .samplers import BufferView, Sampler, create_sampler
-from .schema import RowSchema
-from .store import FORMAT_VERSION, Store, Txn, makedirs_durable
 
 CONFIG_KEY, STATE_KEY, DATALOADER_KEY, SHORTFALL_KEY, CHECKPOINT_KEY = (
     b"config", b"state", b"dataloader", b"shortfall", b"checkpoint")
@@ -254,7 +255,7 @@ class ReplayBuffer:
         ``readonly=True`` never writes, and works on a store another handle (in this process or
         another) has open for writing: it reads consistent snapshots of it. A file no writer holds
         (a checkpoint, a copy) is untrusted: it is opened through
-        :func:`kvckpt.safe_open.open_readonly` (structure-checked before liblmdb maps it; the map
+        :func:`kvckpt.durability.safe_open.open_readonly` (structure-checked before liblmdb maps it; the map
         is the file's size, or ``map_size``).
 
         Raises:
@@ -263,7 +264,7 @@ class ReplayBuffer:
             FormatError: not a sound kvckpt store, or its config passes its checksum but is not
                 one kvckpt writes (a damaged or crafted file).
         """
-        from .safe_open import open_readonly
+        from kvckpt.durability.safe_open import open_readonly
 
         try:
             store = open_readonly(path, map_size=map_size) if readonly else Store(path, map_size=map_size)
@@ -620,8 +621,8 @@ class ReplayBuffer:
 
     def commit_encoded(self, lease: Lease, rows: Sequence[EncodedRow | Mapping[str, Any]], *,
                        end_weight: int | None = None, whole: bool = True) -> CommitResult:
-        """Commit rows a producer encoded itself (:class:`~kvckpt.encoding.RowEncoder`), checked
-        here without being rebuilt (:func:`~kvckpt.encoding.check_encoded`).
+        """Commit rows a producer encoded itself (:class:`~kvckpt.storage.encoding.RowEncoder`), checked
+        here without being rebuilt (:func:`~kvckpt.storage.encoding.check_encoded`).
 
         ``whole=True`` is :meth:`commit_group`'s semantics, ``False`` :meth:`commit_sample`'s (one
         row). Same refusals and idempotence; a record that fails its checks is a
@@ -1102,7 +1103,7 @@ class ReplayBuffer:
         """Counters users graph: admitted, committed, selected, consumed, evicted, aborted, ledger
         size, bytes raw and stored, this process's commit latency percentiles (seconds), and the
         writer's last reader check (``oldest_reader_lag``: commits the oldest open snapshot is
-        behind; ``stale_readers_cleared``; see :meth:`kvckpt.store.Store.check_readers`)."""
+        behind; ``stale_readers_cleared``; see :meth:`kvckpt.storage.store.Store.check_readers`)."""
         st = self.state()
         lat = sorted(self._latencies)
         out = dict(st["counters"])
@@ -1123,16 +1124,16 @@ class ReplayBuffer:
                 max_buffered_rollouts: int | None = None, checksums: bool = False, deep: bool = False) -> Any:
         """Reconcile the store to a trainer version and fence in-flight work (one transaction).
 
-        See :func:`kvckpt.recovery.recover` for the full contract; this is its method form.
+        See :func:`kvckpt.durability.recovery.recover` for the full contract; this is its method form.
         """
-        from .recovery import recover
+        from kvckpt.durability.recovery import recover
 
         return recover(self, resume_version, sampler=sampler, max_buffered_rollouts=max_buffered_rollouts,
                        checksums=checksums, deep=deep)
 
     def checkpoint(self, dest: str, trainer_state: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
-        """Stamp and copy a checkpoint in the background; see :func:`kvckpt.checkpoint.checkpoint`."""
-        from .checkpoint import checkpoint
+        """Stamp and copy a checkpoint in the background; see :func:`kvckpt.durability.checkpoint.checkpoint`."""
+        from kvckpt.durability.checkpoint import checkpoint
 
         return checkpoint(self, dest, trainer_state, **kwargs)
 

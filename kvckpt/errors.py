@@ -147,7 +147,7 @@ class VerificationFailed(RecoveryError):
     """The verifier found problems in a store or checkpoint, so it was not recovered or restored.
 
     ``subject`` names what was checked; ``problems`` lists every finding
-    (:class:`kvckpt.verify.Problem`: a stable code, the key, a sentence); the message quotes the
+    (:class:`kvckpt.durability.verify.Problem`: a stable code, the key, a sentence); the message quotes the
     first ten.
     """
 

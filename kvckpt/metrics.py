@@ -32,7 +32,7 @@ import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .errors import BadArgument
+from kvckpt.errors import BadArgument
 
 logger = logging.getLogger(__name__)
 

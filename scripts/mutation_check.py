@@ -81,13 +81,13 @@ class Outcome:
 
 #: The bugs issue 16 lists as caught only by chance before ``tests/test_net.py``.
 MUTATIONS: tuple[Mutation, ...] = (
-    Mutation("row-prefix-without-separator", "kvckpt/keys.py",
+    Mutation("row-prefix-without-separator", "kvckpt/storage/keys.py",
              'return group_key(group_id) + b"\\x00"', "return group_key(group_id)",
              (f"{NET}::test_operations_on_a_group_leave_groups_whose_ids_extend_its_id_untouched",)),
-    Mutation("checkpoint-copies-live-state", "kvckpt/store.py",
+    Mutation("checkpoint-copies-live-state", "kvckpt/storage/store.py",
              "compact=True, txn=txn.raw)", "compact=True)",
              (f"{NET}::test_a_commit_after_the_stamp_stays_out_of_the_checkpoint",), count=None),
-    Mutation("checkpoint-snapshot-taken-at-copy-time", "kvckpt/checkpoint.py",
+    Mutation("checkpoint-snapshot-taken-at-copy-time", "kvckpt/durability/checkpoint.py",
              "buffer.store.copy_snapshot(fd, snapshot.txn)",
              "buffer.store.read(lambda live: buffer.store.copy_snapshot(fd, live))",
              (f"{NET}::test_a_commit_after_the_stamp_stays_out_of_the_checkpoint",), count=None),
@@ -118,7 +118,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              '                **entry.to_dict(), "attempt": entry.attempt + 1,',
              '                **entry.to_dict(), "attempt": entry.attempt,',
              (f"{NET}::test_redispatch_fences_the_previous_lease",)),
-    Mutation("recover-keeps-weight-version", "kvckpt/recovery.py",
+    Mutation("recover-keeps-weight-version", "kvckpt/durability/recovery.py",
              '        st["weight_version"] = target\n', "",
              (f"{NET}::test_recover_rolls_the_weight_version_back_with_the_trainer",)),
 )

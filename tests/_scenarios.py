@@ -33,9 +33,9 @@ from kvckpt import (
     ReplayBuffer,
     restore,
 )
+from kvckpt.durability.verify import check
 from kvckpt.samplers import BufferView
-from kvckpt.store import TABLES
-from kvckpt.verify import check
+from kvckpt.storage.store import TABLES
 
 N = 2  #: rows per group (E.1: n = 2 rollouts per group)
 PER_STEP = 3  #: groups per training step (E.1: 3 groups per step)
@@ -631,7 +631,7 @@ def live_workload(store: str, log_path: str, ckpt_dir: str) -> None:
 def live_recover(store: str, resume: int, too_old: int, zombies: list[dict[str, Any]]) -> dict[str, Any]:
     """Reopen the crashed live store, try a rollback past the drop floor, then recover to ``resume``
     and replay: what a restarted trainer does with a model checkpoint of version ``resume``."""
-    from kvckpt.verify import verify_path
+    from kvckpt.durability.verify import verify_path
 
     out: dict[str, Any] = {"verify_before": [str(p) for p in verify_path(store, deep=True).problems]}
     with ReplayBuffer.open(store) as buf:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvckpt import BufferConfig, ReplayBuffer
-from kvckpt.store import TABLES
+from kvckpt.storage.store import TABLES
 
 #: The smallest schema that exercises both field kinds and two dtypes.
 SCHEMA: dict[str, tuple[str, str]] = {

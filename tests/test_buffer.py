@@ -29,7 +29,7 @@ from kvckpt import (
     StaleAttempt,
     UnknownGroup,
 )
-from kvckpt.verify import check
+from kvckpt.durability.verify import check
 
 
 def ok(buf: ReplayBuffer, deep: bool = False) -> bool:
@@ -128,7 +128,7 @@ def test_commit_after_abort_or_evict_is_refused(buffer_factory, exit_path):
 
 def test_a_commit_failing_midway_leaves_no_row(buffer_factory, monkeypatch):
     """§G.2: a commit that fails after writing some rows leaves no row and the prompt in flight."""
-    from kvckpt.store import Txn
+    from kvckpt.storage.store import Txn
 
     buf = buffer_factory("in_order")
     lease = admit_one(buf, "g1")
@@ -256,7 +256,7 @@ def _spoil(row: dict, kind: str) -> None:
         del row["total_reward"]
     elif kind == "extra field":
         row["advantages"] = torch.zeros_like(row["generation_logprobs"])
-    elif kind == "wrong dtype":  # floats are never cast to integers (int32 would be: kvckpt.casts)
+    elif kind == "wrong dtype":  # floats are never cast to integers (int32 would be: kvckpt.storage.casts)
         row["input_ids"] = row["input_ids"].to(torch.float32)
     elif kind == "wrong row dtype":  # a float64 that float32 cannot hold (an exact one would be cast)
         row["total_reward"] = torch.tensor(1e300, dtype=torch.float64)

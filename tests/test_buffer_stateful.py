@@ -11,7 +11,7 @@ operation's outcome (result or exact error) is predicted by the model first; a r
 must leave every table byte-for-byte unchanged. After every step the machine checks the
 invariants of replay_semantics.md §G that apply: single owner (§G.10), capacity conservation
 (§G.6), counters, stamps (§G.9), cursor exactness (§G.12), sampler semantics (§G.5: the
-buffer's eligible and evictable lists equal the model's), and ``kvckpt.verify.check``.
+buffer's eligible and evictable lists equal the model's), and ``kvckpt.durability.verify.check``.
 
 CI runs a short profile (about 30 s in all); ``KVCKPT_HYPOTHESIS_PROFILE=soak`` runs a long one.
 """
@@ -55,8 +55,8 @@ from kvckpt import (
     UnknownGroup,
     restore,
 )
+from kvckpt.durability.verify import check, verify_path
 from kvckpt.samplers import BufferView
-from kvckpt.verify import check, verify_path
 
 PROFILES = {
     "ci": settings(max_examples=30, stateful_step_count=40, deadline=None, database=None,

@@ -1,6 +1,6 @@
 """The crash campaign: SIGKILL a live workload again and again; every acknowledged operation stays.
 
-The 200-kill run is the CI proof (``python -m kvckpt.campaign --kills 5000`` is the soak); the other
+The 200-kill run is the CI proof (``python -m kvckpt.testing.campaign --kills 5000`` is the soak); the other
 tests show the checker can fail, that a torn log line is cut, and what a trainer does next after a
 kill, in a fresh process.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvckpt import Prompt, ReplayBuffer
-from kvckpt.campaign import (
+from kvckpt.testing.campaign import (
     SAMPLERS,
     OpLog,
     _Chain,
@@ -84,7 +84,7 @@ def test_after_the_kills_a_fresh_trainer_redispatches_once_and_selects_everythin
     code = textwrap.dedent(f"""
         import json
         from kvckpt import ReplayBuffer
-        from kvckpt.campaign import make_row
+        from kvckpt.testing.campaign import make_row
         buf = ReplayBuffer.open({str(store)!r})
         assert buf.sampler.name == "ready_first"
         plan = buf.recover()
@@ -108,12 +108,14 @@ def test_after_the_kills_a_fresh_trainer_redispatches_once_and_selects_everythin
 
 
 def test_command_line_prints_the_summary(tmp_path: Path) -> None:
-    kill = subprocess.run([sys.executable, "-m", "kvckpt.campaign", "--kills", "2", "--dir", str(tmp_path / "k")],
+    kill = subprocess.run([sys.executable, "-m", "kvckpt.testing.campaign", "--kills", "2",
+                           "--dir", str(tmp_path / "k")],
                           capture_output=True, text=True, timeout=300)
     assert kill.returncode == 0, kill.stderr
     assert kill.stdout.startswith("crash campaign: kills 2, operations checked ")
     assert "violations found 0" in kill.stdout
-    fuzz = subprocess.run([sys.executable, "-m", "kvckpt.campaign", "fuzz", "--cases", "10", "--workers", "1", "--dir",
+    fuzz = subprocess.run([sys.executable, "-m", "kvckpt.testing.campaign", "fuzz", "--cases", "10", "--workers", "1",
+                           "--dir",
                            str(tmp_path / "f")], capture_output=True, text=True, timeout=300)
     assert fuzz.returncode == 0, fuzz.stderr
     assert fuzz.stdout.startswith("fuzz: cases 10, corruptions detected ")

@@ -55,9 +55,10 @@ from _scenarios import (
     saved_view,
 )
 
-from kvckpt import CheckpointError, Prompt, codec
-from kvckpt.records import GroupInfo, LedgerEntry
-from kvckpt.store import Store
+from kvckpt import CheckpointError, Prompt
+from kvckpt.storage import codec
+from kvckpt.storage.store import Store
+from kvckpt.tables.records import GroupInfo, LedgerEntry
 
 CUT_SAMPLERS = ("in_order", "windowed")
 #: (label, trainer_version, in_order dispatch_index, dataloader state) of every cut, in order.

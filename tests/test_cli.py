@@ -20,8 +20,9 @@ import pytest
 import torch
 from kvckpt.tools.cli import main
 
-from kvckpt import BufferConfig, Prompt, ReplayBuffer, codec, keys
-from kvckpt.store import FORMAT_VERSION, Store
+from kvckpt import BufferConfig, Prompt, ReplayBuffer
+from kvckpt.storage import codec, keys
+from kvckpt.storage.store import FORMAT_VERSION, Store
 
 SCRIPT = shutil.which("kvckpt", path=os.path.dirname(sys.executable))
 KVCKPT = [SCRIPT] if SCRIPT else [sys.executable, "-m", "kvckpt.tools.cli"]

@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from kvckpt import codec
-from kvckpt.codec import DTYPES, MAGIC, Record, as_numpy, decode, decode_meta, encode, encode_json
 from kvckpt.errors import BadArgument, CorruptRecord
+from kvckpt.storage import codec
+from kvckpt.storage.codec import DTYPES, MAGIC, Record, as_numpy, decode, decode_meta, encode, encode_json
 
 LEVELS = [0, 1, 3, 19]
 NUMPY_DTYPES = [name for name in DTYPES if name != "bfloat16"]  # numpy has no bfloat16

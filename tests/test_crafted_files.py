@@ -26,7 +26,7 @@ from typing import Any
 import _crafted
 import pytest
 
-from kvckpt.store import DEFAULT_MAP_SIZE
+from kvckpt.storage.store import DEFAULT_MAP_SIZE
 
 #: Address space each reader may reserve (torch alone maps about 3 GiB of it); ``restore`` also
 #: maps the writable live store it opens (64 GiB of address space, untouched).

@@ -10,8 +10,9 @@ import pytest
 import torch
 from conftest import SCHEMA, dump_store, make_group
 
-from kvckpt import BufferConfig, Prompt, ReplayBuffer, SchemaMismatch, check, codec
-from kvckpt.encoding import EncodedRow, RowEncoder
+from kvckpt import BufferConfig, Prompt, ReplayBuffer, SchemaMismatch, check
+from kvckpt.storage import codec
+from kvckpt.storage.encoding import EncodedRow, RowEncoder
 
 
 def wire(rows) -> list[dict]:

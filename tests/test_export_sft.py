@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvckpt.tools.export import export
 
 from kvckpt import BufferConfig, ReplayBuffer
-from kvckpt.export import export
 
 SCHEMA = {"input_ids": ("int64", "token"), "token_mask": ("int64", "token"), "total_reward": ("float32", "row")}
 PROMPT, COMPLETION = [5, 6, 7], [8, 9]

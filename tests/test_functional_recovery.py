@@ -42,7 +42,7 @@ from kvckpt.integrations.trainer.grpo import BUFFER_FILE, checkpoint_steps
 from kvckpt.integrations.vllm import ensure_tiny_model
 
 from kvckpt.errors import BadArgument
-from kvckpt.records import CONSUMED
+from kvckpt.tables.records import CONSUMED
 
 GPS, N = 2, 2
 SAMPLERS = {

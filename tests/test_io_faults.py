@@ -35,7 +35,7 @@ from kvckpt import (
     read_stamp,
     restore,
 )
-from kvckpt.verify import verify_path
+from kvckpt.durability.verify import verify_path
 
 SCHEMA = {"input_ids": ("int64", "token"), "logprobs": ("float32", "token")}
 GROUP_SIZE = 2
@@ -289,7 +289,7 @@ def test_a_reader_killed_holding_a_snapshot_is_cleared_while_the_writer_runs(tmp
         _commit(buf, 1, tokens=16)
         reader = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
             import sys
-            from kvckpt.store import Store
+            from kvckpt.storage.store import Store
             store = Store({str(path)!r}, readonly=True)
             txn = store.env.begin()  # a snapshot held open
             print("holding", flush=True)
@@ -311,17 +311,17 @@ def test_a_reader_killed_holding_a_snapshot_is_cleared_while_the_writer_runs(tmp
 
 def test_a_reader_pinning_old_pages_is_logged_and_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             caplog: pytest.LogCaptureFixture) -> None:
-    from kvckpt import store as store_module
+    from kvckpt.storage import store as store_module
 
     monkeypatch.setattr(store_module, "READER_CHECK_COMMITS", 2)
     monkeypatch.setattr(store_module, "PIN_WARN_COMMITS", 4)
     buf = _create(tmp_path / "live.kv")
     try:
-        with buf.store.reader(), caplog.at_level("WARNING", logger="kvckpt.store"):
+        with buf.store.reader(), caplog.at_level("WARNING", logger="kvckpt.storage.store"):
             for seed in range(4):  # 4 admissions + 4 commits while the snapshot stays open
                 _commit(buf, seed, tokens=16)
             assert buf.stats()["oldest_reader_lag"] >= 4
-        assert any("held a snapshot for" in r.getMessage() for r in caplog.records if r.name == "kvckpt.store")
+        assert any("held a snapshot for" in r.getMessage() for r in caplog.records if r.name == "kvckpt.storage.store")
         buf.store.check_readers()
         assert buf.stats()["oldest_reader_lag"] == 0  # the snapshot ended
     finally:

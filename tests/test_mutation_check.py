@@ -31,14 +31,14 @@ def verdicts(output: str) -> dict[str, str]:
 
 def test_killed_survived_and_moved_mutations_are_told_apart(tmp_path):
     mutations = [
-        {"name": "killed", "file": "kvckpt/keys.py", "old": 'return group_key(group_id) + b"\\x00"',
+        {"name": "killed", "file": "kvckpt/storage/keys.py", "old": 'return group_key(group_id) + b"\\x00"',
          "new": "return group_key(group_id)",
          "tests": ["tests/test_net.py::test_operations_on_a_group_leave_groups_whose_ids_extend_its_id_untouched"
                    "[read]"]},
-        {"name": "survived", "file": "kvckpt/keys.py", "old": '"""Prefix of every row key of a group."""',
+        {"name": "survived", "file": "kvckpt/storage/keys.py", "old": '"""Prefix of every row key of a group."""',
          "new": '"""Prefix of every row key of a group (a docstring change no test can see)."""',
          "tests": [FENCING]},
-        {"name": "moved", "file": "kvckpt/keys.py", "old": "text that is not in the file", "new": "",
+        {"name": "moved", "file": "kvckpt/storage/keys.py", "old": "text that is not in the file", "new": "",
          "tests": [FENCING]},
     ]
     listed = tmp_path / "mutations.json"

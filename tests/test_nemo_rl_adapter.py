@@ -28,9 +28,9 @@ from kvckpt.integrations.nemo_rl import (
 )
 
 from kvckpt import Lease, Prompt, StaleAttempt
+from kvckpt.durability.verify import check
 from kvckpt.errors import BadArgument, CapacityError, GateTimeout, RecoveryError
-from kvckpt.records import Admission
-from kvckpt.verify import check
+from kvckpt.tables.records import Admission
 
 SAMPLERS = {
     "in_order": {"name": "in_order", "max_lookahead_versions": 1},

@@ -39,9 +39,9 @@ from kvckpt.integrations.nemo_rl import (
 )
 
 from kvckpt import ReplayBuffer, StaleAttempt
+from kvckpt.durability.verify import check
 from kvckpt.errors import BadArgument, CapacityError, RecoveryError, SchemaMismatch
-from kvckpt.records import ABORTED
-from kvckpt.verify import check
+from kvckpt.tables.records import ABORTED
 
 N_GENS = 2  # rows per group, as NeMo-RL's buffer tests
 #: The fields NeMo-RL's buffer tests commit (their stubbed ``record_to_train_batch`` output).

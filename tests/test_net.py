@@ -19,8 +19,9 @@ import pytest
 import torch
 from conftest import SCHEMA, make_group
 
-from kvckpt import Lease, Prompt, ReplayBuffer, StaleAttempt, keys
-from kvckpt.checkpoint import restore
+from kvckpt import Lease, Prompt, ReplayBuffer, StaleAttempt
+from kvckpt.durability.checkpoint import restore
+from kvckpt.storage import keys
 
 GROUP_SIZE = 2
 #: Group ids that are byte prefixes of each other: ``g1`` is a prefix of every other one.

@@ -17,14 +17,14 @@ import types
 import pytest
 
 from kvckpt.buffer import ReplayBuffer
-from kvckpt.campaign import SAMPLERS, workload_config
-from kvckpt.records import Prompt
-from kvckpt.store import Store
+from kvckpt.storage.store import Store
+from kvckpt.tables.records import Prompt
 from kvckpt.testing import powerfs
+from kvckpt.testing.campaign import SAMPLERS, workload_config
 from kvckpt.testing.powercut import run_powercut_campaign
 
-checkpoint_module = importlib.import_module("kvckpt.checkpoint")  # kvckpt.checkpoint is also the function
-store_module = importlib.import_module("kvckpt.store")
+checkpoint_module = importlib.import_module("kvckpt.durability.checkpoint")  # the module, not the function
+store_module = importlib.import_module("kvckpt.storage.store")
 
 WHY_NOT = powerfs.unavailable()
 needs_fuse = pytest.mark.skipif(WHY_NOT is not None, reason=f"power-cut tests skipped: {WHY_NOT}")
@@ -43,7 +43,7 @@ def test_store_environment_is_fully_durable(tmp_path):
 
 
 class _Recorder(types.ModuleType):
-    """``os`` for kvckpt.checkpoint and kvckpt.store: every call goes to the real ``os``; fsync, replace and rename
+    """``os`` for the checkpoint and store modules: every call goes to the real ``os``; fsync, replace and rename
     are also recorded (fsync by the path its descriptor names)."""
 
     def __init__(self, calls: list[tuple[str, ...]]) -> None:

@@ -31,8 +31,8 @@ from kvckpt import (
     create_sampler,
     register,
 )
+from kvckpt.durability.verify import check
 from kvckpt.samplers import BufferView, InOrderSampler, ReadyFirstSampler, WeightFifoSampler, WindowedSampler
-from kvckpt.verify import check
 
 
 def run(buf: ReplayBuffer, script: str) -> dict[str, Any]:

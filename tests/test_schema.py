@@ -12,18 +12,11 @@ from conftest import dump_store, make_group
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvckpt import (
-    CorruptRecord,
-    Field,
-    ReplayBuffer,
-    RowSchema,
-    SchemaMismatch,
-    checkpoint,
-    codec,
-    restore,
-)
-from kvckpt.casts import bf16_bits, bf16_values, cast
+from kvckpt import CorruptRecord, Field, ReplayBuffer, RowSchema, SchemaMismatch, restore
+from kvckpt.durability import checkpoint
 from kvckpt.errors import BadArgument
+from kvckpt.storage import codec
+from kvckpt.storage.casts import bf16_bits, bf16_values, cast
 
 
 def refused(buf: ReplayBuffer, fn, *args, match: str) -> SchemaMismatch:
@@ -320,8 +313,7 @@ def test_text_fields_export_as_text(buffer_factory, tmp_path):
     import json
 
     import pyarrow.parquet as pq
-
-    from kvckpt.export import export
+    from kvckpt.tools.export import export
 
     schema = {"input_ids": ("int64", "token"), "total_reward": ("float32", "row"), "prompt": ("str", "row"),
               "raw": ("bytes", "row")}
@@ -382,8 +374,8 @@ def test_the_in_memory_baseline_buffer_reads_text_and_bfloat16_like_the_store():
 def test_read_batch_decodes_rows_under_the_schema_limits(buffer_factory):
     """A stored row whose checksums and group digest are all valid but whose zstd body would
     decode far past max_tokens is refused before it is decompressed (a crafted checkpoint)."""
-    from kvckpt import keys
-    from kvckpt.digest import group_digest, row_digest
+    from kvckpt.storage import keys
+    from kvckpt.tables.digest import group_digest, row_digest
 
     schema = RowSchema({"input_ids": ("int64", "token"), "generation_logprobs": ("float32", "token"),
                         "total_reward": ("float32", "row")}, max_tokens=1000)

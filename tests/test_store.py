@@ -14,9 +14,9 @@ import lmdb
 import numpy as np
 import pytest
 
-from kvckpt import codec
 from kvckpt.errors import FormatError, KvckptError, ReadOnlyStore, StoreLocked, StoreNotFound
-from kvckpt.store import FORMAT_VERSION, MAX_DBS, TABLES, Store
+from kvckpt.storage import codec
+from kvckpt.storage.store import FORMAT_VERSION, MAX_DBS, TABLES, Store
 
 CHILD_ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
 
@@ -194,7 +194,7 @@ def test_second_writer_in_the_same_process_is_refused(tmp_path):
 
 CHILD_OPEN = """
 import sys
-from kvckpt.store import Store
+from kvckpt.storage.store import Store
 try:
     Store(sys.argv[1]).close()
     print("opened")
@@ -204,7 +204,7 @@ except Exception as exc:
 
 CHILD_HOLD = """
 import sys
-from kvckpt.store import Store
+from kvckpt.storage.store import Store
 with Store(sys.argv[1]) as store:
     store.write(lambda txn: txn.put_json("meta", b"child", {"pid": 1}))
     print("holding", flush=True)
@@ -324,8 +324,8 @@ def test_other_lmdb_data_format_is_refused(tmp_path):
 
 TRUNCATE_CHILD = """
 import sys
-from kvckpt import codec
-from kvckpt.store import Store
+from kvckpt.storage import codec
+from kvckpt.storage.store import Store
 src, dst = sys.argv[1], sys.argv[2]
 data = open(src, "rb").read()
 for n in map(int, sys.argv[3:]):

@@ -21,9 +21,9 @@ import torch
 from kvckpt.integrations.transferqueue import owner
 from kvckpt.integrations.transferqueue.values import decode_value, encode_value
 
-from kvckpt import codec
 from kvckpt.errors import BadArgument, CorruptRecord, FormatError
-from kvckpt.store import Store
+from kvckpt.storage import codec
+from kvckpt.storage.store import Store
 
 KEY, WID = "3@field", "0123456789abcdef"
 

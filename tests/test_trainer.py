@@ -25,7 +25,7 @@ from kvckpt.integrations.vllm import ensure_tiny_model
 
 from kvckpt import ReplayBuffer
 from kvckpt.buffer import Batch
-from kvckpt.records import CONSUMED
+from kvckpt.tables.records import CONSUMED
 
 GPS, N = 2, 2
 SAMPLERS = {

@@ -5,7 +5,7 @@ creating lock files, never modifies them, prints a readable report (``--json`` p
 instead) and exits 0 when all is well, 1 when it found problems (a damaged, crafted or foreign
 file included, the same status from every command; ``diff``: differences), 2 on a usage or I/O
 error (one line on stderr). Long work shows a progress bar on a terminal. Every input goes
-through :func:`kvckpt.safe_open.open_readonly` (structure-checked before liblmdb maps it), and
+through :func:`kvckpt.durability.safe_open.open_readonly` (structure-checked before liblmdb maps it), and
 control characters from a file (group ids, messages) are printed escaped, never raw.
 
 inspect PATH
@@ -268,7 +268,7 @@ def _problem_lines(doc: dict[str, Any]) -> list[str]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from kvckpt.inspect import inspect_path
+    from kvckpt.tools.inspect import inspect_path
 
     _require_file(args.path)
     bar = _progress(args, "scanning", "records")
@@ -292,9 +292,10 @@ def _render_verify(doc: dict[str, Any]) -> list[str]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from kvckpt.inspect import table_entries
-    from kvckpt.safe_open import open_readonly
-    from kvckpt.verify import verify_path
+    from kvckpt.tools.inspect import table_entries
+
+    from kvckpt.durability.safe_open import open_readonly
+    from kvckpt.durability.verify import verify_path
 
     _require_file(args.path)
     bar = _progress(args, "verifying rows", "rows")
@@ -328,7 +329,7 @@ def _render_compact(doc: dict[str, Any]) -> list[str]:
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
-    from kvckpt.compact import compact
+    from kvckpt.tools.compact import compact
 
     _require_file(args.src)
     bar = _PhasedBar(args, {"copy": ("B", True), "re-encode": ("rows", False)})
@@ -354,7 +355,7 @@ def _csv(text: str | None) -> list[str] | None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from kvckpt.export import export, parse_steps
+    from kvckpt.tools.export import export, parse_steps
 
     _require_file(args.path)
     steps = parse_steps(args.steps) if args.steps is not None else None
@@ -405,7 +406,7 @@ def _render_diff(doc: dict[str, Any]) -> list[str]:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from kvckpt.diff import diff_paths
+    from kvckpt.tools.diff import diff_paths
 
     _require_file(args.a)
     _require_file(args.b)
@@ -468,7 +469,8 @@ def _render_demo(doc: dict[str, Any]) -> list[str]:
 def cmd_demo(args: argparse.Namespace) -> int:
     log = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
     if args.no_model:
-        from kvckpt.demo import run_demo
+        from kvckpt.integrations.trainer.model_free_demo import run_demo
+
         from kvckpt.errors import BadArgument
 
         if args.steps is not None:
@@ -521,9 +523,10 @@ def _require_file(path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvckpt`` argument parser (one subparser per command)."""
+    from kvckpt.integrations.trainer.model_free_demo import RECOVERY_MODES, SAMPLERS
+    from kvckpt.tools.export import FORMATS
+
     from kvckpt import __version__
-    from kvckpt.demo import RECOVERY_MODES, SAMPLERS
-    from kvckpt.export import FORMATS
 
     parser = _Parser(prog="kvckpt", description="Inspect, verify, compact, export and diff kvckpt stores and "
                      "checkpoint files (opened read-only, never modified); run the crash/recovery demo.",

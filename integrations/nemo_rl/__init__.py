@@ -7,12 +7,12 @@ says which store to open: an ``async_rl.replay_buffer`` section with ``backend: 
 master config. Nothing here imports NeMo-RL; ``docs/integrations.md`` lists every member.
 """
 
-from .adapter import TQReplayBuffer, create_replay_buffer, open_store, restore_replay_buffer
-from .config import GRPO_SCHEMA, AdapterConfig, configure, from_master_config, parse_config
-from .ledger import KvckptLedger
-from .meta import ReplayMeta
-from .records import record_to_rows
-from .sampler import (
+from kvckpt.integrations.nemo_rl.adapter import TQReplayBuffer, create_replay_buffer, open_store, restore_replay_buffer
+from kvckpt.integrations.nemo_rl.config import GRPO_SCHEMA, AdapterConfig, configure, from_master_config, parse_config
+from kvckpt.integrations.nemo_rl.ledger import KvckptLedger
+from kvckpt.integrations.nemo_rl.meta import ReplayMeta
+from kvckpt.integrations.nemo_rl.records import record_to_rows
+from kvckpt.integrations.nemo_rl.sampler import (
     InOrderSampler,
     KvckptSampler,
     ReadyFirstSampler,

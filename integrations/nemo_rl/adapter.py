@@ -30,16 +30,16 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from kvckpt.integrations.nemo_rl import envelope
+from kvckpt.integrations.nemo_rl.config import AdapterConfig, configured, parse_config
+from kvckpt.integrations.nemo_rl.ledger import KvckptLedger
+from kvckpt.integrations.nemo_rl.meta import ReplayMeta
+from kvckpt.integrations.nemo_rl.records import record_to_rows
+from kvckpt.integrations.nemo_rl.sampler import create_sampler
+
 from kvckpt import Batch, CheckpointResult, Lease, Prompt, RecoveryPlan, ReplayBuffer, restore
 from kvckpt.errors import BadArgument, CapacityError, RecoveryError
-from kvckpt.records import READY, Admission, GroupInfo
-
-from . import envelope
-from .config import AdapterConfig, configured, parse_config
-from .ledger import KvckptLedger
-from .meta import ReplayMeta
-from .records import record_to_rows
-from .sampler import create_sampler
+from kvckpt.tables.records import READY, Admission, GroupInfo
 
 #: ``task_name`` of a prompt NeMo-RL reserved without saying which prompt it is (main's
 #: ``reserve`` carries no identity; pass ``prompt_idx=``/``task_name=`` or use the ledger).

@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvckpt import BufferConfig, codec
+from kvckpt import BufferConfig
 from kvckpt.errors import BadArgument
+from kvckpt.storage import codec
 
 #: The row fields of NeMo-RL's GRPO rollouts (``record_to_train_batch``); token fields are jagged.
 GRPO_SCHEMA: dict[str, tuple[str, str]] = {

@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvckpt import CheckpointResult, ReplayBuffer, keys
+from kvckpt import CheckpointResult, ReplayBuffer
 from kvckpt.errors import BadArgument
-from kvckpt.records import CLAIMED, READY
+from kvckpt.storage import keys
+from kvckpt.tables.records import CLAIMED, READY
 
 #: The envelope's version.
 SCHEMA_VERSION = 1

@@ -22,10 +22,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvckpt.errors import BadArgument, UnknownGroup
-from kvckpt.records import LedgerEntry, Prompt
+from kvckpt.tables.records import LedgerEntry, Prompt
 
 if TYPE_CHECKING:
-    from .adapter import TQReplayBuffer
+    from kvckpt.integrations.nemo_rl.adapter import TQReplayBuffer
 
 
 class KvckptLedger:

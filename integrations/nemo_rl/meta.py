@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvckpt import keys
 from kvckpt.errors import BadArgument
+from kvckpt.storage import keys
 
 
 @dataclass(frozen=True)

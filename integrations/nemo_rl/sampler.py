@@ -24,12 +24,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvckpt.integrations.nemo_rl.meta import ReplayMeta
+
 from kvckpt.errors import BadArgument, GateTimeout
 
-from .meta import ReplayMeta
-
 if TYPE_CHECKING:
-    from .adapter import TQReplayBuffer
+    from kvckpt.integrations.nemo_rl.adapter import TQReplayBuffer
 
 #: NeMo-RL's gate poll interval (seconds).
 POLL_SECONDS = 0.005

@@ -23,7 +23,7 @@ LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABL
 for _key, _value in LOOPBACK_ENV.items():
     os.environ.setdefault(_key, _value)
 
-from .actor import (  # noqa: E402  (after the environment is set, before ray is imported)
+from kvckpt.integrations.ray.actor import (  # noqa: E402  (after the environment is set, before ray is imported)
     DEFAULT_NAME,
     DEFAULT_NAMESPACE,
     BufferActor,
@@ -32,7 +32,12 @@ from .actor import (  # noqa: E402  (after the environment is set, before ray is
     start_buffer_actor,
     to_wire,
 )
-from .client import BufferClient, batch_from_dict, plan_from_dict, wait_for_actor  # noqa: E402
+from kvckpt.integrations.ray.client import (  # noqa: E402
+    BufferClient,
+    batch_from_dict,
+    plan_from_dict,
+    wait_for_actor,
+)
 
 __all__ = [
     "DEFAULT_NAME", "DEFAULT_NAMESPACE", "LOOPBACK_ENV", "BufferActor", "BufferClient", "batch_from_dict",

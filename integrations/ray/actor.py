@@ -41,17 +41,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import ray
+from kvckpt.integrations.ray import LOOPBACK_ENV
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvckpt.aio import DEFAULT_WORKERS, AsyncReplayBuffer
 from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer
-from kvckpt.checkpoint import CheckpointHandle, restore
+from kvckpt.durability.checkpoint import CheckpointHandle, restore
+from kvckpt.durability.recovery import RecoveryPlan
+from kvckpt.durability.verify import check
 from kvckpt.errors import BadArgument, KvckptError, RecoveryError, StaleAttempt
-from kvckpt.records import Admission, Lease
-from kvckpt.recovery import RecoveryPlan
-from kvckpt.verify import check
-
-from . import LOOPBACK_ENV
+from kvckpt.tables.records import Admission, Lease
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_NAME = "kvckpt-buffer"
@@ -398,7 +397,7 @@ class BufferActor:
         return [e.to_dict() for e in await self._abuf.ledger()]
 
     async def verify(self, deep: bool = False) -> dict[str, Any]:
-        """Run :func:`kvckpt.verify.check` on a snapshot of the live store; the report as a dict."""
+        """Run :func:`kvckpt.durability.verify.check` on a snapshot of the live store; the report as a dict."""
         store = self._abuf.buffer.store
         report = await asyncio.to_thread(store.read, lambda txn: check(txn, deep=deep))
         return report.to_dict()

@@ -24,15 +24,14 @@ from typing import Any
 
 import numpy as np
 import ray
+from kvckpt.integrations.ray.actor import to_wire
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from kvckpt.buffer import Batch
-from kvckpt.encoding import RowEncoder
+from kvckpt.durability.recovery import RecoveryPlan
 from kvckpt.errors import BadArgument, KvckptError
-from kvckpt.records import CommitResult, GroupInfo, Lease
-from kvckpt.recovery import RecoveryPlan
-
-from .actor import to_wire
+from kvckpt.storage.encoding import RowEncoder
+from kvckpt.tables.records import CommitResult, GroupInfo, Lease
 
 
 @dataclass
@@ -61,7 +60,7 @@ class BufferClient:
         restart_timeout: seconds to wait for a restarted actor to answer before a resend.
             Defaults to 60.
         encode_at_edge: validate, encode, compress and checksum rows in this process (with the
-            store's :class:`~kvckpt.encoding.RowEncoder`, built from the actor's config) and send
+            store's :class:`~kvckpt.storage.encoding.RowEncoder`, built from the actor's config) and send
             only record bytes; the actor checks them without re-encoding. A row the schema refuses
             fails its future at once, before anything is sent. Defaults to True.
 

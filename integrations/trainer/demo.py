@@ -37,12 +37,12 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvckpt.buffer import ReplayBuffer
-from kvckpt.errors import BadArgument, KvckptError, LeaseError
-from kvckpt.records import ABORTED, CONSUMED, EVICTED, Lease
-from kvckpt.verify import verify_path
+from kvckpt.integrations.trainer.faults import Hooks, ParkRollout
 
-from .faults import Hooks, ParkRollout
+from kvckpt.buffer import ReplayBuffer
+from kvckpt.durability.verify import verify_path
+from kvckpt.errors import BadArgument, KvckptError, LeaseError
+from kvckpt.tables.records import ABORTED, CONSUMED, EVICTED, Lease
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def child_main(argv: Sequence[str]) -> int:
     parser.add_argument("--crash-step", type=int)
     parser.add_argument("--stop-step", type=int)
     args = parser.parse_args(argv)
-    from .grpo import GRPOTrainer
+    from kvckpt.integrations.trainer.grpo import GRPOTrainer
 
     hooks = DemoHooks(args.events, park_prompt=args.park_prompt, crash_step=args.crash_step,
                       stop_step=args.stop_step)
@@ -377,7 +377,7 @@ def run_demo(out: str | None = None, *, fast: bool = False, steps: int | None = 
             ``backend="vllm"`` without vLLM installed (the message says how to get it).
         DemoFailed: a training process ended early (the message quotes its stderr).
     """
-    from .grpo import BUFFER_FILE, checkpoint_steps
+    from kvckpt.integrations.trainer.grpo import BUFFER_FILE, checkpoint_steps
 
     if sampler not in SAMPLERS or recovery not in RECOVERY_MODES:
         raise BadArgument(f"sampler must be one of {sorted(SAMPLERS)}, recovery one of {RECOVERY_MODES}")

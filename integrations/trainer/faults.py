@@ -31,7 +31,7 @@ import threading
 from collections import Counter
 from typing import Any
 
-from kvckpt.records import Lease
+from kvckpt.tables.records import Lease
 
 POINTS = ("after_admit", "after_commit", "after_select", "after_optimizer_step", "after_finish_step",
           "after_model_save", "after_checkpoint")
@@ -103,7 +103,7 @@ class ParkRollout(Hooks):
 
 def main(argv: list[str] | None = None) -> int:
     """Run the trainer with a crash point; prints the run summary as JSON if it survives."""
-    from .grpo import GRPOTrainer
+    from kvckpt.integrations.trainer.grpo import GRPOTrainer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", help="YAML or JSON trainer config")

@@ -52,18 +52,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from kvckpt.integrations.trainer.config import TrainerConfig
+from kvckpt.integrations.trainer.faults import Hooks
+from kvckpt.integrations.trainer.memory_buffer import MemoryReplayBuffer
+from kvckpt.integrations.vllm.tiny_model import AdditionTask, TinyModelSpec, ensure_tiny_model
+from kvckpt.integrations.vllm.worker import DEFAULT_SCHEMA, RolloutWorker
 
 from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer
-from kvckpt.checkpoint import restore
+from kvckpt.durability.checkpoint import restore
 from kvckpt.errors import BadArgument, GateTimeout
 from kvckpt.metrics import MetricsHook, sink_from_config
-from kvckpt.records import GroupInfo, Lease, Selection
-
-from ..vllm.tiny_model import AdditionTask, TinyModelSpec, ensure_tiny_model
-from ..vllm.worker import DEFAULT_SCHEMA, RolloutWorker
-from .config import TrainerConfig
-from .faults import Hooks
-from .memory_buffer import MemoryReplayBuffer
+from kvckpt.tables.records import GroupInfo, Lease, Selection
 
 logger = logging.getLogger(__name__)
 MODEL_FILE, BUFFER_FILE = "model.pt", "buffer.kvckpt"

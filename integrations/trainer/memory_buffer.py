@@ -23,9 +23,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from kvckpt.buffer import Batch, BufferConfig, _assemble
-from kvckpt.codec import Record
 from kvckpt.errors import BadArgument, CapacityError, GateTimeout, StaleAttempt, UnknownGroup
-from kvckpt.records import (
+from kvckpt.storage.codec import Record
+from kvckpt.tables.records import (
     ABORTED,
     CLAIMED,
     CONSUMED,

@@ -26,10 +26,16 @@ if importlib.util.find_spec("transfer_queue") is None:
     raise ModuleNotFoundError("kvckpt.integrations.transferqueue needs TransferQueue: pip install 'kvckpt[tq]'",
                               name="transfer_queue")
 
-from .backend import BACKEND_NAME, KvckptStorageManager, PluginRef, start_value_store, stop_value_store
-from .client import CLIENT_NAME, BackendSettings, KvckptStorageClient
-from .errors import ValueMissing, WriteIdentityMismatch
-from .owner import CHECKPOINT_FILE, ValueStore, ValueStoreActor
+from kvckpt.integrations.transferqueue.backend import (
+    BACKEND_NAME,
+    KvckptStorageManager,
+    PluginRef,
+    start_value_store,
+    stop_value_store,
+)
+from kvckpt.integrations.transferqueue.client import CLIENT_NAME, BackendSettings, KvckptStorageClient
+from kvckpt.integrations.transferqueue.errors import ValueMissing, WriteIdentityMismatch
+from kvckpt.integrations.transferqueue.owner import CHECKPOINT_FILE, ValueStore, ValueStoreActor
 
 __all__ = [
     "BACKEND_NAME", "CHECKPOINT_FILE", "CLIENT_NAME", "BackendSettings", "KvckptStorageClient",

@@ -31,15 +31,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import ray
+from kvckpt.integrations.transferqueue.client import CLIENT_NAME, NAMESPACE, BackendSettings, KvckptStorageClient
+from kvckpt.integrations.transferqueue.owner import ValueStoreActor
 from omegaconf import DictConfig, OmegaConf, flag_override
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from transfer_queue.storage.bootstrap.provider import StorageBootstrapProvider
 from transfer_queue.storage.managers.base import KVStorageManager, StorageManagerFactory
 
 from kvckpt.errors import BadArgument
-
-from .client import CLIENT_NAME, NAMESPACE, BackendSettings, KvckptStorageClient
-from .owner import ValueStoreActor
 
 #: The name of the backend in ``backend.storage_backend`` and of its config section.
 BACKEND_NAME = "kvckpt"

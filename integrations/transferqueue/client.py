@@ -21,14 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from kvckpt.integrations.transferqueue.errors import ValueMissing
+from kvckpt.integrations.transferqueue.owner import CHECKPOINT_FILE, ValueStore
+from kvckpt.integrations.transferqueue.values import decode_value, encode_value, new_write_id
 from transfer_queue.storage.clients.base import StorageClientFactory, StorageKVClient
 
-from kvckpt import codec
 from kvckpt.errors import BadArgument
-
-from .errors import ValueMissing
-from .owner import CHECKPOINT_FILE, ValueStore
-from .values import decode_value, encode_value, new_write_id
+from kvckpt.storage import codec
 
 CLIENT_NAME = "KvckptStorageClient"
 #: Ray namespace of the owner actor (TransferQueue's own actors live there too).

@@ -2,7 +2,7 @@
 
 A TransferQueue value is one field of one sample: a row of a dense field, one component of a
 jagged or strided nested field, or one element of a non-tensor field. It is stored as one
-:mod:`kvckpt.codec` record whose ``meta["t"]`` says what comes back, never by pickling:
+:mod:`kvckpt.storage.codec` record whose ``meta["t"]`` says what comes back, never by pickling:
 
 * ``"torch"``: a strided torch tensor of a codec dtype (bfloat16 included; any strides or device
   in, a contiguous CPU tensor out), as the record's field ``v``.
@@ -34,11 +34,10 @@ import uuid
 from typing import Any
 
 import numpy as np
+from kvckpt.integrations.transferqueue.errors import WriteIdentityMismatch
 
-from kvckpt import codec
 from kvckpt.errors import BadArgument, CorruptRecord
-
-from .errors import WriteIdentityMismatch
+from kvckpt.storage import codec
 
 #: Prefix of every TransferQueue key in the store's ``rows`` table.
 KEY_PREFIX = b"tq/"

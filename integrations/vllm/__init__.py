@@ -10,9 +10,9 @@ vLLM itself is imported only when the ``vllm`` backend is created, so this packa
 environment without it (the ``transformers`` backend needs ``transformers`` and ``tokenizers``).
 """
 
-from .rows import TEXT_FIELDS, make_row, rows_from_vllm, sampled_logprobs
-from .tiny_model import AdditionTask, TinyModelSpec, ensure_tiny_model, train_tokenizer
-from .worker import (
+from kvckpt.integrations.vllm.rows import TEXT_FIELDS, make_row, rows_from_vllm, sampled_logprobs
+from kvckpt.integrations.vllm.tiny_model import AdditionTask, TinyModelSpec, ensure_tiny_model, train_tokenizer
+from kvckpt.integrations.vllm.worker import (
     BACKENDS,
     DEFAULT_SCHEMA,
     GenerationBackend,

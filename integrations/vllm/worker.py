@@ -27,12 +27,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from kvckpt.integrations.vllm.rows import make_row, sampled_logprobs
+from kvckpt.integrations.vllm.tiny_model import AdditionTask
 
 from kvckpt.errors import KvckptError
-from kvckpt.records import CommitResult, Lease
-
-from .rows import make_row, sampled_logprobs
-from .tiny_model import AdditionTask
+from kvckpt.tables.records import CommitResult, Lease
 
 #: The row schema the worker fills (NeMo-RL's field names). A store may declare fewer of these
 #: fields (the worker keeps only declared ones) or more (supply them with ``extra_fields``).

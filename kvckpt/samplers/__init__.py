@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import BadArgument
-from ._in_order import InOrderSampler
-from ._ready_first import ReadyFirstSampler
-from ._weight_fifo import WeightFifoSampler
-from ._windowed import WindowedSampler
-from .base import BufferView, Sampler
+from kvckpt.errors import BadArgument
+from kvckpt.samplers._in_order import InOrderSampler
+from kvckpt.samplers._ready_first import ReadyFirstSampler
+from kvckpt.samplers._weight_fifo import WeightFifoSampler
+from kvckpt.samplers._windowed import WindowedSampler
+from kvckpt.samplers.base import BufferView, Sampler
 
 __all__ = ["BufferView", "InOrderSampler", "ReadyFirstSampler", "Sampler", "WeightFifoSampler",
            "WindowedSampler", "create_sampler", "register"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .base import BufferView, GatedStalenessSampler, window_floor
+from kvckpt.samplers.base import BufferView, GatedStalenessSampler, window_floor
 
 
 class WeightFifoSampler(GatedStalenessSampler):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from .base import BufferView, Sampler, check_window, window_floor
+from kvckpt.samplers.base import BufferView, Sampler, check_window, window_floor
 
 
 class WindowedSampler(Sampler):

@@ -18,8 +18,8 @@ import heapq
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from .. import keys
-from ..errors import BadArgument, CapacityError
+from kvckpt.errors import BadArgument, CapacityError
+from kvckpt.storage import keys
 
 
 class BufferView:

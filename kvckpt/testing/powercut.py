@@ -1,22 +1,22 @@
 """Power-loss campaign: cut the power under a live kvckpt workload, many times, and check every
 promise on the disk image that survives.
 
-``python -m kvckpt.testing.powercut --cuts N`` (or ``python -m kvckpt.campaign powercut --cuts N``).
+``python -m kvckpt.testing.powercut --cuts N`` (or ``python -m kvckpt.testing.campaign powercut --cuts N``).
 Each cut:
 
 1. mounts a :mod:`~kvckpt.testing.powerfs` filesystem over the previous cut's surviving image (a
    chain starts from an empty one), and starts a child process (forked from a fork server that
    never opened a store) that creates a store, recovers it, reopens it as it is, or restores its
    newest checkpoint into a new run directory, then runs the crash campaign's workload on it
-   (:func:`kvckpt.campaign.run_workload`: admit, commit_group, commit_sample, select,
+   (:func:`kvckpt.testing.campaign.run_workload`: admit, commit_group, commit_sample, select,
    finish_step, evict, abort, redispatch, background checkpoints racing commits). The child sends
    each *acknowledged* operation down a pipe to the parent, outside the mount;
 2. at a random moment cuts the power (``strict``: only what was made durable survives;
    ``random``: also a random subset of unsynced pages and a random prefix of unsynced directory
    operations), SIGKILLs the child and unmounts;
 3. checks the image in another fresh process: the store exists and verifies
-   (:func:`kvckpt.verify.check`, ``deep=True``), every acknowledged operation survives
-   (:func:`kvckpt.campaign.check_history`), exactly-once holds (the prompts held are exactly
+   (:func:`kvckpt.durability.verify.check`, ``deep=True``), every acknowledged operation survives
+   (:func:`kvckpt.testing.campaign.check_history`), exactly-once holds (the prompts held are exactly
    ``0 .. cursor-1``, each a committed group or a ledger entry, never both), every stored row is
    the row its producer generated, the acknowledged checkpoint exists, and *every* file under a
    checkpoint name restores, verifies and agrees with the live store.
@@ -48,8 +48,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..buffer import ReplayBuffer
-from ..campaign import (
+from kvckpt.buffer import ReplayBuffer
+from kvckpt.durability.checkpoint import restore
+from kvckpt.errors import KvckptError
+from kvckpt.storage.store import fsync_dir
+from kvckpt.testing import powerfs
+from kvckpt.testing.campaign import (
     CHECKPOINT_GLOB,
     SAMPLERS,
     _check_buffer,
@@ -59,10 +63,6 @@ from ..campaign import (
     run_workload,
     workload_config,
 )
-from ..checkpoint import restore
-from ..errors import KvckptError
-from ..store import fsync_dir
-from . import powerfs
 
 #: Deliberately broken durability, applied in the child before it opens anything.
 BREAKAGES = ("lmdb-nosync", "checkpoint-nofsync")
@@ -132,8 +132,8 @@ def _apply_breakage(breakage: str | None) -> None:
             return real_open(*args, **{**kwargs, "sync": False, "metasync": False})
 
         lmdb.open = open_without_sync
-    elif breakage == "checkpoint-nofsync":  # kvckpt.checkpoint's fsyncs (its os, its fsync helpers) do nothing
-        checkpoint = importlib.import_module("kvckpt.checkpoint")  # the module: kvckpt.checkpoint is also a function
+    elif breakage == "checkpoint-nofsync":  # the checkpoint module's fsyncs (its os, its fsync helpers) do nothing
+        checkpoint = importlib.import_module("kvckpt.durability.checkpoint")  # the module, not the function
         unsynced = types.ModuleType("os")
         unsynced.__dict__.update(os.__dict__)
         unsynced.fsync = lambda fd: None

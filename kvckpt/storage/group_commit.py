@@ -2,7 +2,7 @@
 
 A leader/follower queue (LevelDB's write batching, PostgreSQL's group commit): every caller
 enqueues its transition and waits. If no batch is being written, the caller becomes the leader: it
-takes everything queued so far, runs it through :meth:`kvckpt.store.Store.write_each` (one durable
+takes everything queued so far, runs it through :meth:`kvckpt.storage.store.Store.write_each` (one durable
 transaction, each transition in its own nested transaction) and hands each follower its result.
 Callers that arrive while a batch is being written form the next batch.
 
@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .store import Store, Txn
+from kvckpt.storage.store import Store, Txn
 
 
 class _Pending:

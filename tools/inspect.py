@@ -1,6 +1,6 @@
 """Inspection of a store or checkpoint file: what it is, what it holds, where its cursors are.
 
-:func:`inspect_path` opens the file read-only through :func:`kvckpt.safe_open.open_readonly` (no
+:func:`inspect_path` opens the file read-only through :func:`kvckpt.durability.safe_open.open_readonly` (no
 lock file unless a writer holds it, in which case the writer's lock file is shared), reads
 **one snapshot** and returns a JSON-able dict:
 identity, config, group counts by state, the ledger (count and the first few entries), cursors,
@@ -21,13 +21,13 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from . import codec
-from .buffer import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STATE_KEY, BufferConfig
-from .checkpoint import STAMP_KEY
-from .errors import CorruptRecord, KvckptError
-from .records import CLAIMED, CONSUMED, GROUP_STATES, READY
-from .safe_open import open_readonly
-from .store import Txn, writer_active
+from kvckpt.buffer import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STATE_KEY, BufferConfig
+from kvckpt.durability.checkpoint import STAMP_KEY
+from kvckpt.durability.safe_open import open_readonly
+from kvckpt.errors import CorruptRecord, KvckptError
+from kvckpt.storage import codec
+from kvckpt.storage.store import Txn, writer_active
+from kvckpt.tables.records import CLAIMED, CONSUMED, GROUP_STATES, READY
 
 INFLIGHT = "inflight"
 #: Column order of the by-weight histogram: in flight first, then the group states.

@@ -27,13 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import codec, keys
-from .buffer import CONFIG_KEY, STATE_KEY, ReplayBuffer
-from .checkpoint import PARTIAL_SUFFIX
-from .errors import BadArgument, StoreLocked
-from .inspect import table_entries
-from .safe_open import open_readonly
-from .store import Store, Txn, fsync_dir, fsync_file, writer_active
+from kvckpt.tools.inspect import table_entries
+
+from kvckpt.buffer import CONFIG_KEY, STATE_KEY, ReplayBuffer
+from kvckpt.durability.checkpoint import PARTIAL_SUFFIX
+from kvckpt.durability.safe_open import open_readonly
+from kvckpt.errors import BadArgument, StoreLocked
+from kvckpt.storage import codec, keys
+from kvckpt.storage.store import Store, Txn, fsync_dir, fsync_file, writer_active
 
 #: Bytes of stored row payloads re-encoded per write transaction.
 BATCH_BYTES = 16 << 20

@@ -13,7 +13,7 @@ call time, before anything is stamped (a reservation left by a crashed process h
 is reused).
 
 :func:`restore` copies a checkpoint file to the live path (the checkpoint stays immutable),
-opens a fresh environment handle on the copy and runs :func:`kvckpt.recovery.recover` at the
+opens a fresh environment handle on the copy and runs :func:`kvckpt.durability.recovery.recover` at the
 stamped trainer version.
 """
 
@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from kvckpt.errors import (
     BadArgument,
     CheckpointError,
     FormatError,
@@ -40,12 +40,12 @@ from .errors import (
     StoreLocked,
     VerificationFailed,
 )
-from .store import FILE_MODE, fsync_dir, fsync_file, writer_active
+from kvckpt.storage.store import FILE_MODE, fsync_dir, fsync_file, writer_active
 
 if TYPE_CHECKING:
-    from .buffer import ReplayBuffer
-    from .recovery import RecoveryPlan
-    from .store import Txn
+    from kvckpt.buffer import ReplayBuffer
+    from kvckpt.durability.recovery import RecoveryPlan
+    from kvckpt.storage.store import Txn
 
 PARTIAL_SUFFIX = ".partial"
 STAMP_KEY = b"checkpoint"
@@ -106,7 +106,7 @@ def checkpoint(buffer: ReplayBuffer, dest: str | os.PathLike[str], trainer_state
         buffer: the live buffer.
         dest: the checkpoint file to create (its directory must exist).
         trainer_state: a small JSON-able dict saved with the stamp (step, RNG seeds, paths...);
-            :class:`~kvckpt.recovery.RecoveryPlan` hands it back on restore.
+            :class:`~kvckpt.durability.recovery.RecoveryPlan` hands it back on restore.
         overwrite: replace an existing ``dest`` (atomically, once the new copy is complete).
             Defaults to False.
         background: copy on a background thread. Defaults to True; False copies before returning.
@@ -167,7 +167,7 @@ def _release(partial: str, fd: int) -> None:
 def _stamp_and_copy(buffer: ReplayBuffer, dest: str, doc: dict[str, Any], partial: str, fd: int,
                     background: bool) -> CheckpointHandle:
     """The stamp transaction, then the copy into the reserved ``fd`` (on a thread if ``background``)."""
-    from .buffer import STATE_KEY
+    from kvckpt.buffer import STATE_KEY
 
     directory = os.path.dirname(dest)
     checkpoint_id = uuid.uuid4().hex
@@ -262,7 +262,7 @@ def _at_lowest_cpu_priority(fn: Callable[[], None]) -> None:
 
 def _mark_durable(buffer: ReplayBuffer, version: int) -> None:
     """Record that a complete checkpoint covers ``version`` (lets old consumed rows be dropped)."""
-    from .buffer import STATE_KEY
+    from kvckpt.buffer import STATE_KEY
 
     def txn_fn(txn: Txn) -> None:
         st = buffer._state(txn)
@@ -280,7 +280,7 @@ def read_stamp(path: str) -> dict[str, Any]:
     Raises:
         FormatError: not a kvckpt store. RecoveryError: the file has no checkpoint stamp.
     """
-    from .safe_open import open_readonly
+    from kvckpt.durability.safe_open import open_readonly
 
     with open_readonly(path) as store:
         stamp = store.read(lambda t: t.get_json("meta", STAMP_KEY))
@@ -299,7 +299,7 @@ def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
     anything is copied), then exactly the pages its meta page says are used are copied under a
     temporary name (mode 0600) next to ``live_path``. The copy is what gets validated (so nothing can change between
     the check and the use): a pure-Python structure check before liblmdb maps it (see
-    :mod:`kvckpt.safe_open`), then, in the recovery transaction at the stamped version, every
+    :mod:`kvckpt.durability.safe_open`), then, in the recovery transaction at the stamped version, every
     kvckpt invariant and every stored value's checksum (claims made after the stamp are undone,
     in-flight prompts are fenced and planned for redispatch). The copy is fsynced meanwhile in a
     background thread; only when it is durable and recovered does it take the name
@@ -331,8 +331,8 @@ def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
         StoreLocked: the live store is open for writing elsewhere.
         The live store is left untouched whenever ``restore`` raises.
     """
-    from .buffer import ReplayBuffer
-    from .safe_open import check_header, check_structure, copy_used
+    from kvckpt.buffer import ReplayBuffer
+    from kvckpt.durability.safe_open import check_header, check_structure, copy_used
 
     t0 = time.perf_counter()
     checkpoint_file = os.fspath(checkpoint_file)
@@ -385,7 +385,7 @@ def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
 def _recover_copy(tmp: str, checkpoint_file: str, sampler: Any, max_buffered_rollouts: int | None,
                   checksums: bool, deep: bool) -> RecoveryPlan:
     """Open the private copy, read its stamp and recover it at the stamped version."""
-    from .buffer import ReplayBuffer
+    from kvckpt.buffer import ReplayBuffer
 
     try:
         buffer = ReplayBuffer.open(tmp)

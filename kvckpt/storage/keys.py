@@ -7,7 +7,7 @@ index keys stay under LMDB's 511-byte limit). Signed integers (weights, steps) a
 
 from __future__ import annotations
 
-from .errors import BadArgument
+from kvckpt.errors import BadArgument
 
 MAX_GROUP_ID_BYTES = 400
 _OFFSET = 1 << 63

@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import codec, keys
-from .errors import CorruptRecord, SchemaMismatch
-from .schema import RowSchema
+from kvckpt.errors import CorruptRecord, SchemaMismatch
+from kvckpt.storage import codec, keys
+from kvckpt.storage.schema import RowSchema
 
 
 @dataclass(frozen=True)

@@ -44,13 +44,13 @@ from typing import Any
 
 import numpy as np
 
-from .buffer import BufferConfig, ReplayBuffer
-from .checkpoint import read_stamp, restore
-from .errors import BadArgument, GateTimeout, KvckptError, LeaseError
-from .records import ABORTED, EVICTED, Lease, Prompt
-from .samplers import create_sampler
-from .store import Store, fsync_dir
-from .verify import verify_path
+from kvckpt.buffer import BufferConfig, ReplayBuffer
+from kvckpt.durability.checkpoint import read_stamp, restore
+from kvckpt.durability.verify import verify_path
+from kvckpt.errors import BadArgument, GateTimeout, KvckptError, LeaseError
+from kvckpt.samplers import create_sampler
+from kvckpt.storage.store import Store, fsync_dir
+from kvckpt.tables.records import ABORTED, EVICTED, Lease, Prompt
 
 SAMPLERS = ("in_order", "weight_fifo", "windowed", "ready_first")
 RECOVERY_MODES = ("live", "checkpoint")
@@ -317,8 +317,8 @@ def _run_child(out: str, cfg: DemoConfig, log: Callable[[str], None]) -> dict[st
     args = json.dumps({"out": out, "config": asdict(cfg)})
     stderr_path = os.path.join(out, "child.stderr")
     with open(stderr_path, "w") as stderr:
-        child = subprocess.Popen([sys.executable, "-m", "kvckpt.demo", args], stdout=subprocess.PIPE,
-                                 stderr=stderr, text=True)
+        child = subprocess.Popen([sys.executable, "-m", "kvckpt.integrations.trainer.model_free_demo", args],
+                                 stdout=subprocess.PIPE, stderr=stderr, text=True)
     seen: dict[str, Any] = {"pid": child.pid, "steps": 0, "checkpoints": []}
     log(f"run       child pid {child.pid}: {cfg.workers} generator threads, trainer, checkpoint every "
         f"{cfg.checkpoint_every} steps")

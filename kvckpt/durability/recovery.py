@@ -2,14 +2,14 @@
 
 Both recovery modes end here:
 
-* **from a checkpoint file** (:func:`kvckpt.checkpoint.restore`): the file is copied to the live
+* **from a checkpoint file** (:func:`kvckpt.durability.checkpoint.restore`): the file is copied to the live
   path, opened through a fresh handle and recovered to the version stamped in it;
 * **from the live store** after a crash: the live file (durable on every commit) is opened and
   recovered to the version of the model checkpoint the trainer resumes from.
 
 :func:`recover` is one write transaction that
 
-1. verifies the store (:func:`kvckpt.verify.check`) and refuses to go on if anything is wrong;
+1. verifies the store (:func:`kvckpt.durability.verify.check`) and refuses to go on if anything is wrong;
 2. returns every group claimed or consumed at a step ``>= resume_version`` to ``ready`` (its
    stamps untouched), since the model that trained on it is lost;
 3. sets ``trainer_version`` (and the rollout weight version) to ``resume_version``;
@@ -31,17 +31,17 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import keys
-from .errors import RecoveryError, VerificationFailed
-from .records import CLAIMED, CONSUMED, READY, GroupInfo, Lease, LedgerEntry
-from .samplers import create_sampler
-from .verify import check
+from kvckpt.durability.verify import check
+from kvckpt.errors import RecoveryError, VerificationFailed
+from kvckpt.samplers import create_sampler
+from kvckpt.storage import keys
+from kvckpt.tables.records import CLAIMED, CONSUMED, READY, GroupInfo, Lease, LedgerEntry
 
 if TYPE_CHECKING:
-    from .buffer import ReplayBuffer
-    from .store import Txn
+    from kvckpt.buffer import ReplayBuffer
+    from kvckpt.storage.store import Txn
 
-log = logging.getLogger("kvckpt.recovery")
+log = logging.getLogger("kvckpt.durability.recovery")
 
 
 @dataclass
@@ -96,7 +96,7 @@ def recover(buffer: ReplayBuffer, resume_version: int | None = None, *, sampler:
             needs are stamped (``in_order``: ``groups_per_step`` per step from ``resume_version``).
         max_buffered_rollouts: switch capacity (checked against the sampler and the groups held).
         checksums, deep: how much of the row payloads the verification reads first (see
-            :func:`kvckpt.verify.check`). Defaults to neither: a live store's rows were checksummed
+            :func:`kvckpt.durability.verify.check`). Defaults to neither: a live store's rows were checksummed
             when written and are verified again whenever they are read.
 
     Raises:
@@ -104,7 +104,7 @@ def recover(buffer: ReplayBuffer, resume_version: int | None = None, *, sampler:
         RecoveryError: ``resume_version`` is ahead of the store or older than consumed rows still
             kept; more ready groups than the capacity.
     """
-    from .buffer import STATE_KEY, BufferConfig, new_timeline
+    from kvckpt.buffer import STATE_KEY, BufferConfig, new_timeline
 
     t0 = time.perf_counter()
     config = buffer.config
@@ -204,7 +204,7 @@ def _return_to_ready(buffer: ReplayBuffer, txn: Txn, st: dict[str, Any], version
 
 
 def _switch_config(buffer: ReplayBuffer, txn: Txn, st: dict[str, Any], config: Any, version: int) -> list[str]:
-    from .buffer import CONFIG_KEY
+    from kvckpt.buffer import CONFIG_KEY
 
     old = buffer.config
     changes = []

@@ -10,8 +10,8 @@ import functools
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from . import args
-from .errors import BadArgument
+from kvckpt import args
+from kvckpt.errors import BadArgument
 
 # Group states, in lifecycle order. A prompt that left the dataloader is either a ledger entry
 # (in flight) or a record in ``groups`` in exactly one of these states.

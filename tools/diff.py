@@ -23,13 +23,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import codec, keys
-from .buffer import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STATE_KEY
-from .checkpoint import STAMP_KEY
-from .inspect import Progress, table_entries
-from .records import GroupInfo, LedgerEntry
-from .safe_open import open_readonly
-from .store import Store, Txn
+from kvckpt.tools.inspect import Progress, table_entries
+
+from kvckpt.buffer import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STATE_KEY
+from kvckpt.durability.checkpoint import STAMP_KEY
+from kvckpt.durability.safe_open import open_readonly
+from kvckpt.storage import codec, keys
+from kvckpt.storage.store import Store, Txn
+from kvckpt.tables.records import GroupInfo, LedgerEntry
 
 #: Fields whose values depend on the encoding, compared only when digests are comparable.
 ENCODING_FIELDS = ("digest", "digests", "stored_bytes")

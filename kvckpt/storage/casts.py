@@ -2,7 +2,7 @@
 
 Trainers hand rows over as torch tensors, numpy arrays, numpy scalars, Python scalars and lists;
 :func:`cast` turns any of them into the stored form of the declared dtype (see
-:data:`kvckpt.codec.DTYPES`; ``bfloat16`` as its raw ``uint16`` bits) when that keeps every value,
+:data:`kvckpt.storage.codec.DTYPES`; ``bfloat16`` as its raw ``uint16`` bits) when that keeps every value,
 and refuses with a :class:`~kvckpt.errors.SchemaMismatch` naming the field, the dtypes and the
 first offending value when it does not. The rules ("value-preserving"):
 
@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from .codec import DTYPES, TEXT_DTYPES, as_numpy
-from .errors import SchemaMismatch
+from kvckpt.errors import SchemaMismatch
+from kvckpt.storage.codec import DTYPES, TEXT_DTYPES, as_numpy
 
 #: Significand bits (with the implicit one) of each float dtype: integers up to 2**p are exact.
 _PRECISION = {"float16": 11, "bfloat16": 8, "float32": 24, "float64": 53}

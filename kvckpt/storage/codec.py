@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from .errors import BadArgument, CorruptRecord
+from kvckpt.errors import BadArgument, CorruptRecord
 
 MAGIC = b"KVR1"
 _PREFIX = struct.Struct("<4sII")

@@ -13,8 +13,8 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from . import codec, keys
-from .errors import CorruptRecord
+from kvckpt.errors import CorruptRecord
+from kvckpt.storage import codec, keys
 
 
 def row_digest(value: bytes | memoryview) -> str:

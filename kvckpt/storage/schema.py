@@ -12,7 +12,7 @@ the rows of one commit must agree with each other. So every stored row of a fiel
 and batches stack.
 
 Dtypes: a committed value is cast to the declared dtype when that keeps every value, and refused
-otherwise (the rules are in :mod:`kvckpt.casts`). Stored rows are checked exactly
+otherwise (the rules are in :mod:`kvckpt.storage.casts`). Stored rows are checked exactly
 (:meth:`RowSchema.check_record`): a stored dtype other than the declared one is damage.
 
 Sizes: ``max_tokens`` caps a row's token count and ``max_text_bytes`` a text value's length, at
@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from .casts import cast
-from .codec import DTYPES, TEXT_DTYPES, Limits, Record
-from .errors import SchemaMismatch
+from kvckpt.errors import SchemaMismatch
+from kvckpt.storage.casts import cast
+from kvckpt.storage.codec import DTYPES, TEXT_DTYPES, Limits, Record
 
 KINDS = ("token", "row")
 #: Default cap on a row's tokens (1,048,576), for rows committed and rows read back.
@@ -54,7 +54,7 @@ def _shape(value: Any, where: str) -> tuple[int, ...] | None:
 
 @dataclass(frozen=True)
 class Field:
-    """One declared field: its dtype (see :data:`kvckpt.codec.DTYPES`, or ``str`` / ``bytes``),
+    """One declared field: its dtype (see :data:`kvckpt.storage.codec.DTYPES`, or ``str`` / ``bytes``),
     its kind, and optionally its shape (``row``: the whole shape; ``token``: the dims after the
     token dimension). ``shape=None``: a row field's shape is pinned by the store at its first
     commit; a token field is 1-D (declare its trailing dims, e.g. ``(k,)``, for ``[T, k]`` values).
@@ -195,7 +195,7 @@ class RowSchema:
     def validate(self, row: Mapping[str, Any], where: str) -> dict[str, Any]:
         """Check one row a caller commits and return it in stored form.
 
-        Values are cast to the declared dtypes when every value survives (:mod:`kvckpt.casts`):
+        Values are cast to the declared dtypes when every value survives (:mod:`kvckpt.storage.casts`):
         numpy arrays of the dtypes' stored form (``bfloat16``: its ``uint16`` bits, see
         :attr:`dtypes`), ``str`` / ``bytes`` for text fields.
 
@@ -309,7 +309,7 @@ class RowSchema:
         return {n: _shape(s, f"meta/shapes[{n!r}]") for n, s in pins.items()}
 
     def limits(self, pins: Mapping[str, Any] | None = None) -> Limits:
-        """The most one stored row of this schema may decode to, for :func:`kvckpt.codec.decode`.
+        """The most one stored row of this schema may decode to, for :func:`kvckpt.storage.codec.decode`.
 
         A token field: ``max_tokens`` times its trailing dims (declared, pinned, or none); a row
         field: its declared or pinned shape, or ``max_tokens`` elements when neither is known (a

@@ -1,6 +1,6 @@
 """Fault campaigns: break kvckpt on purpose, many times, and check every promise after each break.
 
-**Crash campaign** (:func:`run_crash_campaign`, ``python -m kvckpt.campaign --kills N``). A child
+**Crash campaign** (:func:`run_crash_campaign`, ``python -m kvckpt.testing.campaign --kills N``). A child
 process runs a mixed workload on a live store (it never imports torch; it is forked from a fork
 server, itself a fresh interpreter that only imported this module, or with ``--exec`` started as a
 fresh interpreter every time):
@@ -10,20 +10,20 @@ returns, the child appends the operation to an fsynced JSON-lines log: the log h
 *acknowledged* operations. The parent SIGKILLs the child at a random moment, then, in its own
 process:
 
-1. verifies the live store (:func:`kvckpt.verify.check`, ``deep=True``);
+1. verifies the live store (:func:`kvckpt.durability.verify.check`, ``deep=True``);
 2. replays the log against it: every acknowledged admission is a group or a ledger entry with
    its prompt, every acknowledged commit is a committed group with the acknowledged digest (or,
    for a single sample, a recorded sibling), acknowledged evictions, aborts and finished steps
    stuck; the prompts held are exactly ``0 .. cursor-1``, each once; every stored row is
    byte-for-byte the row its producer generated;
-3. checks every checkpoint file under a final name (:func:`kvckpt.safe_open.verify_untrusted`)
+3. checks every checkpoint file under a final name (:func:`kvckpt.durability.safe_open.verify_untrusted`)
    and restores the newest into a scratch path: it verifies, holds each prompt below its own
    cursor exactly once, and everything it holds as committed is committed in the live store with
    the same digest;
 4. recovers the live store (:meth:`ReplayBuffer.recover`; sometimes the next child does it) and
    lets the next child resume the workload on it, so a campaign is a chain of crashes.
 
-**Corruption fuzzing** (:func:`run_fuzz_campaign`, ``python -m kvckpt.campaign fuzz --cases N``).
+**Corruption fuzzing** (:func:`run_fuzz_campaign`, ``python -m kvckpt.testing.campaign fuzz --cases N``).
 Valid checkpoint files are damaged (bit flips in meta pages, page headers and data, bursts,
 truncation, zeroed, swapped and duplicated pages, appended garbage, foreign LMDB files, random
 bytes) and restored by long-lived worker processes. Every case must end in a
@@ -64,10 +64,11 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from . import codec
-from .buffer import BufferConfig, ReplayBuffer
-from .checkpoint import keep_latest, restore
-from .errors import (
+from kvckpt.buffer import BufferConfig, ReplayBuffer
+from kvckpt.durability.checkpoint import keep_latest, restore
+from kvckpt.durability.safe_open import verify_untrusted
+from kvckpt.durability.verify import check
+from kvckpt.errors import (
     CorruptRecord,
     DuplicateCommit,
     FormatError,
@@ -76,10 +77,9 @@ from .errors import (
     RecoveryError,
     UnknownGroup,
 )
-from .records import ABORTED, CLAIMED, CONSUMED, EVICTED, READY, Prompt
-from .safe_open import verify_untrusted
-from .store import TABLES, Store
-from .verify import check
+from kvckpt.storage import codec
+from kvckpt.storage.store import TABLES, Store
+from kvckpt.tables.records import ABORTED, CLAIMED, CONSUMED, EVICTED, READY, Prompt
 
 # -- the workload ---------------------------------------------------------------------------------
 
@@ -493,13 +493,13 @@ def _run_child(chain: _Chain, seed: int, rng: random.Random, max_delay: float, f
     """Start a child on ``chain``, SIGKILL it after a random delay; return its exit status and stderr.
 
     The child recovers the store itself when the parent did not after the previous kill. ``fresh``
-    starts it as ``python -m kvckpt.campaign child`` (a new interpreter each time, about 0.4 s);
+    starts it as ``python -m kvckpt.testing.campaign child`` (a new interpreter each time, about 0.4 s);
     otherwise the fork server forks it.
     """
     errpath = os.path.join(chain.run, "child.stderr")
     open(errpath, "wb").close()  # here, not in the child: a kill may land before the child runs a line
     if fresh:
-        cmd = [sys.executable, "-m", "kvckpt.campaign", "child", chain.run, "--seed", str(seed)]
+        cmd = [sys.executable, "-m", "kvckpt.testing.campaign", "child", chain.run, "--seed", str(seed)]
         if not chain.recovered:
             cmd.append("--recover")
         with open(errpath, "ab") as err:
@@ -829,7 +829,7 @@ class _Worker:
 
     def run(self, case: dict[str, Any], timeout: float) -> tuple[str, str]:
         if self.proc is None:
-            cmd = [sys.executable, "-m", "kvckpt.campaign", "fuzz-worker", self.directory] + \
+            cmd = [sys.executable, "-m", "kvckpt.testing.campaign", "fuzz-worker", self.directory] + \
                   (["--trusted"] if self.trusted else [])
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         try:
@@ -872,7 +872,7 @@ def run_fuzz_campaign(cases: int, *, seed: int = 0, workers: int = 2, directory:
         seed: makes the cases reproducible (:func:`fuzz_cases`).
         workers: long-lived worker processes. Defaults to 2.
         directory: scratch space (a temporary directory, removed afterwards, by default).
-        trusted: restore with ``trusted=True`` (skipping :mod:`kvckpt.safe_open`) to measure what
+        trusted: restore with ``trusted=True`` (skipping :mod:`kvckpt.durability.safe_open`) to measure what
             that costs; such a campaign is expected to report violations.
         timeout: seconds one case may take before its worker counts as hung.
         minutes: start no case after this many minutes (``result.cases`` says how many ran).
@@ -932,16 +932,16 @@ def run_fuzz_campaign(cases: int, *, seed: int = 0, workers: int = 2, directory:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvckpt.campaign [--kills N] ...``, ``python -m kvckpt.campaign fuzz --cases N ...`` or
-    ``python -m kvckpt.campaign powercut --cuts N ...`` (:mod:`kvckpt.testing.powercut`); exits 1
+    """``python -m kvckpt.testing.campaign [--kills N] ...``, ``... fuzz --cases N ...`` or
+    ``python -m kvckpt.testing.campaign powercut --cuts N ...`` (:mod:`kvckpt.testing.powercut`); exits 1
     when a violation was found."""
     args = list(sys.argv[1:] if argv is None else argv)
     command = args.pop(0) if args and not args[0].startswith("-") else "kill"
     if command == "powercut":  # power loss on a FUSE filesystem: kvckpt.testing.powercut
-        from .testing.powercut import main as powercut_main
+        from kvckpt.testing.powercut import main as powercut_main
 
         return powercut_main(args)
-    parser = argparse.ArgumentParser(prog=f"python -m kvckpt.campaign {command}")
+    parser = argparse.ArgumentParser(prog=f"python -m kvckpt.testing.campaign {command}")
     parser.add_argument("--seed", type=int, default=0)
     if command == "child":
         parser.add_argument("run")

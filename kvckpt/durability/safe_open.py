@@ -11,8 +11,8 @@ file with ``seek``/``read`` only (never ``mmap``), so no input can crash or hang
    reachable exactly once, keys are in order, the counters match, and the free and live pages
    exactly cover the file.
 
-A file that passes is safe to open through liblmdb; :func:`kvckpt.verify.check` (``deep=True``)
-then checks every record's checksum and every kvckpt invariant. :func:`kvckpt.checkpoint.restore`
+A file that passes is safe to open through liblmdb; :func:`kvckpt.durability.verify.check` (``deep=True``)
+then checks every record's checksum and every kvckpt invariant. :func:`kvckpt.durability.checkpoint.restore`
 does both unless told ``trusted=True``. :func:`verify_untrusted` runs the whole sequence, in a
 child process with a timeout when asked, for tools that must survive anything.
 
@@ -26,7 +26,7 @@ A file held by a live writer (this process or another) is a store kvckpt is writ
 cannot be structure-checked while it changes, so only its header is (``docs/reliability.md``).
 
 Limit: a check is a statement about the bytes at that moment. Verify files nobody else writes
-(a checkpoint is immutable once renamed; :func:`kvckpt.checkpoint.restore` copies it first).
+(a checkpoint is immutable once renamed; :func:`kvckpt.durability.checkpoint.restore` copies it first).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ import sys
 
 from lmdb import verify as lmdb_verify
 
-from .errors import FormatError, KvckptError, ResourceLimit, StoreNotFound
-from .store import FILE_MODE, Store, _check_lmdb_header, fd_limit, writer_active
-from .verify import Report, verify_path
+from kvckpt.durability.verify import Report, verify_path
+from kvckpt.errors import FormatError, KvckptError, ResourceLimit, StoreNotFound
+from kvckpt.storage.store import FILE_MODE, Store, _check_lmdb_header, fd_limit, writer_active
 
 #: At most this many structural findings are quoted in an error message.
 SHOWN_PROBLEMS = 5
@@ -153,7 +153,7 @@ def open_readonly(path: str | os.PathLike[str], *, map_size: int | None = None,
     """Open a store or checkpoint file kvckpt did not just write, read-only, after checking it.
 
     The file gets :func:`check_header` and, unless a live writer holds it, :func:`check_structure`;
-    then a read-only :class:`~kvckpt.store.Store` with no lock file whose map is the file's used
+    then a read-only :class:`~kvckpt.storage.store.Store` with no lock file whose map is the file's used
     bytes (or ``map_size``). Nothing in the file can then crash the process through liblmdb;
     records are still checksum-verified as they are read.
 
@@ -175,7 +175,7 @@ def verify_untrusted(path: str | os.PathLike[str], *, deep: bool = True, timeout
     Args:
         path: the file to check (opened read-only, no lock file).
         deep: also decode every row payload. Defaults to True.
-        timeout: run everything in a child process (``python -m kvckpt.safe_open``) killed after
+        timeout: run everything in a child process (``python -m kvckpt.durability.safe_open``) killed after
             this many seconds; a crash or timeout of the child is reported as a problem. Defaults
             to None: run in this process.
     """
@@ -192,7 +192,7 @@ def verify_untrusted(path: str | os.PathLike[str], *, deep: bool = True, timeout
 
 
 def _verify_in_child(path: str, deep: bool, timeout: float) -> Report:
-    cmd = [sys.executable, "-m", "kvckpt.safe_open", path] + ([] if deep else ["--shallow"])
+    cmd = [sys.executable, "-m", "kvckpt.durability.safe_open", path] + ([] if deep else ["--shallow"])
     report = Report()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
@@ -212,11 +212,11 @@ def _verify_in_child(path: str, deep: bool, timeout: float) -> Report:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvckpt.safe_open PATH [--shallow]``: print the report as JSON; exit 1 if not ok."""
+    """``python -m kvckpt.durability.safe_open PATH [--shallow]``: print the report as JSON; exit 1 if not ok."""
     args = sys.argv[1:] if argv is None else argv
     paths = [a for a in args if not a.startswith("--")]
     if len(paths) != 1:
-        print("usage: python -m kvckpt.safe_open PATH [--shallow]", file=sys.stderr)
+        print("usage: python -m kvckpt.durability.safe_open PATH [--shallow]", file=sys.stderr)
         return 2
     report = verify_untrusted(paths[0], deep="--shallow" not in args)
     print(json.dumps(report.to_dict()))

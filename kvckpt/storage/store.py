@@ -22,7 +22,7 @@ sub-databases (:data:`TABLES`). It guarantees:
 
 Limits: local disks only (not NFS/CIFS/FUSE); keys are at most 511 bytes; never carry an open
 ``Store`` across ``fork`` (open it in the child). Values are always kvckpt records
-(:mod:`kvckpt.codec`); the ``get_json``/``put_json`` helpers verify their checksums.
+(:mod:`kvckpt.storage.codec`); the ``get_json``/``put_json`` helpers verify their checksums.
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from . import codec
-from .errors import (
+from kvckpt.errors import (
     CheckpointError,
     DiskFull,
     FormatError,
@@ -52,6 +51,7 @@ from .errors import (
     StoreLocked,
     StoreNotFound,
 )
+from kvckpt.storage import codec
 
 FORMAT_NAME = "kvckpt"
 FORMAT_VERSION = 2
@@ -68,7 +68,7 @@ MAX_KEY_BYTES = 511
 READER_CHECK_COMMITS = 256
 #: A reader this many commits behind is logged as pinning old pages (``Store.readers`` reports it).
 PIN_WARN_COMMITS = 1000
-log = logging.getLogger("kvckpt.store")
+log = logging.getLogger("kvckpt.storage.store")
 #: Mode of the store, lock and checkpoint files kvckpt creates (before the umask): owner only.
 FILE_MODE = 0o600
 
@@ -374,7 +374,7 @@ class Store:
         """Clear reader slots left by dead processes and measure the oldest live snapshot.
 
         A writer runs this every :data:`READER_CHECK_COMMITS` commits; it logs a warning on
-        ``kvckpt.store`` when a reader is :data:`PIN_WARN_COMMITS` or more commits behind (the
+        ``kvckpt.storage.store`` when a reader is :data:`PIN_WARN_COMMITS` or more commits behind (the
         file then grows, since pages freed after that snapshot cannot be reused). Returns (and
         keeps in :attr:`reader_stats`): ``stale_readers_cleared`` (total so far), ``readers``
         (live read transactions) and ``oldest_reader_lag`` (commits behind, 0 if none).
@@ -435,7 +435,7 @@ class Store:
         """Write a compacted copy of ``txn``'s snapshot to ``dest``: a path that must not exist
         (created mode :data:`FILE_MODE`), or an open file descriptor written from its offset.
 
-        LMDB does not fsync the copy: the caller fsyncs and renames it (see :mod:`kvckpt.checkpoint`).
+        LMDB does not fsync the copy: the caller fsyncs and renames it (see :mod:`kvckpt.durability.checkpoint`).
         """
         try:
             if isinstance(dest, int):

@@ -48,18 +48,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from kvckpt.tools.compact import check_destination
+from kvckpt.tools.inspect import Progress, table_entries
 
-from . import codec, keys
-from .buffer import CONFIG_KEY
-from .checkpoint import PARTIAL_SUFFIX
-from .compact import check_destination
-from .digest import check_group_digest
-from .errors import BadArgument, InvariantViolation
-from .inspect import Progress, table_entries
-from .records import CLAIMED, CONSUMED, GROUP_STATES, READY
-from .safe_open import open_readonly
-from .schema import RowSchema
-from .store import fsync_dir, fsync_file
+from kvckpt.buffer import CONFIG_KEY
+from kvckpt.durability.checkpoint import PARTIAL_SUFFIX
+from kvckpt.durability.safe_open import open_readonly
+from kvckpt.errors import BadArgument, InvariantViolation
+from kvckpt.storage import codec, keys
+from kvckpt.storage.schema import RowSchema
+from kvckpt.storage.store import fsync_dir, fsync_file
+from kvckpt.tables.digest import check_group_digest
+from kvckpt.tables.records import CLAIMED, CONSUMED, GROUP_STATES, READY
 
 FORMATS = ("parquet", "jsonl")
 META_COLUMNS = ("group_id", "row", "prompt_idx", "task_name", "state", "start_weight", "end_weight",

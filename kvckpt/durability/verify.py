@@ -23,7 +23,7 @@ with the key it concerns. It never repairs anything. What it checks:
   lookups while iteration still finds every key);
 * every ``meta`` record passes its checksum and no unknown ``meta`` key exists; every row key
   has the ``{group}\\0{index}`` shape; with ``checksums`` or ``deep`` each group's digest (and
-  each ledger sibling's) equals the digest of the stored row bytes (:mod:`kvckpt.digest`).
+  each ledger sibling's) equals the digest of the stored row bytes (:mod:`kvckpt.tables.digest`).
 
 A record that passes its checksum but lacks a field the checks need is reported as
 ``malformed`` instead of raising.
@@ -43,13 +43,13 @@ from typing import Any
 
 import lmdb
 
-from . import codec, keys
-from .buffer import CHECKPOINT_KEY, CONFIG_KEY, DATALOADER_KEY, SHAPES_KEY, SHORTFALL_KEY, STATE_KEY
-from .digest import group_digest, row_digest
-from .errors import CorruptRecord, KvckptError
-from .records import ABORTED, CLAIMED, CONSUMED, EVICTED, GROUP_STATES, PHASE_ADMITTED, READY
-from .schema import RowSchema
-from .store import TABLES
+from kvckpt.buffer import CHECKPOINT_KEY, CONFIG_KEY, DATALOADER_KEY, SHAPES_KEY, SHORTFALL_KEY, STATE_KEY
+from kvckpt.errors import CorruptRecord, KvckptError
+from kvckpt.storage import codec, keys
+from kvckpt.storage.schema import RowSchema
+from kvckpt.storage.store import TABLES
+from kvckpt.tables.digest import group_digest, row_digest
+from kvckpt.tables.records import ABORTED, CLAIMED, CONSUMED, EVICTED, GROUP_STATES, PHASE_ADMITTED, READY
 
 #: Every key the ``meta`` table may hold; anything else is a damaged key (or a newer kvckpt).
 KNOWN_META_KEYS = frozenset({b"format", CONFIG_KEY, STATE_KEY, DATALOADER_KEY, SHORTFALL_KEY, CHECKPOINT_KEY,
@@ -108,7 +108,7 @@ def _decode_table(txn: Any, table: str, report: Report) -> dict[str, dict[str, A
 
 def check(txn: Any, *, deep: bool = False, checksums: bool = False,
           progress: Callable[[int], None] | None = None) -> Report:
-    """Check every invariant on one snapshot (a :class:`kvckpt.store.Txn`); see the module doc.
+    """Check every invariant on one snapshot (a :class:`kvckpt.storage.store.Txn`); see the module doc.
 
     Args:
         txn: an open transaction of the store.
@@ -172,7 +172,7 @@ def _check_ints(doc: dict[str, Any] | None, key: str, names: tuple[str, ...], re
 
 def _check_config(config: dict[str, Any], report: Report) -> bool:
     """``meta/config`` is one this kvckpt can build a buffer from."""
-    from .buffer import BufferConfig
+    from kvckpt.buffer import BufferConfig
 
     try:
         BufferConfig.from_dict(config)
@@ -432,14 +432,14 @@ def _check_row(value: bytes, gid: str, index: int, schema: RowSchema, pins: dict
 
 def verify_path(path: str, *, deep: bool = False, checksums: bool = False,
                 progress: Callable[[int], None] | None = None) -> Report:
-    """Open ``path`` read-only through :func:`kvckpt.safe_open.open_readonly` (structure-checked
+    """Open ``path`` read-only through :func:`kvckpt.durability.safe_open.open_readonly` (structure-checked
     unless a live writer holds it) and :func:`check` it.
 
     A file that cannot be opened at all (foreign, damaged pages, sparse) yields a report with one
     ``open`` problem instead of an exception, and one whose records LMDB finds damaged while
     reading a ``read`` problem.
     """
-    from .safe_open import open_readonly
+    from kvckpt.durability.safe_open import open_readonly
 
     report = Report()
     try:
