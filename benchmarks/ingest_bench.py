@@ -91,11 +91,11 @@ def kvckpt_run(path: str, schema: Any, pool: list[Any], groups: int, producers: 
     """``groups`` commits by ``producers`` threads into a fresh store, old or new path."""
     buf = ReplayBuffer.create(path, config(schema))
     if not new:
-        buf._committer = GroupCommitter(buf.store, max_batch=1)  # one durable transaction per commit
+        buf.committer = GroupCommitter(buf.store, max_batch=1)  # one durable transaction per commit
     leases = buf.admit(list(range(groups)))
     encoder = RowEncoder.from_config(buf.config.to_dict())
     shares = [leases[i::producers] for i in range(producers)]
-    before = dict(buf._committer.stats)
+    before = dict(buf.committer.stats)
     size0, io0, cpu0 = os.path.getsize(path), proc_io(), time.process_time()
 
     def work(i: int) -> dict[str, float]:
@@ -117,7 +117,7 @@ def kvckpt_run(path: str, schema: Any, pool: list[Any], groups: int, producers: 
 
     wall, parts = _threads(producers, work)
     cpu, io1 = time.process_time() - cpu0, proc_io()
-    stats = {k: buf._committer.stats[k] - before[k] for k in before}
+    stats = {k: buf.committer.stats[k] - before[k] for k in before}
     committed = buf.stats()["committed"]
     buf.close()
     assert committed == groups, (committed, groups)

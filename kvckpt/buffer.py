@@ -219,7 +219,9 @@ class ReplayBuffer:
         self.schema: RowSchema = self.config.schema
         self._changed = threading.Condition()
         self._latencies: deque[float] = deque(maxlen=4096)
-        self._committer = GroupCommitter(store)
+        #: the group committer every commit goes through (``stats``: durable transactions and the
+        #: transitions they held; :meth:`stats` reports both).
+        self.committer = GroupCommitter(store)
         self._encoder = self.row_encoder()
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -682,7 +684,7 @@ class ReplayBuffer:
 
     def _commit_all(self, jobs: list[tuple[Lease, list[CheckedRow], int | None, bool]], t0: float) -> list[Any]:
         """Run commit transitions through the group committer: each acknowledged once durable."""
-        results = self._committer.submit_many([
+        results = self.committer.submit_many([
             functools.partial(self._commit_txn, lease=lease, encoded=encoded, end_weight=end_weight, whole=whole)
             for lease, encoded, end_weight, whole in jobs])
         self._notify()
@@ -1103,13 +1105,16 @@ class ReplayBuffer:
         """Counters users graph: admitted, committed, selected, consumed, evicted, aborted, ledger
         size, bytes raw and stored, this process's commit latency percentiles (seconds), and the
         writer's last reader check (``oldest_reader_lag``: commits the oldest open snapshot is
-        behind; ``stale_readers_cleared``; see :meth:`kvckpt.storage.store.Store.check_readers`)."""
+        behind; ``stale_readers_cleared``; see :meth:`kvckpt.storage.store.Store.check_readers`), and the group
+        committer's ``commit_transactions`` (durable transactions) and ``commit_transitions`` (commits they held)."""
         st = self.state()
         lat = sorted(self._latencies)
         out = dict(st["counters"])
         out.update(ledger_size=st["inflight"], ready=st["ready"], claimed=st["claimed"],
                    trainer_version=st["trainer_version"], dispatch_index=st["dispatch_index"],
-                   file_bytes=self.store.file_size(), **self.store.reader_stats)
+                   file_bytes=self.store.file_size(), **self.store.reader_stats,
+                   commit_transactions=self.committer.stats["transactions"],
+                   commit_transitions=self.committer.stats["transitions"])
         if lat:
             out.update(commit_latency_p50=lat[len(lat) // 2], commit_latency_p99=lat[int(len(lat) * 0.99)])
         return out

@@ -52,11 +52,11 @@ def test_concurrent_commits_share_one_fsync_and_are_acknowledged_only_once_durab
             x, make_group(2, 1)))) for x in leases[:8]]
         for t in threads:
             t.start()
-        _wait_until(lambda: buf._committer.queued == 7)  # ... and the other seven queue behind it
+        _wait_until(lambda: buf.committer.queued == 7)  # ... and the other seven queue behind it
         threads.append(threading.Thread(target=lambda: acked.__setitem__("zombie", _refusal(
             buf.commit_group, zombie, make_group(2, 1)))))
         threads[-1].start()
-        _wait_until(lambda: buf._committer.queued == 8)
+        _wait_until(lambda: buf.committer.queued == 8)
         assert not acked  # nobody is acknowledged before the transaction holding it is durable
     for t in threads:
         t.join(60)
@@ -64,7 +64,7 @@ def test_concurrent_commits_share_one_fsync_and_are_acknowledged_only_once_durab
     assert all(r.ready for r in acked.values()) and len(acked) == 8
     # The first leader's batch (its own commit), then one batch of the eight queued: two fsyncs.
     assert buf.store.env.info()["last_txnid"] == first_txn + 2
-    assert buf._committer.stats == {"transactions": 2, "transitions": 9}
+    assert buf.committer.stats == {"transactions": 2, "transitions": 9}
     assert buf.store.read(lambda t: check(t, deep=True)).ok
 
 
@@ -76,7 +76,7 @@ def test_a_failed_batch_transaction_reaches_every_caller_and_writes_nothing(buff
     def boom(txn):
         raise RuntimeError("the disk went away")
 
-    results = buf._committer.submit_many([boom])
+    results = buf.committer.submit_many([boom])
     assert isinstance(results[0], RuntimeError)
     assert dump_store(buf) == before
     assert all(r.ready for r in buf.commit_many([{"lease": x, "rows": make_group(2, 1)} for x in leases]))
