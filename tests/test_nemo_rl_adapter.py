@@ -145,8 +145,6 @@ def test_the_async_rl_section_selects_kvckpt_for_the_tq_replay_buffer_constructo
                          require_routed_experts=False)
     with buf:
         assert buf.sampler.name == "in_order" and buf.core.path == str(tmp_path / "r.kv")
-    with pytest.raises(BadArgument, match="requires routed_experts"):
-        TQReplayBuffer(object(), partition_id="rollout_data", pad_value_dict={}, require_routed_experts=True)
 
 
 # -- admission and the ledger ---------------------------------------------------------------------

@@ -39,6 +39,7 @@ from kvckpt.integrations.nemo_rl import (
 )
 
 from kvckpt import ReplayBuffer, StaleAttempt
+from kvckpt import samplers as core_samplers
 from kvckpt.durability.verify import check
 from kvckpt.errors import BadArgument, CapacityError, RecoveryError, SchemaMismatch
 from kvckpt.tables.records import ABORTED
@@ -138,6 +139,16 @@ def stamp(buf: TQReplayBuffer, sampler: KvckptSampler, step: int) -> None:
         run(sampler.admit(trainer_version_fn=lambda version=version: version))
 
 
+class EchoSampler(core_samplers.InOrderSampler):
+    """A user's sampler outside kvckpt, loaded by ``module:Class`` (NeMo-RL's tests' ``EchoSampler``)."""
+
+    name = "echo_in_order"
+
+
+class NotASampler:
+    """A class a ``custom`` target may name by mistake."""
+
+
 # == test_sampler_interface.py ===================================================================
 class TestBuiltinsAndFactory:
     @pytest.mark.parametrize(("name", "cls", "attr", "value"), [
@@ -181,6 +192,27 @@ class TestBuiltinsAndFactory:
     def test_a_config_other_than_the_stores_is_refused(self, make: Any) -> None:
         with pytest.raises(BadArgument, match="configured with sampler"):
             create_sampler(make(SAMPLERS["in_order"]), {"name": "windowed", "max_staleness_versions": 1})
+
+    def test_custom_target_loads_out_of_tree_sampler(self, make: Any) -> None:
+        cfg = {"name": "custom", "target": f"{__name__}:EchoSampler", "max_lookahead_versions": 1}
+        s = create_sampler(make(cfg), cfg)
+        assert isinstance(s, InOrderSampler) and s.name == "echo_in_order" and s.max_lookahead_versions == 1
+        assert run(s.admit(trainer_version_fn=lambda: 0)) == 0  # stamps as its base does
+
+    def test_custom_sampler_resumes_from_the_seeded_step(self, tmp_path: Any) -> None:
+        cfg = {"name": "custom", "target": f"{__name__}:EchoSampler", "max_lookahead_versions": 1}
+        buf, s = TestDispatchCursorRestore.seven_steps_then_a_fresh_handle(tmp_path, cfg)
+        with buf:
+            assert run(s.admit(trainer_version_fn=lambda: 7)) == 7
+
+    @pytest.mark.parametrize(("target", "message"), [
+        ("no_colon", "must be 'module:ClassName'"),
+        ("no_such_module_kvckpt:X", "cannot import 'no_such_module_kvckpt'"),
+        (f"{__name__}:Missing", "has no 'Missing'"), (f"{__name__}:NotASampler", "not a kvckpt.samplers.Sampler")])
+    def test_a_bad_custom_target_is_refused_naming_why(self, tmp_path: Any, target: str, message: str) -> None:
+        with pytest.raises(BadArgument, match=message):
+            configure(store_config(str(tmp_path / "r.kv"), {"name": "custom", "target": target}))
+        assert not os.path.exists(tmp_path / "r.kv")
 
     def test_required_capacity_covers_live_and_lookahead_batches(self, make: Any) -> None:
         s = create_sampler(make({"name": "ready_first", "max_staleness_versions": 2}, capacity=12),
@@ -378,7 +410,7 @@ class TestDispatchCursorRestore:
             create_sampler(make(), SAMPLERS["windowed"]).set_dispatch_index(-1)
 
     @staticmethod
-    def _seven_steps_then_a_fresh_handle(tmp_path: Any, sampler: dict[str, Any]) -> tuple[TQReplayBuffer, Any]:
+    def seven_steps_then_a_fresh_handle(tmp_path: Any, sampler: dict[str, Any]) -> tuple[TQReplayBuffer, Any]:
         """Seven real steps (one batch each), the handle gone, a fresh one seeded at step 7."""
         cfg = store_config(str(tmp_path / "r.kv"), sampler)
         buf = TQReplayBuffer(None, partition_id="rollout_data", pad_value_dict={}, config=cfg)
@@ -395,13 +427,13 @@ class TestDispatchCursorRestore:
         return buf, s
 
     def test_resumed_in_order_stamps_from_trainer_version(self, tmp_path: Any) -> None:
-        buf, s = self._seven_steps_then_a_fresh_handle(tmp_path, SAMPLERS["in_order"])
+        buf, s = self.seven_steps_then_a_fresh_handle(tmp_path, SAMPLERS["in_order"])
         with buf:
             assert run(s.admit(trainer_version_fn=lambda: 7)) == 7
             assert run(s.admit(trainer_version_fn=lambda: 8)) == 8
 
     def test_resumed_gate_admits_window_then_blocks(self, tmp_path: Any) -> None:
-        buf, s = self._seven_steps_then_a_fresh_handle(tmp_path, {"name": "weight_fifo", "max_staleness_versions": 0})
+        buf, s = self.seven_steps_then_a_fresh_handle(tmp_path, {"name": "weight_fifo", "max_staleness_versions": 0})
         with buf:
             assert run(s.admit(trainer_version_fn=lambda: 7)) is None
             with pytest.raises(asyncio.TimeoutError):
@@ -496,6 +528,25 @@ class TestReserveCommit:
         with pytest.raises(SchemaMismatch):
             run(buf.commit(group_id, record, start_weight_version=0, end_weight_version=0))
         assert dump_store(buf.core) == before and buf.ready_list == [False]
+
+    def test_commit_requires_routed_experts_before_writing(self, tmp_path: Any) -> None:
+        """NeMo-RL's RuntimeError at commit, nothing written; a schema and record with the field commit."""
+        routed = {**SCHEMA, "routed_experts": ("int64", "token")}
+        for schema, record, fails in ((SCHEMA, batch(), True), (routed, batch(), True),
+                                      (routed, {**batch(), "routed_experts": torch.ones((N_GENS, 3), dtype=torch.long)},
+                                       False)):
+            configure(store_config(str(tmp_path / f"r{len(schema)}{fails}.kv"), SAMPLERS["windowed"], schema=schema))
+            with TQReplayBuffer(object(), partition_id="rollout_data", pad_value_dict={"token_ids": 0},
+                                require_routed_experts=True) as buf:
+                group_id = buf.reserve(weight_version=3)
+                before = dump_store(buf.core)
+                if not fails:
+                    run(buf.commit(group_id, record, start_weight_version=3, end_weight_version=3))
+                    assert buf.ready_list == [True]
+                    continue
+                with pytest.raises(RuntimeError, match=r"router_replay\.enabled=true requires routed_experts"):
+                    run(buf.commit(group_id, record, start_weight_version=3, end_weight_version=3))
+                assert dump_store(buf.core) == before and buf.ready_list == [False]
 
     def test_commit_raises_for_unknown_group_id_before_writing(self, make: Any) -> None:
         buf = make()

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvckpt.integrations.nemo_rl.sampler import sampler_config_dict
+
 from kvckpt import BufferConfig
 from kvckpt.errors import BadArgument
 from kvckpt.storage import codec
@@ -51,7 +53,8 @@ def parse_config(config: Mapping[str, Any]) -> AdapterConfig:
         config: ``path`` (required); ``num_generations_per_prompt`` (or ``group_size``,
             required); ``num_prompts_per_step`` (or ``groups_per_step``, defaults to 1);
             ``max_buffered_rollouts`` (defaults to 64, NeMo-RL's default); ``sampler`` (a name or a
-            ``{name: ..., **keys}`` section, defaults to ``in_order``, NeMo-RL's default);
+            ``{name: ..., **keys}`` section, defaults to ``in_order``, NeMo-RL's default; ``{name:
+            custom, target: "module:Class", **keys}`` names a kvckpt ``Sampler`` subclass);
             ``schema`` (defaults to :data:`GRPO_SCHEMA`); ``partition_id`` (defaults to
             ``rollout_data``); ``backend`` (``kvckpt`` if given); ``checkpoint_dir`` (where
             ``state_dict`` writes its checkpoint files; defaults to ``<path>.checkpoints``); and
@@ -72,10 +75,9 @@ def parse_config(config: Mapping[str, Any]) -> AdapterConfig:
     group_size = config.get("num_generations_per_prompt", config.get("group_size"))
     if group_size is None:
         raise BadArgument("the kvckpt replay buffer needs num_generations_per_prompt (rows per group)")
-    sampler = config.get("sampler", "in_order")
     buffer = BufferConfig(
         group_size=group_size, schema=dict(config.get("schema", GRPO_SCHEMA)),
-        sampler=dict(sampler) if isinstance(sampler, Mapping) else sampler,
+        sampler=sampler_config_dict(config.get("sampler", "in_order")),
         max_buffered_rollouts=config.get("max_buffered_rollouts", 64),
         groups_per_step=config.get("num_prompts_per_step", config.get("groups_per_step", 1)),
         retain_consumed=bool(config.get("retain_consumed", False)),

@@ -52,6 +52,13 @@ class ReplayMeta:
         return cls(partition_id, (group_id,), tuple(keys.row_id(group_id, i) for i in range(n)), tuple(fields),
                    tuple(int(x) for x in lengths), tuple({"weight_version": int(start_weight)} for _ in range(n)))
 
+    def with_fields(self, field_names: Sequence[str]) -> ReplayMeta:
+        """A copy with ``field_names`` appended to ``fields`` (deduplicated, order kept), as
+        ``KVBatchMeta.with_fields``: the controller names the ``advantages`` it put this way."""
+        return ReplayMeta(self.partition_id, self.group_ids, self.sample_ids,
+                          tuple(dict.fromkeys((*self.fields, *field_names))), self.sequence_lengths,
+                          tuple(dict(t) for t in self.tags), self.task_name, dict(self.extra_info))
+
     def concat(self, *others: ReplayMeta) -> ReplayMeta:
         """This metadata followed by ``others`` (same partition and fields only, as ``KVBatchMeta.concat``).
 

@@ -7,9 +7,14 @@ would (:class:`InOrderSampler`, :class:`WeightFifoSampler`, :class:`WindowedSamp
 (NeMo-RL's four, same config keys) applied inside one transaction each; the dispatch cursor is the
 store's, so it is checkpointed with everything else.
 
-Every wait happens on the event loop with ``await asyncio.sleep`` (the gate, polled every 5 ms as
-NeMo-RL does) or in a worker thread (``asyncio.to_thread``: the transactions and the capacity
-wait), so the train step that opens the gate keeps running.
+The gate wait is an :class:`asyncio.Event` per waiter, set (thread-safely, from whichever thread
+or loop) by every call that tells the buffer the trainer's version (``select``, ``evict``,
+``should_abort_inflight``, ``state_dict``, ``finish_train_step``) and by every restore or
+recovery; the waiter then re-reads ``trainer_version_fn()``. A version that moves only inside
+``trainer_version_fn`` (NeMo-RL's ``self._trainer_version += 1``, read by nobody until the train
+pump's next ``evict``) cannot notify anyone, so each wait also re-reads it after
+:data:`RECHECK_SECONDS`, NeMo-RL's own gate period. Transactions run in a worker thread
+(``asyncio.to_thread``), so the train step that opens the gate keeps running.
 
 The trainer's version is NeMo-RL's ``trainer_version_fn()`` / ``current_train_weight``: when it is
 ahead of the store's ``trainer_version``, the store first closes the steps in between
@@ -20,6 +25,9 @@ controller drives the store without a call NeMo-RL does not make.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -31,8 +39,8 @@ from kvckpt.errors import BadArgument, GateTimeout
 if TYPE_CHECKING:
     from kvckpt.integrations.nemo_rl.adapter import TQReplayBuffer
 
-#: NeMo-RL's gate poll interval (seconds).
-POLL_SECONDS = 0.005
+#: How long a gate wait trusts that no notification means no new version (NeMo-RL's gate period, s).
+RECHECK_SECONDS = 0.005
 
 
 class KvckptSampler:
@@ -43,6 +51,36 @@ class KvckptSampler:
 
     def __init__(self, buffer: TQReplayBuffer) -> None:
         self._buffer = buffer
+        self._waiters_lock = threading.Lock()
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+
+    def wake_gate(self) -> None:
+        """Make every waiting ``admit`` re-read the trainer's version and the cursor now (safe from
+        any thread; the buffer calls it whenever it hears a trainer version or is restored)."""
+        with self._waiters_lock:
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(event.set)
+
+    async def _wait_for_gate(self, is_open: Callable[[], bool], deadline: float | None) -> bool:
+        """Wait until ``is_open()``; False once ``deadline`` (monotonic) passed with it still closed."""
+        event = asyncio.Event()
+        entry = (asyncio.get_running_loop(), event)
+        with self._waiters_lock:
+            self._waiters.add(entry)
+        try:
+            while not is_open():
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                wait = RECHECK_SECONDS if deadline is None else min(RECHECK_SECONDS, deadline - time.monotonic())
+                with contextlib.suppress(TimeoutError):  # no notification: re-read trainer_version_fn
+                    await asyncio.wait_for(event.wait(), max(0.0, wait))
+                event.clear()
+            return True
+        finally:
+            with self._waiters_lock:
+                self._waiters.discard(entry)
 
     @property
     def _core(self) -> Any:
@@ -68,7 +106,8 @@ class KvckptSampler:
 
     def should_abort_inflight(self, *, start_weight_version: int, current_train_weight: int) -> bool:
         """Whether a rollout started at ``start_weight_version`` can no longer be selected
-        (``windowed`` below its window; the gated samplers never)."""
+        (``windowed`` below its window; the gated samplers never). Wakes the gate waiters."""
+        self.wake_gate()
         return self._core.should_abort_inflight(start_weight_version, current_train_weight)
 
     @property
@@ -120,7 +159,7 @@ class KvckptSampler:
         """Wait until the next prompt batch may dispatch, admit it, and return its ``target_step``
         stamp (``in_order``; the others return ``None``).
 
-        Gated samplers poll (``await asyncio.sleep``, 5 ms) while ``dispatch_index >=
+        Gated samplers wait (an event, see the module docstring) while ``dispatch_index >=
         trainer_version_fn() + W``; then, in one transaction, the cursor advance,
         ``dataloader_state`` and a ledger entry for every prompt ``ledger.reserve_group`` staged.
         With nothing staged the prompts join later, one ``reserve`` each. After a restart that
@@ -148,12 +187,14 @@ class KvckptSampler:
         gate = self._core.gate_window
         version = trainer_version_fn()
         if gate is not None:
-            while self.dispatch_index >= version + gate:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise GateTimeout(f"{self.name} gate still closed after {timeout}s: dispatch_index "
-                                      f"{self.dispatch_index} >= trainer version {version} + {gate}")
-                await asyncio.sleep(POLL_SECONDS)
+            def is_open() -> bool:
+                nonlocal version
                 version = trainer_version_fn()
+                return self.dispatch_index < version + gate
+
+            if not await self._wait_for_gate(is_open, deadline):
+                raise GateTimeout(f"{self.name} gate still closed after {timeout}s: dispatch_index "
+                                  f"{self.dispatch_index} >= trainer version {version} + {gate}")
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         return await asyncio.to_thread(self._buffer._admit_batch, version, dataloader_state, weight_version, remaining)
 
@@ -226,21 +267,55 @@ class WindowedSampler(_StalenessWindow):
         return self._core.sample_freshest_first
 
 
-SAMPLER_CLASSES: dict[str, type[KvckptSampler]] = {
-    "in_order": InOrderSampler, "weight_fifo": WeightFifoSampler, "ready_first": ReadyFirstSampler,
-    "windowed": WindowedSampler}
+def custom_sampler_class(target: Any) -> type:
+    """The kvckpt :class:`~kvckpt.samplers.Sampler` subclass a ``"module:Class"`` target names
+    (NeMo-RL's ``custom`` sampler ``target``), registered under its ``name``.
+
+    Raises:
+        BadArgument: not ``module:Class``, the import fails, the module has no such class, or the
+            class is not a kvckpt ``Sampler`` subclass with its own ``name``.
+    """
+    from kvckpt.samplers import Sampler, register
+
+    module_name, sep, class_name = str(target).partition(":")
+    if not isinstance(target, str) or not sep or not module_name or not class_name:
+        raise BadArgument(f"custom sampler target must be 'module:ClassName', got {target!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BadArgument(f"custom sampler target {target!r}: cannot import {module_name!r} ({exc})") from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise BadArgument(f"custom sampler target {target!r}: module {module_name!r} has no {class_name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Sampler)) or cls.name == Sampler.name:
+        raise BadArgument(f"custom sampler target {target!r} is not a kvckpt.samplers.Sampler subclass with its own "
+                          "`name` (subclass it and implement eligible/evictable; see kvckpt/samplers/base.py)")
+    return register(cls)
 
 
 def sampler_config_dict(cfg: Any) -> dict[str, Any]:
     """A sampler config as a plain dict: a name, a mapping, or a pydantic model (NeMo-RL's
-    ``SamplerConfig``, read through ``model_dump``)."""
+    ``SamplerConfig``, read through ``model_dump``). NeMo-RL's ``{name: custom, target:
+    "module:Class", **keys}`` becomes ``{name: <the class's name>, **keys}`` once the class is
+    imported, checked and registered (:func:`custom_sampler_class`).
+
+    Raises:
+        BadArgument: another type, or a custom target :func:`custom_sampler_class` refuses.
+    """
     if isinstance(cfg, str):
         return {"name": cfg}
     if isinstance(cfg, Mapping):
-        return dict(cfg)
-    if hasattr(cfg, "model_dump"):
-        return dict(cfg.model_dump())
-    raise BadArgument(f"a sampler config must be a name, a mapping or a pydantic model, got {type(cfg).__name__}")
+        out = dict(cfg)
+    elif hasattr(cfg, "model_dump"):
+        out = dict(cfg.model_dump())
+    else:
+        raise BadArgument(f"a sampler config must be a name, a mapping or a pydantic model, got {type(cfg).__name__}")
+    if out.get("name") == "custom":
+        out.pop("name")
+        if "target" not in out:
+            raise BadArgument("a custom sampler config needs target: 'module:ClassName'")
+        out = {"name": custom_sampler_class(out.pop("target")).name, **out}
+    return out
 
 
 def create_sampler(buffer: TQReplayBuffer, cfg: Any) -> KvckptSampler:
@@ -250,10 +325,12 @@ def create_sampler(buffer: TQReplayBuffer, cfg: Any) -> KvckptSampler:
     ``cfg`` must name the same one with the same keys; switching samplers is a restore or
     recovery decision (``restore_replay_buffer(..., sampler=...)``), reported in its plan.
 
+    A ``custom`` config (``target: "module:Class"``) names a kvckpt ``Sampler`` subclass; the
+    returned object is then a :class:`KvckptSampler` (the same awaited calls).
+
     Raises:
-        BadArgument: ``cfg`` differs from the store's sampler, or names no built-in sampler
-            (custom ``module:Class`` samplers are NeMo-RL's; kvckpt's are registered with
-            ``kvckpt.samplers.register`` and named in the store config instead).
+        BadArgument: ``cfg`` differs from the store's sampler, names no known sampler, or a custom
+            target that cannot be imported or is not a kvckpt ``Sampler``.
     """
     from kvckpt.samplers import create_sampler as core_sampler
 
@@ -262,4 +339,16 @@ def create_sampler(buffer: TQReplayBuffer, cfg: Any) -> KvckptSampler:
     if wanted != stored:
         raise BadArgument(f"the store {buffer.core.path!r} is configured with sampler {stored}, the config asks "
                           f"for {wanted}: switch samplers through restore_replay_buffer or recover")
-    return SAMPLER_CLASSES.get(stored["name"], KvckptSampler)(buffer)
+    return adapter_class(buffer.core.sampler)(buffer)
+
+
+def adapter_class(core: Any) -> type[KvckptSampler]:
+    """The NeMo-RL sampler class for a kvckpt sampler: its built-in's (a custom subclass of
+    ``in_order`` gets :class:`InOrderSampler`'s attributes), else :class:`KvckptSampler`."""
+    from kvckpt import samplers
+
+    for base, cls in ((samplers.InOrderSampler, InOrderSampler), (samplers.WeightFifoSampler, WeightFifoSampler),
+                      (samplers.ReadyFirstSampler, ReadyFirstSampler), (samplers.WindowedSampler, WindowedSampler)):
+        if isinstance(core, base):
+            return cls
+    return KvckptSampler
