@@ -32,18 +32,24 @@ from typing import Any
 
 from kvckpt.integrations.nemo_rl import envelope
 from kvckpt.integrations.nemo_rl.config import AdapterConfig, configured, parse_config
+from kvckpt.integrations.nemo_rl.dataplane import KvckptDataPlane
 from kvckpt.integrations.nemo_rl.ledger import KvckptLedger
 from kvckpt.integrations.nemo_rl.meta import ReplayMeta
 from kvckpt.integrations.nemo_rl.records import record_to_rows
 from kvckpt.integrations.nemo_rl.sampler import create_sampler
 
 from kvckpt import Batch, CheckpointResult, Lease, Prompt, RecoveryPlan, ReplayBuffer, restore
-from kvckpt.errors import BadArgument, CapacityError, RecoveryError
+from kvckpt.errors import BadArgument, CapacityError, RecoveryError, SchemaMismatch
 from kvckpt.tables.records import READY, Admission, GroupInfo
 
 #: ``task_name`` of a prompt NeMo-RL reserved without saying which prompt it is (main's
 #: ``reserve`` carries no identity; pass ``prompt_idx=``/``task_name=`` or use the ledger).
 UNIDENTIFIED_TASK = "nemo_rl.unidentified"
+
+
+class RoutedExpertsMissing(SchemaMismatch, RuntimeError):
+    """``require_routed_experts`` and no ``routed_experts`` to store: a kvckpt schema error that
+    is also the ``RuntimeError`` NeMo-RL's commit raises."""
 
 
 def open_store(cfg: AdapterConfig) -> ReplayBuffer:
@@ -68,12 +74,15 @@ class TQReplayBuffer:
     """NeMo-RL's replay buffer, backed by one kvckpt store (see the module docstring).
 
     Args:
-        dp_client: NeMo-RL's data-plane client; accepted for the signature, never called (rows
+        dp_client: NeMo-RL's data-plane client. A :class:`~.dataplane.KvckptDataPlane` is bound to
+            this buffer and answers the controller's ``get_samples`` / ``put_samples`` /
+            ``clear_samples`` from the store; any other client is kept but never called (the rows
             are written to and read from the kvckpt store).
         partition_id: the partition reported in :class:`~.meta.ReplayMeta` and checked by
             ``load_state_dict``.
         pad_value_dict: pad values by field; ``input_ids``'s pads :meth:`get_samples`.
-        require_routed_experts: refuse to start unless the store schema has ``routed_experts``.
+        require_routed_experts: every ``commit`` refuses (before writing) unless the store schema
+            has ``routed_experts`` and the record carries it, as NeMo-RL's does.
         config: the store's config (a :func:`~.config.parse_config` dict or an
             :class:`~.config.AdapterConfig`). Defaults to what :func:`~.config.configure` set.
         store: an open kvckpt buffer to own instead of opening ``config``'s (the factories below
@@ -81,7 +90,7 @@ class TQReplayBuffer:
         leases: in-flight prompts the ledger owns (a recovery plan's leases).
 
     Raises:
-        BadArgument: no config, an invalid one, or ``require_routed_experts`` without the field.
+        BadArgument: no config, or an invalid one.
     """
 
     def __init__(self, dp_client: Any, partition_id: str = "rollout_data", *,
@@ -91,14 +100,13 @@ class TQReplayBuffer:
         cfg = config if isinstance(config, AdapterConfig) else parse_config(config) if config is not None \
             else configured() if store is None else None
         self.core = store if store is not None else open_store(cfg)
-        del dp_client  # kept for TQReplayBuffer's signature: the rows are in the store, not the data plane
+        self.dp_client = dp_client
+        if isinstance(dp_client, KvckptDataPlane):
+            dp_client.bind(self)
         self.partition_id = partition_id
         self._pad_value_dict = dict(pad_value_dict or {})
         self._checkpoint_dir = (cfg.checkpoint_dir if cfg is not None else None) or f"{self.core.path}.checkpoints"
-        if require_routed_experts and "routed_experts" not in self.core.schema.fields:
-            self.core.close()
-            raise BadArgument("policy.router_replay.enabled=true requires routed_experts in the kvckpt store "
-                              "schema; add it to async_rl.replay_buffer.schema")
+        self.require_routed_experts = require_routed_experts
         self._lock = threading.Lock()
         self._version_lock = threading.Lock()
         self._idle: dict[str, Lease] = {lease.group_id: lease for lease in leases}  # ledger-owned, no worker
@@ -169,6 +177,7 @@ class TQReplayBuffer:
                                   "calls sampler.set_dispatch_index(step) first")
             while current < version:
                 current = self.core.finish_step()
+        self.sampler.wake_gate()  # a waiting admit re-reads the trainer's version
 
     # -- admission --------------------------------------------------------------------------------
     def admit_batch(self, prompts: Sequence[Prompt | int | Mapping[str, Any]], *, dataloader_state: bytes | None = None,
@@ -281,6 +290,8 @@ class TQReplayBuffer:
         Raises:
             BadArgument (a ValueError): unknown or unreserved group (raised before any side
                 effect), or a ``start_weight_version`` other than the slot's.
+            RoutedExpertsMissing (a RuntimeError, as NeMo-RL raises): ``require_routed_experts`` and
+                the schema or the record lacks ``routed_experts``; nothing is written.
             SchemaMismatch: the record does not tensorise to the schema's rows.
             StaleAttempt: the slot's attempt was fenced meanwhile.
         """
@@ -293,6 +304,12 @@ class TQReplayBuffer:
             raise BadArgument(f"group {group_id!r} was reserved at weight {lease.start_weight}, "
                               f"not {start_weight_version} (nothing was written)")
         rows = record_to_rows(record, self.core.schema.token_fields)
+        if self.require_routed_experts and ("routed_experts" not in self.core.schema.fields
+                                            or any("routed_experts" not in row for row in rows)):
+            where = "the kvckpt store schema (async_rl.replay_buffer.schema)" \
+                if "routed_experts" not in self.core.schema.fields else "the committed record"
+            raise RoutedExpertsMissing(f"policy.router_replay.enabled=true requires routed_experts in {where}; "
+                                       f"group {group_id!r} was not written")
         await asyncio.to_thread(self.core.commit_group, lease, rows, end_weight=end_weight_version)
         meta = ReplayMeta.of_group(self.partition_id, group_id, lease.start_weight, list(self.core.schema.fields),
                                    [self._row_length(row) for row in rows])
@@ -492,7 +509,9 @@ class TQReplayBuffer:
     def finish_train_step(self) -> int:
         """Close the current step explicitly (claimed -> consumed, ``trainer_version`` + 1, one
         transaction); the samplers do it themselves when the trainer's version moves on."""
-        return self.core.finish_step()
+        version = self.core.finish_step()
+        self.sampler.wake_gate()
+        return version
 
     def abort_stale_inflight(self) -> list[str]:
         """Abort the in-flight prompts the sampler says are useless now (``windowed`` only), in one
@@ -516,6 +535,7 @@ class TQReplayBuffer:
             self._meta.clear()
         self._resume_step = None
         self._refill = []
+        self.sampler.wake_gate()  # the cursor and the trainer version may both have moved
         return plan
 
     def recover(self, resume_version: int | None = None) -> RecoveryPlan:
