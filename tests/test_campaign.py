@@ -18,18 +18,9 @@ from pathlib import Path
 import pytest
 
 from kvckpt import Prompt, ReplayBuffer
-from kvckpt.testing.campaign import (
-    SAMPLERS,
-    OpLog,
-    _Chain,
-    _run_child,
-    check_history,
-    holdings,
-    make_row,
-    read_log,
-    run_crash_campaign,
-    workload_config,
-)
+from kvckpt.testing.history import check_history, holdings
+from kvckpt.testing.kill import Chain, run_child, run_crash_campaign
+from kvckpt.testing.workload import COMMIT_PATHS, SAMPLERS, OpLog, make_row, read_log, workload_config
 
 
 def test_200_kills_break_no_promise(tmp_path: Path) -> None:
@@ -40,6 +31,7 @@ def test_200_kills_break_no_promise(tmp_path: Path) -> None:
     assert result.operations_checked > 2 * result.kills
     assert 100 < result.recoveries < 200  # the parent recovers after about 70% of the kills
     assert result.checkpoints_restored > 0 and result.checkpoints_verified >= result.checkpoints_restored
+    assert all(result.commit_paths.get(path, 0) > 0 for path in (*COMMIT_PATHS, "refused")), result.commit_paths
 
 
 def test_the_history_check_catches_every_kind_of_lie(tmp_path: Path) -> None:
@@ -84,7 +76,7 @@ def test_after_the_kills_a_fresh_trainer_redispatches_once_and_selects_everythin
     code = textwrap.dedent(f"""
         import json
         from kvckpt import ReplayBuffer
-        from kvckpt.testing.campaign import make_row
+        from kvckpt.testing.workload import make_row
         buf = ReplayBuffer.open({str(store)!r})
         assert buf.sampler.name == "ready_first"
         plan = buf.recover()
@@ -132,5 +124,5 @@ class _AtOnce(random.Random):
 @pytest.mark.parametrize("fresh", [False, True])
 def test_a_kill_before_the_child_runs_a_line(tmp_path: Path, fresh: bool) -> None:
     """Regression: a kill that beat the forked child to creating its stderr file crashed the parent."""
-    chain = _Chain.start(str(tmp_path / "chain"), SAMPLERS[0])
-    assert _run_child(chain, 1, _AtOnce(), 0.5, fresh) == (-signal.SIGKILL, "")
+    chain = Chain.start(str(tmp_path / "chain"), SAMPLERS[0])
+    assert run_child(chain, 1, _AtOnce(), 0.5, fresh) == (-signal.SIGKILL, "")

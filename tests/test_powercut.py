@@ -16,12 +16,11 @@ import types
 
 import pytest
 
-from kvckpt.buffer import ReplayBuffer
+from kvckpt import Prompt, ReplayBuffer
 from kvckpt.storage.store import Store
-from kvckpt.tables.records import Prompt
 from kvckpt.testing import powerfs
-from kvckpt.testing.campaign import SAMPLERS, workload_config
 from kvckpt.testing.powercut import run_powercut_campaign
+from kvckpt.testing.workload import COMMIT_PATHS, SAMPLERS, workload_config
 
 checkpoint_module = importlib.import_module("kvckpt.durability.checkpoint")  # the module, not the function
 store_module = importlib.import_module("kvckpt.storage.store")
@@ -206,6 +205,7 @@ def test_powercut_campaign_keeps_every_promise():
     assert result.operations_checked > 1000 and result.checkpoints_restored > 20
     assert set(result.starts) == {"create", "recover", "open", "restore"}
     assert set(result.modes) == {"strict", "random"}
+    assert all(result.commit_paths.get(path, 0) > 0 for path in (*COMMIT_PATHS, "refused")), result.commit_paths
 
 
 @needs_fuse

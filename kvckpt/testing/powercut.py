@@ -8,18 +8,14 @@ Each cut:
    chain starts from an empty one), and starts a child process (forked from a fork server that
    never opened a store) that creates a store, recovers it, reopens it as it is, or restores its
    newest checkpoint into a new run directory, then runs the crash campaign's workload on it
-   (:func:`kvckpt.testing.campaign.run_workload`: admit, commit_group, commit_sample, select,
-   finish_step, evict, abort, redispatch, background checkpoints racing commits). The child sends
+   (:func:`kvckpt.testing.workload.run_workload`: admit, commit_group, commit_sample, edge-encoded
+   commit_encoded, commit_many batches with a refused item, select, finish_step, evict, abort,
+   redispatch, background checkpoints racing commits). The child sends
    each *acknowledged* operation down a pipe to the parent, outside the mount;
 2. at a random moment cuts the power (``strict``: only what was made durable survives;
    ``random``: also a random subset of unsynced pages and a random prefix of unsynced directory
    operations), SIGKILLs the child and unmounts;
-3. checks the image in another fresh process: the store exists and verifies
-   (:func:`kvckpt.durability.verify.check`, ``deep=True``), every acknowledged operation survives
-   (:func:`kvckpt.testing.campaign.check_history`), exactly-once holds (the prompts held are exactly
-   ``0 .. cursor-1``, each a committed group or a ledger entry, never both), every stored row is
-   the row its producer generated, the acknowledged checkpoint exists, and *every* file under a
-   checkpoint name restores, verifies and agrees with the live store.
+3. checks the image in another fresh process (:func:`kvckpt.testing.image_check.check_image`).
 
 :data:`BREAKAGES` names deliberately broken configurations (LMDB without ``sync``/``metasync``; a
 checkpoint renamed without fsyncing the file and its directory): a campaign run with one must
@@ -30,8 +26,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
-import hashlib
 import importlib
 import json
 import os
@@ -39,7 +35,6 @@ import random
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -48,21 +43,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvckpt.buffer import ReplayBuffer
-from kvckpt.durability.checkpoint import restore
-from kvckpt.errors import KvckptError
+from kvckpt import ReplayBuffer, restore
 from kvckpt.storage.store import fsync_dir
 from kvckpt.testing import powerfs
-from kvckpt.testing.campaign import (
-    CHECKPOINT_GLOB,
-    SAMPLERS,
-    _check_buffer,
-    _fork_server,
-    check_history,
-    compare_checkpoint,
-    run_workload,
-    workload_config,
-)
+from kvckpt.testing.harness import CampaignRun, every, fork_server, in_fresh_process, report, tally
+from kvckpt.testing.history import WorkloadFindings
+from kvckpt.testing.image_check import checker
+from kvckpt.testing.workload import CHECKPOINT_GLOB, SAMPLERS, run_workload, workload_config
 
 #: Deliberately broken durability, applied in the child before it opens anything.
 BREAKAGES = ("lmdb-nosync", "checkpoint-nofsync")
@@ -70,27 +57,22 @@ CUT_MODES = ("strict", "random")
 
 
 @dataclass
-class PowercutResult:
+class PowercutResult(WorkloadFindings):
     """What a power-cut campaign did and found; ``violations`` is empty when every promise held."""
 
     cuts: int = 0
-    operations_checked: int = 0
     checkpoints_restored: int = 0
     starts: dict[str, int] = field(default_factory=dict)  #: how children began: create/recover/open/restore
     modes: dict[str, int] = field(default_factory=dict)  #: cuts per mode
     pages_kept: int = 0  #: unsynced pages ``random`` cuts kept
     ops_kept: int = 0  #: unsynced directory operations ``random`` cuts kept
-    violations: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    directory: str | None = None  #: the campaign's files, kept when given or when a violation was found
 
     def summary(self) -> str:
         """The one-line summary the CLI prints."""
-        starts = ", ".join(f"{k} {v}" for k, v in sorted(self.starts.items()))
-        modes = ", ".join(f"{k} {v}" for k, v in sorted(self.modes.items()))
-        return (f"power-cut campaign: cuts {self.cuts} ({modes}), operations checked {self.operations_checked}, "
-                f"checkpoints restored {self.checkpoints_restored}, starts ({starts}), unsynced pages / directory "
-                f"operations kept by random cuts {self.pages_kept} / {self.ops_kept}, "
+        return (f"power-cut campaign: cuts {self.cuts} ({tally(self.modes)}), operations checked "
+                f"{self.operations_checked}, checkpoints restored {self.checkpoints_restored}, starts "
+                f"({tally(self.starts)}), unsynced pages / directory operations kept by random cuts "
+                f"{self.pages_kept} / {self.ops_kept}, commits ({tally(self.commit_paths)}), "
                 f"violations found {len(self.violations)}, {self.seconds:.0f}s")
 
 
@@ -178,101 +160,6 @@ def _child(mount: str, timeline: str, start: str, source: str | None, sampler: d
         os._exit(1)
 
 
-# -- the checker (runs in a fresh process) ---------------------------------------------------------
-
-
-def check_image(image: str, timeline: str, ops: list[dict[str, Any]], scratch: str,
-                restored_before: dict[str, str] | None = None, rows_seen: set[bytes] | None = None) -> dict[str, Any]:
-    """Check the surviving ``image`` of run ``timeline`` against the acknowledged ``ops``.
-
-    ``restored_before`` maps checkpoint names to the digests of bytes that restored cleanly at an
-    earlier cut; a file still holding those bytes is not restored again (same bytes, same outcome).
-    ``rows_seen`` holds digests of (key, value) rows already compared with their producer's row.
-    Returns ``{"operations_checked", "checkpoints_restored", "violations", "restored", "rows_seen"}``
-    (the last two: what to pass next time)."""
-    restored_ok = dict(restored_before or {})
-    seen = set(rows_seen or ())
-    found: list[str] = []
-    bad = found.append
-    restored = 0
-    run = os.path.join(image, timeline)
-    live_path = os.path.join(run, "live.kv")
-    if not os.path.exists(live_path):
-        return {"operations_checked": len(ops), "checkpoints_restored": 0, "restored": restored_ok,
-                "rows_seen": seen, "violations": [
-            f"the store {timeline}/live.kv is gone after the power cut ({len(ops)} acknowledged operations "
-            f"lost; its directory holds {sorted(os.listdir(run)) if os.path.isdir(run) else 'nothing'})"]}
-    try:
-        buf = ReplayBuffer.open(live_path, readonly=True)
-    except KvckptError as exc:
-        return {"operations_checked": len(ops), "checkpoints_restored": 0, "restored": restored_ok,
-                "rows_seen": seen, "violations": [f"the store {timeline}/live.kv does not open after the power cut "
-                                                  f"({len(ops)} acknowledged operations): {type(exc).__name__}: {exc}"]}
-    try:
-        snap = _check_buffer(buf, "live store", bad, seen)
-    finally:
-        buf.close()
-    found.extend(check_history(ops, snap))
-    for op in ops:
-        if op["op"] == "restored" and (snap.cursor < op["cursor"] or snap.state["trainer_version"] < op["version"]):
-            bad(f"the acknowledged restore of {op['source']} (cursor {op['cursor']}, version {op['version']}) did "
-                f"not survive: cursor {snap.cursor}, version {snap.state['trainer_version']}")
-    files = sorted(glob.glob(os.path.join(run, "ckpt", CHECKPOINT_GLOB)))
-    logged = [op["path"] for op in ops if op["op"] == "ckpt"]
-    if logged and os.path.basename(logged[-1]) not in {os.path.basename(f) for f in files}:
-        bad(f"acknowledged checkpoint {os.path.basename(logged[-1])} is missing")
-    for path in files:
-        name = f"{timeline}/ckpt/{os.path.basename(path)}"
-        with open(path, "rb") as f:
-            digest = hashlib.blake2b(f.read()).hexdigest()
-        if restored_ok.get(name) == digest:
-            continue
-        try:
-            rbuf, _ = restore(path, os.path.join(scratch, "restored.kv"), overwrite=True)
-        except Exception as exc:
-            bad(f"checkpoint {name} under a final name does not restore: {type(exc).__name__}: {exc}")
-            continue
-        try:
-            compare_checkpoint(_check_buffer(rbuf, f"restored {name}", bad, seen, deep=False), snap, name, bad)
-        finally:
-            rbuf.close()
-        restored += 1
-        restored_ok[name] = digest
-    return {"operations_checked": len(ops), "checkpoints_restored": restored, "violations": found,
-            "restored": restored_ok, "rows_seen": seen}
-
-
-def _checker(image: str, timeline: str, ops: list[dict[str, Any]], scratch: str, restored_before: dict[str, str],
-             rows_seen: set[bytes], conn: Any) -> None:
-    try:
-        conn.send(check_image(image, timeline, ops, scratch, restored_before, rows_seen))
-    except BaseException as exc:
-        conn.send({"operations_checked": 0, "checkpoints_restored": 0, "restored": restored_before,
-                   "rows_seen": rows_seen, "violations": [
-            f"the checker raised {type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"]})
-
-
-def _in_fresh_process(target: Callable[..., None], *args: Any, timeout: float = 300.0) -> Any:
-    """Run ``target(*args, conn)`` in a process forked from the fork server; return what it sent."""
-    ctx = _fork_server()
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=target, args=(*args, send), daemon=True)
-    proc.start()
-    send.close()
-    deadline = time.monotonic() + timeout
-    try:
-        while not recv.poll(0.05):
-            if not proc.is_alive() and not recv.poll(0):
-                raise RuntimeError(f"{target.__name__} died without an answer (exit status {proc.exitcode})")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{target.__name__} sent nothing within {timeout}s")
-        return recv.recv()
-    finally:
-        proc.kill()
-        proc.join()
-        recv.close()
-
-
 # -- the parent ------------------------------------------------------------------------------------
 
 
@@ -309,7 +196,7 @@ def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: rando
     result.modes[mode] = result.modes.get(mode, 0) + 1
     errpath = os.path.join(root, "child.stderr")
     open(errpath, "wb").close()
-    ctx = _fork_server()
+    ctx = fork_server()
     fs = powerfs.mount(chain.image, mnt, ctx)
     messages: list[bytes] = []
     try:
@@ -361,9 +248,9 @@ def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: rando
     scratch = os.path.join(root, "scratch")
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
-    outcome = _in_fresh_process(_checker, image, chain.timeline, chain.ops, scratch, chain.restored, chain.rows_seen)
+    outcome = in_fresh_process(checker, image, chain.timeline, chain.ops, scratch, chain.restored, chain.rows_seen)
     chain.restored, chain.rows_seen = outcome["restored"], outcome["rows_seen"]
-    result.operations_checked += len(ops)
+    result.count(ops)
     result.checkpoints_restored += outcome["checkpoints_restored"]
     for violation in outcome["violations"]:
         bad(violation)
@@ -422,20 +309,14 @@ def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = N
         raise ValueError(f"modes must be drawn from {CUT_MODES}, not {modes!r}")
     rng = random.Random(seed)
     result = PowercutResult()
-    t0 = time.perf_counter()
-    owned = directory is None
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    root = tempfile.mkdtemp(prefix="kvckpt-powercut-", dir=shm) if owned else os.path.abspath(directory)
-    os.makedirs(root, exist_ok=True)
     current: _Run | None = None
-    try:
-        for k in range(cuts):
-            if minutes is not None and time.perf_counter() - t0 > minutes * 60:
-                break
+    with CampaignRun(result, directory, "kvckpt-powercut-", parent=shm, minutes=minutes, progress=progress) as run:
+        for k in run.cycles(cuts):
             if k % chain == 0:
                 if current is not None:
                     shutil.rmtree(current.image, ignore_errors=True)
-                current = _Run(os.path.join(root, f"image-start-{k:06d}"))
+                current = _Run(os.path.join(run.root, f"image-start-{k:06d}"))
                 os.makedirs(current.image)
             sampler = SAMPLERS[(k // chain + seed) % len(SAMPLERS)]
             if existing_store and current.timeline is None:
@@ -443,24 +324,10 @@ def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = N
                 os.makedirs(os.path.join(current.image, current.timeline, "ckpt"))
                 ReplayBuffer.create(os.path.join(current.image, current.timeline, "live.kv"),
                                     workload_config(sampler)).close()
-
-            def bad(message: str, k: int = k) -> None:
-                result.violations.append(f"cut {k}: {message}")
-
-            try:
-                _one_cut(k, root, current, sampler, rng, max_delay, breakage, modes, result, bad)
-            except Exception as exc:  # a crash of the harness is a finding, not a reason to stop
-                bad(f"the cut cycle raised {type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}")
+            bad = run.reporter(f"cut {k}")
+            run.guarded("cut cycle", functools.partial(_one_cut, k, run.root, current, sampler, rng, max_delay,
+                                                        breakage, modes, result, bad), bad)
             result.cuts += 1
-            result.seconds = time.perf_counter() - t0
-            if progress is not None:
-                progress(result)
-    finally:
-        result.seconds = time.perf_counter() - t0
-        if owned and not result.violations:
-            shutil.rmtree(root, ignore_errors=True)
-        else:
-            result.directory = root
     return result
 
 
@@ -490,24 +357,12 @@ def main(argv: list[str] | None = None) -> int:
                                    chain=opts.chain, max_delay=opts.max_delay, breakage=opts.breakage,
                                    modes=(opts.mode,) if opts.mode else CUT_MODES,
                                    existing_store=opts.existing_store, minutes=opts.minutes,
-                                   progress=_every(50))
-    for violation in result.violations[:50]:
-        print("VIOLATION", violation)
-    if result.violations:
-        print(f"files kept in {result.directory}")
-    print(result.summary(), flush=True)
-    return 1 if result.violations else 0
+                                   progress=every(50, lambda r: r.cuts))
+    return report(result)
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
-
-
-def _every(n: int) -> Callable[[PowercutResult], None]:
-    def report(result: PowercutResult) -> None:
-        if result.cuts % n == 0:
-            print(result.summary(), file=sys.stderr, flush=True)
-    return report
 
 
 if __name__ == "__main__":
