@@ -359,7 +359,7 @@ def field_header(fields, raw, z=0, meta=None):
     return {"z": z, "raw": raw, "meta": meta or {}, "fields": fields}
 
 
-@pytest.mark.parametrize(("header", "body", "match"), [
+CRAFTED = [
     (b"not json", b"", "not JSON"),
     (b"\xff\xfe", b"", "not JSON"),
     (b"[1,2]", b"", "lacks meta"),
@@ -396,11 +396,61 @@ def field_header(fields, raw, z=0, meta=None):
     (field_header([["a", "int32", [1 << 39, 1 << 39], [], 4]], raw=4), bytes(4), "4 bytes for shape"),
     (field_header([["a", "bool", [9], ["bitpack"], 1]], raw=1), bytes(1), "1 packed bytes for 9"),
     (field_header([["a", "int8", [1], [], 1], ["a", "int8", [1], [], 1]], raw=2), bytes(2), "twice"),
-])
+]
+
+
+@pytest.mark.parametrize(("header", "body", "match"), CRAFTED)
 def test_crafted_records_are_refused(header, body, match):
     with pytest.raises(CorruptRecord, match=match) as info:
         decode(seal(header, body), "ledger/x")
     assert info.value.key == "ledger/x"
+
+
+@pytest.mark.parametrize(("header", "body", "match"), CRAFTED)
+def test_compiled_rules_refuse_every_crafted_record(header, body, match):
+    """RecordRules answers the generic dtype/transform checks from its rule: a rule that lets field
+    "a" be any shape of the crafted dtype still refuses each crafted record, for the same reason
+    (an unknown dtype or name is refused by the rule itself)."""
+    spec = header["fields"][0] if isinstance(header, dict) and header.get("fields") else None
+    dtype = spec[1] if spec and spec[1] in DTYPES else "int8"
+    rules = codec.RecordRules({"a": codec.FieldRule(dtype, None, 1 << 30)})
+    with pytest.raises(CorruptRecord, match="is not one the rules name|is stored as complex64|is stored as object"
+                       if match == "unknown dtype" else match) as info:
+        rules.describe(seal(header, body), "rows/x")
+    assert info.value.key == "rows/x"
+
+
+def test_compiled_rules_check_names_dtypes_shapes_and_caps():
+    rules = codec.RecordRules({"t": codec.FieldRule("int32", (None, 2), 64), "r": codec.FieldRule("float32", (), 4),
+                               "s": codec.FieldRule("str", (), 3), "o": codec.FieldRule("uint8", None, 8)},
+                              required=["t", "r"])
+    ok = {"t": np.zeros((3, 2), np.int32), "r": np.float32(1), "s": "abc"}
+    for level in (0, 1):
+        info = rules.describe(encode(ok, {"m": 1}, level=level), "k")
+        assert info.meta == {"m": 1} and info.arrays["t"].shape == (3, 2) and len(info.arrays["s"]) == 3
+        assert rules.describe(encode({**ok, "o": np.zeros((2, 2, 2), np.uint8)}, level=level)).arrays["o"].nbytes == 8
+    cases = {
+        "'x' is not one the rules name": {**ok, "x": np.zeros(1, np.int32)},
+        "required field 'r' is missing": {"t": ok["t"]},
+        "'r' is stored as float64, the rules say float32": {**ok, "r": np.float64(1)},
+        "'t' has shape \\[3\\], the rules say 2 dims": {**ok, "t": np.zeros(3, np.int32)},
+        "'t' has shape \\[3, 4\\], the rules fix dim 1 at 2": {**ok, "t": np.zeros((3, 4), np.int32)},
+        "'t' would decode to 72 bytes .* over its limit of 64": {**ok, "t": np.zeros((9, 2), np.int32)},
+        "'s' would decode to 4 bytes": {**ok, "s": "abcd"},
+        "'o' would decode to 9 bytes": {**ok, "o": np.zeros(9, np.uint8)},
+    }
+    for match, fields in cases.items():
+        with pytest.raises(CorruptRecord, match=match):
+            rules.describe(encode(fields, level=1), "k")
+    text = encode({**ok, "s": "abc"}, level=0)
+    with pytest.raises(CorruptRecord, match="'s' is not UTF-8"):
+        rules.describe(seal(header_of(text), body_of(text)[:-3] + b"\xff\xfe\xfd"), "k")
+    with pytest.raises(BadArgument, match="unknown dtype"):
+        codec.RecordRules({"a": codec.FieldRule("complex64", None, 1)})
+    with pytest.raises(BadArgument, match="invalid shape"):
+        codec.RecordRules({"a": codec.FieldRule("int8", (-1,), 1)})
+    with pytest.raises(BadArgument, match="no rule"):
+        codec.RecordRules({"a": codec.FieldRule("int8", None, 1)}, required=["b"])
 
 
 def test_header_length_caps():

@@ -8,9 +8,10 @@ import zlib
 
 import pytest
 import torch
-from conftest import SCHEMA, dump_store, make_group
+from conftest import SCHEMA, dump_store, make_group, make_row
+from test_codec import body_of, header_of, seal
 
-from kvckpt import BufferConfig, Prompt, ReplayBuffer, SchemaMismatch, check
+from kvckpt import BufferConfig, Prompt, ReplayBuffer, RowSchema, SchemaMismatch, check
 from kvckpt.storage import codec
 from kvckpt.storage.encoding import EncodedRow, RowEncoder
 
@@ -81,3 +82,65 @@ def test_hostile_encoded_rows_are_refused_and_write_nothing(buffer_factory, tmp_
     assert buf.commit_encoded(lease, wire(good)).ready
     assert buf.read_batch([lease.group_id]).tensors["input_ids"].shape[0] == 2
     assert buf.store.read(lambda t: check(t, deep=True)).ok
+
+
+def _resealed(value: bytes, edit=None, body: bytes | None = None) -> bytes:
+    """``value`` with its header edited by ``edit`` (in place) and/or another (stored) body, its
+    checksum fixed: what a hostile producer can send."""
+    header = header_of(value)
+    if edit is not None:
+        edit(header)
+    return seal(header, body_of(value) if body is None else body)
+
+
+def _append_duplicate(header: dict) -> None:
+    header["fields"].append(header["fields"][-1])
+    header["raw"] += header["fields"][-1][4]
+
+
+def test_each_compiled_check_refuses_a_record_through_commit_encoded(buffer_factory):
+    """One hostile row per check the owner's compiled rules make (RowSchema.rules): each refused for
+    that commit alone, naming the row, with the store unchanged; the good rows then commit."""
+    schema = RowSchema({**SCHEMA, "note": ("str", "row")}, optional=("note",), max_tokens=8, max_text_bytes=4)
+    buf = buffer_factory(schema=schema)
+    [lease] = buf.admit([Prompt(prompt_idx=0)])
+    good = buf.row_encoder().encode(lease, make_group(2, 1))
+    meta = {"group_id": lease.group_id, "index": 1}
+
+    def crafted(level: int = 1, **change) -> bytes:
+        fields = {**make_row(5, 7), **change}
+        return codec.encode({k: v for k, v in fields.items() if v is not None}, meta, level=level,
+                            dtypes=schema.dtypes)
+
+    plain = crafted(level=0, note="abcd")  # uncompressed: header edits keep the body as stored
+    frame = crafted(level=1)
+    cases = {
+        "'extra' is not one the rules name": crafted(extra=torch.zeros(1)),
+        "required field 'generation_logprobs' is missing": crafted(generation_logprobs=None),
+        "'input_ids' has shape \\[5, 2\\], the rules say 1 dims":
+            crafted(input_ids=torch.zeros(5, 2, dtype=torch.int64)),
+        "'generation_logprobs' has 6 tokens, other token fields have 5":
+            crafted(generation_logprobs=torch.zeros(6)),
+        "'input_ids' would decode to 72 bytes .* over its limit of 64":
+            crafted(input_ids=torch.zeros(9, dtype=torch.int64), generation_logprobs=torch.zeros(9)),
+        "'note' would decode to 6 bytes": crafted(note="ééé"),
+        "'note' is not UTF-8": _resealed(plain, body=body_of(plain)[:-4] + b"\xff\xfe\xfd\xfc"),
+        "'note' appears twice": _resealed(plain, _append_duplicate, body_of(plain) + b"abcd"),
+        "'generation_logprobs' of float32 has invalid transforms": _resealed(
+            plain, lambda h: h["fields"][1].__setitem__(3, ["bitpack"])),
+        "'input_ids': 40 bytes for shape \\(4,\\)": _resealed(plain, lambda h: h["fields"][0].__setitem__(2, [4])),
+        "zstd frame does not decompress": _resealed(frame, body=zstandard_truncated(frame)),
+    }
+    for match, value in cases.items():
+        refused(buf, buf.commit_encoded, lease, [good[0].to_dict(), EncodedRow(1, value).to_dict()],
+                match=f"row {lease.group_id}_g1: .*{match}")
+    assert buf.commit_encoded(lease, wire(good)).ready
+    assert buf.store.read(lambda t: check(t, deep=True)).ok
+
+
+def zstandard_truncated(value: bytes) -> bytes:
+    """The stored zstd frame of ``value`` without its last 3 bytes: a valid frame header (its content
+    size is right) over an incomplete block, which only decompressing it finds."""
+    stored = value[12 + struct.unpack_from("<I", value, 8)[0]:]
+    assert codec.zstandard.frame_content_size(stored) == header_of(value)["raw"]
+    return stored[:-3]

@@ -16,7 +16,7 @@ C-ordered; ``transforms`` is an ordered list applied at encode time (and undone 
 ``"bitpack"`` (0/1 values as bits, ``np.packbits`` order) and ``"shuffle"`` (byte planes, which
 lets zstd see the zero high bytes of small integers and float exponents). Booleans are always
 bit-packed; the other transforms are used only when the body is compressed. Readers accept only
-the (dtype, transforms) pairs the encoder writes (:data:`_ALLOWED`). Text fields (dtype ``str``:
+the (dtype, transforms) pairs the encoder writes (:data:`_STORED`). Text fields (dtype ``str``:
 UTF-8, or ``bytes``) are 0-d: their bytes are the payload itself, ``nbytes`` its length.
 ``docs/format.md`` is the byte-exact specification.
 
@@ -26,6 +26,10 @@ actual bytes, and what the record would decode to against the caller's :class:`L
 anything is decompressed or an array is built; a violation raises
 :class:`~kvckpt.errors.CorruptRecord` naming the key. Decoded values own their memory (they never
 alias an LMDB page).
+
+The module is long on purpose: the writer, the generic reader and the compiled reader of one
+known layout (:class:`RecordRules`, the owner's check of producers' rows) share one table of what
+the encoder writes (:data:`_STORED`) and one set of size rules, so they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ import re
 import struct
 import threading
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import zstandard
@@ -86,29 +90,30 @@ _INTEGER = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "in
 _NAME_OF = {(DTYPES[name].kind, DTYPES[name].itemsize): name for name in DTYPES if name != "bfloat16"}
 
 
-def _allowed_transforms() -> frozenset[tuple[str, tuple[str, ...]]]:
-    """Every (dtype, transforms) pair the encoder writes; readers refuse any other pair.
+def _stored_sizes() -> dict[tuple[str, tuple[str, ...]], int]:
+    """Every (dtype, transforms) pair the encoder writes, with the size of one stored element (0:
+    bit-packed; 1 for text, whose stored bytes are the value); readers refuse any other pair.
 
     ``()`` for any dtype (the only one for text); ``("bitpack",)`` for bool and integers;
     ``("shuffle",)`` for dtypes wider than one byte; for integers, ``("narrow:N",)`` when N is one
     byte and ``("narrow:N", "shuffle")`` when N is wider, N strictly narrower than the dtype.
     """
-    allowed = {(dtype, ()) for dtype in TEXT_DTYPES}
+    stored = {(dtype, ()): 1 for dtype in TEXT_DTYPES}
     for dtype, np_dtype in DTYPES.items():
-        allowed.add((dtype, ()))
+        stored[(dtype, ())] = np_dtype.itemsize
         if dtype == "bool" or dtype in _INTEGER:
-            allowed.add((dtype, ("bitpack",)))
+            stored[(dtype, ("bitpack",))] = 0
         if np_dtype.itemsize > 1:
-            allowed.add((dtype, ("shuffle",)))
+            stored[(dtype, ("shuffle",))] = np_dtype.itemsize
         if dtype in _INTEGER:
             for narrow in _NARROW_ORDER:
                 size = DTYPES[narrow].itemsize
                 if size < np_dtype.itemsize:
-                    allowed.add((dtype, (f"narrow:{narrow}", "shuffle") if size > 1 else (f"narrow:{narrow}",)))
-    return frozenset(allowed)
+                    stored[(dtype, (f"narrow:{narrow}", "shuffle") if size > 1 else (f"narrow:{narrow}",))] = size
+    return stored
 
 
-_ALLOWED = _allowed_transforms()
+_STORED = _stored_sizes()
 _local = threading.local()
 
 
@@ -378,9 +383,13 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+#: One decoder for every header (``json.loads`` with a keyword builds a new one per call).
+_HEADER_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
 def _header_json(raw: bytes, key: str) -> dict:
     try:
-        header = json.loads(raw, parse_constant=_refuse_constant)
+        header = _HEADER_DECODER.decode(str(raw, "utf-8"))  # the format's headers are UTF-8
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also a >4300-digit int
         raise CorruptRecord(key, f"header is not JSON: {str(exc)[:200]}") from None
     if not isinstance(header, dict) or not isinstance(header.get("meta"), dict) \
@@ -395,8 +404,7 @@ def decode_meta(value: bytes | memoryview, key: str = "?") -> dict[str, Any]:
     return header["meta"]
 
 
-@dataclass(frozen=True)
-class _Spec:
+class _Spec(NamedTuple):
     """One field entry of a header, checked: its stored and its decoded sizes are consistent."""
 
     name: str
@@ -418,8 +426,17 @@ def _check_spec(spec: Any, key: str) -> _Spec:
     if not (isinstance(shape, list) and len(shape) <= MAX_NDIM
             and all(type(d) is int and 0 <= d < 1 << 40 for d in shape)):
         raise CorruptRecord(key, f"field {name!r} has invalid shape {str(shape)[:200]}")
-    if not (isinstance(transforms, list) and all(isinstance(t, str) for t in transforms)
-            and (dtype, tuple(transforms)) in _ALLOWED):
+    stored = None
+    if isinstance(transforms, list) and all(isinstance(t, str) for t in transforms):
+        stored = _STORED.get((dtype, tuple(transforms)))
+    return _sized_spec(name, dtype, shape, transforms, stored, nbytes, key)
+
+
+def _sized_spec(name: str, dtype: str, shape: list[int], transforms: Any, stored: int | None, nbytes: Any,
+                key: str) -> _Spec:
+    """The size rules of one field entry, once its name, dtype and shape are checked: ``stored`` is
+    :data:`_STORED`'s entry for its (dtype, transforms), ``None`` for a pair the encoder never writes."""
+    if stored is None:
         raise CorruptRecord(key, f"field {name!r} of {dtype} has invalid transforms {str(transforms)[:200]}")
     if type(nbytes) is not int or nbytes < 0:
         raise CorruptRecord(key, f"field {name!r} has invalid length {str(nbytes)[:100]}")
@@ -431,26 +448,24 @@ def _check_spec(spec: Any, key: str) -> _Spec:
     for dim in shape:
         count *= dim
         extent *= max(dim, 1)
-    stored = DTYPES[dtype]
-    for t in transforms:
-        if t.startswith("narrow:"):
-            stored = DTYPES[t.split(":", 1)[1]]
-    if "bitpack" in transforms:
+    if stored == 0:  # bit-packed
         if nbytes != (count + 7) // 8:
             raise CorruptRecord(key, f"field {name!r}: {nbytes} packed bytes for {count} values")
-    elif nbytes != count * stored.itemsize:
-        raise CorruptRecord(key, f"field {name!r}: {nbytes} bytes for shape {tuple(shape)} of {stored}")
+    elif nbytes != count * stored:
+        raise CorruptRecord(key, f"field {name!r}: {nbytes} bytes for shape {tuple(shape)} of {stored}-byte "
+                                 f"stored values")
     if extent >= MAX_EXTENT:  # an empty array numpy cannot even describe
         raise CorruptRecord(key, f"field {name!r}: shape {shape} spans {extent} elements, over 2**48")
     return _Spec(name, dtype, tuple(shape), tuple(transforms), nbytes, count, count * DTYPES[dtype].itemsize)
 
 
-def _check_specs(header: dict, raw: int, limits: Limits, key: str) -> list[_Spec]:
-    """Every field entry checked, and what they decode to held against ``limits``, before any
-    decompression or allocation."""
+def _check_specs(header: dict, raw: int, limits: Limits, key: str,
+                 check_one: Callable[[Any, str], _Spec]) -> list[_Spec]:
+    """Every field entry checked by ``check_one``, and what they decode to held against ``limits``,
+    before any decompression or allocation."""
     specs, names, pos, total = [], set(), 0, 0
     for entry in header["fields"]:
-        spec = _check_spec(entry, key)
+        spec = check_one(entry, key)
         if spec.name in names:
             raise CorruptRecord(key, f"field {spec.name!r} appears twice")
         names.add(spec.name)
@@ -517,7 +532,8 @@ def decode(value: bytes | memoryview, key: str = "?", *, limits: Limits | None =
         CorruptRecord: checksum mismatch, truncation, any header/length inconsistency, or a record
             larger than ``limits``; the message names ``key`` and the offending value.
     """
-    header, specs, body = _verified_body(memoryview(value), key, Limits() if limits is None else limits)
+    header, specs, body = _verified_body(memoryview(value), key, Limits() if limits is None else limits,
+                                         _check_spec)
     record = Record(meta=header["meta"])
     pos = 0
     for spec in specs:
@@ -546,13 +562,18 @@ def describe(value: bytes | memoryview, key: str = "?", *, limits: Limits | None
 
     What :func:`decode` would refuse, this refuses too (checksum, header, sizes against
     ``limits``, a body that does not decompress to the header's length, text that is not UTF-8),
-    so a record that passes will decode. The cost is the checksum and one bounded decompression:
-    the store's owner checks records producers encoded this way (:meth:`~kvckpt.ReplayBuffer.commit_encoded`).
+    so a record that passes will decode. The cost is the checksum and one bounded decompression.
+    For records of one known layout (a store's rows), :class:`RecordRules` checks the same and the
+    layout in one pass.
 
     Raises:
         CorruptRecord: as :func:`decode`.
     """
-    header, specs, body = _verified_body(memoryview(value), key, Limits() if limits is None else limits)
+    limits = Limits() if limits is None else limits
+    return _described(*_verified_body(memoryview(value), key, limits, _check_spec), key)
+
+
+def _described(header: dict, specs: list[_Spec], body: memoryview, key: str) -> Record:
     record = Record(meta=header["meta"])
     pos = 0
     for spec in specs:
@@ -564,8 +585,102 @@ def describe(value: bytes | memoryview, key: str = "?", *, limits: Limits | None
     return record
 
 
-def _verified_body(buf: memoryview, key: str, limits: Limits) -> tuple[dict, list[_Spec], memoryview]:
-    """The checked header, its field specs and the (decompressed) body of exactly ``raw`` bytes."""
+@dataclass(frozen=True)
+class FieldRule:
+    """What one field of a record must be (for :class:`RecordRules`): its logical ``dtype``, its
+    ``shape`` (``None``: any shape; a ``None`` dimension: any extent) and the most bytes its value
+    may decode to."""
+
+    dtype: str
+    shape: tuple[int | None, ...] | None
+    max_bytes: int
+
+
+class RecordRules:
+    """A record layout compiled once (per store): the fields a record may hold and what each must be.
+
+    :meth:`describe` verifies a record exactly as :func:`describe` does with :class:`Limits` of the
+    rules' caps (checksum, header, every length, a bounded decompression, UTF-8 text), and in the
+    same pass over the header refuses a field the rules do not name, a dtype or shape other than
+    its rule's, and a ``required`` field that is missing. The per-field work is one dict look-up
+    and a few comparisons: the generic format checks (dtype known, transforms allowed) are
+    answered by the field's rule, which was checked when the rules were built.
+
+    Args:
+        fields: field name -> :class:`FieldRule`.
+        required: names every record must hold. Defaults to none.
+
+    Raises:
+        BadArgument: a rule of unknown dtype, a shape that is not a tuple of ints and ``None``, or
+            a negative size.
+    """
+
+    def __init__(self, fields: Mapping[str, FieldRule], required: Iterable[str] = ()) -> None:
+        # name -> (dtype, ndim or None for any, the (index, extent) dims the rule fixes, stored sizes by transforms)
+        self._fields: dict[str, tuple[str, int | None, tuple[tuple[int, int], ...], dict[tuple[str, ...], int]]] = {}
+        for name, rule in fields.items():
+            if rule.dtype not in DTYPES and rule.dtype not in TEXT_DTYPES:
+                raise BadArgument(f"field rule {name!r} has unknown dtype {rule.dtype!r}")
+            if rule.shape is not None and not (isinstance(rule.shape, tuple) and len(rule.shape) <= MAX_NDIM and all(
+                    d is None or (type(d) is int and 0 <= d < 1 << 40) for d in rule.shape)):
+                raise BadArgument(f"field rule {name!r} has invalid shape {rule.shape!r}")
+            sizes = {transforms: size for (dtype, transforms), size in _STORED.items() if dtype == rule.dtype}
+            fixed = tuple((i, d) for i, d in enumerate(rule.shape or ()) if d is not None)
+            self._fields[name] = (rule.dtype, None if rule.shape is None else len(rule.shape), fixed, sizes)
+        self.limits = Limits(max_bytes=sum(rule.max_bytes for rule in fields.values()),
+                             field_bytes={name: rule.max_bytes for name, rule in fields.items()})
+        self.required = frozenset(required)
+        unknown = self.required - set(fields)
+        if unknown:
+            raise BadArgument(f"required fields {sorted(unknown)} have no rule")
+
+    def describe(self, value: bytes | memoryview, key: str = "?") -> Record:
+        """Verify a record against the rules; what :func:`describe` returns.
+
+        Raises:
+            CorruptRecord: what :func:`describe` refuses, and any field the rules refuse, naming
+                ``key`` and the field.
+        """
+        header, specs, body = _verified_body(memoryview(value), key, self.limits, self._check_spec)
+        missing = self.required.difference([spec.name for spec in specs])
+        if missing:
+            raise CorruptRecord(key, f"required field {sorted(missing)[0]!r} is missing")
+        return _described(header, specs, body, key)
+
+    def _check_spec(self, spec: Any, key: str) -> _Spec:
+        """One field entry against its rule (the rule stands for the generic dtype and transform checks)."""
+        if type(spec) is not list or len(spec) != 5:
+            raise CorruptRecord(key, f"malformed field spec {str(spec)[:200]}")
+        name, dtype, shape, transforms, nbytes = spec
+        rule = self._fields.get(name) if type(name) is str else None
+        if rule is None:
+            raise CorruptRecord(key, f"field {str(name)[:100]!r} is not one the rules name")
+        want, ndim, fixed, sizes = rule
+        if dtype != want:
+            raise CorruptRecord(key, f"field {name!r} is stored as {str(dtype)[:100]}, the rules say {want}")
+        if type(shape) is not list or len(shape) > MAX_NDIM:
+            raise CorruptRecord(key, f"field {name!r} has invalid shape {str(shape)[:200]}")
+        for dim in shape:
+            if type(dim) is not int or not 0 <= dim < 1 << 40:
+                raise CorruptRecord(key, f"field {name!r} has invalid shape {str(shape)[:200]}")
+        if ndim is not None and len(shape) != ndim:
+            raise CorruptRecord(key, f"field {name!r} has shape {shape}, the rules say {ndim} dims")
+        for i, extent in fixed:
+            if shape[i] != extent:
+                raise CorruptRecord(key, f"field {name!r} has shape {shape}, the rules fix dim {i} at {extent}")
+        stored = None
+        if type(transforms) is list:
+            try:
+                stored = sizes.get(tuple(transforms))
+            except TypeError:  # an unhashable element (a list, a dict): no transform
+                stored = None
+        return _sized_spec(name, dtype, shape, transforms, stored, nbytes, key)
+
+
+def _verified_body(buf: memoryview, key: str, limits: Limits, check_one: Callable[[Any, str], _Spec],
+                   ) -> tuple[dict, list[_Spec], memoryview]:
+    """The checked header, its field specs (each checked by ``check_one``) and the (decompressed)
+    body of exactly ``raw`` bytes."""
     header, offset = _parse_header(buf, key)
     raw = header.get("raw")
     level = header.get("z")
@@ -578,7 +693,7 @@ def _verified_body(buf: memoryview, key: str, limits: Limits) -> tuple[dict, lis
     compressed = level > 0 and (raw or len(body))
     if not compressed and len(body) != raw:
         raise CorruptRecord(key, f"body is {len(body)} bytes, header says {raw}")
-    specs = _check_specs(header, raw, limits, key)
+    specs = _check_specs(header, raw, limits, key, check_one)
     if compressed:
         try:
             declared = zstandard.frame_content_size(body)

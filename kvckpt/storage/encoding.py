@@ -5,8 +5,9 @@ what a commit costs. :class:`RowEncoder` does it exactly as the store would, fro
 config alone, so a producer on another node encodes its own rows and sends only bytes
 (:class:`EncodedRow`). The store's owner never trusts those bytes: :func:`check_encoded` verifies
 each record (checksum, a bounded decompression, meta naming the group and row, field names,
-dtypes and shapes against the schema) without building arrays, and derives the sizes and
-shapes it records from the verified header, never from what the producer claims.
+dtypes and shapes against the schema compiled once, :attr:`RowSchema.rules`) without building
+arrays, and derives the sizes and shapes it records from the verified header, never from what the
+producer claims.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class CheckedRow(EncodedRow):
 
     raw_bytes: int = 0
     where: str = ""
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # what the store pins (schema.shape_of)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # of the fields the store pins
 
 
 class RowEncoder:
@@ -88,7 +89,7 @@ class RowEncoder:
             values = self.schema.validate(row, where)
             value = codec.encode(values, {"group_id": lease.group_id, "index": index},
                                  level=self.compression_level, dtypes=self.schema.dtypes)
-            shapes = {name: self.schema.shape_of(self.schema.fields[name], v) for name, v in values.items()}
+            shapes = {name: values[name].shape for name in self.schema.pinned_fields if name in values}
             out.append(CheckedRow(index, value, sum(codec.value_nbytes(v) for v in values.values()), where, shapes))
         self.schema.pin({}, [(r.where, r.shapes) for r in out])  # the rows of one commit agree (before any txn)
         return out
@@ -103,7 +104,6 @@ def check_encoded(schema: RowSchema, group_size: int, group_id: str,
             the schema (the message names the row); nothing of the commit is written then.
     """
     out = []
-    limits = schema.limits()
     for item in rows:
         index, value = (item.index, item.value) if isinstance(item, EncodedRow) else (item["index"], item["value"])
         _check_index(group_id, index, group_size)
@@ -111,16 +111,15 @@ def check_encoded(schema: RowSchema, group_size: int, group_id: str,
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise SchemaMismatch(f"{where}: an encoded row is bytes, got {type(value).__name__}")
         try:
-            record = codec.describe(value, where, limits=limits)
+            record = schema.describe_row(value, where)  # the schema compiled once: one pass per header
         except CorruptRecord as exc:
             raise SchemaMismatch(f"{where}: the encoded record is refused: {exc.reason}") from None
         if record.meta != {"group_id": group_id, "index": index}:
             raise SchemaMismatch(f"{where}: the encoded record names group {record.meta.get('group_id')!r} "
                                  f"row {record.meta.get('index')!r}")
-        schema.check_record(record, where)
-        shapes = {name: schema.shape_of(schema.fields[name], info) for name, info in record.arrays.items()}
-        out.append(CheckedRow(index, bytes(value), sum(info.nbytes for info in record.arrays.values()), where,
-                              shapes))
+        shapes = {name: record.arrays[name].shape for name in schema.pinned_fields if name in record.arrays}
+        raw_bytes = sum([info.nbytes for info in record.arrays.values()])
+        out.append(CheckedRow(index, bytes(value), raw_bytes, where, shapes))
     schema.pin({}, [(r.where, r.shapes) for r in out])
     return out
 

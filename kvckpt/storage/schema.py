@@ -22,6 +22,7 @@ that bound what reading one stored row may allocate.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
@@ -31,7 +32,7 @@ import numpy as np
 
 from kvckpt.errors import SchemaMismatch
 from kvckpt.storage.casts import cast
-from kvckpt.storage.codec import DTYPES, TEXT_DTYPES, Limits, Record
+from kvckpt.storage.codec import DTYPES, TEXT_DTYPES, FieldRule, Limits, Record, RecordRules
 
 KINDS = ("token", "row")
 #: Default cap on a row's tokens (1,048,576), for rows committed and rows read back.
@@ -245,22 +246,66 @@ class RowSchema:
                 continue
             shape = tuple(value.shape)
             if spec.kind == "token":
-                if not shape:
-                    raise SchemaMismatch(f"{where}: token field {name!r} must have a token dimension, got a scalar")
-                if length is None:
-                    length = shape[0]
-                    if length > self.max_tokens:
-                        raise SchemaMismatch(f"{where}: token field {name!r} has {length} tokens, over the "
-                                             f"schema's max_tokens {self.max_tokens}")
-                elif shape[0] != length:
-                    raise SchemaMismatch(f"{where}: token field {name!r} has {shape[0]} tokens, "
-                                         f"other token fields have {length}")
+                length = self._token_length(name, shape, length, where)
                 shape = shape[1:]
             declared = spec.shape if spec.shape is not None or spec.kind == "row" else ()
             if declared is not None and shape != declared:
                 part = "trailing dims" if spec.kind == "token" else "shape"
                 raise SchemaMismatch(f"{where}: field {name!r} has {part} {list(shape)}, the schema declares "
                                      f"{list(declared)}")
+
+    def _token_length(self, name: str, shape: tuple[int, ...], length: int | None, where: str) -> int:
+        """A token field's token count, held against ``length`` (the row's other token fields', or
+        ``None`` for the first) and ``max_tokens``."""
+        if not shape:
+            raise SchemaMismatch(f"{where}: token field {name!r} must have a token dimension, got a scalar")
+        if length is None:
+            if shape[0] > self.max_tokens:
+                raise SchemaMismatch(f"{where}: token field {name!r} has {shape[0]} tokens, over the "
+                                     f"schema's max_tokens {self.max_tokens}")
+        elif shape[0] != length:
+            raise SchemaMismatch(f"{where}: token field {name!r} has {shape[0]} tokens, "
+                                 f"other token fields have {length}")
+        return shape[0]
+
+    # -- the owner's check of encoded rows, compiled once ----------------------------------------
+    @functools.cached_property
+    def rules(self) -> RecordRules:
+        """The schema compiled into the rules every stored row meets (built once per schema): each
+        field's dtype, its shape (a token field: any token count, then its declared trailing dims
+        or none; a row field: its declared shape, or any until the store pins one; text: 0-d), its
+        decode cap from :meth:`limits` (no pins), and which fields are required."""
+        caps = self.limits().field_bytes
+        return RecordRules({name: FieldRule(spec.dtype, (None, *(spec.shape or ())) if spec.kind == "token"
+                                            else spec.shape, caps[name]) for name, spec in self.fields.items()},
+                           [name for name in self.fields if name not in self.optional])
+
+    def describe_row(self, value: bytes | memoryview, where: str) -> Record:
+        """Verify one encoded row against the schema in one pass over its header (:attr:`rules`):
+        everything ``check_record(codec.describe(value, where, limits=self.limits()), where)`` checks.
+        The result is :func:`~kvckpt.storage.codec.describe`'s (shapes and sizes, no arrays).
+
+        Raises:
+            CorruptRecord: the record is damaged, or holds a field, dtype, shape or size the schema
+                refuses (the message names ``where`` and the field).
+            SchemaMismatch: its token fields differ in length or hold over ``max_tokens``.
+        """
+        record = self.rules.describe(value, where)
+        length = None
+        for name in self._token_names:
+            info = record.arrays.get(name)
+            if info is not None:
+                length = self._token_length(name, info.shape, length, where)
+        return record
+
+    @functools.cached_property
+    def _token_names(self) -> tuple[str, ...]:
+        return tuple(self.token_fields)
+
+    @functools.cached_property
+    def pinned_fields(self) -> tuple[str, ...]:
+        """The fields whose shape the store pins (:meth:`pin`): row fields that declare no shape."""
+        return tuple(n for n, f in self.fields.items() if f.kind == "row" and f.shape is None)
 
     # -- shapes the store pins -------------------------------------------------------------------
     @staticmethod
