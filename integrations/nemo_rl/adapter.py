@@ -100,6 +100,8 @@ class TQReplayBuffer:
         cfg = config if isinstance(config, AdapterConfig) else parse_config(config) if config is not None \
             else configured() if store is None else None
         self.core = store if store is not None else open_store(cfg)
+        self._config = cfg
+        self._pickle_args = (partition_id, dict(pad_value_dict or {}), require_routed_experts)
         self.dp_client = dp_client
         if isinstance(dp_client, KvckptDataPlane):
             dp_client.bind(self)
@@ -478,7 +480,10 @@ class TQReplayBuffer:
         with self._lock:
             for group in selection.groups:
                 self._meta.pop(group.group_id, None)
-        return metas[0].concat(*metas[1:]), len(metas)
+        meta = metas[0].concat(*metas[1:])
+        if isinstance(self.dp_client, KvckptDataPlane):
+            self.dp_client.publish(meta)  # NeMo-RL's trainer workers read the batch from its own data plane
+        return meta, len(metas)
 
     def _evict(self, version: int) -> int:
         self._advance_to(version)
@@ -627,11 +632,44 @@ class TQReplayBuffer:
         """Close the store. Idempotent."""
         self.core.close()
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickling hands the store over to the process that unpickles it (NeMo-RL ships the buffer
+        in its actor args to the ``SingleControllerActor``): this handle closes, the copy reopens
+        the same file from its config (one writer at a time), binds ``dp_client`` again and, if
+        that process can import NeMo-RL, installs kvckpt's sampler factory there. Memory-only
+        state (prompts staged but not admitted) does not travel; a staged prompt refuses it.
+
+        Raises:
+            BadArgument: the buffer was built around an open store without a config, or prompts
+                are staged (admit them first).
+        """
+        if self._config is None:
+            raise BadArgument("this TQReplayBuffer wraps an open store without a config; it cannot be handed over")
+        if self.ledger.staged():
+            raise BadArgument("prompts are staged in the ledger but not admitted; sampler.admit them before "
+                              "handing the buffer to another process")
+        self.close()
+        return _reopen, (self.dp_client, self._config, type(self.core.sampler), *self._pickle_args)
+
     def __enter__(self) -> TQReplayBuffer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _reopen(dp_client: Any, config: AdapterConfig, sampler_class: type, partition_id: str,
+            pad_value_dict: dict[str, int], require_routed_experts: bool) -> TQReplayBuffer:
+    """Unpickle a :class:`TQReplayBuffer` (see its ``__reduce__``)."""
+    from kvckpt.integrations.nemo_rl.swap import install_if_importable
+
+    from kvckpt.samplers import register
+
+    register(sampler_class)  # a custom sampler's class travels by reference; the store names it
+    buffer = TQReplayBuffer(dp_client, partition_id, pad_value_dict=pad_value_dict,
+                            require_routed_experts=require_routed_experts, config=config)
+    install_if_importable()
+    return buffer
 
 
 def create_replay_buffer(config: Mapping[str, Any] | AdapterConfig, *, pad_value_dict: Mapping[str, int] | None = None,

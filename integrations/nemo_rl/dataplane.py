@@ -23,6 +23,12 @@ What is stored where:
 ``clear_samples`` drops derived values and hides the rows from this client; the rows leave the
 store when the step closes (``finish_step``), since a crash before a checkpoint covers the step
 must be able to return them to ready.
+
+With ``inner=`` (NeMo-RL's own client, which its trainer workers read through), the buffer
+:meth:`~KvckptDataPlane.publish` es each selected batch's committed rows into it, and
+``put_samples`` / ``clear_samples`` are forwarded to it too: the inner data plane then holds the
+batches being trained and nothing else, a cache the store can refill (after a restart the next
+``select`` publishes again).
 """
 
 from __future__ import annotations
@@ -82,15 +88,22 @@ class KvckptDataPlane:
     """NeMo-RL's data-plane client over a kvckpt buffer's store (see the module docstring).
 
     Build it unbound and hand it to ``TQReplayBuffer(dp_client, ...)`` (which binds it, as
-    NeMo-RL's ``setup.py`` builds the client first), or pass the buffer here.
+    NeMo-RL's ``setup.py`` builds the client first), or pass the buffer here. ``inner``: a
+    NeMo-RL data-plane client that selected batches are published to (see :meth:`publish`).
     """
 
-    def __init__(self, buffer: TQReplayBuffer | None = None) -> None:
+    def __init__(self, buffer: TQReplayBuffer | None = None, *, inner: Any = None) -> None:
         self._buffer = buffer
+        self.inner = inner
         self._lock = threading.Lock()
         self._derived: dict[str, dict[int, dict[str, Any]]] = {}  # group id -> row -> field -> value
         self._cleared: dict[str, set[int]] = {}  # group id -> rows clear_samples hid
         self._timeline: str | None = None  # the store's history the two dicts belong to
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickles unbound, with ``inner`` only: derived values belong to this process's claims
+        (the buffer that travels with it binds the copy again)."""
+        return _unbound, (self.inner,)
 
     def bind(self, buffer: TQReplayBuffer) -> None:
         """Answer from ``buffer``'s store (``TQReplayBuffer`` calls it with its ``dp_client``).
@@ -167,6 +180,9 @@ class KvckptDataPlane:
                 row = self._derived.setdefault(gid, {}).setdefault(index, {})
                 row.update((name, values[name][i]) for name in names)
                 self._cleared.get(gid, set()).discard(index)
+        if self.inner is not None:
+            self.inner.put_samples(sample_ids=list(sample_ids), partition_id=partition_id, fields=fields,
+                                   tags=None if tags is None else [dict(t) for t in tags])
         group_ids = tuple(dict.fromkeys(gid for gid, _ in ids))
         return ReplayMeta(partition_id, group_ids, tuple(sample_ids), tuple(names), (),
                           tuple(dict(t) for t in tags) if tags is not None else ())
@@ -253,6 +269,8 @@ class KvckptDataPlane:
         with self._lock:
             if sample_ids is None:
                 self._derived.clear()
+                if self.inner is not None:
+                    self.inner.clear_samples(sample_ids=None, partition_id=partition_id)
                 return
             ids = [split_sample_id(s) for s in sample_ids]
             self._live([gid for gid, _ in ids])
@@ -267,9 +285,30 @@ class KvckptDataPlane:
                 group = self.buffer.core.group(gid)
                 if group is not None and group.state == CLAIMED:
                     self._cleared.setdefault(gid, set()).add(index)
+        if self.inner is not None:
+            self.inner.clear_samples(sample_ids=list(sample_ids), partition_id=partition_id)
+
+    def publish(self, meta: ReplayMeta) -> None:
+        """Put the committed rows of a selected batch (every stored field, tagged with each row's
+        ``weight_version``) into ``inner``, so NeMo-RL's trainer workers read them where they
+        look. No-op without ``inner``. The buffer calls it after each ``select``.
+
+        Raises:
+            NotSelectable: a group's rows are gone. Whatever ``inner.put_samples`` raises.
+        """
+        if self.inner is None or not meta.sample_ids:
+            return
+        fields = self.get_samples(list(meta.sample_ids), meta.partition_id, list(self.buffer.core.schema.fields))
+        self.inner.put_samples(sample_ids=list(meta.sample_ids), partition_id=meta.partition_id, fields=fields,
+                               tags=[dict(t) for t in meta.tags])
 
     def close(self) -> None:
         """Drop every derived value (the store is the buffer's to close). Idempotent."""
         with self._lock:
             self._derived.clear()
             self._cleared.clear()
+
+
+def _unbound(inner: Any) -> KvckptDataPlane:
+    """Unpickle a :class:`KvckptDataPlane` (see its ``__reduce__``)."""
+    return KvckptDataPlane(inner=inner)
