@@ -15,7 +15,6 @@ from the actor's ``recovery_plan()``. """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -174,21 +173,14 @@ class BufferClient:
 
 def wait_for_actor(actor: Any, timeout: float = 60.0) -> dict[str, Any]:
     """Wait until the buffer actor answers (after a restart: its new incarnation) and return its
-    ``info()``. Calls made while Ray has not yet noticed a death fail with ``RayActorError``;
-    this retries them.
+    ``info()``. Ray itself resubmits this read-only call until the restarted actor runs it
+    (``max_task_retries=-1``: the call is retried across restarts, never polled here).
 
     Raises:
-        RayActorError: the actor stayed dead or unavailable for ``timeout`` seconds.
-        GetTimeoutError: the actor was reachable but did not answer in time.
+        RayActorError: the actor is dead for good (it has no restart left).
+        GetTimeoutError: no incarnation of the actor answered within ``timeout`` seconds.
     """
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return ray.get(actor.info.remote(), timeout=max(0.1, deadline - time.monotonic()))
-        except RayActorError:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.1)
+    return ray.get(actor.info.options(max_task_retries=-1).remote(), timeout=timeout)
 
 
 def _fail(call: _Call, exc: BaseException) -> None:
