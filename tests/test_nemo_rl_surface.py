@@ -713,6 +713,7 @@ def test_state_dict_skips_pending_slots_and_an_empty_buffer_round_trips(make: An
     last = add_group(buf, 3).group_ids[0]
     state = run(buf.state_dict(saved_capacity=16))
     assert [(g["group_id"], g["start_weight"]) for g in state["groups"]] == [(first, 1), (last, 3)]
+    assert [g["sequence_lengths"] for g in state["groups"]] == [[3, 3], [3, 3]]  # the groups' KVBatchMeta lengths
     assert state["saved_capacity"] == 16 and state["partition_id"] == "rollout_data"
     with pytest.raises(RecoveryError, match="a later save of the same step replaced it"):
         run(buf.load_state_dict(empty, **kwargs))  # the step-0 file now holds the second save
@@ -742,9 +743,11 @@ def test_load_state_dict_validates_the_envelope_first(make: Any) -> None:
     cases = [({k: v for k, v in state.items() if k != "groups"}, {}, ValueError, "missing required keys"),
              ({**state, "backend": "tq"}, {}, ValueError, "backend 'tq'"),
              (state, {"expected_partition_id": "other"}, ValueError, "partition_id mismatch"),
-             (state, {"expected_group_size": 3}, ValueError, "expected_group_size=3"),
+             (state, {"expected_group_size": 3}, ValueError, "misaligned.*expected_group_size=3"),
+             ({**state, "groups": [{**state["groups"][0], "sequence_lengths": [3]}]}, {}, ValueError,
+              "misaligned: 2 sample_ids and 1 sequence_lengths"),
              ({**state, "groups": state["groups"] * 2}, {}, ValueError, "duplicate sample_id"),
-             ({**state, "groups": [{"group_id": "g"}]}, {}, ValueError, "group is malformed"),
+             ({**state, "groups": [{"group_id": "g"}]}, {}, ValueError, "group missing keys"),
              (state, {"max_groups": 0}, CapacityError, "max_buffered_rollouts is 0")]
     for bad, override, exc, message in cases:
         with pytest.raises(exc, match=message):

@@ -6,7 +6,8 @@ that file makes ready again, without any row payload, so it loads with
 
 ``backend`` (``"kvckpt"``), ``schema_version``, ``partition_id``, ``saved_capacity``,
 ``trainer_version``, ``dispatch_index``, ``checkpoint_file``, ``checkpoint_id`` and ``groups``:
-per group ``group_id``, ``start_weight``, ``end_weight``, ``target_step``, ``sample_ids``.
+per group ``group_id``, ``start_weight``, ``end_weight``, ``target_step``, ``sample_ids`` and
+``sequence_lengths`` (one per row, as the group's ``KVBatchMeta`` carries them).
 It is untrusted input when read back: :func:`check` refuses anything malformed with a
 :class:`~kvckpt.errors.BadArgument` (a ``ValueError``, as NeMo-RL raises) before anything changes.
 """
@@ -21,11 +22,11 @@ from kvckpt.errors import BadArgument
 from kvckpt.storage import keys
 from kvckpt.tables.records import CLAIMED, READY
 
-#: The envelope's version.
-SCHEMA_VERSION = 1
+#: The envelope's version (2: groups carry ``sequence_lengths``).
+SCHEMA_VERSION = 2
 REQUIRED = ("backend", "schema_version", "partition_id", "saved_capacity", "checkpoint_file", "checkpoint_id",
             "groups")
-GROUP_KEYS = ("group_id", "start_weight", "end_weight", "target_step", "sample_ids")
+GROUP_KEYS = ("group_id", "start_weight", "end_weight", "target_step", "sample_ids", "sequence_lengths")
 
 
 def build(snapshot: ReplayBuffer, result: CheckpointResult, partition_id: str, saved_capacity: int) -> dict[str, Any]:
@@ -33,12 +34,23 @@ def build(snapshot: ReplayBuffer, result: CheckpointResult, partition_id: str, s
     read-only): the groups ready once it is restored, i.e. ready or claimed by its step (a
     restore undoes those claims)."""
     groups = [{"group_id": g.group_id, "start_weight": g.start_weight, "end_weight": g.end_weight,
-               "target_step": g.target_step, "sample_ids": [keys.row_id(g.group_id, i) for i in range(g.group_size)]}
+               "target_step": g.target_step, "sample_ids": [keys.row_id(g.group_id, i) for i in range(g.group_size)],
+               "sequence_lengths": _lengths(snapshot, g.group_id)}
               for g in snapshot.groups([READY, CLAIMED])]
     return {"backend": "kvckpt", "schema_version": SCHEMA_VERSION, "partition_id": partition_id,
             "saved_capacity": int(saved_capacity), "trainer_version": result.trainer_version,
             "dispatch_index": snapshot.state()["dispatch_index"], "checkpoint_file": result.path,
             "checkpoint_id": result.checkpoint_id, "groups": groups}
+
+
+def _lengths(snapshot: ReplayBuffer, group_id: str) -> list[int]:
+    """Each row's ``input_lengths`` (else its first token field's length; 0 without either)."""
+    schema = snapshot.schema
+    name = "input_lengths" if "input_lengths" in schema.fields else (schema.token_fields or [None])[0]
+    if name is None:
+        return [0] * snapshot.group(group_id).group_size
+    rows = snapshot.read_batch([group_id], fields=[name], layout="list").rows
+    return [int(row[name]) if name == "input_lengths" else len(row[name]) for row in rows]
 
 
 def check(state: Any, partition_id: str, group_size: int) -> None:
@@ -63,11 +75,16 @@ def check(state: Any, partition_id: str, group_size: int) -> None:
         raise BadArgument("replay buffer checkpoint groups must be a list and checkpoint_file a path")
     seen: set[str] = set()
     for doc in state["groups"]:
-        if not isinstance(doc, Mapping) or set(GROUP_KEYS) - set(doc) or not isinstance(doc["sample_ids"], list):
-            raise BadArgument(f"replay buffer checkpoint group is malformed (needs {list(GROUP_KEYS)}): {doc!r:.200}")
-        if len(doc["sample_ids"]) != group_size:
-            raise BadArgument(f"replay buffer checkpoint group {doc['group_id']!r} has {len(doc['sample_ids'])} "
-                              f"rows, expected_group_size={group_size}")
+        missing = sorted(set(GROUP_KEYS) - set(doc)) if isinstance(doc, Mapping) else list(GROUP_KEYS)
+        if missing:
+            raise BadArgument(f"replay buffer checkpoint group missing keys: {missing}")
+        if not isinstance(doc["sample_ids"], list) or not isinstance(doc["sequence_lengths"], list):
+            raise BadArgument(f"replay buffer checkpoint group {doc['group_id']!r}: sample_ids and sequence_lengths "
+                              "must be lists")
+        if len(doc["sample_ids"]) != group_size or len(doc["sequence_lengths"]) != group_size:
+            raise BadArgument(f"replay buffer checkpoint group {doc['group_id']!r} is misaligned: "
+                              f"{len(doc['sample_ids'])} sample_ids and {len(doc['sequence_lengths'])} "
+                              f"sequence_lengths, expected_group_size={group_size}")
         for sid in doc["sample_ids"]:
             if sid in seen:
                 raise BadArgument(f"replay buffer checkpoint has duplicate sample_id: {sid!r}")
