@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -748,11 +749,43 @@ def test_load_state_dict_validates_the_envelope_first(make: Any) -> None:
               "misaligned: 2 sample_ids and 1 sequence_lengths"),
              ({**state, "groups": state["groups"] * 2}, {}, ValueError, "duplicate sample_id"),
              ({**state, "groups": [{"group_id": "g"}]}, {}, ValueError, "group missing keys"),
-             (state, {"max_groups": 0}, CapacityError, "max_buffered_rollouts is 0")]
+             (state, {"max_groups": 0}, CapacityError, "max_buffered_rollouts=0 is below")]
     for bad, override, exc, message in cases:
         with pytest.raises(exc, match=message):
             run(buf.load_state_dict(bad, **{**kwargs, **override}))
     assert dump_store(buf.core) == before
+
+
+def test_a_smaller_capacity_keeps_the_freshest_unstamped_groups(make: Any, caplog: Any) -> None:
+    """NeMo-RL's truncation on resume: the oldest groups are dropped (evicted, recorded), the
+    freshest kept in order, the capacity switched; a second call (the crash path) changes nothing."""
+    kwargs = {"expected_partition_id": "rollout_data", "expected_group_size": N_GENS}
+    buf = make(SAMPLERS["windowed"], per_step=1)
+    gids = [add_group(buf, w).group_ids[0] for w in (1, 2, 3)]
+    state = run(buf.state_dict(saved_capacity=16))
+    fresh = make(SAMPLERS["windowed"], per_step=1)  # another live path: the file is restored into it
+    with caplog.at_level(logging.WARNING, logger="kvckpt.integrations.nemo_rl"):
+        assert run(fresh.load_state_dict(state, max_groups=2, **kwargs)) == 2
+    assert "capacity changed to max_buffered_rollouts=2" in caplog.text
+    assert (fresh.start_weight_list, fresh._group_ids) == ([2, 3], gids[1:])
+    assert fresh.core.config.max_buffered_rollouts == 2 and fresh.core.group(gids[0]).state == "evicted"
+    assert run(fresh.load_state_dict(state, max_groups=2, **kwargs)) == 2
+    assert fresh._group_ids == gids[1:] and fresh.core.store.read(lambda txn: check(txn).ok)
+
+
+def test_over_capacity_target_stamped_groups_are_refused_before_anything_changes(make: Any) -> None:
+    buf = make(SAMPLERS["in_order"], per_step=1, capacity=4)
+    s = create_sampler(buf, SAMPLERS["in_order"])
+    for _ in range(2):
+        t = run(s.admit(trainer_version_fn=lambda: 0))
+        add_group(buf, 0, target_step=t)
+    state = run(buf.state_dict(saved_capacity=4))
+    fresh = make(SAMPLERS["in_order"], per_step=1, capacity=4)
+    before = dump_store(fresh.core)
+    with pytest.raises(CapacityError, match=r"target_step stamps.*max_buffered_rollouts >= 2"):
+        run(fresh.load_state_dict(state, max_groups=1, expected_partition_id="rollout_data",
+                                  expected_group_size=N_GENS))
+    assert dump_store(fresh.core) == before
 
 
 # == generate_and_push's retry loop under failures ===============================================

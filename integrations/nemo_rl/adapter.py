@@ -24,6 +24,7 @@ How NeMo-RL's slots map onto the store (see ``docs/integrations.md`` for every m
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import uuid
@@ -41,6 +42,8 @@ from kvckpt.integrations.nemo_rl.sampler import create_sampler
 from kvckpt import Batch, CheckpointResult, Lease, Prompt, RecoveryPlan, ReplayBuffer, restore
 from kvckpt.errors import BadArgument, CapacityError, RecoveryError, SchemaMismatch
 from kvckpt.tables.records import READY, Admission, GroupInfo
+
+log = logging.getLogger("kvckpt.integrations.nemo_rl")
 
 #: ``task_name`` of a prompt NeMo-RL reserved without saying which prompt it is (main's
 #: ``reserve`` carries no identity; pass ``prompt_idx=``/``task_name=`` or use the ledger).
@@ -587,22 +590,34 @@ class TQReplayBuffer:
         path through a fresh handle. Either way every group of the envelope must be there with its
         stamps. Staleness is not applied: the first ``sampler.evict`` does.
 
+        More groups than ``max_groups`` (a smaller capacity on resume), none target-stamped: as
+        NeMo-RL, the freshest ``max_groups`` are kept in order and the oldest dropped (one
+        ``evict``, recorded as evicted), then the capacity switches (one recovery) and a warning
+        says so. Both steps are idempotent, so a crash between them is finished by the next call.
+
         Raises:
             BadArgument (a ValueError, as NeMo-RL raises): a malformed envelope, one another
-            backend wrote, a partition or group size mismatch, duplicate sample ids. CapacityError: more groups than
-            ``max_groups`` (kvckpt never drops restored groups). RecoveryError: the file holds
-            another checkpoint (a later save of the same step), or the store does not hold the
-            envelope's groups as stamped.
+            backend wrote, a partition or group size mismatch, duplicate sample ids. CapacityError:
+            more target-stamped groups than ``max_groups`` (each is owed to its step), or a
+            ``max_groups`` the sampler would deadlock under. RecoveryError: the file holds another
+            checkpoint (a later save of the same step), or the store does not hold the envelope's
+            groups as stamped.
         """
         envelope.check(state, expected_partition_id, expected_group_size)
-        groups = state["groups"]
+        groups, dropped = state["groups"], []
         if len(groups) > max_groups:
-            raise CapacityError(f"the checkpoint holds {len(groups)} groups but async_rl.max_buffered_rollouts is "
-                                f"{max_groups}: resume with a capacity of at least {len(groups)}")
+            if any(doc["target_step"] is not None for doc in groups):
+                raise CapacityError(f"the checkpoint holds {len(groups)} groups with target_step stamps but "
+                                    f"async_rl.max_buffered_rollouts is {max_groups}: a stamped group is owed to its "
+                                    f"step and cannot be dropped; resume with max_buffered_rollouts >= {len(groups)}")
+            self.core.sampler.check_capacity(max_groups, self.core.config.groups_per_step)
+            dropped = [doc["group_id"] for doc in groups[:len(groups) - max_groups]]
+            groups = groups[len(groups) - max_groups:]
         stamp = self.core.store.read(lambda t: t.get_json("meta", b"checkpoint")) or {}
         resume_step = self._resume_step
         if stamp.get("checkpoint_id") != state["checkpoint_id"] or resume_step is not None:
-            await asyncio.to_thread(self._restore_file, state["checkpoint_file"], state["checkpoint_id"], max_groups)
+            await asyncio.to_thread(self._restore_file, state["checkpoint_file"], state["checkpoint_id"],
+                                    None if dropped else max_groups)
             if resume_step is not None and self.core.trainer_version != resume_step:
                 self._resume_step = resume_step
                 raise RecoveryError(f"the run resumes from step {resume_step} but the replay checkpoint is of step "
@@ -615,9 +630,23 @@ class TQReplayBuffer:
                 raise RecoveryError(f"checkpointed group {doc['group_id']!r} is not ready in the store as stamped "
                                     f"({'absent' if group is None else group.state}); the envelope and the store "
                                     "are from different runs")
+        if dropped:
+            await asyncio.to_thread(self._truncate, dropped, max_groups)
         return len(groups)
 
-    def _restore_file(self, checkpoint_file: str, checkpoint_id: str, max_groups: int) -> None:
+    def _truncate(self, dropped: list[str], max_groups: int) -> None:
+        """Drop the oldest restored groups (one evict) and switch the capacity (one recovery)."""
+        ready = {g.group_id for g in self.core.groups([READY])}
+        gone = [gid for gid in dropped if gid in ready]
+        if gone:
+            self.core.evict(gone)
+        log.warning("replay buffer capacity changed to max_buffered_rollouts=%d: dropped the %d oldest restored "
+                    "groups %s", max_groups, len(dropped), dropped[:4])
+        refill = self._refill
+        self._adopt(self.core.recover(self.core.trainer_version, max_buffered_rollouts=max_groups))
+        self._refill = refill
+
+    def _restore_file(self, checkpoint_file: str, checkpoint_id: str, max_groups: int | None) -> None:
         path = self.core.path
         self.core.close()
         core, plan = restore(checkpoint_file, path, overwrite=True, max_buffered_rollouts=max_groups)
