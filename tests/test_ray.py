@@ -138,6 +138,9 @@ def test_producers_encode_at_the_edge_and_the_actor_only_checks(ray_local, tmp_p
     with kray.BufferClient(actor) as again:  # an identical re-commit from the edge is an idempotent replay
         replay = again.commit(leases[1], make_group(2, seed_of(leases[1]["group_id"])))
     assert replay.result().replayed
+    stats = ray.get(actor.stats.remote())  # 4 calls (2 + 1 edge, 1 plain, 1 replay) carried 5 commits
+    assert (stats["actor_commit_calls"], stats["actor_commit_call_commits"], stats["commit_transitions"]) == (4, 5, 5)
+    assert 1 <= stats["commit_transactions"] <= 4 and 1 <= stats["actor_commit_calls_most_running"] <= 4
     assert verify_path(str(tmp_path / "live.kv"), deep=True).ok
     ray.kill(actor)
 

@@ -176,6 +176,8 @@ class BufferActor:
         self.session = uuid.uuid4().hex
         self._checkpoints: dict[str, CheckpointHandle] = {}
         self._plan: dict[str, Any] | None = None
+        #: commit_many calls of this incarnation: calls, commits they carried, calls running now and at most.
+        self._calls = {"calls": 0, "commits": 0, "running": 0, "most_running": 0}
         if os.path.exists(self.path):
             buffer = ReplayBuffer.open(self.path)
             try:
@@ -278,6 +280,17 @@ class BufferActor:
         in item order, each commit's result dict or the exception that refused it (nothing of a
         refused item was written). Concurrent calls from several producers share transactions too.
         """
+        calls = self._calls
+        calls["calls"] += 1
+        calls["commits"] += len(items)
+        calls["running"] += 1
+        calls["most_running"] = max(calls["most_running"], calls["running"])
+        try:
+            return await self._commit_items(items)
+        finally:
+            calls["running"] -= 1
+
+    async def _commit_items(self, items: Sequence[Mapping[str, Any]]) -> list[dict[str, Any] | BaseException]:
         parsed: list[Any] = []
         for item in items:
             try:
@@ -381,8 +394,16 @@ class BufferActor:
 
     # -- inspection ------------------------------------------------------------------------------
     async def stats(self) -> dict[str, Any]:
-        """Counters, counts and commit latencies (see :meth:`kvckpt.ReplayBuffer.stats`)."""
-        return await self._abuf.stats()
+        """Counters, counts and commit latencies (see :meth:`kvckpt.ReplayBuffer.stats`: its
+        ``commit_transactions`` / ``commit_transitions`` are the group committer's durable
+        transactions and the commits they held), plus this incarnation's :meth:`commit_many`
+        calls: ``actor_commit_calls``, ``actor_commit_call_commits`` (commits they carried),
+        ``actor_commit_calls_most_running`` (the most calls in progress at once: calls overlap
+        when above 1) and ``actor_max_workers`` (threads that run them)."""
+        calls = self._calls
+        return {**await self._abuf.stats(), "actor_commit_calls": calls["calls"],
+                "actor_commit_call_commits": calls["commits"], "actor_commit_calls_most_running": calls["most_running"],
+                "actor_max_workers": self.max_workers}
 
     async def state(self) -> dict[str, Any]:
         """Cursors, counts and counters (see :meth:`kvckpt.ReplayBuffer.state`)."""

@@ -3,11 +3,11 @@
 A plain actor call costs a few milliseconds of Ray round trip, several times what the commit
 transaction itself costs. :class:`BufferClient` amortises it: it packs ``batch_groups`` commits
 into one :meth:`BufferActor.commit_many <kvckpt.integrations.ray.actor.BufferActor.commit_many>`
-call (rows in one Ray object) and keeps up to ``max_in_flight`` calls outstanding, so the actor
+call (its items passed by value) and keeps up to ``max_in_flight`` calls outstanding, so the actor
 always has work queued while acknowledgements travel back.
 
 Exactly-once across actor failures: if the actor dies with a call in flight, the client waits for
-the restarted actor and resends the *same* object (same rows, same leases). Commits that had landed
+the restarted actor and resends the *same* items (same rows, same leases). Commits that had landed
 come back ``replayed=True`` (the core recognises an identical re-commit); commits that had not
 landed are refused with :class:`~kvckpt.AbandonedTimeline` (a :class:`~kvckpt.StaleAttempt`),
 because the restart's recovery moved their prompts to a new timeline: the driver redispatches them
@@ -35,7 +35,7 @@ from kvckpt.tables.records import CommitResult, GroupInfo, Lease
 
 @dataclass
 class _Call:
-    payload: Any  # ObjectRef of the items: resent as is after an actor restart
+    payload: Any  # the items, resent as they are after an actor restart
     futures: list[Future[CommitResult]]
     result: Any  # ObjectRef of the reply
     attempts: int = 1
@@ -140,8 +140,9 @@ class BufferClient:
             self._reap(self._in_flight.popleft())
         items, futures = [i for i, _ in self._pending], [f for _, f in self._pending]
         self._pending = []
-        payload = ray.put(items)
-        self._in_flight.append(_Call(payload, futures, self.actor.commit_many.remote(payload)))
+        # By value, not ray.put: Ray inlines small items in the call (a put costs a round trip to the
+        # object store and a fetch on the actor's side) and puts large ones in its store itself.
+        self._in_flight.append(_Call(items, futures, self.actor.commit_many.remote(items)))
 
     def _reap(self, call: _Call) -> None:
         while True:
