@@ -404,16 +404,18 @@ def test_diff_detects_a_changed_store(store: dict, tmp_path) -> None:
 # -- demo ----------------------------------------------------------------------------------------
 def test_demo_fast_trains_every_prompt_exactly_once() -> None:
     out = " ".join(kv("demo", "--fast", "--no-model").stdout.split())
-    assert "exactly once 48 prompts: 48 trained once, 0 discarded by the sampler, 0 lost, 0 doubled" in out
-    assert "generation work lost 0 rows: the " in out and "final store verifies clean" in out
+    assert ("exactly once 48 prompts served: 48 trained once, 0 discarded by the sampler, 0 buffered, 0 lost, "
+            "0 doubled") in out
+    assert "generation work lost 0 completions: the " in out and "final store verifies clean" in out
+    assert "model-free producer/consumer, sampler in_order" in out and "learning curve" not in out
     assert "result: ok" in out
 
 
 def test_demo_fast_from_a_checkpoint_file(tmp_path) -> None:
     doc = kv_json("demo", "--fast", "--no-model", "--recovery", "checkpoint", "--out", tmp_path / "run")
     check, rec = doc["check"], doc["recovery"]
-    assert doc["ok"] is True and check["lost"] == 0 and check["doubled"] == 0 and check["verify_ok"] is True
-    assert check["trained_once"] + check["discarded"] == 48
+    assert doc["ok"] is True and check["lost"] == [] and check["doubled"] == [] and check["verify_ok"] is True
+    assert check["model_agrees"] is True and check["trained_once"] + check["discarded"] == 48
     assert rec["mode"] == "checkpoint" and rec["work_lost"] == {k: rec["work_after_checkpoint"][k]
                                                                 for k in ("groups", "rows", "raw_bytes")}
     assert os.path.exists(tmp_path / "run" / "live.kv") and doc["out"] == str(tmp_path / "run")

@@ -420,69 +420,24 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 # -- demo ----------------------------------------------------------------------------------------
-def _render_demo(doc: dict[str, Any]) -> list[str]:
-    run, rec, check = doc["run"], doc["recovery"], doc["check"]
-    kill = run["at_kill"]
-    work, lost = rec["work_after_checkpoint"], rec["work_lost"]
-    ids = [str(p["prompt_idx"]) for p in rec["prompts_redispatched"]]
-    shown, more = _limit(ids, 16)
-    source = "the live store" if rec["mode"] == "live" else f"checkpoint {rec['checkpoint']}"
-    committed = f"{work['groups']} groups + {work['sibling_rows']} sibling rows"
-    if rec["mode"] == "live":
-        lost_text = [f"0 rows: the {committed} ({work['rows']} rows, {_size(work['raw_bytes'])}) committed",
-                     f"after the last checkpoint ({rec['checkpoint'] or 'none'}) were all reused",
-                     "(restoring that checkpoint instead would regenerate them)"]
-    else:
-        lost_text = [f"{lost['rows']} rows ({_size(lost['raw_bytes'])}): the {committed} committed",
-                     f"after {rec['checkpoint']} are regenerated, and the rewound dataloader",
-                     f"re-admits {rec['prompts_readmitted']} prompts"]
-    first = rec["time_to_first_batch_seconds"]
-    out = ["", f"recovery report (from {source}, resumed at step {rec['resume_step']})"]
-    out += _pairs([
-        ("at the kill", f"mid-step {run['killed_mid_step']}: {kill['claimed']} groups claimed, {kill['ready']} ready, "
-                        f"{kill['inflight']} in flight ({kill['partial']} with finished siblings)"),
-        ("groups restored", f"{rec['groups_restored']} ready, {rec['groups_returned_to_ready']} of them claimed or "
-                            f"consumed at steps >= {rec['resume_step']} and returned to ready"),
-        ("prompts redispatched", f"{len(ids)}" + (f": prompt_idx {', '.join(shown)}" if ids else "")
-         + (f" ... +{more}" if more else "")),
-        ("siblings reused", f"{rec['siblings_reused']} rows ({rec['siblings_rerun']} rows left to generate)"),
-        ("generation work lost", lost_text[0]),
-        *[("", line) for line in lost_text[1:]],
-        ("time to first batch", "-" if first is None else f"{first * 1000:.0f} ms after restart "
-                                                          f"(recover {rec['recover_seconds'] * 1000:.0f} ms)"),
-    ])
-    verdict = "ok" if doc["ok"] else "FAILED"
-    out += ["", f"result: {verdict}"]
-    out += _pairs([
-        ("finished", f"{doc['finish']['steps_trained']} more steps, to step {doc['finish']['final_step']}"),
-        ("exactly once", f"{check['prompts']} prompts: {check['trained_once']} trained once, {check['discarded']} "
-                         f"discarded by the sampler, {check['lost']} lost, {check['doubled']} doubled"),
-        ("final store", "verifies clean" if check["verify_ok"] else "; ".join(check["verify_problems"])),
-    ])
-    if check["lost_prompts"] or check["doubled_prompts"]:
-        out += _pairs([("lost prompts", check["lost_prompts"]), ("doubled prompts", check["doubled_prompts"])])
-    if doc.get("out"):
-        out.append(f"  files kept in {doc['out']}")
-    return out
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
+    from kvckpt.integrations.trainer.demo import render
+
     log = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
     if args.no_model:
-        from kvckpt.integrations.trainer.model_free_demo import run_demo
+        from kvckpt.integrations.trainer.model_free_demo import run_demo as run_model_free
 
         from kvckpt.errors import BadArgument
 
         if args.steps is not None:
             raise BadArgument("--steps is an option of the model demo, not of --no-model")
-        report = run_demo(args.out, fast=args.fast, sampler=args.sampler, recovery=args.recovery, log=log)
-        _emit(args, report, _render_demo)
+        report = run_model_free(args.out, fast=args.fast, sampler=args.sampler, recovery=args.recovery, log=log)
     else:
-        from kvckpt.integrations.trainer.demo import render, run_demo
+        from kvckpt.integrations.trainer.demo import run_demo
 
         report = run_demo(args.out, fast=args.fast, steps=args.steps, sampler=args.sampler,
                           recovery=args.recovery, backend=args.backend, log=log)
-        _emit(args, report, render)
+    _emit(args, report, render)
     return EXIT_OK if report["ok"] else EXIT_PROBLEMS
 
 

@@ -22,10 +22,12 @@ drives the same children.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -106,7 +108,9 @@ class DemoHooks(Hooks):
         self._parent = os.getppid()
 
     def log(self, event: str, **fields: Any) -> None:
-        """Append one event line (one ``write``: it survives a SIGKILL right after)."""
+        """Append one event line (one ``write``: it survives a SIGKILL right after), then ring the
+        parent's doorbell (a byte on stdout, which :func:`spawn_child` makes a pipe) so that
+        :func:`wait_event` wakes up at once."""
         line = json.dumps({"event": event, "time": time.time(), **fields}) + "\n"
         with self._lock:
             fd = os.open(self.events, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -114,6 +118,8 @@ class DemoHooks(Hooks):
                 os.write(fd, line.encode())
             finally:
                 os.close(fd)
+            with contextlib.suppress(OSError):  # no parent listening (stdout closed or not a pipe)
+                os.write(sys.stdout.fileno(), b"\n")
 
     def before_commit(self, lease: Lease) -> None:
         if self.park_prompt is None or lease.prompt_idx < self.park_prompt or self.park.parked.is_set():
@@ -188,7 +194,8 @@ def child_main(argv: Sequence[str]) -> int:
 def spawn_child(config_path: str, events: str, *, summary: str | None = None, park_prompt: int | None = None,
                 crash_step: int | None = None, stop_step: int | None = None,
                 stderr: str | None = None) -> subprocess.Popen[bytes]:
-    """Start a training process running :func:`child_main` (its stderr to the file ``stderr``)."""
+    """Start a training process running :func:`child_main` (its stderr to the file ``stderr``; its
+    stdout a pipe carrying one byte per logged event, the doorbell :func:`wait_event` waits on)."""
     cmd = [sys.executable, "-m", "kvckpt.integrations.trainer.demo", "child", config_path, events]
     for flag, value in (("--summary", summary), ("--park-prompt", park_prompt), ("--crash-step", crash_step),
                         ("--stop-step", stop_step)):
@@ -196,7 +203,7 @@ def spawn_child(config_path: str, events: str, *, summary: str | None = None, pa
             cmd += [flag, str(value)]
     err = open(stderr or os.devnull, "wb")  # noqa: SIM115 - handed to the child
     try:
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
     finally:
         err.close()
 
@@ -212,24 +219,30 @@ def read_events(path: str, event: str | None = None) -> list[dict[str, Any]]:
 
 def wait_event(path: str, event: str, proc: subprocess.Popen[bytes], timeout: float,
                stderr: str | None = None) -> dict[str, Any]:
-    """Wait for the first ``event`` in ``path``.
+    """Wait for the first ``event`` in ``path``, logged by ``proc`` (from :func:`spawn_child`): the
+    file is read again each time the child rings its doorbell (a byte on its stdout pipe) and
+    once more when the pipe closes (the child exited); nothing is polled on a timer.
 
     Raises:
         DemoFailed: the process exited first (with the last line of its ``stderr`` file) or
             ``timeout`` seconds passed.
     """
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = read_events(path, event)
-        if found:
-            return found[0]
-        if proc.poll() is not None:
-            logger.error("training process %d exited (%s) before %r; its stderr: %s", proc.pid, proc.returncode,
-                         event, stderr)
-            raise DemoFailed(f"the training process exited ({proc.returncode}) before {event!r}: "
-                             f"{last_error_line(stderr)}")
-        time.sleep(0.1)
-    raise DemoFailed(f"no {event!r} from the training process within {timeout:.0f} s")
+    bell = proc.stdout.fileno()
+    while not (found := read_events(path, event)):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([bell], [], [], left)[0]:
+            raise DemoFailed(f"no {event!r} from the training process within {timeout:.0f} s")
+        if os.read(bell, 65536):
+            continue  # rung: read the events again
+        proc.wait()  # the pipe closed: the child exited
+        if found := read_events(path, event):
+            break
+        logger.error("training process %d exited (%s) before %r; its stderr: %s", proc.pid, proc.returncode,
+                     event, stderr)
+        raise DemoFailed(f"the training process exited ({proc.returncode}) before {event!r}: "
+                         f"{last_error_line(stderr)}")
+    return found[0]
 
 
 def last_error_line(stderr: str | None) -> str:
@@ -428,7 +441,8 @@ def run_demo(out: str | None = None, *, fast: bool = False, steps: int | None = 
         stderr2 = os.path.join(out, "run-2.stderr")
         t_restart = time.time()
         proc = spawn_child(config_path, events2, summary=summary_path, stderr=stderr2)
-        if proc.wait() != 0:
+        proc.communicate()  # drains the doorbell pipe until the run ends
+        if proc.returncode != 0:
             raise DemoFailed(f"the resumed run failed ({proc.returncode}): {last_error_line(stderr2)}")
         with open(summary_path) as fh:
             summary = json.load(fh)
@@ -535,7 +549,9 @@ def _size(n: int) -> str:
 
 
 def render(doc: dict[str, Any]) -> list[str]:
-    """The report a person reads at a glance, as lines."""
+    """The report a person reads at a glance, as lines: of this demo's :func:`run_demo`, or of the
+    model-free one's (:func:`kvckpt.integrations.trainer.model_free_demo.run_demo`, ``backend``
+    ``"model-free"``), which reports in the same shape."""
     run, rec, check, fin = doc["run"], doc["recovery"], doc["check"], doc["finish"]
     work, kill = rec["work_after_checkpoint"], run["at_kill"]
     ids = [str(p["prompt_idx"]) for p in rec["prompts_redispatched"]]
@@ -549,11 +565,20 @@ def render(doc: dict[str, Any]) -> list[str]:
                 f"step_{run['checkpoint_step']}", f"are regenerated; {work['prompts_admitted']} prompts re-admitted"]
     first = rec["time_to_first_batch_seconds"]
     recover_ms = rec.get("recover_seconds", 0) * 1000
+    model_free = doc["backend"] == "model-free"
+    if first is None:
+        first_text = "-"
+    elif model_free:  # in-process: the restart is the recovery itself
+        first_text = f"{first * 1000:.0f} ms after the restart (recover {recover_ms:.0f} ms)"
+    else:
+        first_text = f"{first:.1f} s after the restart (process start, model load, recover {recover_ms:.0f} ms)"
+    partial = f" ({kill['partial']} with finished siblings)" if "partial" in kill else ""
     pairs = [
-        ("run", f"{doc['backend']} GRPO, sampler {doc['sampler']}, {run['groups_per_step']} prompts x "
-                f"{run['group_size']} completions per step, {run['steps']} steps"),
+        ("run", f"{'model-free producer/consumer' if model_free else doc['backend'] + ' GRPO'}, sampler "
+                f"{doc['sampler']}, {run['groups_per_step']} prompts x {run['group_size']} completions per step, "
+                f"{run['steps']} steps"),
         ("at the kill", f"mid-step {run['killed_mid_step']}: {kill['claimed']} groups claimed, {kill['ready']} "
-                        f"buffered, {kill['inflight']} rollouts in flight"),
+                        f"buffered, {kill['inflight']} rollouts in flight{partial}"),
         ("resumed from", f"step_{rec['resume_step']} + " + ("the live store" if rec["mode"] == "live"
                                                              else "its buffer file")),
         ("groups restored", f"{rec['groups_complete_restored']} ready ({rec['groups_returned_to_ready']} claimed or "
@@ -561,17 +586,19 @@ def render(doc: dict[str, Any]) -> list[str]:
         ("prompts redispatched", f"{len(ids)}" + (f": prompt_idx {', '.join(ids)}" if ids else "")),
         ("siblings reused", f"{rec['siblings_reused']} rows ({rec['siblings_rerun']} left to generate)"),
         ("generation work lost", lost[0]), ("", lost[1]),
-        ("time to first batch", "-" if first is None else f"{first:.1f} s after the restart (process start, model "
-                                                          f"load, recover {recover_ms:.0f} ms)"),
+        ("time to first batch", first_text),
         ("finished", f"to step {fin['final_step']} ({fin['steps_trained']} steps after the resume)"),
-        *_learning_lines(doc["learning"]),
+        *(_learning_lines(doc["learning"]) if doc["learning"] else []),
         ("exactly once", f"{check['prompts']} prompts served: {check['trained_once']} trained once, "
                          f"{check['discarded']} discarded by the sampler, {check['pending']} buffered, "
                          f"{len(check['lost'])} lost, {len(check['doubled'])} doubled"),
         ("final store", "verifies clean" if check["verify_ok"] else "; ".join(check["verify_problems"])),
-        ("learning curve", doc["learning_curve"] or "not drawn: matplotlib is not installed "
-                                                      "(pip install matplotlib)"),
     ]
+    if check.get("model_agrees") is False:
+        pairs.append(("saved model", "DISAGREES with the store about which prompts each step trained"))
+    if not model_free:
+        pairs.append(("learning curve", doc["learning_curve"] or "not drawn: matplotlib is not installed "
+                                                                 "(pip install matplotlib)"))
     width = max(len(k) for k, _ in pairs)
     lines = ["", "recovery report", *[f"  {k:<{width}}  {v}" for k, v in pairs]]
     lines += ["", f"result: {'ok' if doc['ok'] else 'FAILED'}"]

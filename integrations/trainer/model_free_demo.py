@@ -37,20 +37,20 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from kvckpt.integrations.trainer.demo import audit, store_view, work_after_checkpoint
 
 from kvckpt.buffer import BufferConfig, ReplayBuffer
 from kvckpt.durability.checkpoint import read_stamp, restore
 from kvckpt.durability.verify import verify_path
 from kvckpt.errors import BadArgument, GateTimeout, KvckptError, LeaseError
 from kvckpt.samplers import create_sampler
-from kvckpt.storage.store import Store, fsync_dir
-from kvckpt.tables.records import ABORTED, EVICTED, Lease, Prompt
+from kvckpt.storage.store import fsync_dir
+from kvckpt.tables.records import Lease, Prompt
 
 SAMPLERS = ("in_order", "weight_fifo", "windowed", "ready_first")
 RECOVERY_MODES = ("live", "checkpoint")
@@ -164,7 +164,7 @@ class _Run:
         while not self.stop.is_set() and self.next_prompt < self.cfg.prompts:
             first = self.next_prompt
             batch = [Prompt(i, TASKS[i % len(TASKS)]) for i in range(first, min(first + gps, self.cfg.prompts))]
-            state = json.dumps({"next_prompt": first + len(batch)}).encode()
+            state = json.dumps({"cursor": first + len(batch)}).encode()
             try:
                 leases = self.buf.admit(batch, dataloader_state=state, timeout=0.2)
             except GateTimeout:
@@ -353,35 +353,22 @@ def _run_child(out: str, cfg: DemoConfig, log: Callable[[str], None]) -> dict[st
     return seen
 
 
-# -- analysis of the crashed store ---------------------------------------------------------------
-def _committed(path: str) -> tuple[dict[str, dict[str, Any]], dict[str, Any], dict[str, Any]]:
-    """Committed groups and ledger entries of a store, and its state with the dataloader position
-    (``next_prompt``), read-only."""
-    with Store(path, readonly=True) as store:
-        buf = ReplayBuffer(store)
-        groups = {g.group_id: g.to_dict() for g in buf.groups() if g.state not in (EVICTED, ABORTED)}
-        ledger = {e.group_id: e.to_dict() for e in buf.ledger()}
-        return groups, ledger, {**buf.state(), "next_prompt": _next_prompt(buf.dataloader_state())}
-
-
+# -- analysis of the crashed store (with the model demo's readers: one account of a store) -------
 def _next_prompt(dataloader_state: bytes | None) -> int:
-    return json.loads(dataloader_state)["next_prompt"] if dataloader_state else 0
+    return json.loads(dataloader_state)["cursor"] if dataloader_state else 0
 
 
-def _work_after(live: str, ckpt: str | None) -> dict[str, Any]:
-    """What the live store holds that the checkpoint does not: groups committed (and sibling rows)
-    after it; a checkpoint-only recovery regenerates all of it."""
-    groups, ledger, state = _committed(live)
-    at_kill = {"claimed": state["claimed"], "ready": state["ready"], "inflight": state["inflight"],
-               "partial": sum(1 for e in ledger.values() if e["siblings"]),
-               "sibling_rows": sum(len(e["siblings"]) for e in ledger.values())}
-    old_groups, old_ledger = ({}, {}) if ckpt is None else _committed(ckpt)[:2]
-    new = [g for gid, g in groups.items() if gid not in old_groups]
-    new_siblings = sum(len(set(e["siblings"]) - set(old_ledger.get(gid, {}).get("siblings", ())))
-                       for gid, e in ledger.items())
-    return {"at_kill": at_kill, "groups": len(new), "rows": sum(g["group_size"] for g in new) + new_siblings,
-            "sibling_rows": new_siblings, "raw_bytes": sum(g["raw_bytes"] for g in new),
-            "admitted": state["next_prompt"]}
+def _at_kill(view: dict[str, Any]) -> dict[str, Any]:
+    """The crashed store's work in progress, with the rollouts that had finished siblings."""
+    st = view["state"]
+    return {"claimed": st["claimed"], "ready": st["ready"], "inflight": st["inflight"],
+            "partial": sum(1 for e in view["ledger"] if e.siblings)}
+
+
+def _sibling_rows_after(live: dict[str, Any], ckpt: dict[str, Any] | None) -> int:
+    """Sibling rows of in-flight rollouts committed after the checkpoint."""
+    old = {e.group_id: set(e.siblings) for e in ckpt["ledger"]} if ckpt else {}
+    return sum(len(set(e.siblings) - old.get(e.group_id, set())) for e in live["ledger"])
 
 
 def _load_model(path: str | None) -> dict[str, Any]:
@@ -455,7 +442,10 @@ def _demo(out: str, cfg: DemoConfig, mode: str, log: Callable[[str], None]) -> d
     preload.join()
     live = os.path.join(out, LIVE_FILE)
     ckpt = _latest(os.path.join(out, "ckpt", "*.kvckpt"))
-    work = _work_after(live, ckpt)
+    at_kill, ckpt_view = store_view(live), store_view(ckpt) if ckpt else None
+    work = work_after_checkpoint(at_kill, ckpt_view)
+    work["sibling_rows"] = _sibling_rows_after(at_kill, ckpt_view)
+    work["rows"] += work["sibling_rows"]
 
     t0 = time.perf_counter()
     if mode == "live":
@@ -477,12 +467,14 @@ def _demo(out: str, cfg: DemoConfig, mode: str, log: Callable[[str], None]) -> d
     lost = work if mode == "checkpoint" else {"groups": 0, "rows": 0, "raw_bytes": 0}
     recovery = {
         "mode": mode, "resume_step": plan.resume_version, "checkpoint": os.path.basename(ckpt) if ckpt else None,
-        "groups_restored": plan.groups_complete_restored, "groups_returned_to_ready": plan.groups_returned_to_ready,
+        "groups_complete_restored": plan.groups_complete_restored,
+        "groups_returned_to_ready": plan.groups_returned_to_ready,
         "prompts_redispatched": redispatched, "siblings_reused": plan.siblings_reused,
         "siblings_rerun": plan.siblings_rerun,
-        "work_after_checkpoint": {k: work[k] for k in ("groups", "rows", "sibling_rows", "raw_bytes")},
+        "work_after_checkpoint": {k: work[k] for k in ("groups", "rows", "sibling_rows", "raw_bytes",
+                                                       "prompts_admitted")},
         "work_lost": {k: lost[k] for k in ("groups", "rows", "raw_bytes")},
-        "prompts_readmitted": work["admitted"] - next_prompt,
+        "groups_after_checkpoint_recommitted": len(set(work["group_ids"]) & {x["group_id"] for x in redispatched}),
         "recover_seconds": t_recovered - t0}
     log(f"recover   {mode}: resume at step {plan.resume_version}; ready groups: {plan.groups_complete_restored}; "
         f"prompts to redispatch: {len(plan.leases)}")
@@ -494,30 +486,30 @@ def _demo(out: str, cfg: DemoConfig, mode: str, log: Callable[[str], None]) -> d
         buf.close()
     recovery["time_to_first_batch_seconds"] = first["t"] - t0 if first else None
     final = verify_path(live, deep=True)
-    check = _exactly_once(live, cfg.prompts, run.model["trained"])
+    check = audit(live)
+    trained_by_step = check.pop("trained_by_step")
+    check["model_agrees"] = trained_by_step == _by_model_step(run.model["trained"])  # the "model" and the store
     check.update(verify_ok=final.ok, verify_problems=[str(p) for p in final.problems[:10]])
     steps_after = len(run.model["loss"]) - len(model["loss"])
     log(f"finish    {steps_after} more steps trained, to step {plan.resume_version + steps_after}")
-    ok = final.ok and check["lost"] == 0 and check["doubled"] == 0
-    return {"ok": ok, "config": asdict(cfg),
-            "run": {"child_pid": child["pid"], "killed_mid_step": child["killed_mid_step"],
-                    "checkpoints": child["checkpoints"], "at_kill": work["at_kill"]},
+    ok = final.ok and not check["lost"] and not check["doubled"] and check["model_agrees"]
+    return {"ok": ok, "backend": "model-free", "sampler": cfg.sampler["name"], "config": asdict(cfg),
+            "learning_curve": None, "learning": None,
+            "run": {"child_pid": child["pid"], "steps": len(run.model["loss"]), "groups_per_step": cfg.groups_per_step,
+                    "group_size": cfg.group_size, "killed_mid_step": child["killed_mid_step"],
+                    "checkpoints": child["checkpoints"], "checkpoint_step": plan.resume_version,
+                    "at_kill": _at_kill(at_kill)},
             "recovery": recovery, "finish": {"steps_trained": steps_after,
                                              "final_step": plan.resume_version + steps_after},
             "check": check}
 
 
-def _exactly_once(live: str, prompts: int, trained: list[list[Any]]) -> dict[str, Any]:
-    """Each prompt trained once, or discarded (evicted/aborted) and never trained."""
-    counts = Counter(prompt for _, prompt, _ in trained)
-    with Store(live, readonly=True) as store:
-        discarded = Counter(g.prompt_idx for g in ReplayBuffer(store).groups((EVICTED, ABORTED)))
-    total = {p: counts[p] + discarded[p] for p in range(prompts)}
-    lost = [p for p, n in total.items() if n == 0]
-    doubled = [p for p, n in total.items() if n > 1]
-    return {"prompts": prompts, "trained_once": sum(1 for p in range(prompts) if counts[p] == 1 and not discarded[p]),
-            "discarded": sum(1 for p in range(prompts) if discarded[p] == 1 and not counts[p]),
-            "lost": len(lost), "doubled": len(doubled), "lost_prompts": lost, "doubled_prompts": doubled}
+def _by_model_step(trained: list[list[Any]]) -> dict[int, list[int]]:
+    """The prompts the saved "model" trained on, by step (as :func:`audit`'s ``trained_by_step``)."""
+    steps: dict[int, list[int]] = {}
+    for step, prompt, _ in trained:
+        steps.setdefault(step, []).append(prompt)
+    return {k: sorted(v) for k, v in sorted(steps.items())}
 
 
 if __name__ == "__main__":
