@@ -1,22 +1,22 @@
 """kvckpt: a crash-consistent replay buffer and checkpoint store for async RL post-training.
 
+The public API is re-exported here; the packages below are layers, each importing only the ones
+before it (docs/architecture.md): :mod:`kvckpt.storage`, :mod:`kvckpt.tables`,
+:mod:`kvckpt.samplers`, :mod:`kvckpt.transitions`, :mod:`kvckpt.durability`, :mod:`kvckpt.buffer`,
+then the operations tools (:mod:`kvckpt.tools`), the harnesses (:mod:`kvckpt.testing`) and the
+integrations (:mod:`kvckpt.integrations`).
+
 Buffer rows, group metadata, the ledger of in-flight prompts and every cursor live in one LMDB
 file; every state transition is one durable write transaction; a checkpoint is one stamp
 transaction plus a background copy to one file; restore opens a fresh handle on a copy.
 """
 
-from kvckpt.aio import AsyncReplayBuffer
-from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer
-from kvckpt.durability.checkpoint import (
-    CheckpointHandle,
-    CheckpointResult,
-    checkpoint,
-    keep_latest,
-    read_stamp,
-    restore,
-)
-from kvckpt.durability.recovery import RecoveryPlan, recover
-from kvckpt.durability.verify import Report, check, verify_path
+from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer, checkpoint, recover, restore
+from kvckpt.buffer.aio import AsyncReplayBuffer
+from kvckpt.durability.checkpoint import CheckpointHandle, CheckpointResult, keep_latest, read_stamp
+from kvckpt.durability.recovery import RecoveryPlan
+from kvckpt.durability.safe_open import verify_path
+from kvckpt.durability.verify import Report, check
 from kvckpt.errors import (
     AbandonedTimeline,
     BadArgument,

@@ -631,7 +631,7 @@ def live_workload(store: str, log_path: str, ckpt_dir: str) -> None:
 def live_recover(store: str, resume: int, too_old: int, zombies: list[dict[str, Any]]) -> dict[str, Any]:
     """Reopen the crashed live store, try a rollback past the drop floor, then recover to ``resume``
     and replay: what a restarted trainer does with a model checkpoint of version ``resume``."""
-    from kvckpt.durability.verify import verify_path
+    from kvckpt.durability.safe_open import verify_path
 
     out: dict[str, Any] = {"verify_before": [str(p) for p in verify_path(store, deep=True).problems]}
     with ReplayBuffer.open(store) as buf:

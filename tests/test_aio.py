@@ -16,7 +16,7 @@ import pytest
 from conftest import SCHEMA, make_group
 
 from kvckpt import BufferConfig, GateTimeout, Prompt, StaleAttempt, UnknownGroup, check, read_stamp, verify_path
-from kvckpt.aio import AsyncReplayBuffer
+from kvckpt.buffer.aio import AsyncReplayBuffer
 
 
 def config(**kwargs) -> BufferConfig:

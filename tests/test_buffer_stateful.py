@@ -55,7 +55,8 @@ from kvckpt import (
     UnknownGroup,
     restore,
 )
-from kvckpt.durability.verify import check, verify_path
+from kvckpt.durability.safe_open import verify_path
+from kvckpt.durability.verify import check
 from kvckpt.samplers import BufferView
 
 PROFILES = {

@@ -35,7 +35,7 @@ from kvckpt import (
     read_stamp,
     restore,
 )
-from kvckpt.durability.verify import verify_path
+from kvckpt.durability.safe_open import verify_path
 
 SCHEMA = {"input_ids": ("int64", "token"), "logprobs": ("float32", "token")}
 GROUP_SIZE = 2
@@ -317,11 +317,11 @@ def test_a_reader_pinning_old_pages_is_logged_and_reported(tmp_path: Path, monke
     monkeypatch.setattr(store_module, "PIN_WARN_COMMITS", 4)
     buf = _create(tmp_path / "live.kv")
     try:
-        with buf.store.reader(), caplog.at_level("WARNING", logger="kvckpt.storage.store"):
+        with buf.store.reader(), caplog.at_level("WARNING", logger="kvckpt.store"):
             for seed in range(4):  # 4 admissions + 4 commits while the snapshot stays open
                 _commit(buf, seed, tokens=16)
             assert buf.stats()["oldest_reader_lag"] >= 4
-        assert any("held a snapshot for" in r.getMessage() for r in caplog.records if r.name == "kvckpt.storage.store")
+        assert any("held a snapshot for" in r.getMessage() for r in caplog.records if r.name == "kvckpt.store")
         buf.store.check_readers()
         assert buf.stats()["oldest_reader_lag"] == 0  # the snapshot ended
     finally:

@@ -20,7 +20,7 @@ import torch
 from conftest import SCHEMA, make_group
 
 from kvckpt import Lease, Prompt, ReplayBuffer, StaleAttempt
-from kvckpt.durability.checkpoint import restore
+from kvckpt.buffer import restore
 from kvckpt.storage import keys
 
 GROUP_SIZE = 2

@@ -12,8 +12,7 @@ from conftest import dump_store, make_group
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvckpt import CorruptRecord, Field, ReplayBuffer, RowSchema, SchemaMismatch, restore
-from kvckpt.durability import checkpoint
+from kvckpt import CorruptRecord, Field, ReplayBuffer, RowSchema, SchemaMismatch, checkpoint, restore
 from kvckpt.errors import BadArgument
 from kvckpt.storage import codec
 from kvckpt.storage.casts import bf16_bits, bf16_values, cast

@@ -190,7 +190,7 @@ def test_crash_then_resume_in_a_fresh_process_trains_every_prompt_once(tmp_path,
     cfg = _config(tmp_path, cache_dir, train={"steps": 6}, checkpoint={"resume_from": resume_from})
     cfg_path = tmp_path / "config.json"
     cfg_path.write_text(json.dumps(cfg))
-    module = "kvckpt.integrations.trainer.faults"
+    module = "kvckpt.integrations.trainer.grpo"
     crashed = subprocess.run([sys.executable, "-m", module, str(cfg_path), "--crash-at", "after_finish_step:4"],
                              capture_output=True, text=True, timeout=300)
     assert crashed.returncode == -9, crashed.stderr[-3000:]

@@ -10,7 +10,7 @@ import pytest
 from conftest import make_group
 
 from kvckpt import BadArgument, BufferConfig, GateTimeout, Prompt, ReplayBuffer
-from kvckpt import buffer as buffer_module
+from kvckpt.buffer import replay_buffer as buffer_module
 
 
 def test_admit_waits_at_most_the_configured_timeout_and_logs_while_waiting(buffer_factory, caplog, monkeypatch):

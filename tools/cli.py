@@ -294,8 +294,7 @@ def _render_verify(doc: dict[str, Any]) -> list[str]:
 def cmd_verify(args: argparse.Namespace) -> int:
     from kvckpt.tools.inspect import table_entries
 
-    from kvckpt.durability.safe_open import open_readonly
-    from kvckpt.durability.verify import verify_path
+    from kvckpt.durability.safe_open import open_readonly, verify_path
 
     _require_file(args.path)
     bar = _progress(args, "verifying rows", "rows")

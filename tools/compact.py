@@ -29,12 +29,13 @@ from typing import Any
 
 from kvckpt.tools.inspect import table_entries
 
-from kvckpt.buffer import CONFIG_KEY, STATE_KEY, ReplayBuffer
 from kvckpt.durability.checkpoint import PARTIAL_SUFFIX
 from kvckpt.durability.safe_open import open_readonly
 from kvckpt.errors import BadArgument, StoreLocked
 from kvckpt.storage import codec, keys
 from kvckpt.storage.store import Store, Txn, fsync_dir, fsync_file, writer_active
+from kvckpt.tables.digest import group_digest, row_digest
+from kvckpt.tables.meta import CONFIG_KEY, STATE_KEY
 
 #: Bytes of stored row payloads re-encoded per write transaction.
 BATCH_BYTES = 16 << 20
@@ -174,7 +175,7 @@ def _reencode_rows(txn: Txn, gid: str, level: int) -> tuple[dict[str, str], int,
         index = int.from_bytes(key[-4:], "big")
         new = reencode(value, f"rows/{keys.row_id(gid, index)}", level)
         txn.put("rows", key, new)
-        digests[str(index)] = ReplayBuffer._digest(new)
+        digests[str(index)] = row_digest(new)
         before += len(value)
         after += len(new)
     return digests, before, after
@@ -227,7 +228,7 @@ def _reencode_batch(txn: Txn, table: str, start: bytes, level: int) -> tuple[byt
         after_all += after
         doc["stored_bytes"] = doc.get("stored_bytes", 0) + after - before
         if table == "groups":
-            doc["digest"] = ReplayBuffer._digest("".join(digests[str(i)] for i in range(doc["group_size"])).encode())
+            doc["digest"] = group_digest(digests[str(i)] for i in range(doc["group_size"]))
         else:
             doc["digests"] = {**doc.get("digests", {}), **digests}
         txn.put_json(table, key, doc)

@@ -25,11 +25,10 @@ from typing import Any
 
 from kvckpt.tools.inspect import Progress, table_entries
 
-from kvckpt.buffer import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STATE_KEY
-from kvckpt.durability.checkpoint import STAMP_KEY
 from kvckpt.durability.safe_open import open_readonly
 from kvckpt.storage import codec, keys
 from kvckpt.storage.store import Store, Txn
+from kvckpt.tables.meta import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STAMP_KEY, STATE_KEY
 from kvckpt.tables.records import GroupInfo, LedgerEntry
 
 #: Fields whose values depend on the encoding, compared only when digests are comparable.

@@ -51,7 +51,6 @@ import numpy as np
 from kvckpt.tools.compact import check_destination
 from kvckpt.tools.inspect import Progress, table_entries
 
-from kvckpt.buffer import CONFIG_KEY
 from kvckpt.durability.checkpoint import PARTIAL_SUFFIX
 from kvckpt.durability.safe_open import open_readonly
 from kvckpt.errors import BadArgument, InvariantViolation
@@ -59,6 +58,7 @@ from kvckpt.storage import codec, keys
 from kvckpt.storage.schema import RowSchema
 from kvckpt.storage.store import fsync_dir, fsync_file
 from kvckpt.tables.digest import check_group_digest
+from kvckpt.tables.meta import CONFIG_KEY
 from kvckpt.tables.records import CLAIMED, CONSUMED, GROUP_STATES, READY
 
 FORMATS = ("parquet", "jsonl")

@@ -21,12 +21,12 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from kvckpt.buffer import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STATE_KEY, BufferConfig
-from kvckpt.durability.checkpoint import STAMP_KEY
+from kvckpt.buffer import BufferConfig
 from kvckpt.durability.safe_open import open_readonly
 from kvckpt.errors import CorruptRecord, KvckptError
 from kvckpt.storage import codec
 from kvckpt.storage.store import Txn, writer_active
+from kvckpt.tables.meta import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STAMP_KEY, STATE_KEY
 from kvckpt.tables.records import CLAIMED, CONSUMED, GROUP_STATES, READY
 
 INFLIGHT = "inflight"

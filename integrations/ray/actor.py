@@ -1,7 +1,7 @@
 """The buffer as a Ray actor: one process owns the store, producers and the trainer call it.
 
 :class:`BufferActor` opens the store inside its own process (never inherited across ``fork``),
-wraps it in :class:`~kvckpt.aio.AsyncReplayBuffer` and runs as an *async* actor: calls overlap,
+wraps it in :class:`~kvckpt.buffer.aio.AsyncReplayBuffer` and runs as an *async* actor: calls overlap,
 transactions run on the facade's thread pool (serialised by the store's writer lock), and a gated
 ``admit`` waits on the event loop, so it never blocks the commits and ``finish_step`` that open
 the gate.
@@ -44,9 +44,9 @@ import ray
 from kvckpt.integrations.ray import LOOPBACK_ENV
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvckpt.aio import DEFAULT_WORKERS, AsyncReplayBuffer
-from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer
-from kvckpt.durability.checkpoint import CheckpointHandle, restore
+from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer, restore
+from kvckpt.buffer.aio import DEFAULT_WORKERS, AsyncReplayBuffer
+from kvckpt.durability.checkpoint import CheckpointHandle
 from kvckpt.durability.recovery import RecoveryPlan
 from kvckpt.durability.verify import check
 from kvckpt.errors import BadArgument, KvckptError, RecoveryError, StaleAttempt

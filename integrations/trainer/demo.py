@@ -42,7 +42,7 @@ from typing import Any
 from kvckpt.integrations.trainer.faults import Hooks, ParkRollout
 
 from kvckpt.buffer import ReplayBuffer
-from kvckpt.durability.verify import verify_path
+from kvckpt.durability.safe_open import verify_path
 from kvckpt.errors import BadArgument, KvckptError, LeaseError
 from kvckpt.tables.records import ABORTED, CONSUMED, EVICTED, Lease
 

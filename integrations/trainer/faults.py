@@ -2,10 +2,10 @@
 
 The trainer calls ``hooks.at(point, **info)`` at named points of its loop and
 ``hooks.before_commit(lease)`` right before each rollout commit. Production runs pass nothing
-and get :class:`Hooks`, whose methods do nothing. Tests pass one of the classes below, or run
-this module as a program to crash a trainer in a fresh process::
+and get :class:`Hooks`, whose methods do nothing. Tests pass one of the classes below, or run the
+trainer as a program that crashes in a fresh process::
 
-    python -m kvckpt.integrations.trainer.faults CONFIG.yaml --crash-at after_finish_step:5
+    python -m kvckpt.integrations.trainer.grpo CONFIG.yaml --crash-at after_finish_step:5
 
 Points, in the order one step meets them (``step`` is the trainer version the point belongs to):
 
@@ -22,11 +22,8 @@ Points, in the order one step meets them (``step`` is the trainer version the po
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
-import sys
 import threading
 from collections import Counter
 from typing import Any
@@ -99,24 +96,3 @@ class ParkRollout(Hooks):
     def release(self) -> None:
         """Let the parked commit go on."""
         self._release.set()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the trainer with a crash point; prints the run summary as JSON if it survives."""
-    from kvckpt.integrations.trainer.grpo import GRPOTrainer
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", help="YAML or JSON trainer config")
-    parser.add_argument("--crash-at", help="POINT[:COUNT], e.g. after_finish_step:5")
-    args = parser.parse_args(argv)
-    hooks: Hooks = Hooks()
-    if args.crash_at:
-        point, _, count = args.crash_at.partition(":")
-        hooks = CrashAt(point, int(count or 1))
-    summary = GRPOTrainer(args.config, hooks=hooks).run()
-    print(json.dumps(summary, sort_keys=True))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

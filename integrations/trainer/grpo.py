@@ -53,13 +53,12 @@ from typing import Any
 
 import torch
 from kvckpt.integrations.trainer.config import TrainerConfig
-from kvckpt.integrations.trainer.faults import Hooks
+from kvckpt.integrations.trainer.faults import CrashAt, Hooks
 from kvckpt.integrations.trainer.memory_buffer import MemoryReplayBuffer
 from kvckpt.integrations.vllm.tiny_model import AdditionTask, TinyModelSpec, ensure_tiny_model
 from kvckpt.integrations.vllm.worker import DEFAULT_SCHEMA, RolloutWorker
 
-from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer
-from kvckpt.durability.checkpoint import restore
+from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer, restore
 from kvckpt.errors import BadArgument, GateTimeout
 from kvckpt.metrics import MetricsHook, sink_from_config
 from kvckpt.tables.records import GroupInfo, Lease, Selection
@@ -686,13 +685,19 @@ def _configured_hook(config: TrainerConfig) -> MetricsHook | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvckpt.integrations.trainer.grpo CONFIG.yaml``: run and print the summary."""
+    """``python -m kvckpt.integrations.trainer.grpo CONFIG.yaml [--crash-at POINT[:COUNT]]``: run and
+    print the summary (a test crashes the trainer in a fresh process with ``--crash-at``)."""
     import argparse
 
     parser = argparse.ArgumentParser(description="kvckpt reference async GRPO trainer")
     parser.add_argument("config", help="YAML or JSON trainer config")
+    parser.add_argument("--crash-at", help="SIGKILL the process at POINT (the COUNT-th time), e.g. after_finish_step:5")
     args = parser.parse_args(argv)
-    print(json.dumps(GRPOTrainer(args.config).run(), indent=1, sort_keys=True, default=str))
+    hooks = Hooks()
+    if args.crash_at:
+        point, _, count = args.crash_at.partition(":")
+        hooks = CrashAt(point, int(count or 1))
+    print(json.dumps(GRPOTrainer(args.config, hooks=hooks).run(), indent=1, sort_keys=True, default=str))
     return 0
 
 

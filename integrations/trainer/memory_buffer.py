@@ -22,7 +22,8 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from kvckpt.buffer import Batch, BufferConfig, _assemble
+from kvckpt.buffer import Batch, BufferConfig
+from kvckpt.buffer.batch import assemble_batch
 from kvckpt.errors import BadArgument, CapacityError, GateTimeout, StaleAttempt, UnknownGroup
 from kvckpt.storage.codec import Record
 from kvckpt.tables.records import (
@@ -233,7 +234,7 @@ class MemoryReplayBuffer:
         decoded = [Record({k: v if isinstance(v, (str, bytes)) else v.copy() for k, v in arrays.items()
                            if fields is None or k in fields}, dtypes).tensors()  # bfloat16 bits -> bfloat16
                    for _, _, arrays in rows]
-        return _assemble(self.schema, infos, [(g, i, b"") for g, i, _ in rows], decoded, layout, pad_value)
+        return assemble_batch(self.schema, infos, [(g, i, b"") for g, i, _ in rows], decoded, layout, pad_value)
 
     def finish_step(self, *, weight_version: int | None = None) -> int:
         """Claimed groups -> consumed (their rows dropped), ``trainer_version`` + 1."""

@@ -44,9 +44,9 @@ from typing import Any
 import numpy as np
 from kvckpt.integrations.trainer.demo import audit, store_view, work_after_checkpoint
 
-from kvckpt.buffer import BufferConfig, ReplayBuffer
-from kvckpt.durability.checkpoint import read_stamp, restore
-from kvckpt.durability.verify import verify_path
+from kvckpt.buffer import BufferConfig, ReplayBuffer, restore
+from kvckpt.durability.checkpoint import read_stamp
+from kvckpt.durability.safe_open import verify_path
 from kvckpt.errors import BadArgument, GateTimeout, KvckptError, LeaseError
 from kvckpt.samplers import create_sampler
 from kvckpt.storage.store import fsync_dir

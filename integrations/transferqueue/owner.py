@@ -32,11 +32,12 @@ from typing import Any
 import ray
 from kvckpt.integrations.transferqueue.values import KEY_PREFIX, store_key, write_id_of
 
-from kvckpt.durability.checkpoint import PARTIAL_SUFFIX, STAMP_KEY
+from kvckpt.durability.checkpoint import PARTIAL_SUFFIX
 from kvckpt.durability.safe_open import check_header, copy_used, open_readonly
 from kvckpt.errors import CheckpointError, FormatError, RecoveryError
 from kvckpt.storage import codec
 from kvckpt.storage.store import Store, Txn, fsync_dir, fsync_file
+from kvckpt.tables.meta import STAMP_KEY
 
 #: ``meta`` record that marks a store file as a TransferQueue value store.
 FORMAT_KEY = b"transferqueue"

@@ -40,11 +40,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer
+from kvckpt.buffer.batch import Batch
+from kvckpt.buffer.replay_buffer import ReplayBuffer
 from kvckpt.durability.checkpoint import CheckpointHandle, CheckpointResult
 from kvckpt.durability.recovery import RecoveryPlan
 from kvckpt.errors import BadArgument, GateTimeout
 from kvckpt.tables.records import Admission, CommitResult, GroupInfo, Lease, LedgerEntry, Prompt, Selection
+from kvckpt.transitions.config import BufferConfig
 
 T = TypeVar("T")
 
@@ -229,7 +231,7 @@ class AsyncReplayBuffer:
         """Stamp a checkpoint (one transaction) and start its background copy.
 
         Returns the handle at once; ``await`` :meth:`wait_checkpoint` for the finished file.
-        See :func:`kvckpt.durability.checkpoint.checkpoint`.
+        See :func:`kvckpt.checkpoint`.
         """
         return await self._write(self.buffer.checkpoint, dest, trainer_state, overwrite=overwrite)
 
@@ -245,7 +247,7 @@ class AsyncReplayBuffer:
 
     async def recover(self, resume_version: int | None = None, *, sampler: Any = None,
                       max_buffered_rollouts: int | None = None) -> RecoveryPlan:
-        """Reconcile the store and fence in-flight work (see :func:`kvckpt.durability.recovery.recover`)."""
+        """Reconcile the store and fence in-flight work (see :meth:`kvckpt.ReplayBuffer.recover`)."""
         return await self._write(self.buffer.recover, resume_version, sampler=sampler,
                                  max_buffered_rollouts=max_buffered_rollouts)
 

@@ -1,26 +1,29 @@
 """Checkpoints: one stamp transaction, one background copy to one file; restore via a fresh handle.
 
-:func:`checkpoint` blocks the caller only for the stamp transaction (step, trainer state,
+:func:`checkpoint_store` blocks the caller only for the stamp transaction (step, trainer state,
 checkpoint id). It pins a read snapshot of exactly that state before releasing the writer lock,
 then a background thread copies the snapshot with LMDB's compacting copy (which releases the
 GIL and never blocks writers; on Linux it runs at nice 19 so that it only takes CPU the
 producers and the trainer leave idle), fsyncs the copy, renames it to its final name and fsyncs the
 directory. A file under the final name is therefore always complete; a failed or interrupted
 copy leaves only a ``.partial`` file, never a half-written checkpoint. The destination is reserved
-when :func:`checkpoint` is called: ``dest + ".partial"`` is created (mode 0600) and ``flock``-ed
+when :func:`checkpoint_store` is called: ``dest + ".partial"`` is created (mode 0600) and ``flock``-ed
 for the whole copy, so a second checkpoint to the same name while the first copies is refused at
 call time, before anything is stamped (a reservation left by a crashed process holds no lock and
 is reused).
 
-:func:`restore` copies a checkpoint file to the live path (the checkpoint stays immutable),
-opens a fresh environment handle on the copy and runs :func:`kvckpt.durability.recovery.recover` at the
-stamped trainer version.
+:func:`restore_file` copies a checkpoint file to the live path (the checkpoint stays immutable)
+and runs :func:`kvckpt.durability.recovery.recover_store` on the copy at the stamped trainer
+version; :func:`kvckpt.restore` then opens a fresh buffer handle on it.
+
+The module is long (about 450 lines) because checkpoint and restore are one protocol: the
+reservation, the pinned snapshot, the low-priority copy and the fsync/rename order are shared by
+both directions and tested together (tests/test_powercut.py checks the order).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import sys
@@ -29,8 +32,11 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvckpt.durability.format import buffer_config
+from kvckpt.durability.recovery import RecoveryPlan, recover_store
+from kvckpt.durability.safe_open import check_header, check_structure, copy_used, open_readonly
 from kvckpt.errors import (
     BadArgument,
     CheckpointError,
@@ -40,15 +46,11 @@ from kvckpt.errors import (
     StoreLocked,
     VerificationFailed,
 )
-from kvckpt.storage.store import FILE_MODE, fsync_dir, fsync_file, writer_active
+from kvckpt.storage.store import FILE_MODE, Store, Txn, fsync_dir, fsync_file, lock_or_close, writer_active
+from kvckpt.tables.access import Tables
 
-if TYPE_CHECKING:
-    from kvckpt.buffer import ReplayBuffer
-    from kvckpt.durability.recovery import RecoveryPlan
-    from kvckpt.storage.store import Txn
-
+#: A checkpoint (or restore) being written carries this suffix until it is complete.
 PARTIAL_SUFFIX = ".partial"
-STAMP_KEY = b"checkpoint"
 
 
 @dataclass
@@ -98,18 +100,21 @@ class CheckpointHandle:
         return self._result
 
 
-def checkpoint(buffer: ReplayBuffer, dest: str | os.PathLike[str], trainer_state: Mapping[str, Any] | None = None,
-               *, overwrite: bool = False, background: bool = True) -> CheckpointHandle:
-    """Stamp the buffer and copy it to ``dest`` as one file without stopping producers.
+def checkpoint_store(store: Store, dest: str | os.PathLike[str], trainer_state: Mapping[str, Any] | None = None,
+                     *, durable_checkpoints: int, overwrite: bool = False, background: bool = True) -> CheckpointHandle:
+    """Stamp a live buffer's store and copy it to ``dest`` as one file without stopping producers
+    (:func:`kvckpt.checkpoint` and :meth:`kvckpt.ReplayBuffer.checkpoint` call this).
 
     Args:
-        buffer: the live buffer.
+        store: the live buffer's store.
         dest: the checkpoint file to create (its directory must exist).
         trainer_state: a small JSON-able dict saved with the stamp (step, RNG seeds, paths...);
             :class:`~kvckpt.durability.recovery.RecoveryPlan` hands it back on restore.
         overwrite: replace an existing ``dest`` (atomically, once the new copy is complete).
             Defaults to False.
         background: copy on a background thread. Defaults to True; False copies before returning.
+        durable_checkpoints: the buffer's ``durable_checkpoints`` (how many completed checkpoints
+            the state record keeps track of, at least 16).
 
     Raises:
         CheckpointError: ``dest`` exists (without ``overwrite``), another checkpoint to ``dest``
@@ -133,7 +138,7 @@ def checkpoint(buffer: ReplayBuffer, dest: str | os.PathLike[str], trainer_state
     partial = dest + PARTIAL_SUFFIX
     reservation = _reserve(partial, dest)
     try:
-        return _stamp_and_copy(buffer, dest, doc, partial, reservation, background)
+        return _stamp_and_copy(store, dest, doc, partial, reservation, background, durable_checkpoints)
     except BaseException:
         _release(partial, reservation)
         raise
@@ -146,10 +151,7 @@ def _reserve(partial: str, dest: str) -> int:
     except OSError as exc:
         raise CheckpointError(f"cannot reserve checkpoint destination {dest!r} ({partial!r}): {exc.strerror}; "
                               "nothing was stamped") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+    if not lock_or_close(fd):
         raise CheckpointError(f"another checkpoint to {dest!r} is still being written (it holds {partial!r}); "
                               "wait for it or choose another name. Nothing was stamped") from None
     os.ftruncate(fd, 0)
@@ -164,25 +166,22 @@ def _release(partial: str, fd: int) -> None:
     os.close(fd)
 
 
-def _stamp_and_copy(buffer: ReplayBuffer, dest: str, doc: dict[str, Any], partial: str, fd: int,
-                    background: bool) -> CheckpointHandle:
+def _stamp_and_copy(store: Store, dest: str, doc: dict[str, Any], partial: str, fd: int,
+                    background: bool, durable_checkpoints: int) -> CheckpointHandle:
     """The stamp transaction, then the copy into the reserved ``fd`` (on a thread if ``background``)."""
-    from kvckpt.buffer import STATE_KEY
-
     directory = os.path.dirname(dest)
     checkpoint_id = uuid.uuid4().hex
     t0 = time.perf_counter()
 
     def stamp(txn: Txn) -> int:
-        st = buffer._state(txn)
-        txn.put_json("meta", STAMP_KEY, {
-            "checkpoint_id": checkpoint_id, "trainer_version": st["trainer_version"],
-            "dispatch_index": st["dispatch_index"], "trainer_state": doc, "created": time.time(),
-            "file": os.path.basename(dest)})
-        txn.put_json("meta", STATE_KEY, st)
+        t = Tables(txn)
+        st = t.state()
+        t.put_stamp({"checkpoint_id": checkpoint_id, "trainer_version": st["trainer_version"],
+                     "dispatch_index": st["dispatch_index"], "trainer_state": doc, "created": time.time(),
+                     "file": os.path.basename(dest)})
         return st["trainer_version"]
 
-    version, snapshot = buffer.store.write_then_snapshot(stamp)
+    version, snapshot = store.write_then_snapshot(stamp)
     result = CheckpointResult(dest, checkpoint_id, version, timings={"stamp": time.perf_counter() - t0})
     handle = CheckpointHandle(result)
 
@@ -191,9 +190,9 @@ def _stamp_and_copy(buffer: ReplayBuffer, dest: str, doc: dict[str, Any], partia
         try:
             t1 = time.perf_counter()
             if background:
-                _at_lowest_cpu_priority(lambda: buffer.store.copy_snapshot(fd, snapshot.txn))
+                _at_lowest_cpu_priority(lambda: store.copy_snapshot(fd, snapshot.txn))
             else:
-                buffer.store.copy_snapshot(fd, snapshot.txn)
+                store.copy_snapshot(fd, snapshot.txn)
             snapshot.close()
             t2 = time.perf_counter()
             os.fsync(fd)
@@ -204,7 +203,7 @@ def _stamp_and_copy(buffer: ReplayBuffer, dest: str, doc: dict[str, Any], partia
             t3 = time.perf_counter()
             result.timings.update(copy=t2 - t1, fsync_rename=t3 - t2)
             result.file_bytes = os.path.getsize(dest)
-            _mark_durable(buffer, version)
+            _mark_durable(store, version, durable_checkpoints)
         except BaseException as exc:
             snapshot.close()
             if renamed:
@@ -260,18 +259,17 @@ def _at_lowest_cpu_priority(fn: Callable[[], None]) -> None:
         raise errors[0]
 
 
-def _mark_durable(buffer: ReplayBuffer, version: int) -> None:
+def _mark_durable(store: Store, version: int, durable_checkpoints: int) -> None:
     """Record that a complete checkpoint covers ``version`` (lets old consumed rows be dropped)."""
-    from kvckpt.buffer import STATE_KEY
-
     def txn_fn(txn: Txn) -> None:
-        st = buffer._state(txn)
+        t = Tables(txn)
+        st = t.state()
         if not st["durable"] or st["durable"][-1] < version:
-            st["durable"] = (st["durable"] + [version])[-max(16, buffer.config.durable_checkpoints):]
-            txn.put_json("meta", STATE_KEY, st)
+            st["durable"] = (st["durable"] + [version])[-max(16, durable_checkpoints):]
+            t.put_state(st)
 
     with contextlib.suppress(KvckptError):  # closed meanwhile: the file is complete, the marker is skipped
-        buffer._write(txn_fn)
+        store.write(txn_fn)
 
 
 def read_stamp(path: str) -> dict[str, Any]:
@@ -280,19 +278,18 @@ def read_stamp(path: str) -> dict[str, Any]:
     Raises:
         FormatError: not a kvckpt store. RecoveryError: the file has no checkpoint stamp.
     """
-    from kvckpt.durability.safe_open import open_readonly
-
     with open_readonly(path) as store:
-        stamp = store.read(lambda t: t.get_json("meta", STAMP_KEY))
+        stamp = store.read(lambda txn: Tables(txn).stamp())
     if stamp is None:
         raise RecoveryError(f"{path!r} is a kvckpt store but not a checkpoint (no stamp)")
     return stamp
 
 
-def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
-            max_buffered_rollouts: int | None = None, overwrite: bool = False,
-            trusted: bool = False, deep: bool = False) -> tuple[ReplayBuffer, RecoveryPlan]:
-    """Restore a checkpoint file into ``live_path`` and return the open buffer and its plan.
+def restore_file(checkpoint_file: str, live_path: str, *, sampler: Any = None,
+                 max_buffered_rollouts: int | None = None, overwrite: bool = False,
+                 trusted: bool = False, deep: bool = False) -> RecoveryPlan:
+    """Restore a checkpoint file into ``live_path`` (closed when this returns) and return its plan;
+    :func:`kvckpt.restore` calls this, then opens the buffer.
 
     The checkpoint file is only read: its header is checked (a file whose used pages are mostly
     holes, such as ``truncate -s`` or a meta page claiming pages never written, is refused before
@@ -303,7 +300,7 @@ def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
     kvckpt invariant and every stored value's checksum (claims made after the stamp are undone,
     in-flight prompts are fenced and planned for redispatch). The copy is fsynced meanwhile in a
     background thread; only when it is durable and recovered does it take the name
-    ``live_path`` (then the directory is fsynced) and open through a fresh handle.
+    ``live_path`` (then the directory is fsynced); the caller opens it through a fresh handle.
 
     Row payloads are checksummed here but not decompressed: each row is decoded, checked against
     the schema and against its own group and index when it is read (``read_batch``), which fails
@@ -312,13 +309,13 @@ def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
     raw rows here).
 
     Args:
-        checkpoint_file: a file written by :func:`checkpoint`.
+        checkpoint_file: a file written by :func:`kvckpt.checkpoint`.
         live_path: where the live store goes.
         sampler, max_buffered_rollouts: restore under another sampler or capacity (reported in
             ``plan.changes``).
         overwrite: replace an existing live store (it must not be open for writing).
         trusted: skip the structure check and the row checksums (only for files this process's
-            own :func:`checkpoint` wrote and nothing else touched: a damaged file can then crash
+            own :func:`kvckpt.checkpoint` wrote and nothing else touched: a damaged file can then crash
             the process). Defaults to False.
         deep: also decode every row payload before returning. Defaults to False.
 
@@ -331,9 +328,6 @@ def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
         StoreLocked: the live store is open for writing elsewhere.
         The live store is left untouched whenever ``restore`` raises.
     """
-    from kvckpt.buffer import ReplayBuffer
-    from kvckpt.durability.safe_open import check_header, check_structure, copy_used
-
     t0 = time.perf_counter()
     checkpoint_file = os.fspath(checkpoint_file)
     used = check_header(checkpoint_file)  # also refuses sparse files, before anything is copied
@@ -376,32 +370,30 @@ def restore(checkpoint_file: str, live_path: str, *, sampler: Any = None,
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp + "-lock")
-    t3 = time.perf_counter()
-    buffer = ReplayBuffer.open(live_path)
-    plan.timings.update(timings, open=time.perf_counter() - t3, restore_total=time.perf_counter() - t0)
-    return buffer, plan
+    plan.timings.update(timings)
+    return plan
 
 
 def _recover_copy(tmp: str, checkpoint_file: str, sampler: Any, max_buffered_rollouts: int | None,
                   checksums: bool, deep: bool) -> RecoveryPlan:
     """Open the private copy, read its stamp and recover it at the stamped version."""
-    from kvckpt.buffer import ReplayBuffer
-
+    store = Store(tmp)
     try:
-        buffer = ReplayBuffer.open(tmp)
-    except BadArgument:
-        raise FormatError(f"{checkpoint_file!r} is a kvckpt store without a replay buffer config (meta/config): "
-                          "damaged, or not a replay buffer checkpoint") from None
-    try:
-        stamp = buffer.store.read(lambda t: t.get_json("meta", STAMP_KEY))
+        try:
+            config = buffer_config(store)
+        except BadArgument:
+            raise FormatError(f"{checkpoint_file!r} is a kvckpt store without a replay buffer config (meta/config): "
+                              "damaged, or not a replay buffer checkpoint") from None
+        stamp = store.read(lambda txn: Tables(txn).stamp())
         if stamp is None:
             raise RecoveryError(f"{checkpoint_file!r} is a kvckpt store but not a checkpoint (no stamp)")
         version = stamp.get("trainer_version")
         if type(version) is not int or not 0 <= version < 1 << 63:
             raise FormatError(f"{checkpoint_file!r}: meta/checkpoint passes its checksum but its trainer_version "
                               f"is {str(version)[:40]!r}, not a step number: the file is damaged or crafted")
-        return buffer.recover(version, sampler=sampler, max_buffered_rollouts=max_buffered_rollouts,
-                              checksums=checksums, deep=deep)
+        plan, _ = recover_store(store, config, version, sampler=sampler, max_buffered_rollouts=max_buffered_rollouts,
+                                checksums=checksums, deep=deep)
+        return plan
     except VerificationFailed as exc:
         raise VerificationFailed(f"checkpoint {checkpoint_file!r}", exc.problems) from None
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError, RecursionError) as exc:
@@ -410,7 +402,7 @@ def _recover_copy(tmp: str, checkpoint_file: str, sampler: Any, max_buffered_rol
         raise FormatError(f"{checkpoint_file!r}: a record passes its checksum but is not one kvckpt writes "
                           f"({type(exc).__name__}: {str(exc)[:200]}); the file is damaged or crafted") from None
     finally:
-        buffer.close()
+        store.close()
 
 
 class _BackgroundFsync(threading.Thread):

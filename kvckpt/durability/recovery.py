@@ -2,12 +2,13 @@
 
 Both recovery modes end here:
 
-* **from a checkpoint file** (:func:`kvckpt.durability.checkpoint.restore`): the file is copied to the live
+* **from a checkpoint file** (:func:`kvckpt.restore`): the file is copied to the live
   path, opened through a fresh handle and recovered to the version stamped in it;
 * **from the live store** after a crash: the live file (durable on every commit) is opened and
   recovered to the version of the model checkpoint the trainer resumes from.
 
-:func:`recover` is one write transaction that
+:func:`recover_store` is one write transaction that (the buffer's :meth:`~kvckpt.ReplayBuffer.recover`
+and :func:`kvckpt.recover` call it)
 
 1. verifies the store (:func:`kvckpt.durability.verify.check`) and refuses to go on if anything is wrong;
 2. returns every group claimed or consumed at a step ``>= resume_version`` to ``ready`` (its
@@ -29,19 +30,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvckpt.durability.verify import check
 from kvckpt.errors import RecoveryError, VerificationFailed
 from kvckpt.samplers import create_sampler
-from kvckpt.storage import keys
-from kvckpt.tables.records import CLAIMED, CONSUMED, READY, GroupInfo, Lease, LedgerEntry
+from kvckpt.storage.store import Store, Txn
+from kvckpt.tables import meta
+from kvckpt.tables.access import Tables
+from kvckpt.tables.records import READY, GroupInfo, Lease, LedgerEntry
+from kvckpt.transitions.config import BufferConfig
 
-if TYPE_CHECKING:
-    from kvckpt.buffer import ReplayBuffer
-    from kvckpt.storage.store import Txn
-
-log = logging.getLogger("kvckpt.durability.recovery")
+log = logging.getLogger("kvckpt.recovery")
 
 
 @dataclass
@@ -83,12 +83,14 @@ class RecoveryPlan:
                 "changes": list(self.changes), **{f"{k}_seconds": v for k, v in self.timings.items()}}
 
 
-def recover(buffer: ReplayBuffer, resume_version: int | None = None, *, sampler: Any = None,
-            max_buffered_rollouts: int | None = None, checksums: bool = False, deep: bool = False) -> RecoveryPlan:
-    """Reconcile ``buffer`` to ``resume_version`` in one transaction and plan the redispatch.
+def recover_store(store: Store, config: BufferConfig, resume_version: int | None = None, *, sampler: Any = None,
+                  max_buffered_rollouts: int | None = None, checksums: bool = False,
+                  deep: bool = False) -> tuple[RecoveryPlan, BufferConfig]:
+    """Reconcile ``store`` to ``resume_version`` in one transaction and plan the redispatch.
 
     Args:
-        buffer: an open, writable buffer (a fresh handle after a crash or a restore).
+        store: an open, writable store (a fresh handle after a crash or a restore) whose buffer
+            config is ``config``.
         resume_version: the trainer version of the model checkpoint the run resumes from (the
             number of finished steps it contains). Defaults to the store's ``trainer_version``:
             only the interrupted step's claims are undone.
@@ -99,17 +101,18 @@ def recover(buffer: ReplayBuffer, resume_version: int | None = None, *, sampler:
             :func:`kvckpt.durability.verify.check`). Defaults to neither: a live store's rows were checksummed
             when written and are verified again whenever they are read.
 
+    Returns:
+        The plan, and the config now in force (``config`` itself unless switched).
+
     Raises:
         VerificationFailed (a RecoveryError): the store fails verification.
         RecoveryError: ``resume_version`` is ahead of the store or older than consumed rows still
             kept; more ready groups than the capacity.
     """
-    from kvckpt.buffer import STATE_KEY, BufferConfig, new_timeline
-
     t0 = time.perf_counter()
-    config = buffer.config
+    new_config = config
     if sampler is not None or max_buffered_rollouts is not None:
-        config = BufferConfig.from_dict({
+        new_config = BufferConfig.from_dict({
             **config.to_dict(),
             "sampler": create_sampler(sampler).config() if sampler is not None else config.sampler.config(),
             "max_buffered_rollouts": max_buffered_rollouts or config.max_buffered_rollouts})
@@ -120,8 +123,9 @@ def recover(buffer: ReplayBuffer, resume_version: int | None = None, *, sampler:
         report = check(txn, checksums=checksums, deep=deep)
         timings["validate"] = time.perf_counter() - tv
         if not report.ok:
-            raise VerificationFailed(repr(buffer.path), report.problems)
-        st = buffer._state(txn)
+            raise VerificationFailed(repr(store.path), report.problems)
+        t = Tables(txn)
+        st = t.state()
         target = st["trainer_version"] if resume_version is None else int(resume_version)
         if target > st["trainer_version"]:
             raise RecoveryError(f"cannot resume at version {target}: the store has only reached "
@@ -131,28 +135,27 @@ def recover(buffer: ReplayBuffer, resume_version: int | None = None, *, sampler:
                                 f"{st['drop_floor']} were dropped after later checkpoints; resume from a "
                                 f"checkpoint at version >= {st['drop_floor']}")
         plan = RecoveryPlan(resume_version=target)
-        plan.groups_returned_to_ready = _return_to_ready(buffer, txn, st, target)
+        plan.groups_returned_to_ready = _return_to_ready(t, st, target)
         st["trainer_version"] = target
         st["weight_version"] = target
         # Checkpoints past the resume point belong to the abandoned run: they must not count
         # towards ``durable_checkpoints`` (nor hide the resumed run's own checkpoints).
         st["durable"] = [v for v in st["durable"] if v <= target]
-        if config is not buffer.config:
-            plan.changes = _switch_config(buffer, txn, st, config, target)
-        if st["ready"] > config.max_buffered_rollouts:
+        if new_config is not config:
+            plan.changes = _switch_config(t, st, config, new_config, target)
+        if st["ready"] > new_config.max_buffered_rollouts:
             if max_buffered_rollouts is not None:
                 raise RecoveryError(f"{st['ready']} ready groups exceed the requested max_buffered_rollouts "
-                                    f"{config.max_buffered_rollouts}; choose a larger capacity")
+                                    f"{new_config.max_buffered_rollouts}; choose a larger capacity")
             plan.changes.append(f"{st['ready']} ready groups exceed max_buffered_rollouts "
-                                f"{config.max_buffered_rollouts}: admission waits until training drains them")
-        entries = sorted((buffer._entry(txn, k.decode()) for k, _ in txn.iter_prefix("ledger", b"")),
-                         key=lambda e: e.seq)
-        st["timeline"] = plan.timeline = new_timeline()
+                                f"{new_config.max_buffered_rollouts}: admission waits until training drains them")
+        entries = t.entries()
+        st["timeline"] = plan.timeline = meta.new_timeline()
         for entry in entries:
             bumped = LedgerEntry.from_dict({**entry.to_dict(), "attempt": entry.attempt + 1,
                                             "timeline": st["timeline"]})
-            buffer._put_entry(txn, bumped)
-            lease = bumped.lease(buffer.store.store_id)
+            t.replace_entry(bumped, was=entry)
+            lease = bumped.lease(store.store_id)
             plan.leases.append(lease)
             plan.siblings_reused += len(entry.siblings)
             plan.siblings_rerun += len(lease.missing)
@@ -160,53 +163,42 @@ def recover(buffer: ReplayBuffer, resume_version: int | None = None, *, sampler:
         plan.groups_complete_restored = st["ready"]
         plan.dispatch_index = st["dispatch_index"]
         st["counters"]["redispatched"] += len(entries)
-        txn.put_json("meta", STATE_KEY, st)
-        stamp = txn.get_json("meta", b"checkpoint")
+        t.put_state(st)
+        stamp = t.stamp()
         if stamp is not None and stamp.get("trainer_version") == target:
             plan.trainer_state = stamp.get("trainer_state")
             plan.checkpoint_id = stamp.get("checkpoint_id")
         elif stamp is not None:
             plan.changes.append(f"the last checkpoint stamp (version {stamp.get('trainer_version')}) is not the "
                                 f"resume version {target}: its trainer_state is not returned")
+        plan.dataloader_state = t.dataloader_state()
         return plan
 
-    plan = buffer._write(txn_fn)
-    if config is not buffer.config:
-        buffer.config, buffer.sampler = config, config.sampler
-    plan.dataloader_state = buffer.dataloader_state()
+    plan = store.write(txn_fn)
     plan.timings.update(timings, recover=time.perf_counter() - t0)
     log.info("%s: recovered to trainer version %d on timeline %s: %d prompts to redispatch (%d siblings reused), "
-             "%d groups returned to ready, %d ready in all%s", buffer.path, plan.resume_version, plan.timeline,
+             "%d groups returned to ready, %d ready in all%s", store.path, plan.resume_version, plan.timeline,
              plan.groups_redispatched, plan.siblings_reused, plan.groups_returned_to_ready,
              plan.groups_complete_restored, "".join(f"; {c}" for c in plan.changes))
-    return plan
+    return plan, new_config
 
 
-def _return_to_ready(buffer: ReplayBuffer, txn: Txn, st: dict[str, Any], version: int) -> int:
+def _return_to_ready(t: Tables, st: dict[str, Any], version: int) -> int:
     moved = 0
-    for prefix, state_name in ((keys.CLAIMED_BY_STEP, CLAIMED), (keys.CONSUMED_BY_STEP, CONSUMED)):
-        start = prefix + keys.i64(version)
-        found = [(k, v.decode()) for k, v in txn.iter_prefix("index", prefix, start)]
-        for key, gid in found:
-            group = buffer._group(txn, gid)
-            if group is None or group.state != state_name:
-                raise RecoveryError(f"index {key.hex()} points to {gid!r}, which is not {state_name}")
-            txn.delete("index", key)
-            group = GroupInfo.from_dict({**group.to_dict(), "state": READY, "claimed_step": None,
-                                         "consumed_step": None})
-            buffer._put_group(txn, group)
-            buffer._ready_index(txn, group, add=True)
-            st["ready"] += 1
-            if state_name == CLAIMED:
-                st["claimed"] -= 1
-            moved += 1
+    for state_name, gid in t.held_since(version):
+        group = t.group(gid)
+        if group is None or group.state != state_name:
+            raise RecoveryError(f"the {state_name} index points to {gid!r}, which is not {state_name}")
+        t.put_group(GroupInfo.from_dict({**group.to_dict(), "state": READY, "claimed_step": None,
+                                         "consumed_step": None}), was=group)
+        st["ready"] += 1
+        if state_name == "claimed":
+            st["claimed"] -= 1
+        moved += 1
     return moved
 
 
-def _switch_config(buffer: ReplayBuffer, txn: Txn, st: dict[str, Any], config: Any, version: int) -> list[str]:
-    from kvckpt.buffer import CONFIG_KEY
-
-    old = buffer.config
+def _switch_config(t: Tables, st: dict[str, Any], old: BufferConfig, config: BufferConfig, version: int) -> list[str]:
     changes = []
     if old.sampler.config() != config.sampler.config():
         changes.append(f"sampler {old.sampler.config()} -> {config.sampler.config()}")
@@ -216,19 +208,15 @@ def _switch_config(buffer: ReplayBuffer, txn: Txn, st: dict[str, Any], config: A
         # Unstamped ready and in-flight groups get consecutive steps in dispatch order,
         # groups_per_step each: a step stamped with more groups than it trains would leave the
         # surplus behind the cursor, where the first evict discards generated work.
-        ready = [g for g in buffer._resolve(txn, (v.decode() for _, v in txn.iter_prefix("index", keys.READY_BY_SEQ)))
-                 if g.target_step is None]
-        inflight = [e for e in (buffer._entry(txn, k.decode()) for k, _ in txn.iter_prefix("ledger", b""))
-                    if e.target_step is None]
+        ready = [g for g in t.resolve(t.ready_ids()) if g.target_step is None]
+        inflight = [e for e in t.entries() if e.target_step is None]
         order = sorted([*ready, *inflight], key=lambda record: record.seq)
         steps = {record.group_id: version + i // config.groups_per_step for i, record in enumerate(order)}
         for group in ready:
-            buffer._ready_index(txn, group, add=False)
-            group = GroupInfo.from_dict({**group.to_dict(), "target_step": steps[group.group_id]})
-            buffer._put_group(txn, group)
-            buffer._ready_index(txn, group, add=True)
+            t.put_group(GroupInfo.from_dict({**group.to_dict(), "target_step": steps[group.group_id]}), was=group)
         for entry in inflight:
-            buffer._put_entry(txn, LedgerEntry.from_dict({**entry.to_dict(), "target_step": steps[entry.group_id]}))
+            t.replace_entry(LedgerEntry.from_dict({**entry.to_dict(), "target_step": steps[entry.group_id]}),
+                            was=entry)
         if order:
             last = version + (len(order) - 1) // config.groups_per_step
             st["dispatch_index"] = max(st["dispatch_index"], last)
@@ -237,5 +225,5 @@ def _switch_config(buffer: ReplayBuffer, txn: Txn, st: dict[str, Any], config: A
     if config.sampler.gate_window is not None and st["dispatch_index"] < version - 1:
         changes.append(f"dispatch_index {st['dispatch_index']} -> {version - 1} (gated sampler)")
         st["dispatch_index"] = version - 1
-    txn.put_json("meta", CONFIG_KEY, config.to_dict())
+    t.put_config(config.to_dict())
     return changes

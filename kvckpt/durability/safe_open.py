@@ -12,7 +12,7 @@ file with ``seek``/``read`` only (never ``mmap``), so no input can crash or hang
    exactly cover the file.
 
 A file that passes is safe to open through liblmdb; :func:`kvckpt.durability.verify.check` (``deep=True``)
-then checks every record's checksum and every kvckpt invariant. :func:`kvckpt.durability.checkpoint.restore`
+then checks every record's checksum and every kvckpt invariant. :func:`kvckpt.restore`
 does both unless told ``trusted=True``. :func:`verify_untrusted` runs the whole sequence, in a
 child process with a timeout when asked, for tools that must survive anything.
 
@@ -26,7 +26,7 @@ A file held by a live writer (this process or another) is a store kvckpt is writ
 cannot be structure-checked while it changes, so only its header is (``docs/reliability.md``).
 
 Limit: a check is a statement about the bytes at that moment. Verify files nobody else writes
-(a checkpoint is immutable once renamed; :func:`kvckpt.durability.checkpoint.restore` copies it first).
+(a checkpoint is immutable once renamed; :func:`kvckpt.restore` copies it first).
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 from lmdb import verify as lmdb_verify
 
-from kvckpt.durability.verify import Report, verify_path
+from kvckpt.durability.verify import Report, check
 from kvckpt.errors import FormatError, KvckptError, ResourceLimit, StoreNotFound
-from kvckpt.storage.store import FILE_MODE, Store, _check_lmdb_header, fd_limit, writer_active
+from kvckpt.storage.store import FILE_MODE, Store, check_lmdb_header, fd_limit, writer_active
 
 #: At most this many structural findings are quoted in an error message.
 SHOWN_PROBLEMS = 5
@@ -91,7 +92,7 @@ def check_header(path: str | os.PathLike[str], *, name: str | None = None) -> in
         raise StoreNotFound(f"no checkpoint file at {shown_as}")
     if not os.path.isfile(path):
         raise FormatError(f"{shown_as} is not a regular file; a kvckpt checkpoint is one file")
-    used = _check_lmdb_header(path, name)
+    used = check_lmdb_header(path, name)
     holes = hole_bytes(path, used)
     if holes > max(MAX_HOLE_BYTES, used // 4):
         raise FormatError(f"{shown_as} claims {used:,} bytes of pages but {holes:,} of them are holes (a sparse "
@@ -209,6 +210,30 @@ def _verify_in_child(path: str, deep: bool, timeout: float) -> Report:
     for problem in doc["problems"]:
         report.add(problem["code"], problem["key"], problem["message"])
     return report
+
+
+def verify_path(path: str, *, deep: bool = False, checksums: bool = False,
+                progress: Callable[[int], None] | None = None) -> Report:
+    """Open ``path`` read-only through :func:`open_readonly` (structure-checked
+    unless a live writer holds it) and :func:`~kvckpt.durability.verify.check` it.
+
+    A file that cannot be opened at all (foreign, damaged pages, sparse) yields a report with one
+    ``open`` problem instead of an exception, and one whose records LMDB finds damaged while
+    reading a ``read`` problem.
+    """
+    report = Report()
+    try:
+        store = open_readonly(path)
+    except KvckptError as exc:
+        report.add("open", path, str(exc))
+        return report
+    try:
+        return store.read(lambda txn: check(txn, deep=deep, checksums=checksums, progress=progress))
+    except KvckptError as exc:
+        report.add("read", path, str(exc))
+        return report
+    finally:
+        store.close()
 
 
 def main(argv: list[str] | None = None) -> int:

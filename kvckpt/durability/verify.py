@@ -43,17 +43,25 @@ from typing import Any
 
 import lmdb
 
-from kvckpt.buffer import CHECKPOINT_KEY, CONFIG_KEY, DATALOADER_KEY, SHAPES_KEY, SHORTFALL_KEY, STATE_KEY
 from kvckpt.errors import CorruptRecord, KvckptError
 from kvckpt.storage import codec, keys
 from kvckpt.storage.schema import RowSchema
 from kvckpt.storage.store import TABLES
 from kvckpt.tables.digest import group_digest, row_digest
+from kvckpt.tables.indexes import group_index_keys
+from kvckpt.tables.meta import (
+    CONFIG_KEY,
+    DATALOADER_KEY,
+    KNOWN_META_KEYS,
+    SHAPES_KEY,
+    SHORTFALL_KEY,
+    STAMP_KEY,
+    STATE_KEY,
+)
 from kvckpt.tables.records import ABORTED, CLAIMED, CONSUMED, EVICTED, GROUP_STATES, PHASE_ADMITTED, READY
+from kvckpt.transitions.config import BufferConfig
 
 #: Every key the ``meta`` table may hold; anything else is a damaged key (or a newer kvckpt).
-KNOWN_META_KEYS = frozenset({b"format", CONFIG_KEY, STATE_KEY, DATALOADER_KEY, SHORTFALL_KEY, CHECKPOINT_KEY,
-                             SHAPES_KEY})
 
 
 @dataclass(frozen=True)
@@ -130,7 +138,7 @@ def check(txn: Any, *, deep: bool = False, checksums: bool = False,
         return report
     if not _check_config(config, report):
         return report
-    _check_ints(meta.get(CHECKPOINT_KEY), "meta/checkpoint", ("trainer_version", "dispatch_index"), report,
+    _check_ints(meta.get(STAMP_KEY), "meta/checkpoint", ("trainer_version", "dispatch_index"), report,
                 required=True)
     _check_ints(state, "meta/state", _STATE_INTS, report, required=True)
     _check_dataloader(txn, report)
@@ -172,7 +180,6 @@ def _check_ints(doc: dict[str, Any] | None, key: str, names: tuple[str, ...], re
 
 def _check_config(config: dict[str, Any], report: Report) -> bool:
     """``meta/config`` is one this kvckpt can build a buffer from."""
-    from kvckpt.buffer import BufferConfig
 
     try:
         BufferConfig.from_dict(config)
@@ -286,16 +293,9 @@ def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dic
         elif stored:
             report.add("row-set", gid, f"{len(stored)} rows stored for a group marked rows_stored=false")
         _check_group_state(doc, gid, state["trainer_version"], report)
-        seq = doc["seq"]
-        if state_name == READY:
-            expected_index[keys.index_key(keys.READY_BY_SEQ, None, seq)] = gid
-            expected_index[keys.index_key(keys.READY_BY_WEIGHT, doc["start_weight"], seq)] = gid
-            if doc.get("target_step") is not None:
-                expected_index[keys.index_key(keys.READY_BY_TARGET, doc["target_step"], seq)] = gid
-        elif state_name == CLAIMED:
-            expected_index[keys.index_key(keys.CLAIMED_BY_STEP, doc["claimed_step"], seq)] = gid
-        elif state_name == CONSUMED and doc.get("rows_stored"):
-            expected_index[keys.index_key(keys.CONSUMED_BY_STEP, doc["consumed_step"], seq)] = gid
+        for key in group_index_keys(state_name, doc["seq"], doc["start_weight"], doc.get("target_step"),
+                                    doc.get("claimed_step"), doc.get("consumed_step"), bool(doc.get("rows_stored"))):
+            expected_index[key] = gid
         if state_name in (READY, CLAIMED) and doc.get("target_step") is not None:
             max_target = max(max_target, doc["target_step"])
 
@@ -428,29 +428,3 @@ def _check_row(value: bytes, gid: str, index: int, schema: RowSchema, pins: dict
         schema.pin(pins, [(key, {n: schema.shape_of(schema.fields[n], v) for n, v in record.arrays.items()})])
     except KvckptError as exc:
         report.add("schema", key, str(exc))
-
-
-def verify_path(path: str, *, deep: bool = False, checksums: bool = False,
-                progress: Callable[[int], None] | None = None) -> Report:
-    """Open ``path`` read-only through :func:`kvckpt.durability.safe_open.open_readonly` (structure-checked
-    unless a live writer holds it) and :func:`check` it.
-
-    A file that cannot be opened at all (foreign, damaged pages, sparse) yields a report with one
-    ``open`` problem instead of an exception, and one whose records LMDB finds damaged while
-    reading a ``read`` problem.
-    """
-    from kvckpt.durability.safe_open import open_readonly
-
-    report = Report()
-    try:
-        store = open_readonly(path)
-    except KvckptError as exc:
-        report.add("open", path, str(exc))
-        return report
-    try:
-        return store.read(lambda txn: check(txn, deep=deep, checksums=checksums, progress=progress))
-    except KvckptError as exc:
-        report.add("read", path, str(exc))
-        return report
-    finally:
-        store.close()

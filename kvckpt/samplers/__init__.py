@@ -11,7 +11,8 @@ from kvckpt.samplers._in_order import InOrderSampler
 from kvckpt.samplers._ready_first import ReadyFirstSampler
 from kvckpt.samplers._weight_fifo import WeightFifoSampler
 from kvckpt.samplers._windowed import WindowedSampler
-from kvckpt.samplers.base import BufferView, Sampler
+from kvckpt.samplers.base import Sampler
+from kvckpt.tables.view import BufferView
 
 __all__ = ["BufferView", "InOrderSampler", "ReadyFirstSampler", "Sampler", "WeightFifoSampler",
            "WindowedSampler", "create_sampler", "register"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from kvckpt.samplers.base import BufferView, Sampler, check_window
+from kvckpt.samplers.base import Sampler, check_window
+from kvckpt.tables.view import BufferView
 
 
 class InOrderSampler(Sampler):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvckpt.samplers.base import BufferView, GatedStalenessSampler
+from kvckpt.samplers.base import GatedStalenessSampler
+from kvckpt.tables.view import BufferView
 
 
 class ReadyFirstSampler(GatedStalenessSampler):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvckpt.samplers.base import BufferView, GatedStalenessSampler, window_floor
+from kvckpt.samplers.base import GatedStalenessSampler, window_floor
+from kvckpt.tables.view import BufferView
 
 
 class WeightFifoSampler(GatedStalenessSampler):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from kvckpt.samplers.base import BufferView, Sampler, check_window, window_floor
+from kvckpt.samplers.base import Sampler, check_window, window_floor
+from kvckpt.tables.view import BufferView
 
 
 class WindowedSampler(Sampler):

@@ -23,6 +23,10 @@ sub-databases (:data:`TABLES`). It guarantees:
 Limits: local disks only (not NFS/CIFS/FUSE); keys are at most 511 bytes; never carry an open
 ``Store`` across ``fork`` (open it in the child). Values are always kvckpt records
 (:mod:`kvckpt.storage.codec`); the ``get_json``/``put_json`` helpers verify their checksums.
+
+The module is long (about 670 lines) because it is the whole contract of the environment: the
+writer lock, the map-full replay, nested transactions for group commit, reader-slot checks, the
+LMDB header check and the fsync helpers each map liblmdb's and the OS's errors to kvckpt's.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ MAX_KEY_BYTES = 511
 READER_CHECK_COMMITS = 256
 #: A reader this many commits behind is logged as pinning old pages (``Store.readers`` reports it).
 PIN_WARN_COMMITS = 1000
-log = logging.getLogger("kvckpt.storage.store")
+log = logging.getLogger("kvckpt.store")
 #: Mode of the store, lock and checkpoint files kvckpt creates (before the umask): owner only.
 FILE_MODE = 0o600
 
@@ -215,7 +219,7 @@ class Store:
         if exists and not os.path.isfile(self.path):
             raise FormatError(f"{self.path!r} is not a regular file; a kvckpt store is one file")
         with fd_limit(self.path):
-            used = _check_lmdb_header(self.path) if exists else 0
+            used = check_lmdb_header(self.path) if exists else 0
         if map_size is None:  # a reader of a file no writer holds maps only what the file uses
             map_size = used if readonly and not writer_active(self.path) else DEFAULT_MAP_SIZE
         if not readonly:
@@ -259,10 +263,7 @@ class Store:
                 raise
             raise ReadOnlyStore(f"cannot open {self.path!r} for writing: {exc.strerror}; "
                                 "open it with readonly=True") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        if not lock_or_close(fd):
             raise StoreLocked(f"{self.path!r} is open for writing by another handle (this or another "
                               "process); kvckpt allows one writer. Close it, or open readonly=True") from None
         self._flock_fd = fd
@@ -593,7 +594,18 @@ _META = struct.Struct("<II8x8xI44x48xQQ")
 _META_OFFSET = 16
 
 
-def _check_lmdb_header(path: str, name: str | None = None) -> int:
+def lock_or_close(fd: int) -> bool:
+    """Take an exclusive ``flock`` on ``fd`` without waiting; if another descriptor holds one, close
+    ``fd`` and return False (the caller says who holds it)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    return True
+
+
+def check_lmdb_header(path: str, name: str | None = None) -> int:
     """Refuse files that are not complete LMDB v1 data files before the C engine maps them.
 
     Pages 0 and 1 are meta pages; LMDB uses the one with the larger transaction id, and that meta

@@ -1,0 +1,51 @@
+"""A store's buffer config as the facade opens it, and the in-place upgrade of older formats."""
+
+from __future__ import annotations
+
+from kvckpt.errors import BadArgument, FormatError, KvckptError
+from kvckpt.storage.store import FORMAT_VERSION, Store, Txn
+from kvckpt.tables import meta
+from kvckpt.tables.access import Tables
+from kvckpt.tables.records import LedgerEntry
+from kvckpt.transitions.config import BufferConfig
+
+
+def buffer_config(store: Store) -> BufferConfig:
+    """The buffer config persisted in ``store``; a format-1 store open for writing is upgraded first
+    (:func:`upgrade_from_v1`).
+
+    Raises:
+        BadArgument: the store has no buffer config (it was not made by ``ReplayBuffer.create``).
+        FormatError: the config passes its checksum but is not one kvckpt writes (damaged or crafted).
+    """
+    doc = store.read(lambda txn: Tables(txn).config())
+    if doc is None:
+        raise BadArgument(f"{store.path!r} is a kvckpt store without a replay buffer config; "
+                          "create it with ReplayBuffer.create")
+    try:
+        if store.info.get("version") == 1 and not store.readonly:
+            upgrade_from_v1(store)
+        return BufferConfig.from_dict(doc)
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
+        if isinstance(exc, KvckptError):
+            raise
+        raise FormatError(f"{store.path!r}: meta/config passes its checksum but is not a config kvckpt writes "
+                          f"({type(exc).__name__}: {str(exc)[:200]}); the file is damaged or crafted") from None
+
+
+def upgrade_from_v1(store: Store) -> None:
+    """Upgrade a format-1 store in place, in one transaction: give it a timeline and move every
+    ledger entry onto it with its attempt bumped, so leases a version-1 kvckpt issued (which
+    carry no store id or timeline) are fenced rather than trusted."""
+    def txn_fn(txn: Txn) -> None:
+        t = Tables(txn)
+        st = t.state()
+        st["timeline"] = meta.new_timeline()
+        for entry in t.entries():
+            t.replace_entry(LedgerEntry.from_dict(
+                {**entry.to_dict(), "attempt": entry.attempt + 1, "timeline": st["timeline"]}), was=entry)
+        t.put_state(st)
+        txn.put_json("meta", meta.FORMAT_KEY, {**store.info, "version": FORMAT_VERSION, "upgraded_from": 1})
+
+    store.write(txn_fn)
+    store.info = {**store.info, "version": FORMAT_VERSION, "upgraded_from": 1}

@@ -1,0 +1,46 @@
+"""Which ``index`` entries a record owns: the one definition the writer and the verifier share.
+
+Every index value is the group id it points to; keys sort by number, then by ``seq`` (dispatch
+order). A group record owns, by state:
+
+* ``ready``: ``READY_BY_SEQ``, ``READY_BY_WEIGHT`` (its ``start_weight``) and, when stamped,
+  ``READY_BY_TARGET`` (its ``target_step``);
+* ``claimed``: ``CLAIMED_BY_STEP`` at its ``claimed_step``;
+* ``consumed`` with rows still stored: ``CONSUMED_BY_STEP`` at its ``consumed_step``;
+* anything else: nothing.
+
+A ledger entry owns ``PENDING_BY_WEIGHT`` at its ``start_weight``.
+"""
+
+from __future__ import annotations
+
+from kvckpt.storage import keys
+from kvckpt.tables.records import CLAIMED, CONSUMED, READY, GroupInfo, LedgerEntry
+
+
+def group_index_keys(state: str, seq: int, start_weight: int, target_step: int | None = None,
+                     claimed_step: int | None = None, consumed_step: int | None = None,
+                     rows_stored: bool = True) -> list[bytes]:
+    """The index keys a group record with these fields owns (plain values, so the verifier can ask
+    about records it has not trusted yet)."""
+    if state == READY:
+        owned = [keys.index_key(keys.READY_BY_SEQ, None, seq), keys.index_key(keys.READY_BY_WEIGHT, start_weight, seq)]
+        if target_step is not None:
+            owned.append(keys.index_key(keys.READY_BY_TARGET, target_step, seq))
+        return owned
+    if state == CLAIMED:
+        return [keys.index_key(keys.CLAIMED_BY_STEP, claimed_step, seq)]
+    if state == CONSUMED and rows_stored:
+        return [keys.index_key(keys.CONSUMED_BY_STEP, consumed_step, seq)]
+    return []
+
+
+def keys_of_group(group: GroupInfo) -> list[bytes]:
+    """The index keys ``group`` owns."""
+    return group_index_keys(group.state, group.seq, group.start_weight, group.target_step, group.claimed_step,
+                            group.consumed_step, group.rows_stored)
+
+
+def key_of_entry(entry: LedgerEntry) -> bytes:
+    """The index key a ledger entry owns."""
+    return keys.index_key(keys.PENDING_BY_WEIGHT, entry.start_weight, entry.seq)

@@ -1,0 +1,223 @@
+"""The import graph of kvckpt, checked against its layers: ``python scripts/layers.py [--check] [--graph]``.
+
+Prints each module's layer, size and kvckpt imports (``--graph``), then every rule broken:
+
+* an import of a higher layer (each layer may import its own and the ones before it);
+* an import cycle between modules;
+* a reach into another module's private name (``from m import _x``, ``module._x``, or
+  ``obj._x`` where ``_x`` is not defined in the module doing it);
+* a module over :data:`MAX_LINES` lines whose docstring does not say why (the word "long").
+
+Every import counts, including those inside functions (a lazy import still ties the layers).
+``--check`` exits 1 if a rule is broken; ``tests/test_layers.py`` runs the same checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Package folder of each installed prefix (``integrations/`` and ``tools/`` install under kvckpt).
+SOURCES = {"kvckpt": ROOT / "kvckpt", "kvckpt.tools": ROOT / "tools", "kvckpt.integrations": ROOT / "integrations"}
+#: The layers, lowest first: a module may import modules of its own layer and of earlier ones.
+LAYERS = (
+    ("common", ("kvckpt.errors", "kvckpt.args")),
+    ("storage", ("kvckpt.storage",)),
+    ("tables", ("kvckpt.tables",)),
+    ("samplers", ("kvckpt.samplers",)),
+    ("transitions", ("kvckpt.transitions",)),
+    ("durability", ("kvckpt.durability",)),
+    ("buffer", ("kvckpt.buffer", "kvckpt.metrics")),
+    ("api", ("kvckpt",)),
+    ("tools", ("kvckpt.tools",)),
+    ("testing", ("kvckpt.testing",)),
+    ("integrations", ("kvckpt.integrations",)),
+    ("cli", ("kvckpt.tools.cli",)),  # the command line: the tools' verbs and the demo
+)
+MAX_LINES = 400
+#: Private names of other libraries' public API (namedtuple methods, ``os._exit``...).
+FOREIGN_PRIVATE_API = frozenset({"_replace", "_asdict", "_fields", "_make", "_exit", "_getframe", "_field_defaults"})
+
+
+@dataclass
+class Module:
+    """One source module: its name, file, line count, layer and what it imports."""
+
+    name: str
+    path: Path
+    lines: int
+    layer: int
+    docstring: str
+    imports: set[str] = field(default_factory=set)
+    #: ``(module, names)`` of every ``from module import names``, resolved by :func:`resolve`.
+    from_imports: list[tuple[str, list[str]]] = field(default_factory=list)
+    privates: list[str] = field(default_factory=list)
+
+
+def layer_of(name: str) -> int:
+    """The index in :data:`LAYERS` of the longest matching prefix of ``name``."""
+    best, best_len = -1, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    return best
+
+
+def discover(sources: dict[str, Path] | None = None) -> dict[str, Module]:
+    """Every module under ``sources`` (package prefix -> folder; :data:`SOURCES` by default), parsed
+    and with its imports resolved."""
+    found: dict[str, Module] = {}
+    for prefix, folder in (SOURCES if sources is None else sources).items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            name = ".".join([prefix, *parts])
+            if prefix == "kvckpt" and parts[:1] in (["tools"], ["integrations"]):
+                continue
+            text = path.read_text()
+            tree = ast.parse(text)
+            found[name] = Module(name, path, text.count("\n"), layer_of(name), ast.get_docstring(tree) or "")
+            module = found[name]
+            module.imports, module.from_imports, module.privates = _scan(tree, name, path.name == "__init__.py")
+    resolve(found)
+    return found
+
+
+def _scan(tree: ast.Module, name: str, is_package: bool) -> tuple[set[str], list[tuple[str, list[str]]], list[str]]:
+    package = name if is_package else name.rpartition(".")[0]
+    imports: set[str] = set()
+    from_imports: list[tuple[str, list[str]]] = []
+    module_aliases: set[str] = set()
+    privates: list[str] = []
+    own = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.arg):
+            own.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                own.add(alias.asname or alias.name.split(".")[0])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "kvckpt":
+                    imports.add(alias.name)
+                    module_aliases.add(alias.asname or alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] != "kvckpt":
+                continue
+            from_imports.append((base, [alias.name for alias in node.names]))
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    privates.append(f"from {base} import {alias.name}")
+                module_aliases.add(alias.asname or alias.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+                continue
+            if node.attr in FOREIGN_PRIVATE_API:
+                continue
+            if isinstance(base, ast.Name) and base.id in module_aliases:
+                privates.append(f"{base.id}.{node.attr} (line {node.lineno})")
+            elif node.attr not in own:
+                privates.append(f"{ast.unparse(base)}.{node.attr} (line {node.lineno})")
+    return imports, from_imports, privates
+
+
+def resolve(modules: dict[str, Module]) -> None:
+    """Keep only imports that name a module: ``from p import m`` imports module ``p.m`` when there is
+    one, and ``from m import name`` imports ``m``."""
+    for module in modules.values():
+        for base, names in module.from_imports:
+            submodules = {f"{base}.{n}" for n in names} & modules.keys()
+            module.imports |= submodules
+            if len(submodules) < len(names):
+                module.imports.add(base)
+        module.imports = {i for i in module.imports if i in modules and i != module.name}
+
+
+def violations(modules: dict[str, Module]) -> list[str]:
+    """Every broken rule, one line each."""
+    out = []
+    for module in modules.values():
+        for target in sorted(module.imports):
+            if modules[target].layer > module.layer:
+                out.append(f"layer: {module.name} ({LAYERS[module.layer][0]}) imports {target} "
+                           f"({LAYERS[modules[target].layer][0]})")
+        out += [f"private: {module.name} reaches {p}" for p in module.privates]
+        if module.lines > MAX_LINES and "long" not in module.docstring.lower():
+            out.append(f"size: {module.name} has {module.lines} lines and its docstring does not say why")
+    out += [f"cycle: {' -> '.join(c)}" for c in cycles(modules)]
+    return out
+
+
+def cycles(modules: dict[str, Module]) -> list[list[str]]:
+    """Import cycles (one per strongly connected component of more than one module), as paths."""
+    graph = {name: {t for t in m.imports if t != "kvckpt" and not name.startswith(t + ".")}
+             for name, m in modules.items()}
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(10_000)
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if any rule is broken")
+    parser.add_argument("--graph", action="store_true", help="print every module's kvckpt imports")
+    opts = parser.parse_args(argv)
+    modules = discover()
+    print(f"{'module':<48} {'layer':<13} {'lines':>5}")
+    for module in sorted(modules.values(), key=lambda m: (m.layer, m.name)):
+        print(f"{module.name:<48} {LAYERS[module.layer][0]:<13} {module.lines:>5}")
+        if opts.graph:
+            for target in sorted(module.imports):
+                print(f"    -> {target}")
+    problems = violations(modules)
+    print(f"\n{len(modules)} modules, {sum(m.lines for m in modules.values())} lines; {len(problems)} problems")
+    for line in problems:
+        print(f"  {line}")
+    return 1 if opts.check and problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
