@@ -154,8 +154,10 @@ def violations(modules: dict[str, Module]) -> list[str]:
     """Every broken rule, one line each."""
     out = []
     for module in modules.values():
+        if module.layer < 0:
+            out.append(f"layer: {module.name} is in no layer (add its package to LAYERS)")
         for target in sorted(module.imports):
-            if modules[target].layer > module.layer:
+            if module.layer >= 0 and modules[target].layer > module.layer:
                 out.append(f"layer: {module.name} ({LAYERS[module.layer][0]}) imports {target} "
                            f"({LAYERS[modules[target].layer][0]})")
         out += [f"private: {module.name} reaches {p}" for p in module.privates]
@@ -208,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     modules = discover()
     print(f"{'module':<48} {'layer':<13} {'lines':>5}")
     for module in sorted(modules.values(), key=lambda m: (m.layer, m.name)):
-        print(f"{module.name:<48} {LAYERS[module.layer][0]:<13} {module.lines:>5}")
+        layer = LAYERS[module.layer][0] if module.layer >= 0 else "-"
+        print(f"{module.name:<48} {layer:<13} {module.lines:>5}")
         if opts.graph:
             for target in sorted(module.imports):
                 print(f"    -> {target}")
