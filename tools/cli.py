@@ -27,6 +27,10 @@ demo [--fast] [--sampler NAME] [--recovery live|checkpoint] [--backend B] [--no-
     The reference GRPO trainer SIGKILLed mid-step, resumed in a new process, audited (a recovery
     report and a learning-curve PNG); ``--no-model``: the model-free producer/consumer run.
     ``kvckpt demo --fast --recovery checkpoint``
+
+Why this module is long (about 590 lines): it is the whole command line, one section per verb (its
+report renderer and its ``cmd_`` function, 20 to 90 lines each), the output helpers they share and
+the parser; the work itself is in :mod:`kvckpt.tools` and the demos.
 """
 
 from __future__ import annotations
@@ -81,7 +85,14 @@ def _num(value: Any) -> str:
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], indent: str = "  ") -> list[str]:
-    """Aligned columns: numbers right-aligned, text left-aligned."""
+    """Aligned columns: numbers right-aligned, text left-aligned.
+
+    Written here, not taken from a library: none of kvckpt's dependencies (lmdb, zstandard, numpy,
+    torch) formats text tables, and the stdlib has no table formatter. ``rich`` (installed here
+    only as another package's dependency) would be a new core dependency for these lines, and
+    would wrap at the terminal's width and interpret ``[...]`` markup in file-controlled strings
+    (group ids, messages) unless each were escaped: this tool prints untrusted text
+    (:func:`printable`)."""
     cells = [[_num(c) for c in row] for row in rows]
     numeric = [all(isinstance(row[i], (int, float)) or row[i] is None for row in rows) for i in range(len(headers))]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
@@ -489,34 +500,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvckpt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, help_text: str, example: str) -> argparse.ArgumentParser:
+    store = ("path", "a live store or a checkpoint file")
+
+    def command(name: str, func: Callable[[argparse.Namespace], int], help_text: str, example: str,
+                *positionals: tuple[str, str]) -> argparse.ArgumentParser:
+        """A subcommand running ``func``, with ``--json`` and the ``(name, help)`` positionals."""
         p = sub.add_parser(name, help=help_text, description=f"{help_text}.", epilog=f"example: {example}")
         p.add_argument("--json", action="store_true", help="print JSON instead of the readable report")
+        for dest, help_arg in positionals:
+            p.add_argument(dest, help=help_arg)
+        p.set_defaults(func=func)
         return p
 
-    p = command("inspect", "Show a store's identity, config, counts, ledger, cursors, sizes and histograms",
-                "kvckpt inspect ckpt/step_0100.kvckpt")
-    p.add_argument("path", help="a live store or a checkpoint file")
+    p = command("inspect", cmd_inspect, "Show a store's identity, config, counts, ledger, cursors, sizes and "
+                "histograms", "kvckpt inspect ckpt/step_0100.kvckpt", store)
     p.add_argument("--ledger", type=int, default=5, metavar="N", help="ledger entries to list (default 5)")
-    p.set_defaults(func=cmd_inspect)
 
-    p = command("verify", "Check every invariant of a store (exit 1 if any problem)", "kvckpt verify --deep live.kv")
-    p.add_argument("path", help="a live store or a checkpoint file")
+    p = command("verify", cmd_verify, "Check every invariant of a store (exit 1 if any problem)",
+                "kvckpt verify --deep live.kv", store)
     p.add_argument("--deep", action="store_true", help="also decode every row payload (checksums, schema)")
-    p.set_defaults(func=cmd_verify)
 
-    p = command("compact", "Write a compacted single-file copy of a store",
-                "kvckpt compact live.kv compact.kv --level 3")
-    p.add_argument("src", help="the store to copy (not modified)")
-    p.add_argument("dest", help="the file to write (temporary name, fsync, rename)")
+    p = command("compact", cmd_compact, "Write a compacted single-file copy of a store",
+                "kvckpt compact live.kv compact.kv --level 3", ("src", "the store to copy (not modified)"),
+                ("dest", "the file to write (temporary name, fsync, rename)"))
     p.add_argument("--level", type=_level, metavar="N", help="re-encode row payloads at zstd level N (0 = none)")
     p.add_argument("--force", action="store_true", help="replace DEST if it exists")
-    p.set_defaults(func=cmd_compact)
 
-    p = command("export", "Export rows with their group metadata to Parquet or JSONL",
-                "kvckpt export ckpt.kvckpt sft.parquet --format parquet --state consumed --steps 0:100")
-    p.add_argument("path", help="a live store or a checkpoint file")
-    p.add_argument("out", help="the file to write (temporary name, fsync, rename)")
+    p = command("export", cmd_export, "Export rows with their group metadata to Parquet or JSONL",
+                "kvckpt export ckpt.kvckpt sft.parquet --format parquet --state consumed --steps 0:100", store,
+                ("out", "the file to write (temporary name, fsync, rename)"))
     p.add_argument("--format", required=True, choices=FORMATS, help="parquet (analysis, SFT data) or jsonl (a look)")
     p.add_argument("--state", metavar="S,...",
                    help="group states to export (default ready,claimed,consumed: those with rows)")
@@ -536,17 +548,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-mb", type=_positive, default=32, metavar="MB",
                    help="raw MiB of rows buffered per batch (one Parquet row group); bounds memory (default 32)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    p.set_defaults(func=cmd_export)
 
-    p = command("diff", "Show what differs between two stores (exit 1 if anything does)",
-                "kvckpt diff ckpt/step_0090.kvckpt ckpt/step_0100.kvckpt")
-    p.add_argument("a", help="the first store or checkpoint file")
-    p.add_argument("b", help="the second store or checkpoint file")
+    p = command("diff", cmd_diff, "Show what differs between two stores (exit 1 if anything does)",
+                "kvckpt diff ckpt/step_0090.kvckpt ckpt/step_0100.kvckpt",
+                ("a", "the first store or checkpoint file"), ("b", "the second store or checkpoint file"))
     p.add_argument("--rows", action="store_true", help="compare decoded rows instead of digests")
-    p.set_defaults(func=cmd_diff)
 
-    p = command("demo", "Train the reference GRPO setup, SIGKILL it mid-step, resume in a new process and audit it",
-                "kvckpt demo --fast --recovery checkpoint")
+    p = command("demo", cmd_demo, "Train the reference GRPO setup, SIGKILL it mid-step, resume in a new process "
+                "and audit it", "kvckpt demo --fast --recovery checkpoint")
     p.add_argument("--fast", action="store_true", help="the small run (12 steps instead of 60)")
     p.add_argument("--steps", type=int, metavar="N", help="train N steps (default 60; the checkpoint period and "
                                                           "the crash step scale with it)")
@@ -559,7 +568,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recover the crashed live store (default) or restore the latest checkpoint file")
     p.add_argument("--out", metavar="DIR", help="keep every file of the run in DIR (default: a new temporary "
                                                 "directory that keeps only the learning curve and metrics)")
-    p.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -17,6 +17,11 @@ The children run :func:`child_main` (``python -m kvckpt.integrations.trainer.dem
 whose :class:`DemoHooks` are the trainer's test-only hooks (:mod:`.faults`), passed in by the
 parent on the command line, never through environment variables. tests/test_functional_recovery.py
 drives the same children.
+
+Why this module is long (about 630 lines): it is the whole demo, parent and child, plus the report
+both demos print (:func:`render`, the learning curve); the pieces share the events protocol and
+the report's shape, and tests/test_functional_recovery.py drives them from here. The report half
+(``render``, ``learning``, ``plot_learning_curve``) is the one to split off next.
 """
 
 from __future__ import annotations

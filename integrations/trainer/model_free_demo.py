@@ -1,7 +1,6 @@
-"""The interim demo (``kvckpt demo``): a real producer/consumer run, SIGKILLed mid-step, recovered.
-
-Until the reference trainer exists this is the project's first command. It shows, on a small but
-real run, what kvckpt is for:
+"""The model-free demo (``kvckpt demo --no-model``): a real producer/consumer run, SIGKILLed
+mid-step, recovered; the reference-trainer demo (:mod:`kvckpt.integrations.trainer.demo`) without a
+model, in seconds. It shows, on a small but real run, what kvckpt is for:
 
 1. **Run.** A child process owns a buffer store. A dispatcher thread admits dataloader batches,
    generator threads "roll out" each prompt ``n`` times (numpy rows shaped like GRPO rollouts:
@@ -21,7 +20,13 @@ The "model" is the list of prompts each step trained on, saved atomically with e
 checkpoint: exactly what a real trainer's weights would have absorbed. Consumption after the
 last model checkpoint is lost with the model; recovery makes those groups ready again.
 
-The reference-trainer demo will replace this module; :func:`run_demo` is its whole interface.
+It reads the stores with the model demo's readers (:func:`~kvckpt.integrations.trainer.demo.store_view`,
+``work_after_checkpoint``, ``audit``) and reports in its shape, so one
+:func:`~kvckpt.integrations.trainer.demo.render` prints both; :func:`run_demo` is its whole interface.
+
+Why this module is long (about 520 lines): the model-free run is a small trainer of its own (a
+dispatcher, generator threads and a training loop over one buffer, :class:`_Run`, about 160 lines)
+beside the crash-and-recover driver; both are the demo and nothing else uses them.
 """
 
 from __future__ import annotations

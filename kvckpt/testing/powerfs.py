@@ -21,9 +21,9 @@ read-only ``mmap`` (LMDB with ``writemap=False``) work. :func:`mount` runs the f
 own process and returns a :class:`Mount` to cut and unmount it. Needs Linux, ``/dev/fuse``,
 ``fusermount3`` and the ``mfusepy`` package; :func:`unavailable` says why when they are missing.
 
-Why one module of about 480 lines: :class:`PowerFS` is one state machine (the FUSE operations and
-the durable image they update share every field); split, each half would reach the other's
-privates.
+Why this module is long (about 480 lines): :class:`PowerFS` is one state machine (the FUSE
+operations and the durable image they update share every field); split, each half would reach the
+other's privates.
 """
 
 from __future__ import annotations
