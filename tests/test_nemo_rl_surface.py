@@ -38,6 +38,7 @@ from kvckpt.integrations.nemo_rl import (
     configure,
     create_sampler,
 )
+from kvckpt.integrations.nemo_rl import sampler as nemo_rl_sampler
 
 from kvckpt import ReplayBuffer, StaleAttempt
 from kvckpt import samplers as core_samplers
@@ -278,6 +279,25 @@ class TestAdmission:
 
         assert run(main()) == [2, ["admit waiting", "trained"]]
         assert buf.core.trainer_version == 1  # the store followed the trainer (one finish_step)
+
+    def test_the_train_pumps_next_sampler_call_wakes_the_gate(self, make: Any, monkeypatch: Any) -> None:
+        """The wait is an event: with the re-read fallback pushed out of reach, the train pump's
+        ``evict`` with the new version is what opens the gate."""
+        monkeypatch.setattr(nemo_rl_sampler, "RECHECK_SECONDS", 1e6)
+        buf = make(SAMPLERS["in_order"])
+        s = create_sampler(buf, SAMPLERS["in_order"])
+        trainer = {"version": 0}
+
+        async def main() -> int:
+            await s.admit(trainer_version_fn=lambda: trainer["version"])
+            await s.admit(trainer_version_fn=lambda: trainer["version"])
+            waiting = asyncio.create_task(s.admit(trainer_version_fn=lambda: trainer["version"]))
+            await asyncio.sleep(0)
+            trainer["version"] = 1
+            await s.evict(current_train_weight=trainer["version"])  # the train pump's next call
+            return await asyncio.wait_for(waiting, timeout=60)
+
+        assert run(main()) == 2
 
 
 class TestInOrderEvictMatchesSelect:

@@ -37,7 +37,7 @@ from kvckpt.integrations.nemo_rl.dataplane import KvckptDataPlane
 from kvckpt.integrations.nemo_rl.ledger import KvckptLedger
 from kvckpt.integrations.nemo_rl.meta import ReplayMeta
 from kvckpt.integrations.nemo_rl.records import record_to_rows
-from kvckpt.integrations.nemo_rl.sampler import create_sampler
+from kvckpt.integrations.nemo_rl.sampler import GateSignal, create_sampler
 
 from kvckpt import Batch, CheckpointResult, Lease, Prompt, RecoveryPlan, ReplayBuffer, restore
 from kvckpt.errors import BadArgument, CapacityError, RecoveryError, SchemaMismatch
@@ -123,6 +123,7 @@ class TQReplayBuffer:
         self._resume_step: int | None = None
         self._refill: list[int | None] = []  # stamps of batches a restart left short, re-admitted first
         self._trainer_version_fn: Callable[[], int] | None = None  # the controller's, from sampler.admit
+        self.gate = GateSignal()  # the gate waiters of every sampler object over this buffer
         self.sampler = create_sampler(self, self.core.sampler.config())
         self.ledger = KvckptLedger(self)
 
@@ -182,7 +183,7 @@ class TQReplayBuffer:
                                   "calls sampler.set_dispatch_index(step) first")
             while current < version:
                 current = self.core.finish_step()
-        self.sampler.wake_gate()  # a waiting admit re-reads the trainer's version
+        self.gate.wake()  # a waiting admit re-reads the trainer's version
 
     # -- admission --------------------------------------------------------------------------------
     def admit_batch(self, prompts: Sequence[Prompt | int | Mapping[str, Any]], *, dataloader_state: bytes | None = None,
@@ -518,7 +519,7 @@ class TQReplayBuffer:
         """Close the current step explicitly (claimed -> consumed, ``trainer_version`` + 1, one
         transaction); the samplers do it themselves when the trainer's version moves on."""
         version = self.core.finish_step()
-        self.sampler.wake_gate()
+        self.gate.wake()
         return version
 
     def abort_stale_inflight(self) -> list[str]:
@@ -543,7 +544,7 @@ class TQReplayBuffer:
             self._meta.clear()
         self._resume_step = None
         self._refill = []
-        self.sampler.wake_gate()  # the cursor and the trainer version may both have moved
+        self.gate.wake()  # the cursor and the trainer version may both have moved
         return plan
 
     def recover(self, resume_version: int | None = None) -> RecoveryPlan:

@@ -43,31 +43,28 @@ if TYPE_CHECKING:
 RECHECK_SECONDS = 0.005
 
 
-class KvckptSampler:
-    """The sampler over a :class:`~.adapter.TQReplayBuffer`; build it with :func:`create_sampler`."""
+class GateSignal:
+    """The gate waiters of one buffer (every sampler object over it shares it): :meth:`wake`
+    makes each waiting ``admit`` re-read the trainer's version and the cursor now."""
 
-    #: Every kvckpt sampler's state (stamps and cursor) is in the store, so it checkpoints.
-    supports_buffer_checkpoint = True
-
-    def __init__(self, buffer: TQReplayBuffer) -> None:
-        self._buffer = buffer
-        self._waiters_lock = threading.Lock()
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
 
-    def wake_gate(self) -> None:
-        """Make every waiting ``admit`` re-read the trainer's version and the cursor now (safe from
-        any thread; the buffer calls it whenever it hears a trainer version or is restored)."""
-        with self._waiters_lock:
+    def wake(self) -> None:
+        """Wake every waiter (safe from any thread or event loop)."""
+        with self._lock:
             waiters = list(self._waiters)
         for loop, event in waiters:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(event.set)
 
-    async def _wait_for_gate(self, is_open: Callable[[], bool], deadline: float | None) -> bool:
-        """Wait until ``is_open()``; False once ``deadline`` (monotonic) passed with it still closed."""
+    async def wait_until(self, is_open: Callable[[], bool], deadline: float | None) -> bool:
+        """Wait until ``is_open()``, re-checked at each :meth:`wake` and after
+        :data:`RECHECK_SECONDS` without one; False once ``deadline`` (monotonic) passed closed."""
         event = asyncio.Event()
         entry = (asyncio.get_running_loop(), event)
-        with self._waiters_lock:
+        with self._lock:
             self._waiters.add(entry)
         try:
             while not is_open():
@@ -79,8 +76,18 @@ class KvckptSampler:
                 event.clear()
             return True
         finally:
-            with self._waiters_lock:
+            with self._lock:
                 self._waiters.discard(entry)
+
+
+class KvckptSampler:
+    """The sampler over a :class:`~.adapter.TQReplayBuffer`; build it with :func:`create_sampler`."""
+
+    #: Every kvckpt sampler's state (stamps and cursor) is in the store, so it checkpoints.
+    supports_buffer_checkpoint = True
+
+    def __init__(self, buffer: TQReplayBuffer) -> None:
+        self._buffer = buffer
 
     @property
     def _core(self) -> Any:
@@ -107,7 +114,7 @@ class KvckptSampler:
     def should_abort_inflight(self, *, start_weight_version: int, current_train_weight: int) -> bool:
         """Whether a rollout started at ``start_weight_version`` can no longer be selected
         (``windowed`` below its window; the gated samplers never). Wakes the gate waiters."""
-        self.wake_gate()
+        self._buffer.gate.wake()
         return self._core.should_abort_inflight(start_weight_version, current_train_weight)
 
     @property
@@ -192,7 +199,7 @@ class KvckptSampler:
                 version = trainer_version_fn()
                 return self.dispatch_index < version + gate
 
-            if not await self._wait_for_gate(is_open, deadline):
+            if not await self._buffer.gate.wait_until(is_open, deadline):
                 raise GateTimeout(f"{self.name} gate still closed after {timeout}s: dispatch_index "
                                   f"{self.dispatch_index} >= trainer version {version} + {gate}")
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
