@@ -574,3 +574,56 @@ def test_read_batch_refuses_fields_outside_the_schema(buffer_factory):
     buf = buffer_factory()
     with pytest.raises(BadArgument, match=r"fields \['nope'\] are not in the store's schema"):
         buf.read_batch([], fields=["nope"])
+
+
+# -- claiming named groups, releasing claims --------------------------------------------------------
+def _three_ready(buf: ReplayBuffer) -> None:
+    leases = buf.admit([Prompt(prompt_idx=i, group_id=f"g{i + 1}") for i in range(3)], timeout=0)
+    for seed, lease in enumerate(leases):
+        buf.commit_group(lease, make_group(2, seed=seed))
+
+
+def test_claim_takes_exactly_the_named_ready_groups_for_the_current_step(buffer_factory):
+    buf = buffer_factory("ready_first", capacity=8)
+    _three_ready(buf)
+    selection = buf.claim(["g3", "g1"])
+    assert (selection.step, selection.group_ids) == (0, ["g3", "g1"])
+    assert [g.state for g in buf.groups()] == ["claimed", "ready", "claimed"]
+    assert (buf.state()["ready"], buf.state()["claimed"]) == (1, 2)
+    assert buf.read_batch(selection).group_ids == ["g3", "g3", "g1", "g1"]
+    buf.finish_step()
+    assert [g.state for g in buf.groups()] == ["consumed", "ready", "consumed"]
+    assert ok(buf, deep=True)
+
+
+def test_claim_is_all_or_nothing(buffer_factory):
+    buf = buffer_factory("ready_first", capacity=8)
+    _three_ready(buf)
+    buf.claim(["g2"])
+    error = refused(buf, BadArgument, buf.claim, ["g1", "g2"])
+    assert "'g2' is claimed, not ready" in str(error) and "nothing was claimed" in str(error)
+    refused(buf, BadArgument, buf.claim, ["g1", "nope"])
+    refused(buf, BadArgument, buf.claim, "g1")  # a string is not a list of ids
+    assert ok(buf)
+
+
+def test_released_claims_are_ready_again_and_selectable(buffer_factory):
+    buf = buffer_factory("ready_first", capacity=8)
+    _three_ready(buf)
+    selection = buf.select(2, 2)
+    assert buf.release_claims(selection.group_ids) == selection.group_ids
+    assert [g.state for g in buf.groups()] == ["ready", "ready", "ready"]
+    assert all(g.claimed_step is None for g in buf.groups())
+    assert (buf.state()["ready"], buf.state()["claimed"]) == (3, 0)
+    assert ok(buf)
+    assert buf.select(3, 3).group_ids == ["g1", "g2", "g3"]
+
+
+def test_release_refuses_what_the_current_step_does_not_hold(buffer_factory):
+    buf = buffer_factory("ready_first", capacity=8)
+    _three_ready(buf)
+    buf.claim(["g1"])
+    refused(buf, BadArgument, buf.release_claims, ["g1", "g2"])  # g2 is ready
+    buf.finish_step()  # g1 is consumed now
+    error = refused(buf, BadArgument, buf.release_claims, ["g1"])
+    assert "not claimed by the current step 1" in str(error)

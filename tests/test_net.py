@@ -251,5 +251,7 @@ def test_split_admission_promotion_and_a_sampler_switch_are_one_write_transactio
     count.once(lambda: buf.abort("a", "given up"))
     assert count.once(lambda: buf.promote_ready_group(0)) == 1  # b tops up step 0
     assert count.once(lambda: buf.select(1, 1)).group_ids == ["b"]
+    assert count.once(lambda: buf.release_claims(["b"])) == ["b"]
+    assert count.once(lambda: buf.claim(["b"])).group_ids == ["b"]
     plan = count.once(lambda: buf.recover(0, sampler={"name": "windowed", "max_staleness_versions": 2}))
     assert plan.groups_returned_to_ready == 1 and plan.changes

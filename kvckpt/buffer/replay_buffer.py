@@ -1,26 +1,11 @@
 """The replay buffer facade: each public method runs one transition (:mod:`kvckpt.transitions`)
 in one durable write transaction over one store.
 
-Every state transition is exactly one durable LMDB write transaction:
-
-==================== ===============================================================================
-transition           written atomically
-==================== ===============================================================================
-``admit``            ``dispatch_index`` (gated samplers), dataloader state, one ledger entry per prompt
-``advance_dispatch`` ``dispatch_index`` (gated samplers), dataloader state; prompts join via ``admit``
-``redispatch``       one ledger entry's ``attempt`` + 1 (and its ``start_weight``)
-``commit_group``     all rows, group record ready with ``end_weight``, ledger entry deleted, indexes
-``commit_sample``    one row and the ledger entry's sibling progress (the group once all n are in)
-``select``           chosen ready groups -> claimed by the current step
-``finish_step``      claimed -> consumed, ``trainer_version`` + 1, rows of checkpointed steps dropped
-``evict``            out-of-window ready groups -> evicted, their rows deleted
-``abort``            ledger entry -> aborted tombstone, shortfall credited, reason recorded
-``recover``          reconcile to a trainer version, bump every ledger attempt (fencing zombies)
-==================== ===============================================================================
-
-so there is no moment, on disk or in memory, where a prompt is both a committed group and a
-ledger entry, or neither. Row payloads are encoded (and checksummed) before the transaction
-starts, outside the store's writer lock; the transaction itself only puts bytes.
+Every state transition is exactly one durable LMDB write transaction (the table of what each one
+writes atomically, and where it lives, is in :mod:`kvckpt.transitions`), so there is no moment,
+on disk or in memory, where a prompt is both a committed group and a ledger entry, or neither.
+Row payloads are encoded (and checksummed) before the transaction starts, outside the store's
+writer lock; the transaction itself only puts bytes.
 
 A prompt's life: ``admit`` -> ledger entry (lease) -> ``commit_group`` -> ``ready`` ->
 ``select`` -> ``claimed`` -> ``finish_step`` -> ``consumed`` (rows dropped once a checkpoint
@@ -430,6 +415,27 @@ class ReplayBuffer:
         max_groups = self.config.groups_per_step if max_groups is None else max_groups
         return self._write(lambda t: training.select(t, self.config, min_groups, max_groups))
 
+    def claim(self, group_ids: Iterable[str]) -> Selection:
+        """Claim exactly the named ready groups for the current step, in one transaction: the
+        caller's choice instead of the sampler's (NeMo-RL's ``remove(..., remove_in_dp=False)``
+        of a ready slot). All or none.
+
+        Raises:
+            BadArgument: a named group is not ready (nothing is claimed then).
+        """
+        gids = _group_ids(group_ids)
+        return self._write(lambda t: training.claim(t, gids))
+
+    def release_claims(self, group_ids: Iterable[str]) -> list[str]:
+        """Return claims of the current step to ready, in one transaction (stamps untouched): the
+        rollback of a batch that was claimed but will not be trained. All or none.
+
+        Raises:
+            BadArgument: a named group is not claimed by the current step (nothing is released).
+        """
+        gids = _group_ids(group_ids)
+        return self._write(lambda t: training.release(t, gids))
+
     def finish_step(self, *, weight_version: int | None = None) -> int:
         """Close the current step: its claimed groups -> consumed, ``trainer_version`` + 1.
 
@@ -614,6 +620,12 @@ def _as_prompt(value: Any) -> Prompt:
                               f"got keys {sorted(value)}")
         return Prompt(**value)
     return Prompt(prompt_idx=value)
+
+
+def _group_ids(group_ids: Any) -> list[str]:
+    if isinstance(group_ids, str) or not isinstance(group_ids, Iterable):
+        raise BadArgument(f"group_ids must be a list of group ids, got {type(group_ids).__name__}")
+    return [args.identifier("group_id", gid) for gid in group_ids]
 
 
 def _check_dataloader_state(value: Any) -> None:

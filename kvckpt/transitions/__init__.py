@@ -17,6 +17,8 @@ transition           function                        written atomically
 ``commit_*``         :func:`commit.commit`           rows, group ready with ``end_weight``, ledger entry
                                                      deleted (or one row and the entry's progress)
 ``select``           :func:`training.select`         chosen ready groups -> claimed by the current step
+``claim``            :func:`training.claim`          the named ready groups -> claimed (all or none)
+``release_claims``   :func:`training.release`        the named claims of the current step -> ready
 ``finish_step``      :func:`training.finish_step`    claimed -> consumed, ``trainer_version`` + 1, rows
                                                      of checkpointed steps dropped
 ``evict``            :func:`training.evict`          out-of-window ready groups -> evicted, rows deleted

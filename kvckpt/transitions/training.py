@@ -1,4 +1,5 @@
-"""The training side's transitions: select a batch, finish a step, evict, re-stamp (promote)."""
+"""The training side's transitions: select a batch (or claim named groups, or release claims),
+finish a step, evict, re-stamp (promote)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,55 @@ def select(t: Tables, config: BufferConfig, min_groups: int, max_groups: int) ->
         st["counters"]["selected"] += len(claimed)
         t.put_state(st)
     return Selection(step, tuple(claimed))
+
+
+def claim(t: Tables, group_ids: Iterable[str]) -> Selection:
+    """Claim exactly the named ready groups for the current step (a caller's choice instead of the
+    sampler's), all or none.
+
+    Raises:
+        BadArgument: a named group is not ready (nothing is claimed then).
+    """
+    st = t.state()
+    step = st["trainer_version"]
+    claimed = []
+    for gid in dict.fromkeys(group_ids):
+        group = t.group(gid)
+        if group is None or group.state != READY:
+            raise BadArgument(f"group {gid!r} is {'unknown' if group is None else group.state}, not ready: only "
+                              "ready groups can be claimed; nothing was claimed")
+        new = GroupInfo.from_dict({**group.to_dict(), "state": CLAIMED, "claimed_step": step})
+        t.put_group(new, was=group)
+        claimed.append(new)
+    if claimed:
+        st["ready"] -= len(claimed)
+        st["claimed"] += len(claimed)
+        st["counters"]["selected"] += len(claimed)
+        t.put_state(st)
+    return Selection(step, tuple(claimed))
+
+
+def release(t: Tables, group_ids: Iterable[str]) -> list[str]:
+    """Hand claims of the current step back: the named claimed groups -> ready, stamps untouched
+    (the rollback of a batch that was claimed but never trained), all or none.
+
+    Raises:
+        BadArgument: a named group is not claimed by the current step (nothing is released then).
+    """
+    st = t.state()
+    gids = list(dict.fromkeys(group_ids))
+    for gid in gids:
+        group = t.group(gid)
+        if group is None or group.state != CLAIMED or group.claimed_step != st["trainer_version"]:
+            where = "unknown" if group is None else f"{group.state} (claimed_step {group.claimed_step})"
+            raise BadArgument(f"group {gid!r} is {where}, not claimed by the current step "
+                              f"{st['trainer_version']}; nothing was released")
+        t.put_group(GroupInfo.from_dict({**group.to_dict(), "state": READY, "claimed_step": None}), was=group)
+    if gids:
+        st["ready"] += len(gids)
+        st["claimed"] -= len(gids)
+        t.put_state(st)
+    return gids
 
 
 def finish_step(t: Tables, config: BufferConfig, weight_version: int | None) -> int:
