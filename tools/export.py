@@ -31,6 +31,10 @@ The output is written under a temporary ``.partial`` name, fsynced and renamed: 
 complete or absent. Exporting a live store holds its read snapshot for the whole export; LMDB
 cannot reuse pages the writer frees meanwhile, so export a checkpoint when the store is large and
 busy.
+
+The module is long (about 540 lines) because the two formats share one bounded-memory pipeline
+(snapshot reader, batcher, column builders, the SFT split and the durable rename); each part is
+only meaningful with the others.
 """
 
 from __future__ import annotations

@@ -32,7 +32,12 @@ Per-step numbers go to ``metrics_path`` (JSON lines) and, through a
 W&B), together with the buffer's ``stats()``. Progress is logged on the
 ``kvckpt.integrations.trainer.grpo`` logger (no handler installed: configure :mod:`logging` to see it).
 
-Run it: ``python -m kvckpt.integrations.trainer.grpo CONFIG.yaml``.
+Run it: ``python -m kvckpt.integrations.trainer.grpo CONFIG.yaml`` (``--crash-at POINT[:COUNT]``
+SIGKILLs it at a fault point, for recovery tests).
+
+The module is long (about 700 lines) because it is the whole reference trainer in one readable
+place: the two pumps, the GRPO loss, checkpoint/resume and the metrics; its config, faults,
+memory baseline and demo are separate modules.
 """
 
 from __future__ import annotations
