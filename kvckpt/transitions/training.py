@@ -19,21 +19,12 @@ def select(t: Tables, config: BufferConfig, min_groups: int, max_groups: int) ->
     Raises:
         InvariantViolation: the sampler chose a group that is not ready.
     """
-    st = t.state()
-    step = st["trainer_version"]
-    claimed = []
-    for group in t.resolve(config.sampler.select(BufferView(t.txn), step, min_groups, max_groups)):
+    step = t.state()["trainer_version"]
+    chosen = t.resolve(config.sampler.select(BufferView(t.txn), step, min_groups, max_groups))
+    for group in chosen:
         if group.state != READY:
             raise InvariantViolation(f"sampler chose group {group.group_id!r} in state {group.state}")
-        new = GroupInfo.from_dict({**group.to_dict(), "state": CLAIMED, "claimed_step": step})
-        t.put_group(new, was=group)
-        claimed.append(new)
-    if claimed:
-        st["ready"] -= len(claimed)
-        st["claimed"] += len(claimed)
-        st["counters"]["selected"] += len(claimed)
-        t.put_state(st)
-    return Selection(step, tuple(claimed))
+    return _claim(t, chosen)
 
 
 def claim(t: Tables, group_ids: Iterable[str]) -> Selection:
@@ -43,14 +34,22 @@ def claim(t: Tables, group_ids: Iterable[str]) -> Selection:
     Raises:
         BadArgument: a named group is not ready (nothing is claimed then).
     """
-    st = t.state()
-    step = st["trainer_version"]
-    claimed = []
+    chosen = []
     for gid in dict.fromkeys(group_ids):
         group = t.group(gid)
         if group is None or group.state != READY:
             raise BadArgument(f"group {gid!r} is {'unknown' if group is None else group.state}, not ready: only "
                               "ready groups can be claimed; nothing was claimed")
+        chosen.append(group)
+    return _claim(t, chosen)
+
+
+def _claim(t: Tables, ready: list[GroupInfo]) -> Selection:
+    """Ready groups -> claimed by the current step, with the counts."""
+    st = t.state()
+    step = st["trainer_version"]
+    claimed = []
+    for group in ready:
         new = GroupInfo.from_dict({**group.to_dict(), "state": CLAIMED, "claimed_step": step})
         t.put_group(new, was=group)
         claimed.append(new)
