@@ -39,7 +39,7 @@ import re
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -114,6 +114,9 @@ def _stored_sizes() -> dict[tuple[str, tuple[str, ...]], int]:
 
 
 _STORED = _stored_sizes()
+#: Logical dtype -> {transforms: stored element size}: :data:`_STORED` by dtype.
+_SIZES = {dtype: {t: size for (d, t), size in _STORED.items() if d == dtype} for dtype in (*DTYPES, *TEXT_DTYPES)}
+_ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 _local = threading.local()
 
 
@@ -416,69 +419,83 @@ class _Spec(NamedTuple):
     decoded: int  # bytes the decoded value takes
 
 
-def _check_spec(spec: Any, key: str) -> _Spec:
-    """Check one field entry against the format's rules, without touching the body."""
-    if not (isinstance(spec, list) and len(spec) == 5):
-        raise CorruptRecord(key, f"malformed field spec {str(spec)[:200]}")
-    name, dtype, shape, transforms, nbytes = spec
-    if not isinstance(name, str) or not isinstance(dtype, str) or (dtype not in DTYPES and dtype not in TEXT_DTYPES):
-        raise CorruptRecord(key, f"field {str(name)[:100]!r} has unknown dtype {str(dtype)[:100]!r}")
-    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM
-            and all(type(d) is int and 0 <= d < 1 << 40 for d in shape)):
-        raise CorruptRecord(key, f"field {name!r} has invalid shape {str(shape)[:200]}")
-    stored = None
-    if isinstance(transforms, list) and all(isinstance(t, str) for t in transforms):
-        stored = _STORED.get((dtype, tuple(transforms)))
-    return _sized_spec(name, dtype, shape, transforms, stored, nbytes, key)
+#: A field's rule as the reader holds it: its dtype, its number of dims (``None``: any), the
+#: ``(index, extent)`` dims it fixes, and :data:`_SIZES` of its dtype.
+_Rule = tuple[str, int | None, tuple[tuple[int, int], ...], dict[tuple[str, ...], int]]
 
 
-def _sized_spec(name: str, dtype: str, shape: list[int], transforms: Any, stored: int | None, nbytes: Any,
-                key: str) -> _Spec:
-    """The size rules of one field entry, once its name, dtype and shape are checked: ``stored`` is
-    :data:`_STORED`'s entry for its (dtype, transforms), ``None`` for a pair the encoder never writes."""
-    if stored is None:
-        raise CorruptRecord(key, f"field {name!r} of {dtype} has invalid transforms {str(transforms)[:200]}")
-    if type(nbytes) is not int or nbytes < 0:
-        raise CorruptRecord(key, f"field {name!r} has invalid length {str(nbytes)[:100]}")
-    if dtype in TEXT_DTYPES:
-        if shape:
-            raise CorruptRecord(key, f"text field {name!r} has shape {shape}; text fields are 0-d")
-        return _Spec(name, dtype, (), (), nbytes, 1, nbytes)
-    count = extent = 1
-    for dim in shape:
-        count *= dim
-        extent *= max(dim, 1)
-    if stored == 0:  # bit-packed
-        if nbytes != (count + 7) // 8:
-            raise CorruptRecord(key, f"field {name!r}: {nbytes} packed bytes for {count} values")
-    elif nbytes != count * stored:
-        raise CorruptRecord(key, f"field {name!r}: {nbytes} bytes for shape {tuple(shape)} of {stored}-byte "
-                                 f"stored values")
-    if extent >= MAX_EXTENT:  # an empty array numpy cannot even describe
-        raise CorruptRecord(key, f"field {name!r}: shape {shape} spans {extent} elements, over 2**48")
-    return _Spec(name, dtype, tuple(shape), tuple(transforms), nbytes, count, count * DTYPES[dtype].itemsize)
-
-
-def _check_specs(header: dict, raw: int, limits: Limits, key: str,
-                 check_one: Callable[[Any, str], _Spec]) -> list[_Spec]:
-    """Every field entry checked by ``check_one``, and what they decode to held against ``limits``,
-    before any decompression or allocation."""
+def _check_specs(header: dict, raw: int, limits: Limits, key: str, rules: Mapping[str, _Rule] | None,
+                 ) -> list[_Spec]:
+    """Every field entry checked, without touching the body: against the format's rules (with
+    ``rules=None``), or against its field's rule in ``rules``, which stands for the format's dtype
+    and transform checks and also fixes the field's dtype and shape; and what the fields decode to
+    held against ``limits``, before any decompression or allocation. One loop, no call per field:
+    this runs for every row a store's owner checks."""
     specs, names, pos, total = [], set(), 0, 0
+    caps = limits.field_bytes
     for entry in header["fields"]:
-        spec = check_one(entry, key)
-        if spec.name in names:
-            raise CorruptRecord(key, f"field {spec.name!r} appears twice")
-        names.add(spec.name)
-        pos += spec.nbytes
+        if type(entry) is not list or len(entry) != 5:
+            raise CorruptRecord(key, f"malformed field spec {str(entry)[:200]}")
+        name, dtype, shape, transforms, nbytes = entry
+        if rules is None:
+            if type(name) is not str or type(dtype) is not str or dtype not in _SIZES:
+                raise CorruptRecord(key, f"field {str(name)[:100]!r} has unknown dtype {str(dtype)[:100]!r}")
+            ndim, fixed, sizes = None, (), _SIZES[dtype]
+        else:
+            rule = rules.get(name) if type(name) is str else None
+            if rule is None:
+                raise CorruptRecord(key, f"field {str(name)[:100]!r} is not one the rules name")
+            want, ndim, fixed, sizes = rule
+            if dtype != want:
+                raise CorruptRecord(key, f"field {name!r} is stored as {str(dtype)[:100]}, the rules say {want}")
+        if type(shape) is not list or len(shape) > MAX_NDIM:
+            raise CorruptRecord(key, f"field {name!r} has invalid shape {str(shape)[:200]}")
+        count = extent = 1
+        for dim in shape:
+            if type(dim) is not int or not 0 <= dim < 1 << 40:
+                raise CorruptRecord(key, f"field {name!r} has invalid shape {str(shape)[:200]}")
+            count *= dim
+            extent *= dim or 1
+        if ndim is not None and len(shape) != ndim:
+            raise CorruptRecord(key, f"field {name!r} has shape {shape}, the rules say {ndim} dims")
+        for i, want_dim in fixed:
+            if shape[i] != want_dim:
+                raise CorruptRecord(key, f"field {name!r} has shape {shape}, the rules fix dim {i} at {want_dim}")
+        try:
+            stored = sizes.get(tuple(transforms)) if type(transforms) is list else None
+        except TypeError:  # an unhashable element (a list, a dict): no transform the encoder writes
+            stored = None
+        if stored is None:
+            raise CorruptRecord(key, f"field {name!r} of {dtype} has invalid transforms {str(transforms)[:200]}")
+        if type(nbytes) is not int or nbytes < 0:
+            raise CorruptRecord(key, f"field {name!r} has invalid length {str(nbytes)[:100]}")
+        if dtype in TEXT_DTYPES:
+            if shape:
+                raise CorruptRecord(key, f"text field {name!r} has shape {shape}; text fields are 0-d")
+            spec = _Spec(name, dtype, (), (), nbytes, 1, nbytes)
+        else:
+            if stored == 0:  # bit-packed
+                if nbytes != (count + 7) // 8:
+                    raise CorruptRecord(key, f"field {name!r}: {nbytes} packed bytes for {count} values")
+            elif nbytes != count * stored:
+                raise CorruptRecord(key, f"field {name!r}: {nbytes} bytes for shape {tuple(shape)} of "
+                                         f"{stored}-byte stored values")
+            if extent >= MAX_EXTENT:  # an empty array numpy cannot even describe
+                raise CorruptRecord(key, f"field {name!r}: shape {shape} spans {extent} elements, over 2**48")
+            spec = _Spec(name, dtype, tuple(shape), tuple(transforms), nbytes, count, count * _ITEMSIZE[dtype])
+        if name in names:
+            raise CorruptRecord(key, f"field {name!r} appears twice")
+        names.add(name)
+        pos += nbytes
         if pos > raw:
-            raise CorruptRecord(key, f"field {spec.name!r} runs past the body")
-        cap = limits.field_bytes.get(spec.name)
+            raise CorruptRecord(key, f"field {name!r} runs past the body")
+        cap = caps.get(name)
         if cap is not None and spec.decoded > cap:
-            raise CorruptRecord(key, f"field {spec.name!r} would decode to {spec.decoded} bytes "
-                                     f"(shape {list(spec.shape)} of {spec.dtype}), over its limit of {cap}")
+            raise CorruptRecord(key, f"field {name!r} would decode to {spec.decoded} bytes "
+                                     f"(shape {list(spec.shape)} of {dtype}), over its limit of {cap}")
         total += spec.decoded
         if total > limits.max_bytes:
-            raise CorruptRecord(key, f"fields up to {spec.name!r} would decode to {total} bytes, over the "
+            raise CorruptRecord(key, f"fields up to {name!r} would decode to {total} bytes, over the "
                                      f"limit of {limits.max_bytes}")
         specs.append(spec)
     if pos != raw:
@@ -532,8 +549,7 @@ def decode(value: bytes | memoryview, key: str = "?", *, limits: Limits | None =
         CorruptRecord: checksum mismatch, truncation, any header/length inconsistency, or a record
             larger than ``limits``; the message names ``key`` and the offending value.
     """
-    header, specs, body = _verified_body(memoryview(value), key, Limits() if limits is None else limits,
-                                         _check_spec)
+    header, specs, body = _verified_body(memoryview(value), key, Limits() if limits is None else limits, None)
     record = Record(meta=header["meta"])
     pos = 0
     for spec in specs:
@@ -570,7 +586,7 @@ def describe(value: bytes | memoryview, key: str = "?", *, limits: Limits | None
         CorruptRecord: as :func:`decode`.
     """
     limits = Limits() if limits is None else limits
-    return _described(*_verified_body(memoryview(value), key, limits, _check_spec), key)
+    return _described(*_verified_body(memoryview(value), key, limits, None), key)
 
 
 def _described(header: dict, specs: list[_Spec], body: memoryview, key: str) -> Record:
@@ -616,17 +632,16 @@ class RecordRules:
     """
 
     def __init__(self, fields: Mapping[str, FieldRule], required: Iterable[str] = ()) -> None:
-        # name -> (dtype, ndim or None for any, the (index, extent) dims the rule fixes, stored sizes by transforms)
-        self._fields: dict[str, tuple[str, int | None, tuple[tuple[int, int], ...], dict[tuple[str, ...], int]]] = {}
+        self._fields: dict[str, _Rule] = {}
         for name, rule in fields.items():
             if rule.dtype not in DTYPES and rule.dtype not in TEXT_DTYPES:
                 raise BadArgument(f"field rule {name!r} has unknown dtype {rule.dtype!r}")
             if rule.shape is not None and not (isinstance(rule.shape, tuple) and len(rule.shape) <= MAX_NDIM and all(
                     d is None or (type(d) is int and 0 <= d < 1 << 40) for d in rule.shape)):
                 raise BadArgument(f"field rule {name!r} has invalid shape {rule.shape!r}")
-            sizes = {transforms: size for (dtype, transforms), size in _STORED.items() if dtype == rule.dtype}
             fixed = tuple((i, d) for i, d in enumerate(rule.shape or ()) if d is not None)
-            self._fields[name] = (rule.dtype, None if rule.shape is None else len(rule.shape), fixed, sizes)
+            ndim = None if rule.shape is None else len(rule.shape)
+            self._fields[name] = (rule.dtype, ndim, fixed, _SIZES[rule.dtype])
         self.limits = Limits(max_bytes=sum(rule.max_bytes for rule in fields.values()),
                              field_bytes={name: rule.max_bytes for name, rule in fields.items()})
         self.required = frozenset(required)
@@ -641,46 +656,17 @@ class RecordRules:
             CorruptRecord: what :func:`describe` refuses, and any field the rules refuse, naming
                 ``key`` and the field.
         """
-        header, specs, body = _verified_body(memoryview(value), key, self.limits, self._check_spec)
+        header, specs, body = _verified_body(memoryview(value), key, self.limits, self._fields)
         missing = self.required.difference([spec.name for spec in specs])
         if missing:
             raise CorruptRecord(key, f"required field {sorted(missing)[0]!r} is missing")
         return _described(header, specs, body, key)
 
-    def _check_spec(self, spec: Any, key: str) -> _Spec:
-        """One field entry against its rule (the rule stands for the generic dtype and transform checks)."""
-        if type(spec) is not list or len(spec) != 5:
-            raise CorruptRecord(key, f"malformed field spec {str(spec)[:200]}")
-        name, dtype, shape, transforms, nbytes = spec
-        rule = self._fields.get(name) if type(name) is str else None
-        if rule is None:
-            raise CorruptRecord(key, f"field {str(name)[:100]!r} is not one the rules name")
-        want, ndim, fixed, sizes = rule
-        if dtype != want:
-            raise CorruptRecord(key, f"field {name!r} is stored as {str(dtype)[:100]}, the rules say {want}")
-        if type(shape) is not list or len(shape) > MAX_NDIM:
-            raise CorruptRecord(key, f"field {name!r} has invalid shape {str(shape)[:200]}")
-        for dim in shape:
-            if type(dim) is not int or not 0 <= dim < 1 << 40:
-                raise CorruptRecord(key, f"field {name!r} has invalid shape {str(shape)[:200]}")
-        if ndim is not None and len(shape) != ndim:
-            raise CorruptRecord(key, f"field {name!r} has shape {shape}, the rules say {ndim} dims")
-        for i, extent in fixed:
-            if shape[i] != extent:
-                raise CorruptRecord(key, f"field {name!r} has shape {shape}, the rules fix dim {i} at {extent}")
-        stored = None
-        if type(transforms) is list:
-            try:
-                stored = sizes.get(tuple(transforms))
-            except TypeError:  # an unhashable element (a list, a dict): no transform
-                stored = None
-        return _sized_spec(name, dtype, shape, transforms, stored, nbytes, key)
 
-
-def _verified_body(buf: memoryview, key: str, limits: Limits, check_one: Callable[[Any, str], _Spec],
+def _verified_body(buf: memoryview, key: str, limits: Limits, rules: Mapping[str, _Rule] | None,
                    ) -> tuple[dict, list[_Spec], memoryview]:
-    """The checked header, its field specs (each checked by ``check_one``) and the (decompressed)
-    body of exactly ``raw`` bytes."""
+    """The checked header, its field specs (against ``rules`` when given, see :func:`_check_specs`)
+    and the (decompressed) body of exactly ``raw`` bytes."""
     header, offset = _parse_header(buf, key)
     raw = header.get("raw")
     level = header.get("z")
@@ -693,7 +679,7 @@ def _verified_body(buf: memoryview, key: str, limits: Limits, check_one: Callabl
     compressed = level > 0 and (raw or len(body))
     if not compressed and len(body) != raw:
         raise CorruptRecord(key, f"body is {len(body)} bytes, header says {raw}")
-    specs = _check_specs(header, raw, limits, key, check_one)
+    specs = _check_specs(header, raw, limits, key, rules)
     if compressed:
         try:
             declared = zstandard.frame_content_size(body)
