@@ -186,3 +186,104 @@ def test_calls_that_would_break_a_guarantee_are_refused_naming_why(tmp_path: Any
         assert dp.get_samples([], "rollout_data", ["total_reward"]).batch_size == torch.Size([0])
     with pytest.raises(BadArgument, match="not bound"):
         KvckptDataPlane().get_samples(ready, "rollout_data", ["total_reward"])
+
+
+class InnerClient:
+    """NeMo-RL's own data-plane client's place (its trainer workers read there): records the rows
+    put into it; ``failures`` put calls raise first, as a TransferQueue put that fails does."""
+
+    def __init__(self, failures: int = 0) -> None:
+        self.rows: dict[str, set[str]] = {}
+        self.failures = failures
+
+    def put_samples(self, sample_ids: list[str], partition_id: str, fields: Any = None, tags: Any = None) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionError("the data plane's storage unit went away")
+        for sid in sample_ids:
+            self.rows.setdefault(sid, set()).update(fields.keys())
+
+    def clear_samples(self, sample_ids: list[str] | None, partition_id: str) -> None:
+        for sid in sample_ids or list(self.rows):
+            self.rows.pop(sid, None)
+
+
+class AsyncInnerClient(InnerClient):
+    """NeMo-RL's async client: every call is a coroutine, done only once awaited."""
+
+    async def put_samples(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        await asyncio.sleep(0)
+        super().put_samples(*args, **kwargs)
+
+    async def clear_samples(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        await asyncio.sleep(0)
+        super().clear_samples(*args, **kwargs)
+
+
+def two_ready(buf: TQReplayBuffer, sampler: Any) -> list[str]:
+    target = run(sampler.admit(trainer_version_fn=lambda: 0))
+    gids = []
+    for prompt, rewards in ((5, (1.0, 0.0)), (6, (2.0, 4.0))):
+        gid = buf.reserve(weight_version=0, target_step=target, prompt_idx=prompt)
+        run(buf.commit(gid, rows(prompt, rewards), start_weight_version=0, end_weight_version=0))
+        gids.append(gid)
+    return gids
+
+
+@pytest.mark.parametrize("how", ["select", "remove"])
+def test_a_failed_publish_returns_the_claims_so_the_next_step_cannot_consume_untrained_groups(
+        tmp_path: Any, how: str) -> None:
+    """NeMo-RL's train pump: select (or a sampler's remove(..., remove_in_dp=False)), publish to
+    its own data plane; that put fails once. The claim is undone, the retry trains the same
+    groups, and only the trained ones are consumed when the trainer's version moves on."""
+    buf, sampler, _ = controller(tmp_path, KvckptDataPlane(inner=InnerClient(failures=1)))
+    with buf:
+        gids = two_ready(buf, sampler)
+        take = (lambda: sampler.select(current_train_weight=0, min_prompt_groups=2, max_prompt_groups=2)) \
+            if how == "select" else (lambda: buf.remove([0, 1], remove_in_dp=False))
+        with pytest.raises(ConnectionError, match="went away"):
+            run(take())
+        assert [buf.core.group(g).state for g in gids] == ["ready", "ready"] and buf.size() == 2
+        assert buf.dp_client.inner.rows == {}
+        run(take())
+        assert sorted(buf.dp_client.inner.rows) == sorted(f"{g}_g{i}" for g in gids for i in range(N))
+        run(sampler.evict(current_train_weight=1))  # the trainer's next version closes step 0
+        assert [buf.core.group(g).state for g in gids] == ["consumed", "consumed"]
+
+
+def test_a_failed_publish_after_a_finished_step_consumes_nothing(tmp_path: Any) -> None:
+    """The failure is at the publish of step 1's batch: step 0's groups stay consumed, step 1's
+    go back to ready and stay there across the trainer's own finish_train_step."""
+    buf, sampler, dp = controller(tmp_path, KvckptDataPlane(inner=InnerClient()))
+    with buf:
+        run(sampler.select(current_train_weight=0, min_prompt_groups=2, max_prompt_groups=2))  # nothing yet
+        first = two_ready(buf, sampler)
+        run(sampler.select(current_train_weight=0, min_prompt_groups=2, max_prompt_groups=2))
+        target = run(sampler.admit(trainer_version_fn=lambda: 1))
+        second = []
+        for prompt in (7, 8):
+            gid = buf.reserve(weight_version=1, target_step=target, prompt_idx=prompt)
+            run(buf.commit(gid, rows(prompt, (0.0, 1.0)), start_weight_version=1, end_weight_version=1))
+            second.append(gid)
+        dp.inner.failures = 1
+        with pytest.raises(ConnectionError):
+            run(sampler.select(current_train_weight=1, min_prompt_groups=2, max_prompt_groups=2))
+        assert [buf.core.group(g).state for g in first] == ["consumed", "consumed"]
+        assert [buf.core.group(g).state for g in second] == ["ready", "ready"]
+        buf.finish_train_step()
+        assert [buf.core.group(g).state for g in second] == ["ready", "ready"]
+
+
+def test_an_async_inner_client_has_each_call_done_when_the_controller_s_await_returns(tmp_path: Any,
+                                                                                      recwarn: Any) -> None:
+    """select publishes and awaits; the controller's ``_call_dp`` put / clear await what is passed on."""
+    buf, sampler, dp = controller(tmp_path, KvckptDataPlane(inner=AsyncInnerClient()))
+    with buf:
+        meta = one_step_selected(buf, sampler)
+        assert sorted(dp.inner.rows) == sorted(meta.sample_ids)
+        assert dp.inner.rows[meta.sample_ids[0]] == set(GRPO)
+        run(advantage_stage(dp, meta))
+        assert dp.inner.rows[meta.sample_ids[0]] == {*GRPO, "advantages"}
+        run(call_dp(dp, "clear_samples", sample_ids=list(meta.sample_ids), partition_id="rollout_data"))
+        assert dp.inner.rows == {}
+    assert not [w for w in recwarn if "never awaited" in str(w.message)]

@@ -614,13 +614,36 @@ class TestRemove:
         assert run(buf.remove([0], remove_in_dp=True)) == 1
         assert (buf.size(), len(buf)) == (1, 1)
 
-    def test_remove_without_dp_refuses_a_ready_slot(self, make: Any) -> None:
-        """Deviation: a ready group leaves with its rows kept only through select."""
+    def test_remove_without_dp_keeps_the_rows_of_a_ready_slot_until_the_step_closes(self, make: Any) -> None:
+        """A NeMo-RL sampler's select: the slots leave, the rows stay readable (the current step
+        claims them, one transaction) until the trainer's next version consumes them."""
         buf = make()
-        add_group(buf, 1)
-        with pytest.raises(BadArgument, match=r"sampler\.select"):
-            run(buf.remove([0], remove_in_dp=False))
-        assert buf.size() == 1
+        metas = [add_group(buf, 1) for _ in range(3)]
+        before = buf.core.trainer_version
+        assert run(buf.remove([0, 2], remove_in_dp=False)) == 2
+        assert buf.size() == 1 and buf.meta_list[0].sample_ids == metas[1].sample_ids
+        taken = [metas[0].group_ids[0], metas[2].group_ids[0]]
+        assert [buf.core.group(g).state for g in taken] == ["claimed", "claimed"]
+        assert buf.get_samples(metas[0].concat(metas[2])).tensors["input_ids"].shape == (2 * N_GENS, 3)
+        assert buf.finish_train_step() == before + 1
+        assert [buf.core.group(g).state for g in taken] == ["consumed", "consumed"]
+        assert buf.core.group(metas[1].group_ids[0]).state == "ready"
+
+    def test_remove_group_without_dp_claims_a_ready_slot_and_a_restart_returns_it(self, make: Any,
+                                                                                     tmp_path: Any) -> None:
+        """The claim is the current step's: a restart before the step closes gives the group back."""
+        buf = make()
+        meta = add_group(buf, 1)
+        assert run(buf.remove_group(meta.group_ids[0])) == 1
+        assert (buf.size(), buf.core.group(meta.group_ids[0]).state) == (0, "claimed")
+        with pytest.raises(ValueError, match="unknown group_id"):  # it has no slot any more
+            run(buf.remove_group(meta.group_ids[0]))
+        buf.close()
+        fresh = TQReplayBuffer(object(), partition_id="rollout_data",
+                               config=store_config(str(tmp_path / "replay0.kv"), SAMPLERS["windowed"]))
+        with fresh:
+            create_sampler(fresh, SAMPLERS["windowed"]).set_dispatch_index(0)
+            assert fresh.ready_list == [True] and fresh._group_ids == list(meta.group_ids)
 
     def test_remove_group_of_an_unknown_id_raises_value_error(self, make: Any) -> None:
         with pytest.raises(ValueError, match="unknown group_id"):

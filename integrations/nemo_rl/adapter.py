@@ -337,7 +337,8 @@ class TQReplayBuffer:
         A pending slot reserve created (a failed or cancelled attempt) is aborted in one
         transaction: its capacity is released and ``count_for_target_step`` drops; a pending slot
         of a ledger-owned prompt is fenced (``attempt`` + 1) and handed back to the ledger. A
-        ready slot is evicted with its rows (``remove_in_dp=True`` only, see :meth:`remove`).
+        ready slot leaves as in :meth:`remove`: evicted with its rows (``remove_in_dp=True``) or
+        claimed by the current step, rows kept (``remove_in_dp=False``).
 
         Raises:
             BadArgument (a ValueError): ``group_id`` has no live slot.
@@ -347,22 +348,23 @@ class TQReplayBuffer:
         group = None if pending else self.core.group(group_id)
         if not pending and (group is None or group.state != READY):
             raise BadArgument(f"unknown group_id={group_id!r}")
-        if not pending and not remove_in_dp:
-            raise BadArgument(f"ready group {group_id!r} can only leave the buffer with its rows through "
-                              "sampler.select; pass remove_in_dp=True to discard it")
         # by id, not position: other prompts' commits finish in worker threads and move positions
-        return await asyncio.to_thread(self._remove, [] if pending else [group_id], [group_id] if pending else [])
+        return await self._remove([] if pending else [group_id], [group_id] if pending else [], remove_in_dp)
 
     async def remove(self, idxs: Sequence[int], remove_in_dp: bool) -> int:
         """Remove slots by position (reserve order), as :meth:`remove_group`; all positions are
         validated before anything changes. Returns how many slots were removed.
 
-        A ready slot leaves the buffer with its rows kept only through ``sampler.select`` (claimed
-        for a step); here it is evicted, so ``remove_in_dp=False`` on a ready slot is refused.
+        Ready slots with ``remove_in_dp=True`` are evicted with their rows (one ``evict``). With
+        ``remove_in_dp=False`` (what NeMo-RL's samplers do with the groups they select) they are
+        claimed by the current step in one ``claim`` transaction, all or none: they leave the
+        buffer, their rows stay readable until the step closes (``finish_step`` consumes them),
+        and the batch is published to the data plane's ``inner`` client as after ``select`` (a
+        failed publish returns the claims to ready, one ``release_claims``).
 
         Raises:
             IndexError: a position out of range. BadArgument: a repeated position, or a ready slot
-            with ``remove_in_dp=False``.
+            that stopped being ready meanwhile (nothing is claimed then).
         """
         if len(idxs) == 0:
             return 0
@@ -374,18 +376,26 @@ class TQReplayBuffer:
             raise BadArgument(f"TQReplayBuffer.remove: repeated indices in {list(idxs)}")
         chosen = [slots[i] for i in idxs]
         ready = [gid for gid, is_ready, *_ in chosen if is_ready]
-        if ready and not remove_in_dp:
-            raise BadArgument(f"ready groups {ready} can only leave the buffer with their rows through "
-                              "sampler.select; pass remove_in_dp=True to discard them")
         pending = [gid for gid, is_ready, *_ in chosen if not is_ready]
-        return await asyncio.to_thread(self._remove, ready, pending)
+        return await self._remove(ready, pending, remove_in_dp)
 
-    def _remove(self, ready: list[str], pending: list[str]) -> int:
-        if ready:
+    async def _remove(self, ready: list[str], pending: list[str], remove_in_dp: bool) -> int:
+        claimed = await asyncio.to_thread(self._remove_slots, ready, pending, remove_in_dp)
+        if claimed is not None:
+            await self._publish(claimed)
+        return len(ready) + len(pending)
+
+    def _remove_slots(self, ready: list[str], pending: list[str], remove_in_dp: bool) -> ReplayMeta | None:
+        """Evict or claim ``ready`` (one transaction), release ``pending`` (one each); the claimed
+        batch's metadata, if any."""
+        claimed = None
+        if ready and remove_in_dp:
             self.core.evict(ready)
             with self._lock:
                 for gid in ready:
                     self._meta.pop(gid, None)
+        elif ready:
+            claimed = self._handed_over(self.core.claim(ready).groups)
         for gid in pending:
             with self._lock:
                 owned = gid in self._owned
@@ -398,7 +408,7 @@ class TQReplayBuffer:
                 self.core.abort(gid, "attempt released by remove_group")
                 with self._lock:
                     self._reserved.pop(gid, None)
-        return len(ready) + len(pending)
+        return claimed
 
     def _slots(self) -> list[tuple[str, bool, int, int, int | None, ReplayMeta | None]]:
         """``(group_id, ready, start_weight, end_weight, target_step, meta)`` per slot, in reserve
@@ -480,14 +490,30 @@ class TQReplayBuffer:
         selection = self.core.select(min_groups, max_groups)
         if not selection.groups:
             return None, 0
-        metas = [self._meta_of(group) for group in selection.groups]
+        return self._handed_over(selection.groups), len(selection.groups)
+
+    def _handed_over(self, groups: Sequence[GroupInfo]) -> ReplayMeta:
+        """The one metadata of groups just claimed for training (they leave this handle's slots)."""
+        metas = [self._meta_of(group) for group in groups]
         with self._lock:
-            for group in selection.groups:
+            for group in groups:
                 self._meta.pop(group.group_id, None)
-        meta = metas[0].concat(*metas[1:])
-        if isinstance(self.dp_client, KvckptDataPlane):
-            self.dp_client.publish(meta)  # NeMo-RL's trainer workers read the batch from its own data plane
-        return meta, len(metas)
+        return metas[0].concat(*metas[1:])
+
+    async def _publish(self, meta: ReplayMeta) -> None:
+        """Publish a claimed batch to NeMo-RL's own data plane (its trainer workers read it there);
+        if that fails, the claims go back to ready (one ``release_claims``) before the error is
+        raised, so the next ``finish_step`` cannot consume groups nobody trained."""
+        if not isinstance(self.dp_client, KvckptDataPlane):
+            return
+        try:
+            await self.dp_client.publish(meta)
+        except BaseException as exc:
+            try:
+                await asyncio.to_thread(self.core.release_claims, meta.group_ids)
+            except BaseException as undo:
+                raise undo from exc
+            raise
 
     def _evict(self, version: int) -> int:
         self._advance_to(version)

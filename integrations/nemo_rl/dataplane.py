@@ -33,8 +33,10 @@ batches being trained and nothing else, a cache the store can refill (after a re
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvckpt.integrations.nemo_rl.meta import ReplayMeta
@@ -60,6 +62,25 @@ def split_sample_id(sample_id: str) -> tuple[str, int]:
     if not sep or not index.isdigit() or keys.row_id(group_id, int(index)) != sample_id:
         raise BadArgument(f"sample_id {sample_id!r} is not of the form '{{group_id}}_g{{i}}'")
     return group_id, int(index)
+
+
+def _invoke(client: Any, method_name: str, **kwargs: Any) -> Any:
+    method = getattr(client, method_name)
+    remote = getattr(method, "remote", None)
+    return remote(**kwargs) if remote is not None else method(**kwargs)
+
+
+async def call_client(client: Any, method_name: str, **kwargs: Any) -> Any:
+    """Call a NeMo-RL data-plane client as its controller's ``_call_dp`` does and wait for the
+    answer: a Ray actor's method (``.remote``, its reference awaited), a coroutine function
+    (awaited) or a plain method."""
+    result = _invoke(client, method_name, **kwargs)
+    return await result if inspect.isawaitable(result) else result
+
+
+async def _once_done(pending: Any, value: Any) -> Any:
+    await pending
+    return value
 
 
 def _stack_or_nest(rows: list[Any]) -> Any:
@@ -145,10 +166,11 @@ class KvckptDataPlane:
 
     # -- direct-by-key ----------------------------------------------------------------------------
     def put_samples(self, sample_ids: Sequence[str], partition_id: str, fields: Any = None,
-                    tags: Sequence[Mapping[str, Any]] | None = None) -> ReplayMeta:
+                    tags: Sequence[Mapping[str, Any]] | None = None) -> ReplayMeta | Awaitable[ReplayMeta]:
         """Keep derived values for rows of groups claimed by the current step (memory only; the
-        committed rows are untouched). Returns the written rows' metadata (no ``sequence_lengths``,
-        as NeMo-RL's put result).
+        committed rows are untouched) and pass the call on to ``inner``. Returns the written rows'
+        metadata (no ``sequence_lengths``, as NeMo-RL's put result); with an async ``inner``, a
+        coroutine returning it once ``inner`` has them (see :meth:`_forward`).
 
         Args:
             sample_ids: ``{group_id}_g{i}`` ids of claimed groups.
@@ -180,12 +202,20 @@ class KvckptDataPlane:
                 row = self._derived.setdefault(gid, {}).setdefault(index, {})
                 row.update((name, values[name][i]) for name in names)
                 self._cleared.get(gid, set()).discard(index)
-        if self.inner is not None:
-            self.inner.put_samples(sample_ids=list(sample_ids), partition_id=partition_id, fields=fields,
-                                   tags=None if tags is None else [dict(t) for t in tags])
         group_ids = tuple(dict.fromkeys(gid for gid, _ in ids))
-        return ReplayMeta(partition_id, group_ids, tuple(sample_ids), tuple(names), (),
+        meta = ReplayMeta(partition_id, group_ids, tuple(sample_ids), tuple(names), (),
                           tuple(dict(t) for t in tags) if tags is not None else ())
+        return self._forward(meta, "put_samples", sample_ids=list(sample_ids), partition_id=partition_id,
+                             fields=fields, tags=None if tags is None else [dict(t) for t in tags])
+
+    def _forward(self, value: Any, method_name: str, **kwargs: Any) -> Any:
+        """``value``, once the call is passed on to ``inner`` (if any). An async ``inner`` (its
+        answer a coroutine or a Ray reference) makes the answer a coroutine that gives ``value``
+        once ``inner`` is done: the controller's ``_call_dp`` awaits it."""
+        if self.inner is None:
+            return value
+        pending = _invoke(self.inner, method_name, **kwargs)
+        return _once_done(pending, value) if inspect.isawaitable(pending) else value
 
     def get_samples(self, sample_ids: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> Any:
         """The ``select_fields`` of ``sample_ids`` as a ``TensorDict`` batched along ``sample_ids``
@@ -256,9 +286,10 @@ class KvckptDataPlane:
             raise BadArgument("get_data needs select_fields or meta.fields; nothing is fetched implicitly")
         return self.get_samples(list(meta.sample_ids), meta.partition_id, list(fields))
 
-    def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> None:
+    def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> Awaitable[None] | None:
         """Drop the derived values of ``sample_ids`` (``None``: of every row) and hide those rows
         from this client; ids of groups whose rows are gone are ignored, as NeMo-RL's clients do.
+        The call is passed on to ``inner`` (an async one's answer is a coroutine to await).
 
         Raises:
             BadArgument: another partition, a malformed id, or a row of a *ready* group: it
@@ -269,9 +300,7 @@ class KvckptDataPlane:
         with self._lock:
             if sample_ids is None:
                 self._derived.clear()
-                if self.inner is not None:
-                    self.inner.clear_samples(sample_ids=None, partition_id=partition_id)
-                return
+                return self._forward(None, "clear_samples", sample_ids=None, partition_id=partition_id)
             ids = [split_sample_id(s) for s in sample_ids]
             self._live([gid for gid, _ in ids])
             for gid in dict.fromkeys(gid for gid, _ in ids):
@@ -285,22 +314,24 @@ class KvckptDataPlane:
                 group = self.buffer.core.group(gid)
                 if group is not None and group.state == CLAIMED:
                     self._cleared.setdefault(gid, set()).add(index)
-        if self.inner is not None:
-            self.inner.clear_samples(sample_ids=list(sample_ids), partition_id=partition_id)
+        return self._forward(None, "clear_samples", sample_ids=list(sample_ids), partition_id=partition_id)
 
-    def publish(self, meta: ReplayMeta) -> None:
+    async def publish(self, meta: ReplayMeta) -> None:
         """Put the committed rows of a selected batch (every stored field, tagged with each row's
         ``weight_version``) into ``inner``, so NeMo-RL's trainer workers read them where they
-        look. No-op without ``inner``. The buffer calls it after each ``select``.
+        look, and return once ``inner`` has them (a coroutine or Ray call of an async client is
+        awaited, see :func:`call_client`). No-op without ``inner``. The buffer awaits it after each
+        ``select`` (and ``remove(..., remove_in_dp=False)``) and undoes the claim if it raises.
 
         Raises:
             NotSelectable: a group's rows are gone. Whatever ``inner.put_samples`` raises.
         """
         if self.inner is None or not meta.sample_ids:
             return
-        fields = self.get_samples(list(meta.sample_ids), meta.partition_id, list(self.buffer.core.schema.fields))
-        self.inner.put_samples(sample_ids=list(meta.sample_ids), partition_id=meta.partition_id, fields=fields,
-                               tags=[dict(t) for t in meta.tags])
+        fields = await asyncio.to_thread(self.get_samples, list(meta.sample_ids), meta.partition_id,
+                                         list(self.buffer.core.schema.fields))
+        await call_client(self.inner, "put_samples", sample_ids=list(meta.sample_ids), partition_id=meta.partition_id,
+                          fields=fields, tags=[dict(t) for t in meta.tags])
 
     def close(self) -> None:
         """Drop every derived value (the store is the buffer's to close). Idempotent."""

@@ -219,16 +219,21 @@ class KvckptSampler:
     async def select(self, *, current_train_weight: int, min_prompt_groups: int,
                      max_prompt_groups: int) -> tuple[ReplayMeta | None, int]:
         """Take up to ``max_prompt_groups`` eligible groups for ``current_train_weight`` (one
-        transaction: they are claimed, leave the buffer, and their rows stay readable).
+        transaction: they are claimed, leave the buffer, and their rows stay readable), then
+        publish them to the data plane's ``inner`` client and wait for it.
 
         Fewer than ``min_prompt_groups`` eligible: ``(None, 0)`` and nothing written.
 
         Raises:
             BadArgument (a ValueError): not ``1 <= min <= max``, or a version behind the store's.
+            Whatever publishing raises: the claims are then back to ready (one ``release_claims``).
         """
         self._validate_group_bounds(min_prompt_groups, max_prompt_groups)
-        return await asyncio.to_thread(self._buffer._select, current_train_weight, min_prompt_groups,
-                                       max_prompt_groups)
+        meta, count = await asyncio.to_thread(self._buffer._select, current_train_weight, min_prompt_groups,
+                                              max_prompt_groups)
+        if meta is not None:
+            await self._buffer._publish(meta)
+        return meta, count
 
     async def evict(self, *, current_train_weight: int) -> int:
         """Evict the ready groups this sampler can never select again, rows included (one
