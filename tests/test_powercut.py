@@ -16,7 +16,7 @@ import types
 
 import pytest
 
-from kvckpt import Prompt, ReplayBuffer
+from kvckpt import Prompt, ReplayBuffer, restore
 from kvckpt.storage.store import Store
 from kvckpt.testing import powerfs
 from kvckpt.testing.powercut import run_powercut_campaign
@@ -86,7 +86,7 @@ def test_checkpoint_and_restore_fsync_file_then_rename_then_fsync_directory(tmp_
     calls.clear()
     live = os.path.join(directory, "restored", "live.kv")
     os.makedirs(os.path.dirname(live))
-    restored, _ = checkpoint_module.restore(dest, live)
+    restored, _ = restore(dest, live)
     restored.close()
     renames = [c for c in calls if c[0] == "rename" and c[2] == live]
     assert len(renames) == 1, calls

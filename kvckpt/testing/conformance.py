@@ -53,9 +53,8 @@ from kvckpt import (
 )
 from kvckpt.samplers import BufferView
 from kvckpt.storage.store import Txn
-from kvckpt.testing.workload import make_row
+from kvckpt.testing.workload import SCHEMA, make_row
 
-_SCHEMA = {"input_ids": ("int64", "token"), "logprobs": ("float32", "token"), "reward": ("float32", "row")}
 _GROUP_SIZE = 2
 GROUPS_PER_STEP = 2
 _STEPS = 10
@@ -63,7 +62,7 @@ _STEPS = 10
 
 def _config(sampler: Sampler, capacity: int | None = None) -> BufferConfig:
     need = sampler.required_buffer_capacity(GROUPS_PER_STEP)
-    return BufferConfig(group_size=_GROUP_SIZE, schema=_SCHEMA, sampler=sampler, groups_per_step=GROUPS_PER_STEP,
+    return BufferConfig(group_size=_GROUP_SIZE, schema=SCHEMA, sampler=sampler, groups_per_step=GROUPS_PER_STEP,
                         max_buffered_rollouts=max(64, need) if capacity is None else capacity, wait_timeout=0)
 
 
