@@ -203,7 +203,7 @@ def test_crash_then_resume_in_a_fresh_process_trains_every_prompt_once(tmp_path,
     resumed = subprocess.run([sys.executable, "-m", module, str(cfg_path)], capture_output=True, text=True,
                              timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    summary = json.loads(resumed.stdout)  # the trainer prints its summary, as indented JSON, and nothing else
     assert summary["resumed_from"] == 2 and summary["steps_done"] == 6
     recovery = summary["recovery"]
     if resume_from == "live":  # steps 2 and 3 were consumed after the checkpoint: back to ready
