@@ -25,20 +25,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvckpt.integrations.trainer.demo import (
-    DemoFailed,
-    audit,
-    demo_preset,
-    learning,
-    read_events,
-    reward_trend,
-    run_demo,
-    spawn_child,
-    store_view,
-    wait_event,
-    work_after_checkpoint,
-)
+from kvckpt.integrations.trainer.demo import DemoFailed, demo_preset, read_events, run_demo, spawn_child, wait_event
 from kvckpt.integrations.trainer.grpo import BUFFER_FILE, checkpoint_steps
+from kvckpt.integrations.trainer.report import audit, learning, reward_trend, store_view, work_after_checkpoint
 from kvckpt.integrations.vllm import ensure_tiny_model
 
 from kvckpt.errors import BadArgument

@@ -431,7 +431,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 # -- demo ----------------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvckpt.integrations.trainer.demo import render
+    from kvckpt.integrations.trainer.report import render
 
     log = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
     if args.no_model:

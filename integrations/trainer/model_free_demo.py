@@ -20,9 +20,9 @@ The "model" is the list of prompts each step trained on, saved atomically with e
 checkpoint: exactly what a real trainer's weights would have absorbed. Consumption after the
 last model checkpoint is lost with the model; recovery makes those groups ready again.
 
-It reads the stores with the model demo's readers (:func:`~kvckpt.integrations.trainer.demo.store_view`,
+It reads the stores with the model demo's readers (:func:`~kvckpt.integrations.trainer.report.store_view`,
 ``work_after_checkpoint``, ``audit``) and reports in its shape, so one
-:func:`~kvckpt.integrations.trainer.demo.render` prints both; :func:`run_demo` is its whole interface.
+:func:`~kvckpt.integrations.trainer.report.render` prints both; :func:`run_demo` is its whole interface.
 
 Why this module is long (about 520 lines): the model-free run is a small trainer of its own (a
 dispatcher, generator threads and a training loop over one buffer, :class:`_Run`, about 160 lines)
@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from kvckpt.integrations.trainer.demo import audit, store_view, work_after_checkpoint
+from kvckpt.integrations.trainer.report import audit, store_view, work_after_checkpoint
 
 from kvckpt.buffer import BufferConfig, ReplayBuffer, restore
 from kvckpt.durability.checkpoint import read_stamp
