@@ -14,13 +14,23 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from kvckpt import Prompt, ReplayBuffer
+from kvckpt import CommitResult, Prompt, ReplayBuffer
 from kvckpt.testing.history import check_history, holdings
 from kvckpt.testing.kill import Chain, run_child, run_crash_campaign
-from kvckpt.testing.workload import COMMIT_PATHS, SAMPLERS, OpLog, make_row, read_log, workload_config
+from kvckpt.testing.workload import (
+    COMMIT_PATHS,
+    REFUSALS,
+    SAMPLERS,
+    OpLog,
+    Workload,
+    make_row,
+    read_log,
+    workload_config,
+)
 
 
 def test_200_kills_break_no_promise(tmp_path: Path) -> None:
@@ -126,3 +136,61 @@ def test_a_kill_before_the_child_runs_a_line(tmp_path: Path, fresh: bool) -> Non
     """Regression: a kill that beat the forked child to creating its stderr file crashed the parent."""
     chain = Chain.start(str(tmp_path / "chain"), SAMPLERS[0])
     assert run_child(chain, 1, _AtOnce(), 0.5, fresh) == (-signal.SIGKILL, "")
+
+
+
+class _ListLog:
+    """The workload's log, kept in memory."""
+
+    def __init__(self) -> None:
+        self.ops: list[dict[str, Any]] = []
+
+    def append(self, **op: Any) -> None:
+        self.ops.append(op)
+
+
+class _Rigged(random.Random):
+    """Draws ``how`` for the refused item, the first lease as its victim, and raw (or encoded) rows."""
+
+    def __init__(self, how: str, encoded: bool) -> None:
+        super().__init__(0)
+        self.how, self.encoded = how, encoded
+
+    def choice(self, seq: Any) -> Any:
+        return self.how
+
+    def randrange(self, *args: Any) -> int:
+        return 0
+
+    def random(self) -> float:
+        return 0.9 if self.encoded else 0.0
+
+
+class _AppliesEverything:
+    """A broken store: its commit_many acknowledges every item, the one it had to refuse too."""
+
+    def __init__(self, buf: ReplayBuffer) -> None:
+        self.config = buf.config
+
+    def commit_many(self, items: list[dict[str, Any]]) -> list[CommitResult]:
+        return [CommitResult(item["lease"].group_id, ready=False) for item in items]
+
+
+@pytest.mark.parametrize("encoded", [False, True], ids=["rows", "encoded"])
+@pytest.mark.parametrize("how", sorted(REFUSALS))
+def test_a_commit_many_batch_acknowledges_each_item_and_refuses_the_wrong_one(tmp_path: Path, how: str,
+                                                                              encoded: bool) -> None:
+    with ReplayBuffer.create(str(tmp_path / "live.kv"), workload_config(SAMPLERS[2])) as buf:
+        leases = buf.admit([Prompt(0), Prompt(1)], dataloader_state=b"2")
+        log = _ListLog()
+        Workload(buf, log, str(tmp_path), seed=0).commit_many(leases, _Rigged(how, encoded))
+        assert [(op["op"], op.get("via")) for op in log.ops].count(("commit", "many")) == 2, log.ops
+        [refused] = [op for op in log.ops if op["op"] == "refused"]
+        assert refused["error"] == {"foreign": "ForeignLease", "duplicate": "DuplicateCommit"}[how]
+        admitted = {"op": "admit", "gids": [lease.group_id for lease in leases], "idx": [0, 1], "cursor": 2}
+        assert check_history([admitted, *log.ops], holdings(buf)) == []
+        broken = _ListLog()
+        more = buf.admit([Prompt(2), Prompt(3)], dataloader_state=b"4")
+        Workload(_AppliesEverything(buf), broken, str(tmp_path), seed=0).commit_many(more, _Rigged(how, encoded))
+    assert [op["what"].split(":")[0] for op in broken.ops if op["op"] == "violation"] == [
+        f"commit_many applied the {how} item of {more[0].group_id!r}"]

@@ -140,7 +140,7 @@ class Workload:
                     continue
                 path = rng.choices(COMMIT_PATHS, _PATH_WEIGHTS)[0]
                 if path == "many":
-                    self._commit_many([lease, *self._more(2)], rng)
+                    self.commit_many([lease, *self._more(2)], rng)
                     continue
                 with contextlib.suppress(UnknownGroup):  # the trainer aborted it meanwhile
                     self._generate(lease, path, rng)
@@ -176,7 +176,7 @@ class Workload:
                 time.sleep(rng.random() * 0.002)
                 self._acknowledge(gid, i, self.buf.commit_sample(lease, i, make_row(gid, i)), path)
 
-    def _commit_many(self, leases: list[Lease], rng: random.Random) -> None:
+    def commit_many(self, leases: list[Lease], rng: random.Random) -> None:
         """Commit ``leases`` in one ``commit_many`` call, with one item that must be refused in the
         shared transaction: a copy of one lease from another store (its right rows, placed before
         it: the real commit after it must not be a replay) or other content for one group (placed
