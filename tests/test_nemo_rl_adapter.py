@@ -291,7 +291,7 @@ def _save_scenario(buf: TQReplayBuffer, dest: str) -> dict[str, Any]:
     produce(buf, ["p2", "p3"], 1)
     stamp = produce(buf, ["p4", "p5"], 1, leave=("p5",), dataloader_state=b"after-batch-2")
     buf.reserve(weight_version=1, target_step=stamp, group_id="p5")
-    zombie = buf._reserved["p5"]  # the lease the worker generating p5 holds when the run dies
+    zombie = buf.handle.held("p5")  # the lease the worker generating p5 holds when the run dies
     result = buf.save_checkpoint(dest, {"step": 1, "sampler_dispatch_index": buf.sampler.dispatch_index})
     return {"zombie": zombie.to_dict(), "dispatch_index": buf.sampler.dispatch_index,
             "checkpoint_id": result.checkpoint_id}

@@ -38,7 +38,7 @@ from kvckpt.integrations.nemo_rl import (
     configure,
     create_sampler,
 )
-from kvckpt.integrations.nemo_rl import sampler as nemo_rl_sampler
+from kvckpt.integrations.nemo_rl import gate as nemo_rl_gate
 
 from kvckpt import ReplayBuffer, StaleAttempt
 from kvckpt import samplers as core_samplers
@@ -283,7 +283,7 @@ class TestAdmission:
     def test_the_train_pumps_next_sampler_call_wakes_the_gate(self, make: Any, monkeypatch: Any) -> None:
         """The wait is an event: with the re-read fallback pushed out of reach, the train pump's
         ``evict`` with the new version is what opens the gate."""
-        monkeypatch.setattr(nemo_rl_sampler, "RECHECK_SECONDS", 1e6)
+        monkeypatch.setattr(nemo_rl_gate, "RECHECK_SECONDS", 1e6)
         buf = make(SAMPLERS["in_order"])
         s = create_sampler(buf, SAMPLERS["in_order"])
         trainer = {"version": 0}
@@ -707,7 +707,7 @@ def _child_restore(cfg: dict[str, Any], state_file: str, step: int) -> dict[str,
     restored = run(buf.load_state_dict(state, max_groups=cfg["max_buffered_rollouts"],
                                        expected_partition_id="rollout_data", expected_group_size=N_GENS))
     out = {"restored": restored, "slots": [buf.start_weight_list, buf.end_weight_list, buf.target_step_list],
-           "ledger": [[lease.group_id, lease.target_step] for lease in buf._idle.values()]}
+           "ledger": [[lease.group_id, lease.target_step] for lease in buf.handle.idle_leases()]}
     meta, n = run(sampler.select(current_train_weight=step, min_prompt_groups=1, max_prompt_groups=8))
     out["selected"] = sorted(meta.group_ids) if n else []
     out["next_stamp"] = run(sampler.admit(trainer_version_fn=lambda: step + 1))
@@ -1059,7 +1059,7 @@ def test_a_fenced_attempt_of_a_ledger_owned_prompt_cannot_commit(make: Any) -> N
     buf.ledger.reserve_group("batch-0-prompt-0", prompt_idx=0, expected_generations=N_GENS)
     t = run(s.admit(trainer_version_fn=lambda: 0))
     gid = buf.reserve(weight_version=0, target_step=t, group_id="batch-0-prompt-0")
-    zombie = buf._reserved[gid]
+    zombie = buf.handle.held(gid)
     run(buf.remove_group(gid))
     assert "batch-0-prompt-0" in buf.ledger and buf.count_for_target_step(0) == 1
     buf.reserve(weight_version=0, target_step=t, group_id="batch-0-prompt-0")

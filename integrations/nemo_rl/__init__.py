@@ -9,9 +9,11 @@ section with ``backend: kvckpt`` in the master config. Nothing here imports NeMo
 ``docs/integrations.md`` lists every member.
 """
 
-from kvckpt.integrations.nemo_rl.adapter import TQReplayBuffer, create_replay_buffer, open_store, restore_replay_buffer
+from kvckpt.integrations.nemo_rl.adapter import TQReplayBuffer
 from kvckpt.integrations.nemo_rl.config import GRPO_SCHEMA, AdapterConfig, configure, from_master_config, parse_config
 from kvckpt.integrations.nemo_rl.dataplane import KvckptDataPlane
+from kvckpt.integrations.nemo_rl.factories import create_replay_buffer, restore_replay_buffer
+from kvckpt.integrations.nemo_rl.handle import open_store
 from kvckpt.integrations.nemo_rl.ledger import KvckptLedger
 from kvckpt.integrations.nemo_rl.meta import ReplayMeta
 from kvckpt.integrations.nemo_rl.records import record_to_rows

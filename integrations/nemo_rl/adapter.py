@@ -17,60 +17,45 @@ How NeMo-RL's slots map onto the store (see ``docs/integrations.md`` for every m
   ``sampler.admit``, or a recovery plan's lease) takes that entry; ``remove_group`` then fences
   the attempt (``attempt`` + 1) and hands the prompt back to the ledger, still owned;
 * ``commit`` tensorises the ``PromptGroupRecord`` and writes rows, group record and ledger release
-  in one transaction; ``select`` claims (rows stay readable until the step closes), ``evict``
-  deletes rows.
+  in one transaction; ``select`` claims (rows stay readable until the step closes), and so does
+  ``remove(..., remove_in_dp=False)`` of a ready slot; ``evict`` deletes rows.
+
+The module is one class, NeMo-RL's whole ``TQReplayBuffer`` surface (constructor, slots and their
+parallel lists, removal, the training side, the checkpoint calls, the hand-over by pickling), and
+it is long (about 420 lines, half of them the docstrings that say each member's transactions and
+deviations) because NeMo-RL puts all of it on one object. The work behind it is in the modules it
+composes: :mod:`.handle` (the open store and this process's memory of it), :mod:`.steps` (the
+transitions the samplers drive), :mod:`.checkpoints`, :mod:`.ledger`, :mod:`.sampler` and
+:mod:`.dataplane`; :mod:`.factories` builds it from a config dict or a checkpoint file.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
-import threading
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kvckpt.integrations.nemo_rl import envelope
+from kvckpt.integrations.nemo_rl.checkpoints import ReplayCheckpoints
 from kvckpt.integrations.nemo_rl.config import AdapterConfig, configured, parse_config
 from kvckpt.integrations.nemo_rl.dataplane import KvckptDataPlane
+from kvckpt.integrations.nemo_rl.handle import BufferHandle, open_store
+from kvckpt.integrations.nemo_rl.hooks import install_if_importable
 from kvckpt.integrations.nemo_rl.ledger import KvckptLedger
 from kvckpt.integrations.nemo_rl.meta import ReplayMeta
 from kvckpt.integrations.nemo_rl.records import record_to_rows
-from kvckpt.integrations.nemo_rl.sampler import GateSignal, create_sampler
+from kvckpt.integrations.nemo_rl.sampler import create_sampler
+from kvckpt.integrations.nemo_rl.steps import UNIDENTIFIED_TASK, StepDriver
 
-from kvckpt import Batch, CheckpointResult, Lease, Prompt, RecoveryPlan, ReplayBuffer, restore
-from kvckpt.errors import BadArgument, CapacityError, RecoveryError, SchemaMismatch
-from kvckpt.tables.records import READY, Admission, GroupInfo
-
-log = logging.getLogger("kvckpt.integrations.nemo_rl")
-
-#: ``task_name`` of a prompt NeMo-RL reserved without saying which prompt it is (main's
-#: ``reserve`` carries no identity; pass ``prompt_idx=``/``task_name=`` or use the ledger).
-UNIDENTIFIED_TASK = "nemo_rl.unidentified"
+from kvckpt import Batch, CheckpointResult, Lease, Prompt, RecoveryPlan, ReplayBuffer
+from kvckpt.errors import BadArgument, SchemaMismatch
+from kvckpt.samplers import register
+from kvckpt.tables.records import READY
 
 
 class RoutedExpertsMissing(SchemaMismatch, RuntimeError):
     """``require_routed_experts`` and no ``routed_experts`` to store: a kvckpt schema error that
     is also the ``RuntimeError`` NeMo-RL's commit raises."""
-
-
-def open_store(cfg: AdapterConfig) -> ReplayBuffer:
-    """Create ``cfg``'s store file, or reopen it if it exists (configured the same way).
-
-    Raises:
-        BadArgument: an existing store with another sampler, capacity or group size.
-    """
-    if not os.path.exists(cfg.path):
-        return ReplayBuffer.create(cfg.path, cfg.buffer)
-    core = ReplayBuffer.open(cfg.path)
-    stored, wanted = core.config.to_dict(), cfg.buffer.to_dict()
-    differing = sorted(k for k in ("sampler", "max_buffered_rollouts", "group_size") if stored[k] != wanted[k])
-    if differing:
-        core.close()
-        raise BadArgument(f"{cfg.path!r} is configured with {', '.join(f'{k}={stored[k]!r}' for k in differing)}; "
-                          "the config asks otherwise. Switch them through restore_replay_buffer or recover")
-    return core
 
 
 class TQReplayBuffer:
@@ -102,7 +87,8 @@ class TQReplayBuffer:
                  leases: Iterable[Lease] = ()) -> None:
         cfg = config if isinstance(config, AdapterConfig) else parse_config(config) if config is not None \
             else configured() if store is None else None
-        self.core = store if store is not None else open_store(cfg)
+        #: The open store and this process's memory of it (shared by the ledger and the samplers).
+        self.handle = BufferHandle(store if store is not None else open_store(cfg), partition_id, leases)
         self._config = cfg
         self._pickle_args = (partition_id, dict(pad_value_dict or {}), require_routed_experts)
         self.dp_client = dp_client
@@ -110,80 +96,18 @@ class TQReplayBuffer:
             dp_client.bind(self)
         self.partition_id = partition_id
         self._pad_value_dict = dict(pad_value_dict or {})
-        self._checkpoint_dir = (cfg.checkpoint_dir if cfg is not None else None) or f"{self.core.path}.checkpoints"
         self.require_routed_experts = require_routed_experts
-        self._lock = threading.Lock()
-        self._version_lock = threading.Lock()
-        self._idle: dict[str, Lease] = {lease.group_id: lease for lease in leases}  # ledger-owned, no worker
-        self._owned: set[str] = set(self._idle)  # slots of ledger-owned prompts (fenced, not aborted, on removal)
-        self._reserved: dict[str, Lease] = {}  # pending slots, held by a worker
-        self._staged: dict[str, Prompt] = {}  # ledger.reserve_group'd, not admitted: memory only
-        self._admissions: dict[int | None, Admission] = {}  # the latest admission per stamp, for joins
-        self._meta: dict[str, ReplayMeta] = {}
-        self._resume_step: int | None = None
-        self._refill: list[int | None] = []  # stamps of batches a restart left short, re-admitted first
-        self._trainer_version_fn: Callable[[], int] | None = None  # the controller's, from sampler.admit
-        self.gate = GateSignal()  # the gate waiters of every sampler object over this buffer
+        #: The store transitions the samplers drive (:mod:`.steps`).
+        self.steps = StepDriver(self.handle, dp_client)
+        self.checkpoints = ReplayCheckpoints(self.handle, self.steps, (cfg.checkpoint_dir if cfg is not None else None)
+                                             or f"{self.core.path}.checkpoints")
         self.sampler = create_sampler(self, self.core.sampler.config())
-        self.ledger = KvckptLedger(self)
+        self.ledger = KvckptLedger(self.handle)
 
-    # -- versions ---------------------------------------------------------------------------------
-    def _resume_at(self, step: int) -> None:
-        if self.core.trainer_version < step:
-            self._resume_step = step  # load_state_dict restores the store to it
-            return
-        # a (re)start: claims of steps >= step return to ready and every in-flight attempt is fenced
-        plan = self.recover(step)
-        cursor = self.sampler.dispatch_index
-        if self.core.sampler.gate_window is not None and cursor < step - 1:
-            raise RecoveryError(f"the store is at step {step} but its dispatch_index {cursor} "
-                                f"is behind {step - 1}: it was not written by this run")
-        self._settle(plan)
-
-    def _settle(self, plan: RecoveryPlan) -> None:
-        """After a restart or a restore: prompts main's ``reserve`` left anonymous cannot be
-        generated again by anyone, so they are given up (one abort each) and nothing waits for
-        them; ``admit`` then hands out the stamps of the steps left short first, as NeMo-RL's
-        rewound cursor would (its top-up guard fills them)."""
-        lost = 0
-        for lease in plan.leases:
-            if lease.task_name == UNIDENTIFIED_TASK:
-                self.core.abort(lease.group_id, "in flight at a restart, reserved without a prompt identity")
-                lost += 1
-                with self._lock:
-                    self._idle.pop(lease.group_id, None)
-                    self._owned.discard(lease.group_id)
-        per_step = self.core.config.groups_per_step
-        if self.core.sampler.stamps_target_step:
-            self._refill = [t for t in range(plan.resume_version, self.sampler.dispatch_index + 1)
-                            if self.core.count_for_target_step(t) < per_step]
-        elif self.core.sampler.gate_window is not None:  # a closed gate would wait for them forever
-            self._refill = [None] * -(-lost // per_step)
-
-    def _next_refill(self) -> tuple[bool, int | None]:
-        """``(True, stamp)`` for the next batch a restart left short, admitted again without moving
-        the cursor (its prompts join an admission of that stamp); ``(False, None)`` once none is left."""
-        if not self._refill:
-            return False, None
-        step = self._refill.pop(0)
-        admission = self._admission_for(step)
-        with self._lock:
-            self._admissions[step] = admission
-        return True, step
-
-    def _advance_to(self, version: int) -> None:
-        """Close the store's steps up to the trainer's ``version`` (one ``finish_step`` each)."""
-        if self._resume_step is not None:
-            raise RecoveryError(f"the run resumes from step {self._resume_step} but the store is at step "
-                                f"{self.core.trainer_version}: await load_state_dict(<that step's state>) first")
-        with self._version_lock:
-            current = self.core.trainer_version
-            if version < current:
-                raise BadArgument(f"trainer version {version} is behind the store's {current}: a resumed run "
-                                  "calls sampler.set_dispatch_index(step) first")
-            while current < version:
-                current = self.core.finish_step()
-        self.gate.wake()  # a waiting admit re-reads the trainer's version
+    @property
+    def core(self) -> ReplayBuffer:
+        """The open kvckpt store (``load_state_dict`` may replace it with a restored one)."""
+        return self.handle.core
 
     # -- admission --------------------------------------------------------------------------------
     def admit_batch(self, prompts: Sequence[Prompt | int | Mapping[str, Any]], *, dataloader_state: bytes | None = None,
@@ -195,46 +119,7 @@ class TQReplayBuffer:
             GateTimeout: still closed after ``timeout``. CapacityError: a batch larger than the
             capacity. BadArgument: a duplicate or already-used group id.
         """
-        return [lease.group_id for lease in self._admit(prompts, dataloader_state, weight_version, timeout)]
-
-    def _admit(self, prompts: Sequence[Prompt | int | Mapping[str, Any]], dataloader_state: bytes | None,
-               weight_version: int | None, timeout: float | None) -> list[Lease]:
-        leases = self.core.admit(prompts, dataloader_state, timeout=timeout, weight_version=weight_version)
-        stamp = leases[0].target_step
-        with self._lock:
-            self._admissions[stamp] = Admission(leases[0].admission_id, self.core.state()["dispatch_index"], stamp)
-            self._idle.update((lease.group_id, lease) for lease in leases)
-            self._owned.update(lease.group_id for lease in leases)
-        return leases
-
-    def _admit_batch(self, version: int, dataloader_state: bytes | None, weight_version: int | None,
-                     timeout: float | None) -> int | None:
-        """``sampler.admit``'s transaction, once the gate is open (runs in a worker thread)."""
-        self._advance_to(version)
-        staged = self.ledger._take_staged()
-        if not staged:
-            if self.core.sampler.gate_window is None and dataloader_state is None:
-                return None
-            admission = self.core.advance_dispatch(dataloader_state, timeout=timeout)
-            with self._lock:
-                self._admissions[admission.target_step] = admission
-            return admission.target_step
-        try:
-            leases = self._admit(staged, dataloader_state, weight_version, timeout)
-        except BaseException:
-            self.ledger._restage(staged)
-            raise
-        return leases[0].target_step
-
-    def _admission_for(self, target_step: int | None) -> Admission:
-        with self._lock:
-            admission = self._admissions.get(target_step)
-        if admission is not None:
-            return admission
-        for record in [*self.core.ledger(), *self.core.groups()]:  # one made before a restart: its records name it
-            if record.target_step == target_step:
-                return Admission(record.admission_id, self.sampler.dispatch_index, target_step)
-        raise BadArgument(f"no admission is stamped for target_step {target_step}: await sampler.admit first")
+        return [lease.group_id for lease in self.steps.admit(prompts, dataloader_state, weight_version, timeout)]
 
     # -- slots ------------------------------------------------------------------------------------
     def reserve(self, *, weight_version: int, target_step: int | None = None, group_id: str | None = None,
@@ -253,12 +138,7 @@ class TQReplayBuffer:
                 a gated sampler has no admission for ``target_step``.
             GateTimeout: no capacity left (``max_buffered_rollouts``).
         """
-        with self._lock:
-            if group_id is not None and group_id in self._reserved:
-                raise BadArgument(f"group {group_id!r} is already reserved; remove_group it before retrying")
-            if group_id is not None and group_id in self._staged:
-                raise BadArgument(f"group {group_id!r} is staged in the ledger; sampler.admit admits it")
-            lease = self._idle.pop(group_id, None) if group_id is not None else None
+        lease = self.handle.take_idle(group_id)
         try:
             if lease is not None:
                 if lease.target_step != target_step:
@@ -269,15 +149,13 @@ class TQReplayBuffer:
                 prompt = Prompt(0 if prompt_idx is None else prompt_idx,
                                 task_name or (UNIDENTIFIED_TASK if prompt_idx is None else "default"),
                                 group_id or str(uuid.uuid4()))
-                admission = None if self.core.sampler.gate_window is None else self._admission_for(target_step)
+                admission = None if self.core.sampler.gate_window is None else self.handle.admission_for(target_step)
                 [lease] = self.core.admit([prompt], timeout=0, weight_version=weight_version, admission=admission)
         except BaseException:
             if lease is not None:
-                with self._lock:
-                    self._idle.setdefault(lease.group_id, lease)
+                self.handle.untake(lease)
             raise
-        with self._lock:
-            self._reserved[lease.group_id] = lease
+        self.handle.hold(lease)
         return lease.group_id
 
     async def commit(self, group_id: str, record: Any, start_weight_version: int,
@@ -301,8 +179,7 @@ class TQReplayBuffer:
             SchemaMismatch: the record does not tensorise to the schema's rows.
             StaleAttempt: the slot's attempt was fenced meanwhile.
         """
-        with self._lock:
-            lease = self._reserved.get(group_id)
+        lease = self.handle.held(group_id)
         if lease is None:
             raise BadArgument(f"commit called with unknown group_id={group_id!r}; reserve() must precede commit() "
                               "(or the slot was already removed); nothing was written")
@@ -318,18 +195,9 @@ class TQReplayBuffer:
                                        f"group {group_id!r} was not written")
         await asyncio.to_thread(self.core.commit_group, lease, rows, end_weight=end_weight_version)
         meta = ReplayMeta.of_group(self.partition_id, group_id, lease.start_weight, list(self.core.schema.fields),
-                                   [self._row_length(row) for row in rows])
-        with self._lock:
-            self._reserved.pop(group_id, None)
-            self._owned.discard(group_id)
-            self._meta[group_id] = meta
+                                   [self.handle.row_length(row) for row in rows])
+        self.handle.committed(group_id, meta)
         return meta
-
-    def _row_length(self, row: Mapping[str, Any]) -> int:
-        if "input_lengths" in row:
-            return int(row["input_lengths"])
-        token = self.core.schema.token_fields
-        return len(row[token[0]]) if token else 0
 
     async def remove_group(self, group_id: str, *, remove_in_dp: bool = False) -> int:
         """Remove the slot of ``group_id``; returns 1.
@@ -343,8 +211,7 @@ class TQReplayBuffer:
         Raises:
             BadArgument (a ValueError): ``group_id`` has no live slot.
         """
-        with self._lock:
-            pending = group_id in self._reserved
+        pending = self.handle.held(group_id) is not None
         group = None if pending else self.core.group(group_id)
         if not pending and (group is None or group.state != READY):
             raise BadArgument(f"unknown group_id={group_id!r}")
@@ -368,7 +235,7 @@ class TQReplayBuffer:
         """
         if len(idxs) == 0:
             return 0
-        slots = self._slots()
+        slots = self.handle.slots()
         bad = [i for i in idxs if not 0 <= i < len(slots)]
         if bad:
             raise IndexError(f"TQReplayBuffer.remove: indices out of range: {bad[0]}; size={len(slots)}")
@@ -382,7 +249,7 @@ class TQReplayBuffer:
     async def _remove(self, ready: list[str], pending: list[str], remove_in_dp: bool) -> int:
         claimed = await asyncio.to_thread(self._remove_slots, ready, pending, remove_in_dp)
         if claimed is not None:
-            await self._publish(claimed)
+            await self.steps.publish(claimed)
         return len(ready) + len(pending)
 
     def _remove_slots(self, ready: list[str], pending: list[str], remove_in_dp: bool) -> ReplayMeta | None:
@@ -390,81 +257,42 @@ class TQReplayBuffer:
         batch's metadata, if any."""
         claimed = None
         if ready and remove_in_dp:
-            self.core.evict(ready)
-            with self._lock:
-                for gid in ready:
-                    self._meta.pop(gid, None)
+            self.handle.drop_meta(self.core.evict(ready))
         elif ready:
-            claimed = self._handed_over(self.core.claim(ready).groups)
+            claimed = self.steps.claim(ready)
         for gid in pending:
-            with self._lock:
-                owned = gid in self._owned
-            if owned:
-                lease = self.core.redispatch(gid)
-                with self._lock:
-                    self._reserved.pop(gid, None)
-                    self._idle[gid] = lease
-            else:
-                self.core.abort(gid, "attempt released by remove_group")
-                with self._lock:
-                    self._reserved.pop(gid, None)
+            self.handle.release_attempt(gid)
         return claimed
-
-    def _slots(self) -> list[tuple[str, bool, int, int, int | None, ReplayMeta | None]]:
-        """``(group_id, ready, start_weight, end_weight, target_step, meta)`` per slot, in reserve
-        (dispatch) order: the ready groups and the pending slots this handle's workers hold."""
-        with self._lock:
-            reserved = dict(self._reserved)
-        rows: list[tuple[int, tuple[str, bool, int, int, int | None, ReplayMeta | None]]] = []
-        for entry in self.core.ledger():
-            if entry.group_id in reserved:
-                lease = reserved[entry.group_id]
-                rows.append((entry.seq, (entry.group_id, False, lease.start_weight, -1, lease.target_step, None)))
-        for group in self.core.groups([READY]):
-            rows.append((group.seq, (group.group_id, True, group.start_weight, group.end_weight, group.target_step,
-                                     self._meta_of(group))))
-        return [slot for _, slot in sorted(rows, key=lambda r: r[0])]
-
-    def _meta_of(self, group: GroupInfo) -> ReplayMeta:
-        with self._lock:
-            meta = self._meta.get(group.group_id)
-        if meta is None:  # committed before this handle existed (restored): lengths from its rows
-            batch = self.core.read_batch([group.group_id], layout="list")
-            meta = ReplayMeta.of_group(self.partition_id, group.group_id, group.start_weight,
-                                       list(self.core.schema.fields), [self._row_length(r) for r in batch.rows])
-            with self._lock:
-                self._meta[group.group_id] = meta
-        return meta
 
     @property
     def _group_ids(self) -> list[str]:
         """Per slot: its group id (NeMo-RL's private parallel list, read by its tests)."""
-        return [slot[0] for slot in self._slots()]
+        return [slot[0] for slot in self.handle.slots()]
 
     @property
     def meta_list(self) -> list[ReplayMeta | None]:
         """Per slot: its metadata, ``None`` while pending."""
-        return [slot[5] for slot in self._slots()]
+        return [slot[5] for slot in self.handle.slots()]
 
     @property
     def start_weight_list(self) -> list[int]:
         """Per slot: ``start_weight`` (the weight version at reserve)."""
-        return [slot[2] for slot in self._slots()]
+        return [slot[2] for slot in self.handle.slots()]
 
     @property
     def end_weight_list(self) -> list[int]:
         """Per slot: ``end_weight`` (-1 while pending)."""
-        return [slot[3] for slot in self._slots()]
+        return [slot[3] for slot in self.handle.slots()]
 
     @property
     def target_step_list(self) -> list[int | None]:
         """Per slot: ``target_step`` (``in_order``'s stamp, else ``None``)."""
-        return [slot[4] for slot in self._slots()]
+        return [slot[4] for slot in self.handle.slots()]
 
     @property
     def ready_list(self) -> list[bool]:
         """Per slot: whether it is committed."""
-        return [slot[1] for slot in self._slots()]
+        return [slot[1] for slot in self.handle.slots()]
 
     def count_for_target_step(self, target_step: int) -> int:
         """In-flight plus ready groups stamped ``target_step`` (NeMo-RL's top-up guard)."""
@@ -477,52 +305,12 @@ class TQReplayBuffer:
 
     def size(self) -> int:
         """The number of slots: ready groups plus pending slots held by workers."""
-        with self._lock:
-            pending = len(self._reserved)
-        return self.core.state()["ready"] + pending
+        return self.core.state()["ready"] + self.handle.pending()
 
     def __len__(self) -> int:
         return self.size()
 
     # -- training side ----------------------------------------------------------------------------
-    def _select(self, version: int, min_groups: int, max_groups: int) -> tuple[ReplayMeta | None, int]:
-        self._advance_to(version)
-        selection = self.core.select(min_groups, max_groups)
-        if not selection.groups:
-            return None, 0
-        return self._handed_over(selection.groups), len(selection.groups)
-
-    def _handed_over(self, groups: Sequence[GroupInfo]) -> ReplayMeta:
-        """The one metadata of groups just claimed for training (they leave this handle's slots)."""
-        metas = [self._meta_of(group) for group in groups]
-        with self._lock:
-            for group in groups:
-                self._meta.pop(group.group_id, None)
-        return metas[0].concat(*metas[1:])
-
-    async def _publish(self, meta: ReplayMeta) -> None:
-        """Publish a claimed batch to NeMo-RL's own data plane (its trainer workers read it there);
-        if that fails, the claims go back to ready (one ``release_claims``) before the error is
-        raised, so the next ``finish_step`` cannot consume groups nobody trained."""
-        if not isinstance(self.dp_client, KvckptDataPlane):
-            return
-        try:
-            await self.dp_client.publish(meta)
-        except BaseException as exc:
-            try:
-                await asyncio.to_thread(self.core.release_claims, meta.group_ids)
-            except BaseException as undo:
-                raise undo from exc
-            raise
-
-    def _evict(self, version: int) -> int:
-        self._advance_to(version)
-        evicted = self.core.evict()
-        with self._lock:
-            for gid in evicted:
-                self._meta.pop(gid, None)
-        return len(evicted)
-
     def get_samples(self, meta: ReplayMeta, select_fields: Sequence[str] | None = None, *,
                     layout: str = "padded") -> Batch:
         """The rows ``meta`` names (selected, ready or retained), as torch tensors; token fields are
@@ -544,44 +332,25 @@ class TQReplayBuffer:
     def finish_train_step(self) -> int:
         """Close the current step explicitly (claimed -> consumed, ``trainer_version`` + 1, one
         transaction); the samplers do it themselves when the trainer's version moves on."""
-        version = self.core.finish_step()
-        self.gate.wake()
-        return version
+        return self.steps.finish_step()
 
     def abort_stale_inflight(self) -> list[str]:
         """Abort the in-flight prompts the sampler says are useless now (``windowed`` only), in one
         transaction; their slots and leases are dropped from this handle. Returns their group ids."""
         aborted = self.core.abort_stale_inflight()
-        with self._lock:
-            for gid in aborted:
-                self._reserved.pop(gid, None)
-                self._idle.pop(gid, None)
-                self._owned.discard(gid)
+        self.handle.forget(aborted)
         return aborted
 
     # -- checkpoints ------------------------------------------------------------------------------
-    def _adopt(self, plan: RecoveryPlan) -> RecoveryPlan:
-        with self._lock:
-            self._reserved.clear()
-            self._staged.clear()
-            self._idle = {lease.group_id: lease for lease in plan.leases}
-            self._owned = set(self._idle)
-            self._admissions.clear()
-            self._meta.clear()
-        self._resume_step = None
-        self._refill = []
-        self.gate.wake()  # the cursor and the trainer version may both have moved
-        return plan
-
     def recover(self, resume_version: int | None = None) -> RecoveryPlan:
         """Recover the live store to the trainer version the run resumes from (one transaction, see
         :func:`kvckpt.recover`); the ledger then owns the plan's leases."""
-        return self._adopt(self.core.recover(resume_version))
+        return self.steps.recover(resume_version)
 
     def save_checkpoint(self, dest: str, trainer_state: Mapping[str, Any] | None = None) -> CheckpointResult:
         """Write buffer, ledger and cursors of one instant to the file ``dest`` and wait for it
         (one stamp transaction, then a snapshot copy while commits keep landing)."""
-        return self.core.checkpoint(dest, trainer_state, overwrite=True).wait()
+        return self.checkpoints.save(dest, trainer_state)
 
     async def state_dict(self, *, saved_capacity: int) -> dict[str, Any]:
         """NeMo-RL's checkpoint call: write a kvckpt checkpoint file and return its small envelope.
@@ -593,17 +362,7 @@ class TQReplayBuffer:
         its groups, tensor-free (``torch.load(weights_only=True)`` reads it). In-flight prompts are
         in the file's ledger, not dropped.
         """
-        if self._trainer_version_fn is not None:  # NeMo-RL saves right after `trainer_version += 1`
-            await asyncio.to_thread(self._advance_to, self._trainer_version_fn())
-        os.makedirs(self._checkpoint_dir, exist_ok=True)
-        dest = os.path.join(self._checkpoint_dir, f"step_{self.core.trainer_version}.kv")
-        result = await asyncio.to_thread(self.save_checkpoint, dest)
-        # the manifest is read from the file itself (one snapshot), not from the moving live store
-        snapshot = await asyncio.to_thread(ReplayBuffer.open, result.path, readonly=True)
-        try:
-            return envelope.build(snapshot, result, self.partition_id, saved_capacity)
-        finally:
-            snapshot.close()
+        return await self.checkpoints.state_dict(saved_capacity=saved_capacity)
 
     async def load_state_dict(self, state: Mapping[str, Any], *, max_groups: int, expected_partition_id: str,
                               expected_group_size: int) -> int:
@@ -630,59 +389,9 @@ class TQReplayBuffer:
             checkpoint (a later save of the same step), or the store does not hold the envelope's
             groups as stamped.
         """
-        envelope.check(state, expected_partition_id, expected_group_size)
-        groups, dropped = state["groups"], []
-        if len(groups) > max_groups:
-            if any(doc["target_step"] is not None for doc in groups):
-                raise CapacityError(f"the checkpoint holds {len(groups)} groups with target_step stamps but "
-                                    f"async_rl.max_buffered_rollouts is {max_groups}: a stamped group is owed to its "
-                                    f"step and cannot be dropped; resume with max_buffered_rollouts >= {len(groups)}")
-            self.core.sampler.check_capacity(max_groups, self.core.config.groups_per_step)
-            dropped = [doc["group_id"] for doc in groups[:len(groups) - max_groups]]
-            groups = groups[len(groups) - max_groups:]
-        stamp = self.core.store.read(lambda t: t.get_json("meta", b"checkpoint")) or {}
-        resume_step = self._resume_step
-        if stamp.get("checkpoint_id") != state["checkpoint_id"] or resume_step is not None:
-            await asyncio.to_thread(self._restore_file, state["checkpoint_file"], state["checkpoint_id"],
-                                    None if dropped else max_groups)
-            if resume_step is not None and self.core.trainer_version != resume_step:
-                self._resume_step = resume_step
-                raise RecoveryError(f"the run resumes from step {resume_step} but the replay checkpoint is of step "
-                                    f"{self.core.trainer_version}")
-        held = {g.group_id: g for g in self.core.groups([READY])}
-        for doc in groups:
-            group = held.get(doc["group_id"])
-            if group is None or (group.start_weight, group.end_weight, group.target_step) != \
-                    (doc["start_weight"], doc["end_weight"], doc["target_step"]):
-                raise RecoveryError(f"checkpointed group {doc['group_id']!r} is not ready in the store as stamped "
-                                    f"({'absent' if group is None else group.state}); the envelope and the store "
-                                    "are from different runs")
-        if dropped:
-            await asyncio.to_thread(self._truncate, dropped, max_groups)
-        return len(groups)
-
-    def _truncate(self, dropped: list[str], max_groups: int) -> None:
-        """Drop the oldest restored groups (one evict) and switch the capacity (one recovery)."""
-        ready = {g.group_id for g in self.core.groups([READY])}
-        gone = [gid for gid in dropped if gid in ready]
-        if gone:
-            self.core.evict(gone)
-        log.warning("replay buffer capacity changed to max_buffered_rollouts=%d: dropped the %d oldest restored "
-                    "groups %s", max_groups, len(dropped), dropped[:4])
-        refill = self._refill
-        self._adopt(self.core.recover(self.core.trainer_version, max_buffered_rollouts=max_groups))
-        self._refill = refill
-
-    def _restore_file(self, checkpoint_file: str, checkpoint_id: str, max_groups: int | None) -> None:
-        path = self.core.path
-        self.core.close()
-        core, plan = restore(checkpoint_file, path, overwrite=True, max_buffered_rollouts=max_groups)
-        self.core = core
-        self._adopt(plan)
-        if plan.checkpoint_id != checkpoint_id:
-            raise RecoveryError(f"{checkpoint_file!r} holds checkpoint {plan.checkpoint_id}, not the envelope's "
-                                f"{checkpoint_id}: a later save of the same step replaced it")
-        self._settle(plan)
+        return await self.checkpoints.load_state_dict(state, max_groups=max_groups,
+                                                      expected_partition_id=expected_partition_id,
+                                                      expected_group_size=expected_group_size)
 
     def close(self) -> None:
         """Close the store. Idempotent."""
@@ -717,54 +426,8 @@ class TQReplayBuffer:
 def _reopen(dp_client: Any, config: AdapterConfig, sampler_class: type, partition_id: str,
             pad_value_dict: dict[str, int], require_routed_experts: bool) -> TQReplayBuffer:
     """Unpickle a :class:`TQReplayBuffer` (see its ``__reduce__``)."""
-    from kvckpt.integrations.nemo_rl.swap import install_if_importable
-
-    from kvckpt.samplers import register
-
     register(sampler_class)  # a custom sampler's class travels by reference; the store names it
     buffer = TQReplayBuffer(dp_client, partition_id, pad_value_dict=pad_value_dict,
                             require_routed_experts=require_routed_experts, config=config)
     install_if_importable()
     return buffer
-
-
-def create_replay_buffer(config: Mapping[str, Any] | AdapterConfig, *, pad_value_dict: Mapping[str, int] | None = None,
-                         ) -> TQReplayBuffer:
-    """The replay buffer a kvckpt config dict describes (see :func:`~.config.parse_config`),
-    without a data-plane client: ``TQReplayBuffer(None, cfg.partition_id, config=cfg)``.
-
-    Examples:
-        >>> import tempfile
-        >>> buf = create_replay_buffer({"path": tempfile.mkdtemp() + "/replay.kv",
-        ...                             "num_generations_per_prompt": 4, "num_prompts_per_step": 2,
-        ...                             "max_buffered_rollouts": 4,
-        ...                             "sampler": {"name": "in_order", "max_lookahead_versions": 1}})
-        >>> buf.sampler.name, buf.sampler.required_buffer_capacity(2), buf.sampler.dispatch_index
-        ('in_order', 4, -1)
-        >>> buf.close()
-
-    Raises:
-        BadArgument: an invalid config, or an existing store configured differently.
-    """
-    cfg = config if isinstance(config, AdapterConfig) else parse_config(config)
-    return TQReplayBuffer(None, cfg.partition_id, pad_value_dict=pad_value_dict, config=cfg)
-
-
-def restore_replay_buffer(config: Mapping[str, Any] | AdapterConfig,
-                          checkpoint_file: str) -> tuple[TQReplayBuffer, RecoveryPlan]:
-    """Restore the live store at ``config``'s ``path`` from a checkpoint file, in a fresh handle.
-
-    The file is validated, copied over the live path and recovered at its stamped step (claims
-    made after it return to ready; every in-flight prompt is fenced). The buffer's ledger owns
-    the plan's leases: ``reserve(group_id=lease.group_id, target_step=lease.target_step, ...)``
-    redispatches each exactly once, without a new admission. A sampler or capacity other than the
-    checkpoint's is applied and reported in ``plan.changes``. Restore never evicts.
-
-    Raises:
-        FormatError / CorruptRecord / RecoveryError: the file is not a valid checkpoint (the live
-            store is left untouched), or it holds more ready groups than ``max_buffered_rollouts``.
-    """
-    cfg = config if isinstance(config, AdapterConfig) else parse_config(config)
-    core, plan = restore(checkpoint_file, cfg.path, overwrite=True, sampler=cfg.buffer.sampler.config(),
-                         max_buffered_rollouts=cfg.buffer.max_buffered_rollouts)
-    return TQReplayBuffer(None, cfg.partition_id, config=cfg, store=core, leases=plan.leases), plan

@@ -8,11 +8,10 @@ sizes ``num_generations_per_prompt`` / ``num_prompts_per_step``), plus ``path``,
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-from kvckpt.integrations.nemo_rl.sampler import sampler_config_dict
 
 from kvckpt import BufferConfig
 from kvckpt.errors import BadArgument
@@ -33,6 +32,57 @@ KNOWN_KEYS = frozenset({
     "backend", "path", "num_generations_per_prompt", "group_size", "num_prompts_per_step", "groups_per_step",
     "max_buffered_rollouts", "sampler", "schema", "partition_id", "retain_consumed", "compression_level",
     "durable_checkpoints", "checkpoint_dir"})
+
+
+def custom_sampler_class(target: Any) -> type:
+    """The kvckpt :class:`~kvckpt.samplers.Sampler` subclass a ``"module:Class"`` target names
+    (NeMo-RL's ``custom`` sampler ``target``), registered under its ``name``.
+
+    Raises:
+        BadArgument: not ``module:Class``, the import fails, the module has no such class, or the
+            class is not a kvckpt ``Sampler`` subclass with its own ``name``.
+    """
+    from kvckpt.samplers import Sampler, register
+
+    module_name, sep, class_name = str(target).partition(":")
+    if not isinstance(target, str) or not sep or not module_name or not class_name:
+        raise BadArgument(f"custom sampler target must be 'module:ClassName', got {target!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise BadArgument(f"custom sampler target {target!r}: cannot import {module_name!r} ({exc})") from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise BadArgument(f"custom sampler target {target!r}: module {module_name!r} has no {class_name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Sampler)) or cls.name == Sampler.name:
+        raise BadArgument(f"custom sampler target {target!r} is not a kvckpt.samplers.Sampler subclass with its own "
+                          "`name` (subclass it and implement eligible/evictable; see kvckpt/samplers/base.py)")
+    return register(cls)
+
+
+def sampler_config_dict(cfg: Any) -> dict[str, Any]:
+    """A sampler config as a plain dict: a name, a mapping, or a pydantic model (NeMo-RL's
+    ``SamplerConfig``, read through ``model_dump``). NeMo-RL's ``{name: custom, target:
+    "module:Class", **keys}`` becomes ``{name: <the class's name>, **keys}`` once the class is
+    imported, checked and registered (:func:`custom_sampler_class`).
+
+    Raises:
+        BadArgument: another type, or a custom target :func:`custom_sampler_class` refuses.
+    """
+    if isinstance(cfg, str):
+        return {"name": cfg}
+    if isinstance(cfg, Mapping):
+        out = dict(cfg)
+    elif hasattr(cfg, "model_dump"):
+        out = dict(cfg.model_dump())
+    else:
+        raise BadArgument(f"a sampler config must be a name, a mapping or a pydantic model, got {type(cfg).__name__}")
+    if out.get("name") == "custom":
+        out.pop("name")
+        if "target" not in out:
+            raise BadArgument("a custom sampler config needs target: 'module:ClassName'")
+        out = {"name": custom_sampler_class(out.pop("target")).name, **out}
+    return out
 
 
 @dataclass(frozen=True)

@@ -37,16 +37,24 @@ import asyncio
 import inspect
 import threading
 from collections.abc import Awaitable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvckpt.integrations.nemo_rl.meta import ReplayMeta
 
+from kvckpt import ReplayBuffer
 from kvckpt.errors import BadArgument, NotSelectable, SchemaMismatch
 from kvckpt.storage import keys
 from kvckpt.tables.records import CLAIMED, READY
 
-if TYPE_CHECKING:
-    from kvckpt.integrations.nemo_rl.adapter import TQReplayBuffer
+
+class ServedBuffer(Protocol):
+    """What a :class:`KvckptDataPlane` reads of its buffer (a :class:`~.adapter.TQReplayBuffer`)."""
+
+    @property
+    def core(self) -> ReplayBuffer: ...
+
+    @property
+    def partition_id(self) -> str: ...
 
 #: NeMo-RL's prompt-token column (``AdvantageConfig.prompt_ids_field``), derived when not stored.
 PROMPT_IDS_FIELD = "prompt_ids_for_adv"
@@ -113,7 +121,7 @@ class KvckptDataPlane:
     NeMo-RL data-plane client that selected batches are published to (see :meth:`publish`).
     """
 
-    def __init__(self, buffer: TQReplayBuffer | None = None, *, inner: Any = None) -> None:
+    def __init__(self, buffer: ServedBuffer | None = None, *, inner: Any = None) -> None:
         self._buffer = buffer
         self.inner = inner
         self._lock = threading.Lock()
@@ -126,7 +134,7 @@ class KvckptDataPlane:
         (the buffer that travels with it binds the copy again)."""
         return _unbound, (self.inner,)
 
-    def bind(self, buffer: TQReplayBuffer) -> None:
+    def bind(self, buffer: ServedBuffer) -> None:
         """Answer from ``buffer``'s store (``TQReplayBuffer`` calls it with its ``dp_client``).
 
         Raises:
@@ -137,7 +145,7 @@ class KvckptDataPlane:
         self._buffer = buffer
 
     @property
-    def buffer(self) -> TQReplayBuffer:
+    def buffer(self) -> ServedBuffer:
         """The buffer whose store this client reads.
 
         Raises:

@@ -91,7 +91,7 @@ def nemo_rl_script(explicit: str | None) -> str:
     Raises:
         NeMoRLMissing: NeMo-RL is not importable. BadArgument: no launcher there (pass ``--nemo-rl-script``).
     """
-    from kvckpt.integrations.nemo_rl.swap import INSTALL_HINT, NeMoRLMissing
+    from kvckpt.integrations.nemo_rl.hooks import INSTALL_HINT, NeMoRLMissing
 
     if explicit is not None:
         if not os.path.isfile(explicit):

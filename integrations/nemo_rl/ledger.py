@@ -19,24 +19,22 @@ NeMo-RL                               kvckpt
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from kvckpt.integrations.nemo_rl.handle import BufferHandle
 
+from kvckpt import ReplayBuffer
 from kvckpt.errors import BadArgument, UnknownGroup
 from kvckpt.tables.records import LedgerEntry, Prompt
 
-if TYPE_CHECKING:
-    from kvckpt.integrations.nemo_rl.adapter import TQReplayBuffer
-
 
 class KvckptLedger:
-    """The ledger of a :class:`~.adapter.TQReplayBuffer` (``buffer.ledger``)."""
+    """The ledger of a :class:`~.adapter.TQReplayBuffer` (``buffer.ledger``), over its handle."""
 
-    def __init__(self, buffer: TQReplayBuffer) -> None:
-        self._buffer = buffer
+    def __init__(self, handle: BufferHandle) -> None:
+        self._handle = handle
 
     @property
-    def _core(self) -> Any:
-        return self._buffer.core  # load_state_dict may swap the store for a restored one
+    def _core(self) -> ReplayBuffer:
+        return self._handle.core  # load_state_dict may swap the store for a restored one
 
     def reserve_group(self, group_id: str, *, prompt_idx: int, task_name: str = "default",
                       expected_generations: int | None = None, target_step: int | None = None,
@@ -57,33 +55,23 @@ class KvckptLedger:
                               f"{self._core.config.group_size}")
         prompt = Prompt(int(prompt_idx), task_name, group_id)
         if target_step is None:
-            with self._buffer._lock:
-                if group_id in self._buffer._staged:
-                    raise BadArgument(f"group {group_id!r} is already reserved in the ledger")
-                self._buffer._staged[group_id] = prompt
+            self._handle.stage(prompt)
             return
         weight = self._core.state()["weight_version"] if start_weight_version is None else start_weight_version
-        admission = None if self._core.sampler.gate_window is None else self._buffer._admission_for(target_step)
-        [lease] = self._core.admit([prompt], timeout=0, weight_version=weight, admission=admission)
-        with self._buffer._lock:
-            self._buffer._idle[lease.group_id] = lease
-            self._buffer._owned.add(lease.group_id)
+        admission = None if self._core.sampler.gate_window is None else self._handle.admission_for(target_step)
+        self._handle.own(self._core.admit([prompt], timeout=0, weight_version=weight, admission=admission))
 
     def discard_group(self, group_id: str, reason: str = "discarded") -> bool:
         """Release a prompt deliberately (budget spent, replaced): a staged prompt is dropped, an
         admitted one becomes an aborted tombstone with ``reason`` and its step's shortfall is
         credited (one transaction). Returns False if the ledger does not own it (e.g. committed)."""
-        with self._buffer._lock:
-            if self._buffer._staged.pop(group_id, None) is not None:
-                return True
+        if self._handle.unstage(group_id):
+            return True
         try:
             self._core.abort(group_id, reason)
         except UnknownGroup:
             return False
-        with self._buffer._lock:
-            self._buffer._reserved.pop(group_id, None)
-            self._buffer._idle.pop(group_id, None)
-            self._buffer._owned.discard(group_id)
+        self._handle.forget([group_id])
         return True
 
     def entries(self) -> list[LedgerEntry]:
@@ -92,24 +80,10 @@ class KvckptLedger:
 
     def staged(self) -> list[Prompt]:
         """Prompts reserved but not yet admitted (memory only), in reserve order."""
-        with self._buffer._lock:
-            return list(self._buffer._staged.values())
+        return self._handle.staged()
 
     def __contains__(self, group_id: object) -> bool:
-        with self._buffer._lock:
-            if group_id in self._buffer._staged:
-                return True
-        return any(e.group_id == group_id for e in self.entries())
+        return self._handle.is_staged(group_id) or any(e.group_id == group_id for e in self.entries())
 
     def __len__(self) -> int:
         return len(self.staged()) + len(self.entries())
-
-    def _take_staged(self) -> list[Prompt]:
-        with self._buffer._lock:
-            staged = list(self._buffer._staged.values())
-            self._buffer._staged.clear()
-        return staged
-
-    def _restage(self, prompts: list[Prompt]) -> None:
-        with self._buffer._lock:
-            self._buffer._staged = {**{p.group_id: p for p in prompts}, **self._buffer._staged}

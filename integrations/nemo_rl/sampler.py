@@ -13,85 +13,54 @@ or loop) by every call that tells the buffer the trainer's version (``select``, 
 recovery; the waiter then re-reads ``trainer_version_fn()``. A version that moves only inside
 ``trainer_version_fn`` (NeMo-RL's ``self._trainer_version += 1``, read by nobody until the train
 pump's next ``evict``) cannot notify anyone, so each wait also re-reads it after
-:data:`RECHECK_SECONDS`, NeMo-RL's own gate period. Transactions run in a worker thread
+:data:`~.gate.RECHECK_SECONDS`, NeMo-RL's own gate period. Transactions run in a worker thread
 (``asyncio.to_thread``), so the train step that opens the gate keeps running.
 
 The trainer's version is NeMo-RL's ``trainer_version_fn()`` / ``current_train_weight``: when it is
 ahead of the store's ``trainer_version``, the store first closes the steps in between
 (``finish_step``, one transaction each: that step's selected groups become consumed), so the
-controller drives the store without a call NeMo-RL does not make.
+controller drives the store without a call NeMo-RL does not make. The transitions themselves are
+the buffer's :class:`~.steps.StepDriver`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import importlib
-import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
+from kvckpt.integrations.nemo_rl.config import sampler_config_dict
 from kvckpt.integrations.nemo_rl.meta import ReplayMeta
+from kvckpt.integrations.nemo_rl.steps import StepDriver
 
-from kvckpt.errors import BadArgument, GateTimeout
-
-if TYPE_CHECKING:
-    from kvckpt.integrations.nemo_rl.adapter import TQReplayBuffer
-
-#: How long a gate wait trusts that no notification means no new version (NeMo-RL's gate period, s).
-RECHECK_SECONDS = 0.005
+from kvckpt import ReplayBuffer
+from kvckpt.errors import BadArgument, GateTimeout, RecoveryError
 
 
-class GateSignal:
-    """The gate waiters of one buffer (every sampler object over it shares it): :meth:`wake`
-    makes each waiting ``admit`` re-read the trainer's version and the cursor now."""
+class SampledBuffer(Protocol):
+    """What :func:`create_sampler` needs of a buffer (a :class:`~.adapter.TQReplayBuffer`)."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+    @property
+    def core(self) -> ReplayBuffer: ...
 
-    def wake(self) -> None:
-        """Wake every waiter (safe from any thread or event loop)."""
-        with self._lock:
-            waiters = list(self._waiters)
-        for loop, event in waiters:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(event.set)
-
-    async def wait_until(self, is_open: Callable[[], bool], deadline: float | None) -> bool:
-        """Wait until ``is_open()``, re-checked at each :meth:`wake` and after
-        :data:`RECHECK_SECONDS` without one; False once ``deadline`` (monotonic) passed closed."""
-        event = asyncio.Event()
-        entry = (asyncio.get_running_loop(), event)
-        with self._lock:
-            self._waiters.add(entry)
-        try:
-            while not is_open():
-                if deadline is not None and time.monotonic() >= deadline:
-                    return False
-                wait = RECHECK_SECONDS if deadline is None else min(RECHECK_SECONDS, deadline - time.monotonic())
-                with contextlib.suppress(TimeoutError):  # no notification: re-read trainer_version_fn
-                    await asyncio.wait_for(event.wait(), max(0.0, wait))
-                event.clear()
-            return True
-        finally:
-            with self._lock:
-                self._waiters.discard(entry)
+    @property
+    def steps(self) -> StepDriver: ...
 
 
 class KvckptSampler:
-    """The sampler over a :class:`~.adapter.TQReplayBuffer`; build it with :func:`create_sampler`."""
+    """The sampler over a :class:`~.adapter.TQReplayBuffer`'s :class:`~.steps.StepDriver`;
+    build it with :func:`create_sampler`."""
 
     #: Every kvckpt sampler's state (stamps and cursor) is in the store, so it checkpoints.
     supports_buffer_checkpoint = True
 
-    def __init__(self, buffer: TQReplayBuffer) -> None:
-        self._buffer = buffer
+    def __init__(self, steps: StepDriver) -> None:
+        self._steps = steps
 
     @property
     def _core(self) -> Any:
-        return self._buffer.core.sampler
+        return self._steps.handle.core.sampler  # load_state_dict may swap the store for a restored one
 
     @property
     def name(self) -> str:
@@ -114,13 +83,13 @@ class KvckptSampler:
     def should_abort_inflight(self, *, start_weight_version: int, current_train_weight: int) -> bool:
         """Whether a rollout started at ``start_weight_version`` can no longer be selected
         (``windowed`` below its window; the gated samplers never). Wakes the gate waiters."""
-        self._buffer.gate.wake()
+        self._steps.handle.gate.wake()
         return self._core.should_abort_inflight(start_weight_version, current_train_weight)
 
     @property
     def dispatch_index(self) -> int:
         """The admission cursor (-1 before the first admission), read from the store."""
-        return self._buffer.core.state()["dispatch_index"]
+        return self._steps.handle.core.state()["dispatch_index"]
 
     def set_dispatch_index(self, resume_from_step: int | None = None, *,
                            resume_from_trainer_version: int | None = None) -> None:
@@ -143,7 +112,7 @@ class KvckptSampler:
             resume_from_step = resume_from_trainer_version
         if isinstance(resume_from_step, bool) or not isinstance(resume_from_step, int) or resume_from_step < 0:
             raise BadArgument(f"resume_from_step must be non-negative, got {resume_from_step!r}")
-        self._buffer._resume_at(resume_from_step)
+        self._steps.resume_at(resume_from_step)
 
     def restore_dispatch_index(self, index: int) -> None:
         """NeMo-RL #3480's exact-cursor restore: check the trainer's saved cursor against the store's.
@@ -152,8 +121,6 @@ class KvckptSampler:
             BadArgument: ``index`` below -1. RecoveryError: they differ (the trainer state and the
             replay checkpoint are from different saves; resuming would skip or repeat a batch).
         """
-        from kvckpt.errors import RecoveryError
-
         if isinstance(index, bool) or not isinstance(index, int) or index < -1:
             raise BadArgument(f"dispatch_index must be an integer >= -1, got {index!r}")
         current = self.dispatch_index
@@ -186,8 +153,8 @@ class KvckptSampler:
             GateTimeout: still closed after ``timeout``. RecoveryError: the run resumes from a step
             the store has not been restored to yet (``load_state_dict`` first).
         """
-        self._buffer._trainer_version_fn = trainer_version_fn
-        refilled, stamp = self._buffer._next_refill()
+        self._steps.version_fn = trainer_version_fn
+        refilled, stamp = self._steps.next_refill()
         if refilled:
             return stamp
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -199,11 +166,11 @@ class KvckptSampler:
                 version = trainer_version_fn()
                 return self.dispatch_index < version + gate
 
-            if not await self._buffer.gate.wait_until(is_open, deadline):
+            if not await self._steps.handle.gate.wait_until(is_open, deadline):
                 raise GateTimeout(f"{self.name} gate still closed after {timeout}s: dispatch_index "
                                   f"{self.dispatch_index} >= trainer version {version} + {gate}")
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return await asyncio.to_thread(self._buffer._admit_batch, version, dataloader_state, weight_version, remaining)
+        return await asyncio.to_thread(self._steps.admit_batch, version, dataloader_state, weight_version, remaining)
 
     @staticmethod
     def _validate_group_bounds(min_prompt_groups: int, max_prompt_groups: int) -> None:
@@ -229,16 +196,16 @@ class KvckptSampler:
             Whatever publishing raises: the claims are then back to ready (one ``release_claims``).
         """
         self._validate_group_bounds(min_prompt_groups, max_prompt_groups)
-        meta, count = await asyncio.to_thread(self._buffer._select, current_train_weight, min_prompt_groups,
+        meta, count = await asyncio.to_thread(self._steps.select, current_train_weight, min_prompt_groups,
                                               max_prompt_groups)
         if meta is not None:
-            await self._buffer._publish(meta)
+            await self._steps.publish(meta)
         return meta, count
 
     async def evict(self, *, current_train_weight: int) -> int:
         """Evict the ready groups this sampler can never select again, rows included (one
         transaction); returns how many. In-flight prompts are never evicted."""
-        return await asyncio.to_thread(self._buffer._evict, current_train_weight)
+        return await asyncio.to_thread(self._steps.evict, current_train_weight)
 
 
 class InOrderSampler(KvckptSampler):
@@ -279,58 +246,7 @@ class WindowedSampler(_StalenessWindow):
         return self._core.sample_freshest_first
 
 
-def custom_sampler_class(target: Any) -> type:
-    """The kvckpt :class:`~kvckpt.samplers.Sampler` subclass a ``"module:Class"`` target names
-    (NeMo-RL's ``custom`` sampler ``target``), registered under its ``name``.
-
-    Raises:
-        BadArgument: not ``module:Class``, the import fails, the module has no such class, or the
-            class is not a kvckpt ``Sampler`` subclass with its own ``name``.
-    """
-    from kvckpt.samplers import Sampler, register
-
-    module_name, sep, class_name = str(target).partition(":")
-    if not isinstance(target, str) or not sep or not module_name or not class_name:
-        raise BadArgument(f"custom sampler target must be 'module:ClassName', got {target!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise BadArgument(f"custom sampler target {target!r}: cannot import {module_name!r} ({exc})") from None
-    cls = getattr(module, class_name, None)
-    if cls is None:
-        raise BadArgument(f"custom sampler target {target!r}: module {module_name!r} has no {class_name!r}")
-    if not (isinstance(cls, type) and issubclass(cls, Sampler)) or cls.name == Sampler.name:
-        raise BadArgument(f"custom sampler target {target!r} is not a kvckpt.samplers.Sampler subclass with its own "
-                          "`name` (subclass it and implement eligible/evictable; see kvckpt/samplers/base.py)")
-    return register(cls)
-
-
-def sampler_config_dict(cfg: Any) -> dict[str, Any]:
-    """A sampler config as a plain dict: a name, a mapping, or a pydantic model (NeMo-RL's
-    ``SamplerConfig``, read through ``model_dump``). NeMo-RL's ``{name: custom, target:
-    "module:Class", **keys}`` becomes ``{name: <the class's name>, **keys}`` once the class is
-    imported, checked and registered (:func:`custom_sampler_class`).
-
-    Raises:
-        BadArgument: another type, or a custom target :func:`custom_sampler_class` refuses.
-    """
-    if isinstance(cfg, str):
-        return {"name": cfg}
-    if isinstance(cfg, Mapping):
-        out = dict(cfg)
-    elif hasattr(cfg, "model_dump"):
-        out = dict(cfg.model_dump())
-    else:
-        raise BadArgument(f"a sampler config must be a name, a mapping or a pydantic model, got {type(cfg).__name__}")
-    if out.get("name") == "custom":
-        out.pop("name")
-        if "target" not in out:
-            raise BadArgument("a custom sampler config needs target: 'module:ClassName'")
-        out = {"name": custom_sampler_class(out.pop("target")).name, **out}
-    return out
-
-
-def create_sampler(buffer: TQReplayBuffer, cfg: Any) -> KvckptSampler:
+def create_sampler(buffer: SampledBuffer, cfg: Any) -> KvckptSampler:
     """NeMo-RL's ``create_sampler(buffer, cfg)`` for a kvckpt buffer.
 
     The store was created with its sampler (it stamps admissions and keeps the indexes), so
@@ -351,7 +267,7 @@ def create_sampler(buffer: TQReplayBuffer, cfg: Any) -> KvckptSampler:
     if wanted != stored:
         raise BadArgument(f"the store {buffer.core.path!r} is configured with sampler {stored}, the config asks "
                           f"for {wanted}: switch samplers through restore_replay_buffer or recover")
-    return adapter_class(buffer.core.sampler)(buffer)
+    return adapter_class(buffer.core.sampler)(buffer.steps)
 
 
 def adapter_class(core: Any) -> type[KvckptSampler]:
