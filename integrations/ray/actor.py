@@ -27,7 +27,12 @@ old lease are refused with :class:`~kvckpt.AbandonedTimeline` (a :class:`~kvckpt
 Leases travel as ``Lease.to_dict()`` dicts; one without ``store_id``/``timeline`` (an older
 kvckpt's) is refused with :class:`~kvckpt.ForeignLease`. The driver fetches the redispatch list
 with :meth:`BufferActor.recovery_plan`. A restart never creates a store: if the file is gone (the
-actor landed on another node), the restart fails instead of silently starting empty. """
+actor landed on another node), the restart fails instead of silently starting empty.
+
+The module is long (about 470 lines) because the actor mirrors the buffer's whole public API as
+async methods, each with its wire conversion (leases, batches, plans as plain dicts) and its
+restart behaviour; the client side is :mod:`kvckpt.integrations.ray.client`.
+"""
 
 from __future__ import annotations
 
