@@ -8,6 +8,7 @@ after the chunk. The code is this project's own; the call shapes and keywords ar
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import pytest
@@ -207,6 +208,9 @@ class InnerClient:
         for sid in sample_ids or list(self.rows):
             self.rows.pop(sid, None)
 
+    def published(self) -> dict[str, set[str]]:
+        return self.rows
+
 
 class AsyncInnerClient(InnerClient):
     """NeMo-RL's async client: every call is a coroutine, done only once awaited."""
@@ -287,3 +291,25 @@ def test_an_async_inner_client_has_each_call_done_when_the_controller_s_await_re
         run(call_dp(dp, "clear_samples", sample_ids=list(meta.sample_ids), partition_id="rollout_data"))
         assert dp.inner.rows == {}
     assert not [w for w in recwarn if "never awaited" in str(w.message)]
+
+
+def test_a_ray_actor_inner_client_has_the_batch_when_select_returns(tmp_path: Any) -> None:
+    """NeMo-RL's data-plane client as a Ray actor handle (loopback Ray): select calls it through
+    ``.remote`` and waits for the reference; a failing actor call undoes the claim."""
+    kray = pytest.importorskip("kvckpt.integrations.ray")
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        kray.init_local_ray(num_cpus=2, object_store_memory=128 << 20, namespace="kvckpt-nemo-rl",
+                            runtime_env={"env_vars": {"PYTHONPATH": os.path.dirname(__file__)}})
+    try:
+        inner = ray.remote(num_cpus=0)(InnerClient).remote(failures=1)
+        buf, sampler, _ = controller(tmp_path, KvckptDataPlane(inner=inner))
+        with buf:
+            gids = two_ready(buf, sampler)
+            with pytest.raises(ray.exceptions.RayTaskError, match="went away"):
+                run(sampler.select(current_train_weight=0, min_prompt_groups=2, max_prompt_groups=2))
+            assert [buf.core.group(g).state for g in gids] == ["ready", "ready"]
+            meta, _ = run(sampler.select(current_train_weight=0, min_prompt_groups=2, max_prompt_groups=2))
+            assert sorted(ray.get(inner.published.remote())) == sorted(meta.sample_ids)
+    finally:
+        ray.shutdown()
