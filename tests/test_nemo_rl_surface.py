@@ -629,12 +629,12 @@ class TestRemove:
         assert [buf.core.group(g).state for g in taken] == ["consumed", "consumed"]
         assert buf.core.group(metas[1].group_ids[0]).state == "ready"
 
-    def test_remove_group_without_dp_claims_a_ready_slot_and_a_restart_returns_it(self, make: Any,
-                                                                                     tmp_path: Any) -> None:
+    def test_remove_without_dp_claims_for_the_current_step_only_a_restart_returns_it(self, make: Any,
+                                                                                        tmp_path: Any) -> None:
         """The claim is the current step's: a restart before the step closes gives the group back."""
         buf = make()
         meta = add_group(buf, 1)
-        assert run(buf.remove_group(meta.group_ids[0])) == 1
+        assert run(buf.remove([0], remove_in_dp=False)) == 1
         assert (buf.size(), buf.core.group(meta.group_ids[0]).state) == (0, "claimed")
         with pytest.raises(ValueError, match="unknown group_id"):  # it has no slot any more
             run(buf.remove_group(meta.group_ids[0]))
@@ -644,6 +644,16 @@ class TestRemove:
         with fresh:
             create_sampler(fresh, SAMPLERS["windowed"]).set_dispatch_index(0)
             assert fresh.ready_list == [True] and fresh._group_ids == list(meta.group_ids)
+
+    def test_remove_group_without_dp_refuses_a_committed_group(self, make: Any) -> None:
+        """Deviation: the rollout manager's call for a failed attempt does not claim a committed
+        group for a step that would not train it."""
+        buf = make()
+        meta = add_group(buf, 1)
+        before = dump_store(buf.core)
+        with pytest.raises(ValueError, match="not a failed attempt"):
+            run(buf.remove_group(meta.group_ids[0]))
+        assert dump_store(buf.core) == before and buf.size() == 1
 
     def test_remove_group_of_an_unknown_id_raises_value_error(self, make: Any) -> None:
         with pytest.raises(ValueError, match="unknown group_id"):

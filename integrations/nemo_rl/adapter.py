@@ -205,22 +205,29 @@ class TQReplayBuffer:
         A pending slot reserve created (a failed or cancelled attempt) is aborted in one
         transaction: its capacity is released and ``count_for_target_step`` drops; a pending slot
         of a ledger-owned prompt is fenced (``attempt`` + 1) and handed back to the ledger. A
-        ready slot leaves as in :meth:`remove`: evicted with its rows (``remove_in_dp=True``) or
-        claimed by the current step, rows kept (``remove_in_dp=False``).
+        ready slot is evicted with its rows (``remove_in_dp=True`` only): the rollout manager
+        removes the slots of failed attempts, so a committed group reaching it without
+        ``remove_in_dp`` is refused rather than claimed for a step that will not train it (a
+        batch for training leaves through ``sampler.select`` or :meth:`remove`).
 
         Raises:
-            BadArgument (a ValueError): ``group_id`` has no live slot.
+            BadArgument (a ValueError): ``group_id`` has no live slot, or is ready and
+                ``remove_in_dp`` is False.
         """
         pending = self.handle.held(group_id) is not None
         group = None if pending else self.core.group(group_id)
         if not pending and (group is None or group.state != READY):
             raise BadArgument(f"unknown group_id={group_id!r}")
+        if not pending and not remove_in_dp:
+            raise BadArgument(f"ready group {group_id!r} is committed, not a failed attempt: it leaves the buffer "
+                              "through sampler.select or remove(idxs, remove_in_dp=False) (trained), or "
+                              "remove_group(..., remove_in_dp=True) (discarded with its rows)")
         # by id, not position: other prompts' commits finish in worker threads and move positions
         return await self._remove([] if pending else [group_id], [group_id] if pending else [], remove_in_dp)
 
     async def remove(self, idxs: Sequence[int], remove_in_dp: bool) -> int:
-        """Remove slots by position (reserve order), as :meth:`remove_group`; all positions are
-        validated before anything changes. Returns how many slots were removed.
+        """Remove slots by position (reserve order); pending slots as :meth:`remove_group`, and all
+        positions are validated before anything changes. Returns how many slots were removed.
 
         Ready slots with ``remove_in_dp=True`` are evicted with their rows (one ``evict``). With
         ``remove_in_dp=False`` (what NeMo-RL's samplers do with the groups they select) they are
