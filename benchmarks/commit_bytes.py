@@ -1,0 +1,104 @@
+"""Bytes one durable commit writes, and what the state record's share of it is (issue 19, item 3).
+
+    python -m benchmarks.commit_bytes [--groups 200] [--rows realistic|tiny]
+
+One producer, one group per durable transaction, in the same run:
+
+* **bare**: the bare py-lmdb loop (:class:`benchmarks.baselines.BareLmdb`) putting the same
+  encoded row values under the same keys;
+* **kvckpt**: ``commit_encoded`` of the same rows (prompts admitted beforehand, outside the
+  measured phase, so only commits are counted);
+* **kvckpt, no state write**: the same with the state record's write skipped (a what-if: the
+  store it leaves is not consistent, and nothing else runs on it). The difference is what taking
+  the state record out of the commit transaction could save.
+
+Bytes are the process's ``/proc/self/io`` ``wchar`` over the phase (what LMDB hands to ``write``:
+dirty pages and the meta page), per commit. Prints one Markdown table with the ratios to bare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import tempfile
+import types
+from collections.abc import Iterator
+from typing import Any
+
+from benchmarks import baselines
+from benchmarks.ingest_bench import proc_io
+from benchmarks.ray_bench import GROUP_SIZE, row_pool
+from kvckpt import BufferConfig, Prompt, ReplayBuffer
+from kvckpt.storage import keys
+from kvckpt.storage.encoding import RowEncoder
+from kvckpt.tables.access import Tables
+
+
+@contextlib.contextmanager
+def _no_state_write() -> Iterator[None]:
+    put_state = Tables.put_state
+    Tables.put_state = lambda self, st: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Tables.put_state = put_state  # type: ignore[method-assign]
+
+
+def measure(groups: int, rows: str = "realistic", directory: str | None = None) -> dict[str, Any]:
+    """``wchar`` per commit of each mode, and the group's encoded size."""
+    schema, pool, _ = row_pool(rows, 0)
+    config = BufferConfig(group_size=GROUP_SIZE, schema=schema, max_buffered_rollouts=groups + 1,
+                          sampler={"name": "windowed", "max_staleness_versions": groups})
+    encoder = RowEncoder.from_config(config.to_dict())
+    work = tempfile.mkdtemp(dir=directory)
+    out: dict[str, Any] = {"groups": groups, "rows": rows}
+
+    bare = baselines.BareLmdb(os.path.join(work, "bare.mdb"))
+    items = []
+    for i in range(groups + 1):
+        lease = types.SimpleNamespace(group_id=f"bare-{i}", missing=())
+        rows_ = encoder.encode(lease, pool[i % len(pool)])
+        items.append([(keys.row_key(lease.group_id, r.index), r.value) for r in rows_])
+    out["encoded_bytes_per_group"] = sum(len(v) for _, v in items[0])
+    bare.put_group(items[0])  # the first transaction creates the tree: not measured
+    before = proc_io()
+    for group in items[1:]:
+        bare.put_group(group)
+    out["bare"] = (proc_io()["wchar"] - before["wchar"]) / groups
+    bare.close()
+
+    for mode, context in (("kvckpt", contextlib.nullcontext), ("kvckpt, no state write", _no_state_write)):
+        buf = ReplayBuffer.create(os.path.join(work, f"{len(out)}.kv"), config)
+        leases = buf.admit([Prompt(prompt_idx=i) for i in range(groups + 1)], timeout=0)
+        encoded = [encoder.encode(lease, pool[i % len(pool)]) for i, lease in enumerate(leases)]
+        buf.commit_encoded(leases[0], encoded[0])
+        with context():
+            before = proc_io()
+            for lease, rows_ in zip(leases[1:], encoded[1:], strict=True):
+                buf.commit_encoded(lease, rows_)
+            out[mode] = (proc_io()["wchar"] - before["wchar"]) / groups
+        buf.close()
+    for name in os.listdir(work):
+        os.unlink(os.path.join(work, name))
+    os.rmdir(work)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=200)
+    parser.add_argument("--rows", choices=("realistic", "tiny"), default="realistic")
+    parser.add_argument("--dir", default=None, help="where the stores go (default: the temp dir)")
+    opts = parser.parse_args(argv)
+    r = measure(opts.groups, opts.rows, opts.dir)
+    size = r["encoded_bytes_per_group"] / 1e3
+    print(f"{r['groups']} commits of one {r['rows']} group ({size:.1f} KB encoded) each\n")
+    print("| mode | bytes written per commit (wchar) | / bare |\n| --- | ---: | ---: |")
+    for mode in ("bare", "kvckpt", "kvckpt, no state write"):
+        print(f"| {mode} | {r[mode] / 1e3:.1f} KB | {r[mode] / r['bare']:.2f}× |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
