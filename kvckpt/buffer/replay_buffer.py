@@ -32,13 +32,12 @@ from typing import Any
 from kvckpt import args
 from kvckpt.buffer.batch import LAYOUTS, Batch, assemble_batch, decode_rows, read_groups
 from kvckpt.durability.checkpoint import CheckpointHandle, checkpoint_store
-from kvckpt.durability.format import buffer_config
+from kvckpt.durability.format import buffer_config, malformed_config
 from kvckpt.durability.recovery import RecoveryPlan, recover_store
 from kvckpt.durability.safe_open import open_readonly
 from kvckpt.errors import (
     BadArgument,
     CapacityError,
-    FormatError,
     GateTimeout,
     KvckptError,
     SchemaMismatch,
@@ -153,8 +152,7 @@ class ReplayBuffer:
             store.close()
             if isinstance(exc, KvckptError):
                 raise
-            raise FormatError(f"{path!r}: meta/config passes its checksum but is not a config kvckpt writes "
-                              f"({type(exc).__name__}: {str(exc)[:200]}); the file is damaged or crafted") from None
+            raise malformed_config(path, exc) from None
         except BaseException:
             store.close()
             raise

@@ -29,8 +29,13 @@ def buffer_config(store: Store) -> BufferConfig:
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
         if isinstance(exc, KvckptError):
             raise
-        raise FormatError(f"{store.path!r}: meta/config passes its checksum but is not a config kvckpt writes "
-                          f"({type(exc).__name__}: {str(exc)[:200]}); the file is damaged or crafted") from None
+        raise malformed_config(store.path, exc) from None
+
+
+def malformed_config(path: str, exc: Exception) -> FormatError:
+    """The error for a ``meta/config`` that passes its checksum but is not one kvckpt writes."""
+    return FormatError(f"{path!r}: meta/config passes its checksum but is not a config kvckpt writes "
+                       f"({type(exc).__name__}: {str(exc)[:200]}); the file is damaged or crafted")
 
 
 def upgrade_from_v1(store: Store) -> None:

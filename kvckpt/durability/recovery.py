@@ -38,7 +38,7 @@ from kvckpt.samplers import create_sampler
 from kvckpt.storage.store import Store, Txn
 from kvckpt.tables import meta
 from kvckpt.tables.access import Tables
-from kvckpt.tables.records import READY, GroupInfo, Lease, LedgerEntry
+from kvckpt.tables.records import CLAIMED, READY, GroupInfo, Lease, LedgerEntry
 from kvckpt.transitions.config import BufferConfig
 
 log = logging.getLogger("kvckpt.recovery")
@@ -192,7 +192,7 @@ def _return_to_ready(t: Tables, st: dict[str, Any], version: int) -> int:
         t.put_group(GroupInfo.from_dict({**group.to_dict(), "state": READY, "claimed_step": None,
                                          "consumed_step": None}), was=group)
         st["ready"] += 1
-        if state_name == "claimed":
+        if state_name == CLAIMED:
             st["claimed"] -= 1
         moved += 1
     return moved

@@ -52,7 +52,7 @@ from kvckpt.storage import codec, keys
 from kvckpt.storage.schema import RowSchema
 from kvckpt.storage.store import TABLES
 from kvckpt.tables.digest import group_digest, row_digest
-from kvckpt.tables.indexes import group_index_keys
+from kvckpt.tables.indexes import entry_index_key, group_index_keys
 from kvckpt.tables.meta import (
     CONFIG_KEY,
     DATALOADER_KEY,
@@ -321,7 +321,7 @@ def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dic
                     report.add("digest", keys.row_id(gid, i), "row bytes do not match the recorded digest")
         if doc.get("phase") != PHASE_ADMITTED:
             report.add("phase", gid, f"unknown ledger phase {doc.get('phase')!r}")
-        expected_index[keys.index_key(keys.PENDING_BY_WEIGHT, doc["start_weight"], doc["seq"])] = gid
+        expected_index[entry_index_key(doc["start_weight"], doc["seq"])] = gid
         if doc.get("target_step") is not None:
             max_target = max(max_target, doc["target_step"])
 

@@ -20,7 +20,7 @@ from kvckpt.storage import codec, keys
 from kvckpt.storage.store import Txn
 from kvckpt.tables import meta
 from kvckpt.tables.indexes import key_of_entry, keys_of_group
-from kvckpt.tables.records import GroupInfo, LedgerEntry
+from kvckpt.tables.records import CLAIMED, CONSUMED, GroupInfo, LedgerEntry
 
 
 class Tables:
@@ -205,7 +205,7 @@ class Tables:
     def held_since(self, step: int) -> list[tuple[str, str]]:
         """``(state, group id)`` of groups claimed or consumed (rows stored) at a step ``>= step``."""
         found = []
-        for prefix, state in ((keys.CLAIMED_BY_STEP, "claimed"), (keys.CONSUMED_BY_STEP, "consumed")):
+        for prefix, state in ((keys.CLAIMED_BY_STEP, CLAIMED), (keys.CONSUMED_BY_STEP, CONSUMED)):
             start = prefix + keys.i64(step)
             found += [(state, gid.decode()) for _, gid in self.txn.iter_prefix("index", prefix, start)]
         return found

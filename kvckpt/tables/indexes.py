@@ -35,6 +35,11 @@ def group_index_keys(state: str, seq: int, start_weight: int, target_step: int |
     return []
 
 
+def entry_index_key(start_weight: int, seq: int) -> bytes:
+    """The index key a ledger entry with these fields owns (plain values, for the verifier too)."""
+    return keys.index_key(keys.PENDING_BY_WEIGHT, start_weight, seq)
+
+
 def keys_of_group(group: GroupInfo) -> list[bytes]:
     """The index keys ``group`` owns."""
     return group_index_keys(group.state, group.seq, group.start_weight, group.target_step, group.claimed_step,
@@ -43,4 +48,4 @@ def keys_of_group(group: GroupInfo) -> list[bytes]:
 
 def key_of_entry(entry: LedgerEntry) -> bytes:
     """The index key a ledger entry owns."""
-    return keys.index_key(keys.PENDING_BY_WEIGHT, entry.start_weight, entry.seq)
+    return entry_index_key(entry.start_weight, entry.seq)

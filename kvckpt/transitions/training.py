@@ -19,12 +19,12 @@ def select(t: Tables, config: BufferConfig, min_groups: int, max_groups: int) ->
     Raises:
         InvariantViolation: the sampler chose a group that is not ready.
     """
-    step = t.state()["trainer_version"]
-    chosen = t.resolve(config.sampler.select(BufferView(t.txn), step, min_groups, max_groups))
+    st = t.state()
+    chosen = t.resolve(config.sampler.select(BufferView(t.txn), st["trainer_version"], min_groups, max_groups))
     for group in chosen:
         if group.state != READY:
             raise InvariantViolation(f"sampler chose group {group.group_id!r} in state {group.state}")
-    return _claim(t, chosen)
+    return _claim(t, st, chosen)
 
 
 def claim(t: Tables, group_ids: Iterable[str]) -> Selection:
@@ -41,12 +41,11 @@ def claim(t: Tables, group_ids: Iterable[str]) -> Selection:
             raise BadArgument(f"group {gid!r} is {'unknown' if group is None else group.state}, not ready: only "
                               "ready groups can be claimed; nothing was claimed")
         chosen.append(group)
-    return _claim(t, chosen)
+    return _claim(t, t.state(), chosen)
 
 
-def _claim(t: Tables, ready: list[GroupInfo]) -> Selection:
-    """Ready groups -> claimed by the current step, with the counts."""
-    st = t.state()
+def _claim(t: Tables, st: dict[str, Any], ready: list[GroupInfo]) -> Selection:
+    """Ready groups -> claimed by the current step, with the counts (``st`` is the state record)."""
     step = st["trainer_version"]
     claimed = []
     for group in ready:
