@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import tempfile
-import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,44 +45,51 @@ def _no_state_write() -> Iterator[None]:
         Tables.put_state = put_state  # type: ignore[method-assign]
 
 
-def measure(groups: int, rows: str = "realistic", directory: str | None = None) -> dict[str, Any]:
-    """``wchar`` per commit of each mode, and the group's encoded size."""
+def commit_setup(path: str, groups: int, rows: str = "realistic") -> tuple[ReplayBuffer, list[Any], list[Any]]:
+    """A fresh store at ``path`` with ``groups + 1`` prompts in flight, and each one's edge-encoded
+    rows (``RowEncoder.encode``): the starting point of every measured commit loop here."""
     schema, pool, _ = row_pool(rows, 0)
     config = BufferConfig(group_size=GROUP_SIZE, schema=schema, max_buffered_rollouts=groups + 1,
                           sampler={"name": "windowed", "max_staleness_versions": groups})
     encoder = RowEncoder.from_config(config.to_dict())
+    buf = ReplayBuffer.create(path, config)
+    leases = buf.admit([Prompt(prompt_idx=i) for i in range(groups + 1)], timeout=0)
+    return buf, leases, [encoder.encode(lease, pool[i % len(pool)]) for i, lease in enumerate(leases)]
+
+
+def measure(groups: int, rows: str = "realistic", directory: str | None = None) -> dict[str, Any]:
+    """``wchar`` per commit of each mode, and the group's encoded size."""
     work = tempfile.mkdtemp(dir=directory)
     out: dict[str, Any] = {"groups": groups, "rows": rows}
-
-    bare = baselines.BareLmdb(os.path.join(work, "bare.mdb"))
-    items = []
-    for i in range(groups + 1):
-        lease = types.SimpleNamespace(group_id=f"bare-{i}", missing=())
-        rows_ = encoder.encode(lease, pool[i % len(pool)])
-        items.append([(keys.row_key(lease.group_id, r.index), r.value) for r in rows_])
-    out["encoded_bytes_per_group"] = sum(len(v) for _, v in items[0])
-    bare.put_group(items[0])  # the first transaction creates the tree: not measured
-    before = proc_io()
-    for group in items[1:]:
-        bare.put_group(group)
-    out["bare"] = (proc_io()["wchar"] - before["wchar"]) / groups
-    bare.close()
-
     for mode, context in (("kvckpt", contextlib.nullcontext), ("kvckpt, no state write", _no_state_write)):
-        buf = ReplayBuffer.create(os.path.join(work, f"{len(out)}.kv"), config)
-        leases = buf.admit([Prompt(prompt_idx=i) for i in range(groups + 1)], timeout=0)
-        encoded = [encoder.encode(lease, pool[i % len(pool)]) for i, lease in enumerate(leases)]
-        buf.commit_encoded(leases[0], encoded[0])
+        buf, leases, encoded = commit_setup(os.path.join(work, f"{len(out)}.kv"), groups, rows)
+        buf.commit_encoded(leases[0], encoded[0])  # the first commit creates the trees: not measured
         with context():
             before = proc_io()
             for lease, rows_ in zip(leases[1:], encoded[1:], strict=True):
                 buf.commit_encoded(lease, rows_)
             out[mode] = (proc_io()["wchar"] - before["wchar"]) / groups
         buf.close()
-    for name in os.listdir(work):
-        os.unlink(os.path.join(work, name))
-    os.rmdir(work)
+    out["encoded_bytes_per_group"] = sum(len(r.value) for r in encoded[0])
+    out["bare"] = bare_bytes(os.path.join(work, "bare.mdb"), leases, encoded)
+    shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def bare_bytes(path: str, leases: list[Any], encoded: list[Any]) -> float:
+    """``wchar`` per group of the bare py-lmdb loop (:class:`benchmarks.baselines.BareLmdb`)
+    putting the same encoded rows under the same keys, one durable transaction per group; the
+    first group (which creates the tree) is not measured."""
+    bare = baselines.BareLmdb(path)
+    items = [[(keys.row_key(lease.group_id, r.index), r.value) for r in rows_]
+             for lease, rows_ in zip(leases, encoded, strict=True)]
+    bare.put_group(items[0])
+    before = proc_io()
+    for group in items[1:]:
+        bare.put_group(group)
+    per_group = (proc_io()["wchar"] - before["wchar"]) / (len(items) - 1)
+    bare.close()
+    return per_group
 
 
 def main(argv: list[str] | None = None) -> int:
