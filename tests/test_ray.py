@@ -145,6 +145,22 @@ def test_producers_encode_at_the_edge_and_the_actor_only_checks(ray_local, tmp_p
     ray.kill(actor)
 
 
+def test_a_rollout_worker_commits_one_engine_call_in_one_actor_call(ray_local, tmp_path):
+    from kvckpt.integrations.vllm import DEFAULT_SCHEMA, RolloutWorker, ensure_tiny_model
+
+    from kvckpt import Lease
+
+    worker = RolloutWorker(ensure_tiny_model(str(tmp_path / "model")), max_tokens=3, seed=1)
+    config = {"group_size": 2, "schema": DEFAULT_SCHEMA, "sampler": "ready_first", "max_buffered_rollouts": 8}
+    actor = kray.start_buffer_actor(str(tmp_path / "live.kv"), config, name="rollout")
+    leases = [Lease.from_dict(d) for d in ray.get(actor.admit.remote([1, 2, 3]))]
+    assert [r.ready for r in worker.run(actor, leases)] == [True] * 3
+    stats = ray.get(actor.stats.remote())  # three groups, one call, one durable transaction
+    assert (stats["actor_commit_calls"], stats["actor_commit_call_commits"], stats["commit_transactions"]) == (1, 3, 1)
+    assert verify_path(str(tmp_path / "live.kv"), deep=True).ok
+    ray.kill(actor)
+
+
 def test_corrupt_record_crosses_a_process_boundary(ray_local):
     """Regression: CorruptRecord's two-argument __init__ made it fail to unpickle in the caller."""
     assert pickle.loads(pickle.dumps(CorruptRecord("rows/g_0", "bad checksum"))).key == "rows/g_0"

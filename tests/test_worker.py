@@ -124,6 +124,17 @@ def test_run_reports_a_fenced_lease_and_writes_nothing(tmp_path, hf_worker):
         assert buf.stats()["committed"] == 1
 
 
+def test_the_commits_of_one_engine_call_share_one_durable_transaction(tmp_path, hf_worker):
+    with _buffer(tmp_path) as buf:
+        leases = buf.admit([4, 5, 6])
+        before = dict(buf.committer.stats)
+        results = hf_worker.run(buf, leases)
+        assert [r.ready for r in results] == [True] * 3
+        assert buf.committer.stats["transactions"] - before["transactions"] == 1
+        assert buf.committer.stats["transitions"] - before["transitions"] == 3
+        assert buf.stats()["committed"] == 3 and buf.ledger() == []
+
+
 def test_new_weights_reach_generation(tmp_path, model_path):
     worker = RolloutWorker(model_path, max_tokens=4, seed=3)
     state = {k: v.clone() for k, v in worker.backend.model.state_dict().items()}

@@ -309,25 +309,51 @@ class RolloutWorker:
 
     def run(self, buffer: Any, leases: Sequence[Lease],
             before_commit: Callable[[Lease], None] | None = None) -> list[CommitResult | KvckptError]:
-        """Generate every lease's missing rows (one engine call) and commit them, lease by lease.
+        """Generate every lease's missing rows (one engine call) and commit them.
 
         ``buffer`` is a replay buffer (or anything with its ``commit_group``/``commit_sample``) or
-        a Ray handle of a :class:`kvckpt.integrations.ray.BufferActor`.
+        a Ray handle of a :class:`kvckpt.integrations.ray.BufferActor`. Where it has
+        ``commit_many`` (a :class:`kvckpt.ReplayBuffer`; an actor, through one
+        :class:`~kvckpt.integrations.ray.BufferClient` call), the commits of one engine call go
+        together: one durable transaction, one fsync (and one actor call), each commit still its
+        own transition, so a refused one does not fail the others. Otherwise they go lease by
+        lease. ``before_commit(lease)`` runs before each lease's rows are committed.
 
         Returns:
-            One entry per lease: its :class:`~kvckpt.CommitResult`, or the kvckpt error that
-            refused it (``StaleAttempt`` for a lease fenced by recovery, ``UnknownGroup`` for one
-            aborted meanwhile); a refused commit wrote nothing. Other errors propagate.
+            One entry per lease: its :class:`~kvckpt.CommitResult` (with ``commit="sample"``, its
+            last row's), or the kvckpt error that refused it (``StaleAttempt`` for a lease fenced
+            by recovery, ``UnknownGroup`` for one aborted meanwhile); a refused commit wrote
+            nothing. Other errors propagate.
         """
         sink = _ActorSink(buffer) if _is_actor(buffer) else buffer
         samples, version = self.generate(leases)
-        out: list[CommitResult | KvckptError] = []
-        for lease, group in zip(leases, samples, strict=True):
-            try:
-                out.append(self.commit(sink, lease, self.rows(lease, group), version, before_commit))
-            except KvckptError as exc:
-                out.append(exc)
-        return out
+        if getattr(sink, "commit_many", None) is None:
+            out: list[CommitResult | KvckptError] = []
+            for lease, group in zip(leases, samples, strict=True):
+                try:
+                    out.append(self.commit(sink, lease, self.rows(lease, group), version, before_commit))
+                except KvckptError as exc:
+                    out.append(exc)
+            return out
+        items, owner = [], []
+        for n, (lease, group) in enumerate(zip(leases, samples, strict=True)):
+            rows = self.rows(lease, group)
+            if before_commit is not None:
+                before_commit(lease)
+            if self.commit_mode == "group":
+                items.append({"lease": lease, "rows": rows, "end_weight": version})
+                owner.append(n)
+            for index, row in sorted(rows.items()) if self.commit_mode == "sample" else ():
+                items.append({"lease": lease, "index": index, "rows": row, "end_weight": version})
+                owner.append(n)
+        per_lease: list[Any] = [None] * len(leases)
+        for n, result in zip(owner, sink.commit_many(items), strict=True):
+            if not isinstance(per_lease[n], BaseException):  # a lease's first refusal stands
+                per_lease[n] = result
+        for result in per_lease:
+            if isinstance(result, BaseException) and not isinstance(result, KvckptError):
+                raise result
+        return per_lease
 
 
 def _is_actor(buffer: Any) -> bool:
@@ -335,8 +361,9 @@ def _is_actor(buffer: Any) -> bool:
 
 
 class _ActorSink:
-    """``commit_group``/``commit_sample`` through a buffer actor, via the Ray integration's
-    :class:`~kvckpt.integrations.ray.BufferClient` (retries after an actor restart are idempotent)."""
+    """``commit_group``/``commit_sample``/``commit_many`` through a buffer actor, via the Ray
+    integration's :class:`~kvckpt.integrations.ray.BufferClient` (retries after an actor restart are
+    idempotent)."""
 
     def __init__(self, actor: Any) -> None:
         from kvckpt.integrations.ray import BufferClient
@@ -352,3 +379,12 @@ class _ActorSink:
         future = self.client.commit_sample(lease, index, row, end_weight=end_weight)
         self.client.flush()
         return future.result()
+
+    def commit_many(self, items: Sequence[Mapping[str, Any]]) -> list[CommitResult | BaseException]:
+        """Every item (as :meth:`kvckpt.ReplayBuffer.commit_many` takes them) in one actor call."""
+        self.client.batch_groups = max(1, len(items))
+        futures = [self.client.commit_sample(i["lease"], i["index"], i["rows"], end_weight=i["end_weight"])
+                   if "index" in i else self.client.commit(i["lease"], i["rows"], end_weight=i["end_weight"])
+                   for i in items]
+        self.client.flush()
+        return [f.exception() or f.result() for f in futures]
