@@ -392,7 +392,13 @@ _HEADER_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 
 def _header_json(raw: bytes, key: str) -> dict:
     try:
-        header = _HEADER_DECODER.decode(str(raw, "utf-8"))  # the format's headers are UTF-8
+        text = str(raw, "utf-8")  # the format's headers are UTF-8
+        try:  # the headers encode() writes: no surrounding whitespace, so no regex pass around the parse
+            header, end = _HEADER_DECODER.raw_decode(text)
+        except (ValueError, RecursionError):
+            end = -1
+        if end != len(text):  # anything else: decode() accepts or refuses it, with its message
+            header = _HEADER_DECODER.decode(text)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: also a >4300-digit int
         raise CorruptRecord(key, f"header is not JSON: {str(exc)[:200]}") from None
     if not isinstance(header, dict) or not isinstance(header.get("meta"), dict) \
@@ -407,8 +413,9 @@ def decode_meta(value: bytes | memoryview, key: str = "?") -> dict[str, Any]:
     return header["meta"]
 
 
-class _Spec(NamedTuple):
-    """One field entry of a header, checked: its stored and its decoded sizes are consistent."""
+class FieldSpec(NamedTuple):
+    """One field entry of a header, checked: its stored and its decoded sizes are consistent
+    (``nbytes`` stored, ``count`` elements, ``decoded`` bytes the decoded value takes)."""
 
     name: str
     dtype: str
@@ -416,23 +423,39 @@ class _Spec(NamedTuple):
     transforms: tuple[str, ...]
     nbytes: int
     count: int
-    decoded: int  # bytes the decoded value takes
+    decoded: int
 
 
+class Checked(NamedTuple):
+    """A record :meth:`RecordRules.check` verified: its JSON ``meta``, its field entries in record
+    order and ``nbytes``, what all of them decode to (the sum of their ``decoded``)."""
+
+    meta: dict[str, Any]
+    fields: list[FieldSpec]
+    nbytes: int
+
+    def record(self) -> Record:
+        """The :class:`Record` :func:`describe` returns for this record (shapes and sizes, no arrays)."""
+        return _record_of(self.meta, self.fields)
+
+
+#: Builds a :class:`FieldSpec` from a tuple of its values without the Python-level ``__new__`` a
+#: NamedTuple's constructor adds (this runs for every field of every row a store's owner checks).
+_new_spec = tuple.__new__
 #: A field's rule as the reader holds it: its dtype, its number of dims (``None``: any), the
 #: ``(index, extent)`` dims it fixes, and :data:`_SIZES` of its dtype.
 _Rule = tuple[str, int | None, tuple[tuple[int, int], ...], dict[tuple[str, ...], int]]
 
 
 def _check_specs(header: dict, raw: int, limits: Limits, key: str, rules: Mapping[str, _Rule] | None,
-                 ) -> list[_Spec]:
+                 ) -> list[FieldSpec]:
     """Every field entry checked, without touching the body: against the format's rules (with
     ``rules=None``), or against its field's rule in ``rules``, which stands for the format's dtype
     and transform checks and also fixes the field's dtype and shape; and what the fields decode to
     held against ``limits``, before any decompression or allocation. One loop, no call per field:
     this runs for every row a store's owner checks."""
     specs, names, pos, total = [], set(), 0, 0
-    caps = limits.field_bytes
+    caps, max_bytes = limits.field_bytes, limits.max_bytes
     for entry in header["fields"]:
         if type(entry) is not list or len(entry) != 5:
             raise CorruptRecord(key, f"malformed field spec {str(entry)[:200]}")
@@ -462,7 +485,8 @@ def _check_specs(header: dict, raw: int, limits: Limits, key: str, rules: Mappin
             if shape[i] != want_dim:
                 raise CorruptRecord(key, f"field {name!r} has shape {shape}, the rules fix dim {i} at {want_dim}")
         try:
-            stored = sizes.get(tuple(transforms)) if type(transforms) is list else None
+            steps = tuple(transforms) if type(transforms) is list else None
+            stored = sizes.get(steps)
         except TypeError:  # an unhashable element (a list, a dict): no transform the encoder writes
             stored = None
         if stored is None:
@@ -472,7 +496,8 @@ def _check_specs(header: dict, raw: int, limits: Limits, key: str, rules: Mappin
         if dtype in TEXT_DTYPES:
             if shape:
                 raise CorruptRecord(key, f"text field {name!r} has shape {shape}; text fields are 0-d")
-            spec = _Spec(name, dtype, (), (), nbytes, 1, nbytes)
+            decoded = nbytes
+            spec = _new_spec(FieldSpec, (name, dtype, (), (), nbytes, 1, nbytes))
         else:
             if stored == 0:  # bit-packed
                 if nbytes != (count + 7) // 8:
@@ -482,7 +507,8 @@ def _check_specs(header: dict, raw: int, limits: Limits, key: str, rules: Mappin
                                          f"{stored}-byte stored values")
             if extent >= MAX_EXTENT:  # an empty array numpy cannot even describe
                 raise CorruptRecord(key, f"field {name!r}: shape {shape} spans {extent} elements, over 2**48")
-            spec = _Spec(name, dtype, tuple(shape), tuple(transforms), nbytes, count, count * _ITEMSIZE[dtype])
+            decoded = count * _ITEMSIZE[dtype]
+            spec = _new_spec(FieldSpec, (name, dtype, tuple(shape), steps, nbytes, count, decoded))
         if name in names:
             raise CorruptRecord(key, f"field {name!r} appears twice")
         names.add(name)
@@ -490,20 +516,20 @@ def _check_specs(header: dict, raw: int, limits: Limits, key: str, rules: Mappin
         if pos > raw:
             raise CorruptRecord(key, f"field {name!r} runs past the body")
         cap = caps.get(name)
-        if cap is not None and spec.decoded > cap:
-            raise CorruptRecord(key, f"field {name!r} would decode to {spec.decoded} bytes "
+        if cap is not None and decoded > cap:
+            raise CorruptRecord(key, f"field {name!r} would decode to {decoded} bytes "
                                      f"(shape {list(spec.shape)} of {dtype}), over its limit of {cap}")
-        total += spec.decoded
-        if total > limits.max_bytes:
+        total += decoded
+        if total > max_bytes:
             raise CorruptRecord(key, f"fields up to {name!r} would decode to {total} bytes, over the "
-                                     f"limit of {limits.max_bytes}")
+                                     f"limit of {max_bytes}")
         specs.append(spec)
     if pos != raw:
         raise CorruptRecord(key, f"{raw - pos} trailing body bytes")
     return specs
 
 
-def _decode_field(data: memoryview, spec: _Spec, key: str) -> Any:
+def _decode_field(data: memoryview, spec: FieldSpec, key: str) -> Any:
     """One field's value from its (already size-checked) bytes; the value owns its memory."""
     if spec.dtype == "bytes":
         return bytes(data)
@@ -589,15 +615,26 @@ def describe(value: bytes | memoryview, key: str = "?", *, limits: Limits | None
     return _described(*_verified_body(memoryview(value), key, limits, None), key)
 
 
-def _described(header: dict, specs: list[_Spec], body: memoryview, key: str) -> Record:
-    record = Record(meta=header["meta"])
+def _described(header: dict, specs: list[FieldSpec], body: memoryview, key: str) -> Record:
+    _check_text(specs, body, key)
+    return _record_of(header["meta"], specs)
+
+
+def _check_text(specs: list[FieldSpec], body: memoryview, key: str) -> None:
+    """Refuse a ``str`` field whose bytes are not UTF-8 (what :func:`decode` would refuse)."""
     pos = 0
     for spec in specs:
         if spec.dtype == "str":
             _decode_field(body[pos:pos + spec.nbytes], spec, key)  # UTF-8 or CorruptRecord
+        pos += spec.nbytes
+
+
+def _record_of(meta: dict[str, Any], specs: list[FieldSpec]) -> Record:
+    """:func:`describe`'s result from checked field entries."""
+    record = Record(meta=meta)
+    for spec in specs:
         record.arrays[spec.name] = FieldInfo(spec.shape, spec.decoded)
         record.dtypes[spec.name] = spec.dtype
-        pos += spec.nbytes
     return record
 
 
@@ -648,6 +685,7 @@ class RecordRules:
         unknown = self.required - set(fields)
         if unknown:
             raise BadArgument(f"required fields {sorted(unknown)} have no rule")
+        self._text = any(rule.dtype == "str" for rule in fields.values())  # fields whose UTF-8 is checked
 
     def describe(self, value: bytes | memoryview, key: str = "?") -> Record:
         """Verify a record against the rules; what :func:`describe` returns.
@@ -656,15 +694,26 @@ class RecordRules:
             CorruptRecord: what :func:`describe` refuses, and any field the rules refuse, naming
                 ``key`` and the field.
         """
+        return self.check(value, key).record()
+
+    def check(self, value: bytes | memoryview, key: str = "?") -> Checked:
+        """Verify a record against the rules exactly as :meth:`describe` does, and return what the
+        check read (meta, field entries, decoded size) without building a :class:`Record`.
+
+        Raises:
+            CorruptRecord: as :meth:`describe`.
+        """
         header, specs, body = _verified_body(memoryview(value), key, self.limits, self._fields)
         missing = self.required.difference([spec.name for spec in specs])
         if missing:
             raise CorruptRecord(key, f"required field {sorted(missing)[0]!r} is missing")
-        return _described(header, specs, body, key)
+        if self._text:
+            _check_text(specs, body, key)
+        return Checked(header["meta"], specs, sum([spec.decoded for spec in specs]))
 
 
 def _verified_body(buf: memoryview, key: str, limits: Limits, rules: Mapping[str, _Rule] | None,
-                   ) -> tuple[dict, list[_Spec], memoryview]:
+                   ) -> tuple[dict, list[FieldSpec], memoryview]:
     """The checked header, its field specs (against ``rules`` when given, see :func:`_check_specs`)
     and the (decompressed) body of exactly ``raw`` bytes."""
     header, offset = _parse_header(buf, key)

@@ -104,22 +104,24 @@ def check_encoded(schema: RowSchema, group_size: int, group_id: str,
             the schema (the message names the row); nothing of the commit is written then.
     """
     out = []
+    pinned = schema.pinned_names
     for item in rows:
         index, value = (item.index, item.value) if isinstance(item, EncodedRow) else (item["index"], item["value"])
         _check_index(group_id, index, group_size)
         where = f"row {keys.row_id(group_id, index)}"
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise SchemaMismatch(f"{where}: an encoded row is bytes, got {type(value).__name__}")
+        value = bytes(value)  # the bytes checked are the bytes stored (a caller's buffer may change)
         try:
-            record = schema.describe_row(value, where)  # the schema compiled once: one pass per header
+            checked = schema.check_row(value, where)  # the schema compiled once: one pass per header
         except CorruptRecord as exc:
             raise SchemaMismatch(f"{where}: the encoded record is refused: {exc.reason}") from None
-        if record.meta != {"group_id": group_id, "index": index}:
-            raise SchemaMismatch(f"{where}: the encoded record names group {record.meta.get('group_id')!r} "
-                                 f"row {record.meta.get('index')!r}")
-        shapes = {name: record.arrays[name].shape for name in schema.pinned_fields if name in record.arrays}
-        raw_bytes = sum([info.nbytes for info in record.arrays.values()])
-        out.append(CheckedRow(index, bytes(value), raw_bytes, where, shapes))
+        meta = checked.meta
+        if meta != {"group_id": group_id, "index": index}:
+            raise SchemaMismatch(f"{where}: the encoded record names group {meta.get('group_id')!r} "
+                                 f"row {meta.get('index')!r}")
+        shapes = {spec.name: spec.shape for spec in checked.fields if spec.name in pinned}
+        out.append(CheckedRow(index, value, checked.nbytes, where, shapes))
     schema.pin({}, [(r.where, r.shapes) for r in out])
     return out
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from kvckpt.errors import SchemaMismatch
 from kvckpt.storage.casts import cast
-from kvckpt.storage.codec import DTYPES, TEXT_DTYPES, FieldRule, Limits, Record, RecordRules
+from kvckpt.storage.codec import DTYPES, TEXT_DTYPES, Checked, FieldRule, Limits, Record, RecordRules
 
 KINDS = ("token", "row")
 #: Default cap on a row's tokens (1,048,576), for rows committed and rows read back.
@@ -290,22 +290,37 @@ class RowSchema:
                 refuses (the message names ``where`` and the field).
             SchemaMismatch: its token fields differ in length or hold over ``max_tokens``.
         """
-        record = self.rules.describe(value, where)
+        return self.check_row(value, where).record()
+
+    def check_row(self, value: bytes | memoryview, where: str) -> Checked:
+        """:meth:`describe_row`'s checks, returning what they read (:meth:`RecordRules.check
+        <kvckpt.storage.codec.RecordRules.check>`: meta, field entries, decoded size) instead of a
+        :class:`Record`: the store owner's check of every row a producer encoded.
+
+        Raises:
+            CorruptRecord, SchemaMismatch: as :meth:`describe_row`.
+        """
+        checked = self.rules.check(value, where)
         length = None
-        for name in self._token_names:
-            info = record.arrays.get(name)
-            if info is not None:
-                length = self._token_length(name, info.shape, length, where)
-        return record
+        tokens = self._token_names
+        for spec in checked.fields:  # the record's order; the encoder writes the schema's
+            if spec.name in tokens:
+                length = self._token_length(spec.name, spec.shape, length, where)
+        return checked
 
     @functools.cached_property
-    def _token_names(self) -> tuple[str, ...]:
-        return tuple(self.token_fields)
+    def _token_names(self) -> frozenset[str]:
+        return frozenset(self.token_fields)
 
     @functools.cached_property
     def pinned_fields(self) -> tuple[str, ...]:
         """The fields whose shape the store pins (:meth:`pin`): row fields that declare no shape."""
         return tuple(n for n, f in self.fields.items() if f.kind == "row" and f.shape is None)
+
+    @functools.cached_property
+    def pinned_names(self) -> frozenset[str]:
+        """:attr:`pinned_fields` as a set."""
+        return frozenset(self.pinned_fields)
 
     # -- shapes the store pins -------------------------------------------------------------------
     @staticmethod
@@ -332,17 +347,17 @@ class RowSchema:
                 same call; the message names the row and the field.
         """
         current = self._read_pins(pins)
-        first = {n: "the store's pin" for n in current}
+        first = dict.fromkeys(current, "the store's pin")
         added = False
+        pinned = self.pinned_names
         for where, shapes in rows:
             for name, shape in shapes.items():
-                if self.fields[name].shape is not None or self.fields[name].kind == "token":
+                if name not in pinned:
                     continue
                 if name not in current:
                     current[name], first[name], added = shape, where, True
                 elif current[name] != shape:
-                    part = "trailing dims" if self.fields[name].kind == "token" else "shape"
-                    raise SchemaMismatch(f"{where}: field {name!r} has {part} {list(shape)}, but {first[name]} "
+                    raise SchemaMismatch(f"{where}: field {name!r} has shape {list(shape)}, but {first[name]} "
                                          f"fixes it at {list(current[name])}; every row of a store has one "
                                          "shape per field (declare it in the schema to fix it up front)")
         return {n: list(s) for n, s in current.items()} if added else None
