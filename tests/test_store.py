@@ -104,6 +104,47 @@ def test_exception_inside_write_leaves_nothing_behind(tmp_path):
         assert store.read(lambda txn: txn.get_json("meta", b"cursor")) == {"dispatch_index": 4}
 
 
+@pytest.mark.parametrize("alone", [True, False], ids=["one function", "in a batch"])
+def test_write_each_refusal_writes_nothing_and_other_errors_propagate(tmp_path, alone):
+    """A refused function (a KvckptError) writes nothing, alone (no nested transaction: the durable
+    one is aborted, so LMDB commits nothing) or beside others (its nested one is); its error is its
+    result. Any other exception, or a failure of the store itself, still propagates."""
+    path = make_store(tmp_path / "s.db")
+    with Store(path) as store:
+        before = read_all(store)
+
+        def refused(txn):
+            txn.put("rows", b"g_new", codec.encode({"x": np.ones(1000)}))
+            txn.delete("rows", b"g_0")
+            raise KvckptError("stale lease")
+
+        def ok(txn):
+            txn.put_json("meta", b"cursor", {"dispatch_index": 7})
+            return "ok"
+
+        last = store.env.info()["last_txnid"]
+        results = store.write_each([refused] if alone else [ok, refused, ok])
+        assert [type(r).__name__ for r in results] == (["KvckptError"] if alone else ["str", "KvckptError", "str"])
+        assert str(results[0 if alone else 1]) == "stale lease"
+        assert read_all(store).keys() == before.keys()
+        assert store.env.info()["last_txnid"] == last + (0 if alone else 1)
+        assert store.write_each([ok]) == ["ok"] and store.env.info()["last_txnid"] == last + (1 if alone else 2)
+
+        def crash(txn):
+            txn.put("rows", b"g_crash", b"x")
+            raise RuntimeError("worker died")
+
+        with pytest.raises(RuntimeError, match="worker died"):
+            store.write_each([crash] if alone else [ok, crash])
+        store.close()
+        with pytest.raises(KvckptError, match="closed"):  # the store's own failure is not a result
+            store.write_each([ok] if alone else [ok, ok])
+    with Store(path, readonly=True) as store:
+        rows = read_all(store)
+        assert b"g_new" not in rows and b"g_crash" not in rows and b"g_0" in rows
+        assert store.read(lambda txn: txn.get_json("meta", b"cursor")) == {"dispatch_index": 7}
+
+
 def test_map_grows_under_a_large_write_without_losing_the_transaction(tmp_path):
     path = tmp_path / "s.db"
     payload = np.random.default_rng(0).integers(0, 256, 20 << 20, dtype=np.uint8)  # incompressible

@@ -328,9 +328,18 @@ def encode(fields: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | No
     level = level if raw_len else 0  # an empty body is never compressed
     if level:
         body = _compressor(level).compress(body)
+    return _sealed(level, raw_len, meta, specs, body)
+
+
+#: One encoder for every header (``json.dumps`` with keywords builds a new one per call).
+_HEADER_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
+def _sealed(level: int, raw_len: int, meta: Mapping[str, Any] | None, specs: list, body: bytes) -> bytes:
+    """The record: prefix, checksum, header and ``body`` (already compressed at ``level``)."""
     try:
-        header = json.dumps({"z": level, "raw": raw_len, "meta": dict(meta or {}),
-                             "fields": specs}, separators=(",", ":"), allow_nan=False).encode()
+        header = _HEADER_ENCODER.encode({"z": level, "raw": raw_len, "meta": dict(meta or {}),
+                                         "fields": specs}).encode()
     except (TypeError, ValueError) as exc:
         raise BadArgument(f"record meta is not JSON-serialisable: {exc}") from None
     tail = struct.pack("<I", len(header)) + header + body
@@ -338,8 +347,12 @@ def encode(fields: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | No
 
 
 def encode_json(meta: Mapping[str, Any]) -> bytes:
-    """Encode a JSON-only record (metadata, ledger entries, cursors)."""
-    return encode(None, meta, level=0)
+    """Encode a JSON-only record (metadata, ledger entries, cursors): ``encode(None, meta, level=0)``.
+
+    Raises:
+        BadArgument: ``meta`` is not JSON-serialisable.
+    """
+    return _sealed(0, 0, meta, [], b"")
 
 
 def _checked_header_bytes(buf: memoryview, key: str) -> bytes:

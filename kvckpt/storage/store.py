@@ -143,6 +143,15 @@ class Txn:
             yield key
 
 
+class _Refused(Exception):
+    """Carries a function's refusal out of :meth:`Store.write` (which aborts on any exception) to
+    :meth:`Store.write_each`; never seen outside this module."""
+
+    def __init__(self, error: KvckptError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class _ReadersGate:
     """Readers share; a map resize waits until no read transaction of this handle is open."""
 
@@ -353,7 +362,24 @@ class Store:
         its nested transaction aborted, so it writes nothing, and the error takes its place in the
         result list; the others still commit. Any other exception aborts the whole transaction
         and propagates. As with :meth:`write`, a full map replays the whole batch.
+
+        A batch of one function needs no nested transaction: it runs in the durable one, and its
+        refusal aborts that (nothing written, no fsync).
         """
+        if len(fns) == 1:
+            [fn] = fns
+
+            def alone(txn: Txn) -> T:
+                try:
+                    return fn(txn)
+                except KvckptError as exc:  # the function's refusal, told apart from a failed commit
+                    raise _Refused(exc) from None
+
+            try:
+                return [self.write(alone)]
+            except _Refused as refused:
+                return [refused.error]
+
         def batch(txn: Txn) -> list[T | KvckptError]:
             results: list[T | KvckptError] = []
             for fn in fns:

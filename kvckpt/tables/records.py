@@ -25,9 +25,20 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 
 
+@functools.cache
+def _required_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
+
+
+#: The JSON scalars a document's fields hold, shared as they are.
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def _plain(value: Any) -> Any:
     """``dataclasses.asdict``'s conversion for the value types documents hold (nested documents
     become dicts, containers are copied, scalars shared), without its per-value ``deepcopy``."""
+    if type(value) in _SCALARS:
+        return value
     if isinstance(value, _Doc):
         return value.to_dict()
     if isinstance(value, (tuple, list)):
@@ -55,8 +66,7 @@ class _Doc:
         for name in ("missing", "siblings"):
             if name in kwargs and isinstance(kwargs[name], list):
                 kwargs[name] = tuple(kwargs[name])
-        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
-        lacking = [name for name in required if name not in kwargs]
+        lacking = [name for name in _required_names(cls) if name not in kwargs]
         if lacking:
             raise BadArgument(f"a {cls.__name__} document lacks {', '.join(lacking)}")
         return cls(**kwargs)
