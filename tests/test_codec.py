@@ -453,6 +453,39 @@ def test_compiled_rules_check_names_dtypes_shapes_and_caps():
         codec.RecordRules({"a": codec.FieldRule("int8", None, 1)}, required=["b"])
 
 
+def test_rules_check_reads_what_describe_reads():
+    """RecordRules.check is describe's verification without the Record: the same meta, the same
+    fields in record order with their shapes and decoded sizes, and their total."""
+    rules = codec.RecordRules({"t": codec.FieldRule("int64", (None,), 1 << 20), "r": codec.FieldRule("float32", (), 4),
+                               "b": codec.FieldRule("bool", None, 64), "s": codec.FieldRule("str", (), 16)})
+    for level in (0, 1):
+        value = encode({"t": np.arange(7) * 3, "r": np.float32(2), "b": np.ones((2, 3), bool), "s": "héllo"},
+                       {"group_id": "g", "index": 1}, level=level)
+        checked, described = rules.check(value, "k"), rules.describe(value, "k")
+        assert checked.meta == described.meta == {"group_id": "g", "index": 1}
+        assert [(f.name, f.dtype, f.shape, f.decoded) for f in checked.fields] == [
+            (name, described.dtypes[name], info.shape, info.nbytes) for name, info in described.arrays.items()]
+        assert checked.nbytes == 56 + 4 + 6 + 6 == sum(info.nbytes for info in described.arrays.values())
+        assert checked.record() == described
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    (b' {"z":0,"raw":0,"meta":{},"fields":[]}', True),    # JSON with whitespace around: still a header
+    (b'{"z":0,"raw":0,"meta":{},"fields":[]}\n', True),
+    (b'{"z":0,"raw":0,"meta":{},"fields":[]} x', False),  # anything after the document is refused
+    (b'{"z":0,"raw":0,"meta":{},"fields":[]}{}', False),
+    (b'{"z":0,"raw":0,"meta":{"a":NaN},"fields":[]}', False),
+])
+def test_headers_are_exactly_json(text, ok):
+    """The header parse takes what json.loads takes for one document (encode() writes it with no
+    whitespace; other spellings still parse) and refuses trailing data and non-JSON constants."""
+    if ok:
+        assert decode(seal(text), "k").meta == {}
+    else:
+        with pytest.raises(CorruptRecord, match="header is not JSON"):
+            decode(seal(text), "k")
+
+
 def test_header_length_caps():
     with pytest.raises(CorruptRecord, match="header length"):
         decode(seal(b"{}", hlen=codec.MAX_HEADER_BYTES + 1), "k")

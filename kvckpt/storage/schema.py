@@ -280,25 +280,17 @@ class RowSchema:
                                             else spec.shape, caps[name]) for name, spec in self.fields.items()},
                            [name for name in self.fields if name not in self.optional])
 
-    def describe_row(self, value: bytes | memoryview, where: str) -> Record:
+    def check_row(self, value: bytes | memoryview, where: str) -> Checked:
         """Verify one encoded row against the schema in one pass over its header (:attr:`rules`):
         everything ``check_record(codec.describe(value, where, limits=self.limits()), where)`` checks.
-        The result is :func:`~kvckpt.storage.codec.describe`'s (shapes and sizes, no arrays).
+        Returns what the check read (:meth:`RecordRules.check <kvckpt.storage.codec.RecordRules.check>`:
+        meta, field entries, decoded size; ``.record()`` is ``describe``'s result). The store owner
+        runs it on every row a producer encoded.
 
         Raises:
             CorruptRecord: the record is damaged, or holds a field, dtype, shape or size the schema
                 refuses (the message names ``where`` and the field).
             SchemaMismatch: its token fields differ in length or hold over ``max_tokens``.
-        """
-        return self.check_row(value, where).record()
-
-    def check_row(self, value: bytes | memoryview, where: str) -> Checked:
-        """:meth:`describe_row`'s checks, returning what they read (:meth:`RecordRules.check
-        <kvckpt.storage.codec.RecordRules.check>`: meta, field entries, decoded size) instead of a
-        :class:`Record`: the store owner's check of every row a producer encoded.
-
-        Raises:
-            CorruptRecord, SchemaMismatch: as :meth:`describe_row`.
         """
         checked = self.rules.check(value, where)
         length = None
