@@ -408,15 +408,15 @@ class BufferMachine(RuleBasedStateMachine):
         self.finish_step(data)
 
     def zombie(self, data):
-        """A lease of an abandoned timeline or another store commits (zombies use variant 2). The
-        kind is drawn first, so foreign leases are not crowded out by the many abandoned ones."""
-        stale = {"foreign zombie": [x for x in self.leases if x.store_id != self.store_id],
-                 "timeline zombie": [x for x in self.leases
-                                     if x.store_id == self.store_id and x.timeline != self.model.timeline]}
-        kinds = [kind for kind, leases in stale.items() if leases]
-        if not kinds:
-            return
-        kind = data.draw(st.sampled_from(kinds), label="zombie kind")
+        """A lease of an abandoned timeline or another store commits (zombies use variant 2). With no
+        foreign lease yet, the other store admits one first, and the kind is drawn before the lease:
+        a run that draws zombies fences both kinds, not only by luck."""
+        if all(x.store_id == self.store_id for x in self.leases):
+            self.foreign_admit(data)
+        stale = {"timeline zombie": [x for x in self.leases
+                                     if x.store_id == self.store_id and x.timeline != self.model.timeline],
+                 "foreign zombie": [x for x in self.leases if x.store_id != self.store_id]}
+        kind = data.draw(st.sampled_from([kind for kind, leases in stale.items() if leases]), label="zombie kind")
         lease = data.draw(st.sampled_from(stale[kind]), label="zombie")
         self.seen[kind] += 1
         if data.draw(st.booleans(), label="whole group"):
