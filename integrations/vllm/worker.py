@@ -314,10 +314,12 @@ class RolloutWorker:
         ``buffer`` is a replay buffer (or anything with its ``commit_group``/``commit_sample``) or
         a Ray handle of a :class:`kvckpt.integrations.ray.BufferActor`. Where it has
         ``commit_many`` (a :class:`kvckpt.ReplayBuffer`; an actor, through one
-        :class:`~kvckpt.integrations.ray.BufferClient` call), the commits of one engine call go
-        together: one durable transaction, one fsync (and one actor call), each commit still its
-        own transition, so a refused one does not fail the others. Otherwise they go lease by
-        lease. ``before_commit(lease)`` runs before each lease's rows are committed.
+        :class:`~kvckpt.integrations.ray.BufferClient` call) and no ``before_commit`` is given,
+        the commits of one engine call go together: one durable transaction, one fsync (and one
+        actor call), each commit still its own transition, so a refused one does not fail the
+        others. Otherwise they go lease by lease, ``before_commit(lease)`` (a fault-injection
+        hook: it may block or kill the process) running right before each lease's commit, after
+        the earlier leases' commits.
 
         Returns:
             One entry per lease: its :class:`~kvckpt.CommitResult` (with ``commit="sample"``, its
@@ -327,7 +329,7 @@ class RolloutWorker:
         """
         sink = _ActorSink(buffer) if _is_actor(buffer) else buffer
         samples, version = self.generate(leases)
-        if getattr(sink, "commit_many", None) is None:
+        if before_commit is not None or getattr(sink, "commit_many", None) is None:
             out: list[CommitResult | KvckptError] = []
             for lease, group in zip(leases, samples, strict=True):
                 try:
@@ -338,12 +340,11 @@ class RolloutWorker:
         items, owner = [], []
         for n, (lease, group) in enumerate(zip(leases, samples, strict=True)):
             rows = self.rows(lease, group)
-            if before_commit is not None:
-                before_commit(lease)
             if self.commit_mode == "group":
                 items.append({"lease": lease, "rows": rows, "end_weight": version})
                 owner.append(n)
-            for index, row in sorted(rows.items()) if self.commit_mode == "sample" else ():
+                continue
+            for index, row in sorted(rows.items()):
                 items.append({"lease": lease, "index": index, "rows": row, "end_weight": version})
                 owner.append(n)
         per_lease: list[Any] = [None] * len(leases)
