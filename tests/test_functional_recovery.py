@@ -58,7 +58,7 @@ class Run:
     def __init__(self, tmp_path: Any, cache_dir: str, sampler: str, *, steps: int, every: int,
                  resume_from: str, workers: int = 1) -> None:
         self.dir = str(tmp_path / "run")
-        window = max(SAMPLERS[sampler].get("max_lookahead_versions", 0), SAMPLERS[sampler].get(
+        self.window = window = max(SAMPLERS[sampler].get("max_lookahead_versions", 0), SAMPLERS[sampler].get(
             "max_staleness_versions", 0))
         self.config = {
             "output_dir": self.dir, "seed": 0, "model": {"cache_dir": cache_dir, "sft_steps": 0},
@@ -172,13 +172,23 @@ def test_clean_stop_while_parked_then_resume_from_the_checkpoint(tmp_path, cache
 
 @pytest.mark.parametrize("sampler", CI_SAMPLERS)
 def test_sigkill_mid_step_then_resume_from_the_live_store(tmp_path, cache_dir, sampler):
-    """Run 1 checkpoints step_2, parks prompt 9 (step 4's batch) and is SIGKILLed with step 3's
-    groups claimed. Run 2 reconciles the live store to step 2 and trains to step 6: THAT group is
-    redispatched once, and every group committed after step_2 is reused, not regenerated. A second
+    """Run 1 checkpoints step_2, parks the second prompt of the first admission that can only open
+    after that checkpoint, and is SIGKILLed with step 3's groups claimed. Run 2 reconciles the live
+    store to step 2 and trains to step 6: THAT group is redispatched once, and every group committed
+    after step_2 (at least the parked prompt's batch-mate) is reused, not regenerated. A second
     rollout worker keeps generating while the first is parked (a sampler that discards stale
-    groups would otherwise starve step 3)."""
-    run = Run(tmp_path, cache_dir, sampler, steps=6, every=2, resume_from="live", workers=2)
-    proc = run.spawn(1, park_prompt=4 * GPS + 1, crash_step=3)
+    groups would otherwise starve step 3).
+
+    Which admission: capacity is ``GPS * (1 + W)`` ready or in flight, so admission ``k`` opens at
+    the earliest when step ``k - 1 - W`` claims its groups (nothing is discarded before step 2: no
+    group is stale yet); step_2 is written before step 2 selects, so admission ``3 + W`` (prompt 9
+    for W = 1, prompt 11 for W = 2) is admitted, generated and its first prompt committed after
+    step_2, whatever the timing. An earlier admission (prompt 9 with W = 2) can commit before the
+    checkpoint copy and leave nothing committed after it."""
+    every = 2
+    run = Run(tmp_path, cache_dir, sampler, steps=6, every=every, resume_from="live", workers=2)
+    admission = every + 1 + run.window  # the first one step 2's select (after the step_2 checkpoint) lets through
+    proc = run.spawn(1, park_prompt=admission * GPS + 1, crash_step=3)
     try:
         wait_event(run.events(1), "crash-point", proc, TIMEOUT)
     finally:
@@ -186,12 +196,14 @@ def test_sigkill_mid_step_then_resume_from_the_live_store(tmp_path, cache_dir, s
     run.finish(proc, 1, expect=-9)
     assert checkpoint_steps(run.ckpt_dir) == [2]
     [parked] = read_events(run.events(1), "parked")
+    assert parked["prompt_idx"] == admission * GPS + 1
     at_kill = store_view(run.live)
     assert at_kill["state"]["trainer_version"] == 3 and at_kill["state"]["claimed"] == GPS
     [saved] = [e for e in at_kill["ledger"] if e.group_id == parked["group_id"]]
     after = work_after_checkpoint(at_kill, run.checkpoint(2))
     before = {g.group_id: (g.digest, g.attempt) for g in at_kill["groups"] if g.group_id in after["group_ids"]}
-    assert after["groups"] >= 1  # at least the parked prompt's batch-mate, committed after step_2
+    mate = {g.prompt_idx: g.group_id for g in at_kill["groups"]}.get(admission * GPS)
+    assert mate in before  # the parked prompt's batch-mate: committed (lease by lease) after step_2
 
     proc = run.spawn(2)
     run.finish(proc, 2)
