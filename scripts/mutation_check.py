@@ -88,35 +88,17 @@ MUTATIONS: tuple[Mutation, ...] = (
              "compact=True, txn=txn.raw)", "compact=True)",
              (f"{NET}::test_a_commit_after_the_stamp_stays_out_of_the_checkpoint",), count=None),
     Mutation("checkpoint-snapshot-taken-at-copy-time", "kvckpt/durability/checkpoint.py",
-             "buffer.store.copy_snapshot(fd, snapshot.txn)",
-             "buffer.store.read(lambda live: buffer.store.copy_snapshot(fd, live))",
+             "store.copy_snapshot(fd, snapshot.txn)",
+             "store.read(lambda live: store.copy_snapshot(fd, live))",
              (f"{NET}::test_a_commit_after_the_stamp_stays_out_of_the_checkpoint",), count=None),
-    Mutation("finish-step-two-transactions", "kvckpt/buffer.py",
-             '            st["trainer_version"] = step + 1\n'
-             '            st["weight_version"] = step + 1 if weight_version is None else int(weight_version)\n'
-             "            self._drop_consumed(txn, st)\n"
-             '            txn.put_json("meta", STATE_KEY, st)\n'
-             '            return st["trainer_version"]\n'
-             "\n"
-             "        return self._write(txn_fn)\n",
-             '            st["weight_version"] = step + 1 if weight_version is None else int(weight_version)\n'
-             "            self._drop_consumed(txn, st)\n"
-             '            txn.put_json("meta", STATE_KEY, st)\n'
-             "            return step + 1\n"
-             "\n"
-             "        version = self._write(txn_fn)\n"
-             "\n"
-             "        def bump(txn: Txn) -> int:\n"
-             "            st = self._state(txn)\n"
-             '            st["trainer_version"] = version\n'
-             '            txn.put_json("meta", STATE_KEY, st)\n'
-             "            return version\n"
-             "\n"
-             "        return self._write(bump)\n",
+    Mutation("finish-step-two-transactions", "kvckpt/buffer/replay_buffer.py",
+             "        return self._write(lambda t: training.finish_step(t, self.config, weight_version))\n",
+             "        version = self._write(lambda t: training.finish_step(t, self.config, weight_version))\n"
+             '        self._write(lambda t: t.put_state({**t.state(), "trainer_version": version}))\n'
+             "        return version\n",
              (f"{NET}::test_every_transition_is_one_write_transaction",)),
-    Mutation("redispatch-keeps-attempt", "kvckpt/buffer.py",
-             '                **entry.to_dict(), "attempt": entry.attempt + 1,',
-             '                **entry.to_dict(), "attempt": entry.attempt,',
+    Mutation("redispatch-keeps-attempt", "kvckpt/transitions/inflight.py",
+             '"attempt": entry.attempt + 1,', '"attempt": entry.attempt,',
              (f"{NET}::test_redispatch_fences_the_previous_lease",)),
     Mutation("recover-keeps-weight-version", "kvckpt/durability/recovery.py",
              '        st["weight_version"] = target\n', "",
