@@ -1,4 +1,4 @@
-"""Bytes one durable commit writes, and what the state record's share of it is (issue 19, item 3).
+"""Bytes one durable commit writes, against a bare py-lmdb loop of the same rows (issue 19, item 3).
 
     python -m benchmarks.commit_bytes [--groups 200] [--rows realistic|tiny]
 
@@ -8,9 +8,8 @@ One producer, one group per durable transaction, in the same run:
   encoded row values under the same keys;
 * **kvckpt**: ``commit_encoded`` of the same rows (prompts admitted beforehand, outside the
   measured phase, so only commits are counted);
-* **kvckpt, no state write**: the same with the state record's write skipped (a what-if: the
-  store it leaves is not consistent, and nothing else runs on it). The difference is what taking
-  the state record out of the commit transaction could save.
+
+What other layouts would write is :mod:`benchmarks.layout_bytes`'s (a replay of these commits).
 
 Bytes are the process's ``/proc/self/io`` ``wchar`` over the phase (what LMDB hands to ``write``:
 dirty pages and the meta page), per commit. Prints one Markdown table with the ratios to bare.
@@ -19,11 +18,9 @@ dirty pages and the meta page), per commit. Prints one Markdown table with the r
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 from benchmarks import baselines
@@ -32,17 +29,6 @@ from benchmarks.ray_bench import GROUP_SIZE, row_pool
 from kvckpt import BufferConfig, Prompt, ReplayBuffer
 from kvckpt.storage import keys
 from kvckpt.storage.encoding import RowEncoder
-from kvckpt.tables.access import Tables
-
-
-@contextlib.contextmanager
-def _no_state_write() -> Iterator[None]:
-    put_state = Tables.put_state
-    Tables.put_state = lambda self, st: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        Tables.put_state = put_state  # type: ignore[method-assign]
 
 
 def commit_setup(path: str, groups: int, rows: str = "realistic") -> tuple[ReplayBuffer, list[Any], list[Any]]:
@@ -61,15 +47,13 @@ def measure(groups: int, rows: str = "realistic", directory: str | None = None) 
     """``wchar`` per commit of each mode, and the group's encoded size."""
     work = tempfile.mkdtemp(dir=directory)
     out: dict[str, Any] = {"groups": groups, "rows": rows}
-    for mode, context in (("kvckpt", contextlib.nullcontext), ("kvckpt, no state write", _no_state_write)):
-        buf, leases, encoded = commit_setup(os.path.join(work, f"{len(out)}.kv"), groups, rows)
-        buf.commit_encoded(leases[0], encoded[0])  # the first commit creates the trees: not measured
-        with context():
-            before = proc_io()
-            for lease, rows_ in zip(leases[1:], encoded[1:], strict=True):
-                buf.commit_encoded(lease, rows_)
-            out[mode] = (proc_io()["wchar"] - before["wchar"]) / groups
-        buf.close()
+    buf, leases, encoded = commit_setup(os.path.join(work, "kvckpt.kv"), groups, rows)
+    buf.commit_encoded(leases[0], encoded[0])  # the first commit creates the tree: not measured
+    before = proc_io()
+    for lease, rows_ in zip(leases[1:], encoded[1:], strict=True):
+        buf.commit_encoded(lease, rows_)
+    out["kvckpt"] = (proc_io()["wchar"] - before["wchar"]) / groups
+    buf.close()
     out["encoded_bytes_per_group"] = sum(len(r.value) for r in encoded[0])
     out["bare"] = bare_bytes(os.path.join(work, "bare.mdb"), leases, encoded)
     shutil.rmtree(work, ignore_errors=True)
@@ -102,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     size = r["encoded_bytes_per_group"] / 1e3
     print(f"{r['groups']} commits of one {r['rows']} group ({size:.1f} KB encoded) each\n")
     print("| mode | bytes written per commit (wchar) | / bare |\n| --- | ---: | ---: |")
-    for mode in ("bare", "kvckpt", "kvckpt, no state write"):
+    for mode in ("bare", "kvckpt"):
         print(f"| {mode} | {r[mode] / 1e3:.1f} KB | {r[mode] / r['bare']:.2f}× |")
     return 0
 

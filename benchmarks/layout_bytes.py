@@ -1,5 +1,5 @@
-"""Bytes per durable commit of candidate store layouts, measured by replaying kvckpt's own writes
-(issue 19, item 3: what a format change would buy before anyone builds it).
+"""Bytes per durable commit of store layouts, measured by replaying kvckpt's own writes (issue 19,
+item 3: what a format change buys, measured before and after building it).
 
     python -m benchmarks.layout_bytes [--groups 200] [--rows realistic|tiny]
 
@@ -8,23 +8,22 @@ transaction per commit, as in :mod:`benchmarks.commit_bytes`. Every ``put`` and 
 real buffer makes is recorded (table, key, value), transaction by transaction. The trace is then
 replayed into fresh LMDB files, one durable transaction per recorded one, under each layout:
 
-* **today** (format 2): the five tables as they are. Its figure checks the replay against the
-  real buffer's, measured in the same run;
-* **one prompt record**: a prompt's ledger entry and its group record are one key of one table
-  (the commit overwrites the entry with the group record instead of deleting it in one tree and
-  inserting it in another);
-* **one tree**: every record in one table, a prompt's record sorting just before its rows
-  (``p`` + group id, then ``p`` + group id + NUL + row), the index under ``i``, meta under ``m``;
-* **one tree, no state write in a commit**: the same, with the commit's rewrite of
-  ``meta/state`` left out (what deriving the counts a commit changes would save);
+* **format 3** (what kvckpt writes, :mod:`kvckpt.storage.layout`): every table in the main
+  database under its prefix. Its figure checks the replay against the real buffer's, measured in
+  the same run;
+* **format 2**: each table its own named database, as kvckpt wrote before format 3;
+* **format 3, one key per prompt**: a prompt's ledger entry and its group record are one key
+  (the commit overwrites the entry instead of deleting it beside the record it writes);
+* **format 3, no state write in a commit**: the commit's rewrite of ``meta/state`` left out (what
+  deriving the counts a commit changes would save);
 * **bare**: :class:`benchmarks.baselines.BareLmdb` putting the same rows under the same keys.
 
-A second table replays today's layout with one kind of write left out (the ledger entry's
-delete, the index entries, the group record, the state record): what each tree costs a commit.
+A second table replays format 2 with one kind of write left out (the ledger entry's delete, the
+index entries, the group record, the state record): what each of its trees cost a commit.
 
 Bytes are the process's ``/proc/self/io`` ``wchar`` (the pages and meta page LMDB writes) per
 commit. A layout here is a replay, not a store: it shows where the pages go, nothing more. The
-replay of *today* matches the real buffer to within a few percent, which is what lets the other
+replay of format 3 matches the real buffer to within a few percent, which is what lets the other
 rows stand for the layouts they model.
 """
 
@@ -43,13 +42,15 @@ import lmdb
 from benchmarks import baselines
 from benchmarks.commit_bytes import bare_bytes, commit_setup
 from benchmarks.ingest_bench import proc_io
+from kvckpt.storage.layout import stored_key
 from kvckpt.storage.store import Txn
 from kvckpt.tables import meta
 
 #: One recorded write: ``(table, key, value)``, ``value`` ``None`` for a delete.
 Op = tuple[str, bytes, "bytes | None"]
-#: A layout maps a recorded write to ``(database name, key, value)``, or ``None`` to drop it.
-Layout = Callable[[Op, list[Op]], "tuple[str, bytes, bytes | None] | None"]
+#: A layout maps a recorded write to ``(database name, key, value)`` (name ``None``: the main
+#: database), or ``None`` to drop it.
+Layout = Callable[[Op, list[Op]], "tuple[str | None, bytes, bytes | None] | None"]
 
 
 @contextlib.contextmanager
@@ -73,48 +74,40 @@ def recording(log: list[Op]) -> Iterator[None]:
         Txn.put, Txn.delete = put, delete  # type: ignore[method-assign]
 
 
-def today(op: Op, txn_ops: list[Op]) -> tuple[str, bytes, bytes | None]:
-    """Format 2 as it is."""
+def format_3(op: Op, txn_ops: list[Op]) -> tuple[str | None, bytes, bytes | None]:
+    """What kvckpt writes: the main database, each table under its prefix."""
+    table, key, value = op
+    return None, stored_key(table, key), value
+
+
+def format_2(op: Op, txn_ops: list[Op]) -> tuple[str | None, bytes, bytes | None]:
+    """Each table its own named database."""
     return op
 
 
-def one_prompt_record(op: Op, txn_ops: list[Op]) -> tuple[str, bytes, bytes | None] | None:
-    """Ledger entries and group records share one table; a commit's delete of the entry is the
-    overwrite by the group record that follows it in the same transaction."""
+def one_key_per_prompt(op: Op, txn_ops: list[Op]) -> tuple[str | None, bytes, bytes | None] | None:
+    """Format 3 with a prompt's ledger entry and group record one key: a commit's delete of the
+    entry is the overwrite by the group record that follows it in the same transaction."""
     table, key, value = op
     if table in ("ledger", "groups"):
         if value is None and ("groups", key) in {(t, k) for t, k, v in txn_ops if v is not None}:
             return None
-        return "prompts", key, value
-    return op
+        return None, stored_key("groups", key), value
+    return format_3(op, txn_ops)
 
 
-def _one_tree_key(table: str, key: bytes) -> bytes:
-    if table in ("ledger", "groups", "rows"):
-        return b"p" + key  # a row key is the group key + NUL + index: it sorts right after its record
-    return (b"i" if table == "index" else b"m") + key
-
-
-def one_tree(op: Op, txn_ops: list[Op]) -> tuple[str, bytes, bytes | None] | None:
-    """Every record in one table; a prompt's record sits beside its rows."""
-    kept = one_prompt_record(op, txn_ops)
-    if kept is None:
-        return None
-    table, key, value = op
-    return "all", _one_tree_key(table, key), value
-
-
-def one_tree_no_state(op: Op, txn_ops: list[Op]) -> tuple[str, bytes, bytes | None] | None:
-    """:func:`one_tree`, the commit's state-record write left out."""
+def no_state_write(op: Op, txn_ops: list[Op]) -> tuple[str | None, bytes, bytes | None] | None:
+    """Format 3, the commit's state-record write left out."""
     if op[0] == "meta" and op[1] == meta.STATE_KEY:
         return None
-    return one_tree(op, txn_ops)
+    return format_3(op, txn_ops)
 
 
-LAYOUTS: dict[str, Layout] = {"today": today, "one prompt record": one_prompt_record, "one tree": one_tree,
-                              "one tree, no state write in a commit": one_tree_no_state}
+LAYOUTS: dict[str, Layout] = {"format 3": format_3, "format 2": format_2,
+                              "format 3, one key per prompt": one_key_per_prompt,
+                              "format 3, no state write in a commit": no_state_write}
 
-#: Today's layout with one kind of write left out: what each tree costs a commit.
+#: Format 2 with one kind of write left out: what each of its trees cost a commit.
 SHARES: dict[str, Callable[[Op], bool]] = {
     "the ledger entry's delete": lambda op: op[0] == "ledger" and op[2] is None,
     "the pending index entry's delete": lambda op: op[0] == "index" and op[2] is None,
@@ -126,7 +119,7 @@ SHARES: dict[str, Callable[[Op], bool]] = {
 
 
 def without(dropped: Callable[[Op], bool]) -> Layout:
-    """Today's layout, the writes ``dropped`` selects left out (of the measured commits only)."""
+    """Format 2, the writes ``dropped`` selects left out (of the measured commits only)."""
     return lambda op, txn_ops: None if dropped(op) else op
 
 
@@ -136,7 +129,7 @@ def replay(path: str, setup: list[list[Op]], measured: list[list[Op]], layout: L
     durable transaction per recorded one) into a fresh file under ``layout``; ``wchar`` per
     measured transaction."""
     env = lmdb.open(path, subdir=False, map_size=baselines.MAP_SIZE, max_dbs=8)
-    dbs: dict[str, Any] = {}
+    dbs: dict[str | None, Any] = {}
 
     def apply(txn_ops: list[Op], layout: Layout) -> None:
         with env.begin(write=True) as txn:
@@ -146,7 +139,7 @@ def replay(path: str, setup: list[list[Op]], measured: list[list[Op]], layout: L
                     continue
                 name, key, value = mapped
                 if name not in dbs:
-                    dbs[name] = env.open_db(name.encode(), txn=txn)
+                    dbs[name] = env.open_db(None if name is None else name.encode(), txn=txn)
                 if value is None:
                     txn.delete(key, db=dbs[name])
                 else:
@@ -182,7 +175,7 @@ def measure(groups: int, rows: str = "realistic", directory: str | None = None) 
             out[name] = replay(os.path.join(work, f"{len(out)}.mdb"), [setup], measured, layout)
         for name, dropped in SHARES.items():
             out[f"without {name}"] = replay(os.path.join(work, f"{len(out)}.mdb"), [setup], measured, without(dropped),
-                                                  setup_layout=today)
+                                                  setup_layout=format_2)
         out["bare"] = bare_bytes(os.path.join(work, "bare.mdb"), leases, encoded)
         return out
     finally:
@@ -199,14 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{r['groups']} durable commits of one {r['rows']} group each, {r['groups']} prompts in flight\n")
     print("| layout | bytes written per commit (wchar) | / bare |\n| --- | ---: | ---: |")
     for name in ("bare", "real", *LAYOUTS):
-        label = "kvckpt today, the real buffer" if name == "real" else name
+        label = "kvckpt (format 3), the real buffer" if name == "real" else name
         label = f"{label} (replayed)" if name in LAYOUTS else label
         print(f"| {label} | {r[name] / 1e3:.1f} KB | {r[name] / r['bare']:.2f}× |")
-    print("\nWhat each tree costs: today's layout replayed with one kind of write left out\n")
+    print("\nWhat each tree cost format 2: its replay with one kind of write left out\n")
     print("| left out | bytes per commit | saves |\n| --- | ---: | ---: |")
     for name in SHARES:
         kept = r[f"without {name}"]
-        print(f"| {name} | {kept / 1e3:.1f} KB | {(r['today'] - kept) / 1e3:.1f} KB |")
+        print(f"| {name} | {kept / 1e3:.1f} KB | {(r['format 2'] - kept) / 1e3:.1f} KB |")
     return 0
 
 

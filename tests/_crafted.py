@@ -30,6 +30,8 @@ from typing import Any
 import lmdb
 import zstandard
 
+from kvckpt.storage.layout import split, stored_key
+
 PAGE = 4096
 _LEAF, _OVERFLOW, _BIGDATA = 0x02, 0x04, 0x01
 # MDB_meta: mm_last_pg sits after magic, version, address, mapsize and the two 48-byte MDB_db.
@@ -92,22 +94,24 @@ class _Edit:
     """Raw LMDB edits of a copy (no kvckpt code on the write path)."""
 
     def __init__(self, path: str) -> None:
-        self.env = lmdb.open(path, subdir=False, max_dbs=8, lock=False, map_size=1 << 32)
-        self.dbs = {n: self.env.open_db(n.encode(), create=False) for n in ("meta", "groups", "rows", "ledger",
-                                                                            "index")}
+        self.env = lmdb.open(path, subdir=False, lock=False, map_size=1 << 32)
         self.txn = self.env.begin(write=True)
 
     def get(self, table: str, key: bytes) -> bytes:
-        return self.txn.get(key, db=self.dbs[table])
+        return self.txn.get(stored_key(table, key))
 
     def doc(self, table: str, key: bytes) -> dict[str, Any]:
         return _meta(self.get(table, key))
 
     def put(self, table: str, key: bytes, value: bytes) -> None:
-        self.txn.put(key, value, db=self.dbs[table])
+        self.txn.put(stored_key(table, key), value)
+
+    def delete(self, table: str, key: bytes) -> None:
+        assert self.txn.delete(stored_key(table, key))
 
     def items(self, table: str) -> list[tuple[bytes, bytes]]:
-        return list(self.txn.cursor(db=self.dbs[table]))
+        return [(where[1], value) for stored, value in self.txn.cursor()
+                if (where := split(stored)) is not None and where[0] == table]
 
     def ready_group(self) -> tuple[bytes, dict[str, Any]]:
         for key, value in self.items("groups"):
@@ -225,7 +229,7 @@ def _control_chars(e: _Edit) -> None:
     for ikey, ivalue in e.items("index"):
         if ivalue == rename:
             e.put("index", ikey, evil.encode())
-    e.txn.delete(rename, db=e.dbs["ledger"])
+    e.delete("ledger", rename)
     doc["group_id"] = evil
     e.put("ledger", evil.encode(), json_record(doc))
 

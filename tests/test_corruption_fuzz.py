@@ -19,6 +19,7 @@ import pytest
 from kvckpt import FormatError, KvckptError, Prompt, RecoveryError, ReplayBuffer, VerificationFailed, check, restore
 from kvckpt.durability.safe_open import check_structure, verify_path, verify_untrusted
 from kvckpt.storage import codec, keys
+from kvckpt.storage.layout import split, stored_key
 from kvckpt.storage.store import Txn
 from kvckpt.tables.digest import group_digest, row_digest
 from kvckpt.testing.fuzz import build_base, build_foreign, run_fuzz_campaign
@@ -182,10 +183,10 @@ def _raise_a_rows_separator(path: Path) -> bytes:
         node = off + int.from_bytes(data[off + 18:off + 20], "little")
         ksize = int.from_bytes(data[node + 6:node + 8], "little")
         key = bytes(data[node + 8:node + 8 + ksize])
-        if ksize > 5 and key[-5] == 0 and key.startswith(b"a0-p") and key[-1] < 0xFF:  # {group}\0{4-byte index}
+        if ksize > 5 and key[-5] == 0 and key.startswith(stored_key("rows", b"a0-p")) and key[-1] < 0xFF:
             data[node + 8 + ksize - 1] += 1
             path.write_bytes(bytes(data))
-            return key
+            return split(key)[1]  # the row's key, as the verifier names it
     raise AssertionError("no branch page of the rows table found")
 
 

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from _old_format import rewrite_as_named_tables
 from conftest import make_group, refused
 
 from kvckpt import (
@@ -33,6 +34,7 @@ from kvckpt import (
     check,
     restore,
 )
+from kvckpt.storage.store import FORMAT_VERSION
 
 STEPS = os.path.join(os.path.dirname(__file__), "_fencing_steps.py")
 
@@ -238,10 +240,11 @@ def test_a_version_1_store_is_upgraded_in_place_and_its_old_leases_fenced(buffer
 
     buf.store.write(downgrade)
     buf.close()
+    rewrite_as_named_tables(path, 1)
     with ReplayBuffer.open(path, readonly=True) as ro:  # readers read version 1 as it is
         assert ro.store.info["version"] == 1 and len(ro.ledger()) == 1
     with ReplayBuffer.open(path) as up:
-        assert (up.store.info["version"], up.store.info["upgraded_from"]) == (2, 1)
+        assert (up.store.info["version"], up.store.info["upgraded_from"]) == (FORMAT_VERSION, 1)
         [entry] = up.ledger()
         assert entry.attempt == 1 and entry.timeline == up.state()["timeline"] != ""
         v1_lease = Lease.from_dict({k: v for k, v in old.to_dict().items() if k not in ("store_id", "timeline")})

@@ -18,11 +18,13 @@ pytest.importorskip("kvckpt.integrations.ray")  # before ray: keeps Ray on loopb
 
 import kvckpt.integrations.transferqueue as ktq
 import torch
+from _old_format import rewrite_as_named_tables
 from kvckpt.integrations.transferqueue import owner
 from kvckpt.integrations.transferqueue.values import decode_value, encode_value
 
 from kvckpt.errors import BadArgument, CorruptRecord, FormatError
 from kvckpt.storage import codec
+from kvckpt.storage.layout import NamedTables, OneTree
 from kvckpt.storage.store import Store
 
 KEY, WID = "3@field", "0123456789abcdef"
@@ -219,3 +221,19 @@ def test_a_value_store_of_another_format_version_is_refused(tmp_path: Any) -> No
     with pytest.raises(FormatError, match="version 1; this backend reads"):
         live.load(str(tmp_path / "ckpt" / "v.kv"))
     live.close()
+
+
+def test_a_value_store_written_by_kvckpt_format_2_opens_and_moves_into_format_3(tmp_path: Any) -> None:
+    path = str(tmp_path / "old.kv")
+    old = ktq.ValueStore(path)
+    values = [encode_value(f"{i}@field", torch.arange(i + 3), WID, 0) for i in range(4)]
+    old.put([f"{i}@field" for i in range(4)], values)
+    old.close()
+    rewrite_as_named_tables(path, 2)
+    with Store(path, readonly=True) as store:
+        assert isinstance(store.layout, NamedTables)
+    again = ktq.ValueStore(path)
+    assert again.count() == 4 and again.get([f"{i}@field" for i in range(4)]) == values
+    again.close()
+    with Store(path, readonly=True) as store:
+        assert isinstance(store.layout, OneTree) and store.info["upgraded_from"] == 2

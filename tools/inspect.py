@@ -38,8 +38,8 @@ Progress = Callable[[int, int], None]
 
 
 def table_entries(txn: Txn, table: str) -> int:
-    """Number of keys in ``table`` (LMDB keeps the count: no scan)."""
-    return int(txn.raw.stat(txn.db(table))["entries"])
+    """Number of keys in ``table`` (:meth:`~kvckpt.storage.store.Txn.count`: no values read)."""
+    return txn.count(table)
 
 
 def _scan(txn: Txn, table: str, problems: list[dict[str, str]], progress: Progress | None,

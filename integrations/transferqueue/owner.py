@@ -75,6 +75,7 @@ class ValueStore:
                 else:
                     _check_format(path, doc)
             store.write(init)
+            store.upgrade_layout()  # a file of kvckpt format 1 or 2 moves into format 3's one tree
             return store
         except BaseException:
             store.close()
@@ -206,10 +207,7 @@ def _check_format(path: str, doc: dict[str, Any]) -> None:
 
 def _count(txn: Txn) -> int:
     """Number of TransferQueue values in a snapshot (keys only: no value is copied)."""
-    cur = txn.cursor("rows")
-    if not cur.set_range(KEY_PREFIX):
-        return 0
-    return sum(1 for key in cur.iternext(keys=True, values=False) if key.startswith(KEY_PREFIX))
+    return txn.count("rows", KEY_PREFIX)
 
 
 def _validate(path: str) -> dict[str, Any]:

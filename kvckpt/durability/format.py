@@ -11,8 +11,8 @@ from kvckpt.transitions.config import BufferConfig
 
 
 def buffer_config(store: Store) -> BufferConfig:
-    """The buffer config persisted in ``store``; a format-1 store open for writing is upgraded first
-    (:func:`upgrade_from_v1`).
+    """The buffer config persisted in ``store``; a format-1 or format-2 store open for writing is
+    upgraded to the current format first, in one transaction (:func:`upgrade`).
 
     Raises:
         BadArgument: the store has no buffer config (it was not made by ``ReplayBuffer.create``).
@@ -23,8 +23,8 @@ def buffer_config(store: Store) -> BufferConfig:
         raise BadArgument(f"{store.path!r} is a kvckpt store without a replay buffer config; "
                           "create it with ReplayBuffer.create")
     try:
-        if store.info.get("version") == 1 and not store.readonly:
-            upgrade_from_v1(store)
+        if store.info.get("version") != FORMAT_VERSION and not store.readonly:
+            upgrade(store)
         return BufferConfig.from_dict(doc)
     except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
         if isinstance(exc, KvckptError):
@@ -38,19 +38,21 @@ def malformed_config(path: str, exc: Exception) -> FormatError:
                        f"({type(exc).__name__}: {str(exc)[:200]}); the file is damaged or crafted")
 
 
-def upgrade_from_v1(store: Store) -> None:
-    """Upgrade a format-1 store in place, in one transaction: give it a timeline and move every
-    ledger entry onto it with its attempt bumped, so leases a version-1 kvckpt issued (which
-    carry no store id or timeline) are fenced rather than trusted."""
-    def txn_fn(txn: Txn) -> None:
-        t = Tables(txn)
-        st = t.state()
-        st["timeline"] = meta.new_timeline()
-        for entry in t.entries():
-            t.replace_entry(LedgerEntry.from_dict(
-                {**entry.to_dict(), "attempt": entry.attempt + 1, "timeline": st["timeline"]}), was=entry)
-        t.put_state(st)
-        txn.put_json("meta", meta.FORMAT_KEY, {**store.info, "version": FORMAT_VERSION, "upgraded_from": 1})
+def upgrade(store: Store) -> None:
+    """Upgrade a format-1 or format-2 store in place, in one transaction: format 1's leases are
+    fenced (:func:`fence_v1_leases`), then the tables move into format 3's layout
+    (:meth:`~kvckpt.storage.store.Store.upgrade_layout`)."""
+    store.upgrade_layout(prepare=fence_v1_leases if store.info.get("version") == 1 else None)
 
-    store.write(txn_fn)
-    store.info = {**store.info, "version": FORMAT_VERSION, "upgraded_from": 1}
+
+def fence_v1_leases(txn: Txn) -> None:
+    """Give a format-1 store a timeline and move every ledger entry onto it with its attempt
+    bumped, so leases a version-1 kvckpt issued (which carry no store id or timeline) are fenced
+    rather than trusted."""
+    t = Tables(txn)
+    st = t.state()
+    st["timeline"] = meta.new_timeline()
+    for entry in t.entries():
+        t.replace_entry(LedgerEntry.from_dict(
+            {**entry.to_dict(), "attempt": entry.attempt + 1, "timeline": st["timeline"]}), was=entry)
+    t.put_state(st)

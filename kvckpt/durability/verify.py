@@ -19,6 +19,7 @@ with the key it concerns. It never repairs anything. What it checks:
   belong to the current step and consumption to earlier ones (more ready groups than the
   capacity is not a finding: a rollback legitimately returns them, and admission waits);
   every ledger entry is in a known phase and its recorded digests name exactly its siblings;
+* every key of the file belongs to a table of its layout (:mod:`kvckpt.storage.layout`);
 * every key that iteration finds is found by a lookup (a damaged branch page can misroute
   lookups while iteration still finds every key);
 * every ``meta`` record passes its checksum and no unknown ``meta`` key exists; every row key
@@ -133,6 +134,7 @@ def check(txn: Any, *, deep: bool = False, checksums: bool = False,
         progress: called with the number of rows checked so far (for progress bars).
     """
     report = Report()
+    _check_layout(txn, report)
     _check_lookups(txn, report)
     meta = _decode_meta_table(txn, report)
     config, state = meta.get(CONFIG_KEY), meta.get(STATE_KEY)
@@ -205,15 +207,21 @@ def _check_dataloader(txn: Any, report: Report) -> None:
             report.add("corrupt-record", exc.key, exc.reason)
 
 
+def _check_layout(txn: Any, report: Report) -> None:
+    """Every key of the file belongs to one table (:mod:`kvckpt.storage.layout`)."""
+    for stored in txn.stray_keys():
+        report.add("stray-key", repr(stored[:64]), "a key of the file belongs to no kvckpt table: the file is "
+                                                    "damaged or was written by another program")
+
+
 def _check_lookups(txn: Any, report: Report) -> None:
     """Every key that iteration finds must be found by a lookup too. A damaged separator key in a
     branch page passes LMDB's own structure check and leaves iteration intact, but misroutes
     lookups (``get``, ``set_range``), so records would silently go missing."""
     for table in TABLES:
-        cur = txn.cursor(table)
         for key in txn.iter_keys(table, b""):
             try:
-                found = cur.set_key(key)
+                found = txn.has(table, key)
             except lmdb.BadValsizeError:  # a damaged node length: no valid key has this size
                 report.add("bad-key", f"{table}/{key[:64]!r}", f"a key of {len(key)} bytes cannot exist in LMDB: "
                                                                "a page of the B-tree is damaged")

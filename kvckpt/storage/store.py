@@ -1,7 +1,7 @@
 """The single-file LMDB environment every kvckpt object lives in.
 
-A :class:`Store` is one LMDB environment in one file (``subdir=False``) with a fixed set of named
-sub-databases (:data:`TABLES`). It guarantees:
+A :class:`Store` is one LMDB environment in one file (``subdir=False``) holding a fixed set of tables
+(:data:`~kvckpt.storage.layout.TABLES`), laid out as :mod:`kvckpt.storage.layout` says. It guarantees:
 
 * **Durability.** ``sync=True, metasync=True, writemap=False``: a returned :meth:`Store.write`
   survives process crashes, OS crashes and power loss (LMDB's full ACID mode).
@@ -24,9 +24,10 @@ Limits: local disks only (not NFS/CIFS/FUSE); keys are at most 511 bytes; never 
 ``Store`` across ``fork`` (open it in the child). Values are always kvckpt records
 (:mod:`kvckpt.storage.codec`); the ``get_json``/``put_json`` helpers verify their checksums.
 
-The module is long (about 670 lines) because it is the whole contract of the environment: the
-writer lock, the map-full replay, nested transactions for group commit, reader-slot checks, the
-LMDB header check and the fsync helpers each map liblmdb's and the OS's errors to kvckpt's.
+The module is long (about 690 lines) because it is the whole contract of the environment: the
+writer lock, the map-full replay, nested transactions for group commit, the layout's detection and
+upgrade, reader-slot checks, the LMDB header check and the fsync helpers each map liblmdb's and the
+OS's errors to kvckpt's. Transactions are :mod:`kvckpt.storage.txn`'s.
 """
 
 from __future__ import annotations
@@ -55,18 +56,18 @@ from kvckpt.errors import (
     StoreLocked,
     StoreNotFound,
 )
-from kvckpt.storage import codec
+from kvckpt.storage.layout import TABLES, Layout, NamedTables, OneTree
+from kvckpt.storage.txn import Txn
 
 FORMAT_NAME = "kvckpt"
-FORMAT_VERSION = 2
-#: Versions this code opens. Version 1 (kvckpt before lease fencing by timeline) has the same
-#: tables and records; :class:`~kvckpt.buffer.ReplayBuffer` upgrades it in place on a writable open.
-READABLE_VERSIONS = (1, 2)
-#: Named sub-databases; ``max_dbs`` is not stored in the file, so every opener uses this list.
-TABLES = ("meta", "groups", "rows", "ledger", "index")
+FORMAT_VERSION = 3
+#: Versions this code opens. Version 1 (kvckpt before lease fencing by timeline) and version 2 have
+#: the same tables and records in named sub-databases (:mod:`kvckpt.storage.layout`); a writable
+#: :class:`~kvckpt.buffer.ReplayBuffer` upgrades them in place (:meth:`Store.upgrade_layout`).
+READABLE_VERSIONS = (1, 2, 3)
+#: ``max_dbs`` is not stored in the file, so every opener of a format-1/2 file uses this.
 MAX_DBS = 8
 DEFAULT_MAP_SIZE = 64 << 30
-MAX_KEY_BYTES = 511
 #: Every this many commits a writer clears the reader slots of dead processes and measures how far
 #: the oldest live reader's snapshot lags (a pinned snapshot stops LMDB reusing freed pages).
 READER_CHECK_COMMITS = 256
@@ -77,70 +78,6 @@ log = logging.getLogger("kvckpt.store")
 FILE_MODE = 0o600
 
 T = TypeVar("T")
-
-
-class Txn:
-    """A transaction wrapper that names tables and verifies record checksums on read."""
-
-    def __init__(self, txn: lmdb.Transaction, dbs: dict[str, Any], write: bool) -> None:
-        self.raw = txn
-        self._dbs = dbs
-        self.write = write
-
-    def db(self, table: str) -> Any:
-        """The LMDB handle of ``table`` (one of :data:`TABLES`)."""
-        return self._dbs[table]
-
-    def get(self, table: str, key: bytes) -> bytes | None:
-        """The raw stored value, or ``None``."""
-        return self.raw.get(key, db=self._dbs[table])
-
-    def put(self, table: str, key: bytes, value: bytes) -> None:
-        """Store ``value`` under ``key`` (overwriting)."""
-        if len(key) > MAX_KEY_BYTES:
-            raise KvckptError(f"key of {len(key)} bytes exceeds LMDB's {MAX_KEY_BYTES}-byte limit")
-        self.raw.put(key, value, db=self._dbs[table])
-
-    def delete(self, table: str, key: bytes) -> bool:
-        """Delete ``key``; returns whether it existed."""
-        return self.raw.delete(key, db=self._dbs[table])
-
-    def get_json(self, table: str, key: bytes) -> dict[str, Any] | None:
-        """Decode a JSON record, verifying its checksum; ``None`` if absent."""
-        value = self.get(table, key)
-        if value is None:
-            return None
-        return codec.decode_meta(value, f"{table}/{key.decode(errors='replace')}")
-
-    def put_json(self, table: str, key: bytes, doc: dict[str, Any]) -> None:
-        """Store ``doc`` as a JSON record."""
-        self.put(table, key, codec.encode_json(doc))
-
-    def cursor(self, table: str) -> lmdb.Cursor:
-        """A cursor over ``table`` valid for this transaction's lifetime."""
-        return self.raw.cursor(db=self._dbs[table])
-
-    def iter_prefix(self, table: str, prefix: bytes,
-                    start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
-        """Yield ``(key, value)`` for keys starting with ``prefix`` in key order, from ``start``."""
-        cur = self.cursor(table)
-        if not cur.set_range(start if start is not None else prefix):
-            return
-        for key, value in cur:
-            if not key.startswith(prefix):
-                return
-            yield key, value
-
-    def iter_keys(self, table: str, prefix: bytes) -> Iterator[bytes]:
-        """Yield the keys starting with ``prefix`` in order, without touching their values (a large
-        value's overflow pages are never read)."""
-        cur = self.cursor(table)
-        if not cur.set_range(prefix):
-            return
-        for key in cur.iternext(keys=True, values=False):
-            if not key.startswith(prefix):
-                return
-            yield key
 
 
 class _Refused(Exception):
@@ -235,7 +172,7 @@ class Store:
             self._take_writer_lock(create and not exists)
         try:
             self.env = self._open_env(map_size)
-            self.dbs = self._open_tables(create and not exists)
+            self.layout = self._open_layout(create and not exists)
             self.info = self._check_format()
             if not readonly:
                 self.env.reader_check()
@@ -257,7 +194,7 @@ class Store:
         owner open, and closing the owner closes the view.
         """
         self._owner = owner
-        self.env, self.dbs, self.info, self._gate = owner.env, owner.dbs, owner.info, owner._gate
+        self.env, self.layout, self.info, self._gate = owner.env, owner.layout, owner.info, owner._gate
 
     # -- opening ---------------------------------------------------------------------------
     def _take_writer_lock(self, creating: bool) -> None:
@@ -287,20 +224,25 @@ class Store:
         except lmdb.Error as exc:
             raise _translate(exc, f"cannot open {self.path!r}") from None
 
-    def _open_tables(self, creating: bool) -> dict[str, Any]:
+    def _open_layout(self, creating: bool) -> Layout:
+        """The layout of the file: format 3's one tree for a new file, otherwise what the file holds."""
         try:
+            main = self.env.open_db(None)
+            one_tree = OneTree(main)
             if creating:
                 with self.env.begin(write=True) as txn:
-                    dbs = {name: self.env.open_db(name.encode(), txn=txn) for name in TABLES}
-                    Txn(txn, dbs, True).put_json("meta", b"format", {
+                    Txn(txn, one_tree, True).put_json("meta", b"format", {
                         "format": FORMAT_NAME, "version": FORMAT_VERSION,
                         "store_id": uuid.uuid4().hex, "created": time.time()})
-                return dbs
+                return one_tree
+            with self.env.begin() as txn:
+                if Txn(txn, one_tree, False).get("meta", b"format") is not None:
+                    return one_tree
             # Without ``txn=``: a handle opened inside a read transaction dies with it.
-            return {name: self.env.open_db(name.encode(), create=False) for name in TABLES}
+            return NamedTables({name: self.env.open_db(name.encode(), create=False) for name in TABLES})
         except (lmdb.NotFoundError, lmdb.IncompatibleError):
-            raise FormatError(f"{self.path!r} is an LMDB file but not a kvckpt store "
-                              f"(it lacks the tables {', '.join(TABLES)})") from None
+            raise FormatError(f"{self.path!r} is an LMDB file but not a kvckpt store (it has neither a format "
+                              f"record nor the tables {', '.join(TABLES)})") from None
         except lmdb.Error as exc:
             raise _translate(exc, f"cannot open the tables of {self.path!r}") from None
 
@@ -312,7 +254,55 @@ class Store:
             raise FormatError(f"{self.path!r} has kvckpt format version {info.get('version')!r}; this "
                               f"kvckpt reads versions {', '.join(map(str, READABLE_VERSIONS))}. Use a matching "
                               "kvckpt release")
+        if info.get("version") not in self.layout.versions:
+            raise FormatError(f"{self.path!r} says it is kvckpt format version {info.get('version')!r} but is laid "
+                              f"out as versions {', '.join(map(str, self.layout.versions))} are: damaged or crafted")
         return info
+
+    def upgrade_layout(self, prepare: Callable[[Txn], None] | None = None) -> bool:
+        """Move a format-1 or format-2 store into format 3's layout, in one durable transaction, and
+        return whether there was anything to move.
+
+        ``prepare`` runs first in the same transaction, on the old layout (the replay buffer fences
+        format 1's leases there). Then every record of every table is copied into the main
+        database, the named databases are dropped, and the format record says version
+        :data:`FORMAT_VERSION` with ``upgraded_from``. A crash at any point leaves the old store
+        or the new one, never a mix. The file grows by about the store's size while the copy is
+        written; the old pages are reused afterwards (``kvckpt compact`` returns them to the disk).
+
+        Raises:
+            ReadOnlyStore: the handle is read-only.
+        """
+        old = self.layout
+        if not isinstance(old, NamedTables):
+            return False
+        new = OneTree(self.env.open_db(None))
+        info = {**self.info, "version": FORMAT_VERSION, "upgraded_from": self.info.get("version")}
+        # The copy needs room for a second copy of every record: grow the map first, since a full
+        # map mid-copy would replay a transaction whose dropped databases no longer exist.
+        needed = 2 * self.env.info()["last_pgno"] * self.env.stat()["psize"] + (64 << 20)
+        if not self.readonly and self.env.info()["map_size"] < needed:
+            with self._gate.resizing():
+                self.env.set_mapsize(needed)
+
+        def txn_fn(txn: Txn) -> None:
+            if prepare is not None:
+                prepare(txn)
+            moved = Txn(txn.raw, new, True)
+            for table in TABLES:
+                for key, value in txn.iter_prefix(table, b""):
+                    moved.put(table, key, value)
+            moved.put_json("meta", b"format", info)
+            for db in old.dbs.values():
+                txn.raw.drop(db, delete=True)
+
+        started = time.monotonic()
+        log.info("%s: upgrading kvckpt format %s to %s (one transaction)", self.path, info["upgraded_from"],
+                 FORMAT_VERSION)
+        self.write(txn_fn)
+        self.layout, self.info = new, info
+        log.info("%s: upgraded to format %s in %.1f s", self.path, FORMAT_VERSION, time.monotonic() - started)
+        return True
 
     @property
     def store_id(self) -> str:
@@ -338,7 +328,7 @@ class Store:
             while True:
                 txn = self.env.begin(write=True)
                 try:
-                    result = fn(Txn(txn, self.dbs, True))
+                    result = fn(Txn(txn, self.layout, True))
                     txn.commit()
                     self._commits += 1
                     if self._commits % READER_CHECK_COMMITS == 0:
@@ -385,7 +375,7 @@ class Store:
             for fn in fns:
                 child = self.env.begin(write=True, parent=txn.raw)
                 try:
-                    results.append(fn(Txn(child, self.dbs, True)))
+                    results.append(fn(Txn(child, self.layout, True)))
                     child.commit()
                 except KvckptError as exc:
                     child.abort()
@@ -441,7 +431,7 @@ class Store:
                 raise KvckptError(f"{self.path!r} is closed")
             txn = self.env.begin()
             try:
-                yield Txn(txn, self.dbs, False)
+                yield Txn(txn, self._owner.layout if self._owner is not None else self.layout, False)
             except lmdb.Error as exc:  # a damaged page met while reading
                 raise _translate(exc, f"reading {self.path!r} failed") from None
             finally:

@@ -181,15 +181,7 @@ class Tables:
 
     def delete_rows(self, group_id: str) -> int:
         """Delete every stored row of a group; returns how many there were."""
-        cur = self.txn.cursor("rows")
-        prefix = keys.row_prefix(group_id)
-        count = 0
-        if cur.set_range(prefix):
-            while cur.key().startswith(prefix):
-                count += 1
-                if not cur.delete():
-                    break
-        return count
+        return self.txn.delete_prefix("rows", keys.row_prefix(group_id))
 
     # -- index queries the transitions need (samplers use :class:`~kvckpt.tables.view.BufferView`) -
     def claimed_at(self, step: int) -> list[str]:
@@ -216,13 +208,8 @@ class Tables:
 
     def latest_target(self) -> tuple[int, str] | None:
         """``(target_step, group id)`` of the ready group with the largest target step, or ``None``."""
-        cur = self.txn.cursor("index")
-        if not cur.set_range(keys.READY_BY_TARGET + b"\xff"):
-            if not cur.last():
-                return None
-        elif not cur.prev():
+        found = self.txn.last("index", keys.READY_BY_TARGET)
+        if found is None:
             return None
-        key = cur.key()
-        if not key.startswith(keys.READY_BY_TARGET):
-            return None
-        return keys.from_i64(key[len(keys.READY_BY_TARGET):len(keys.READY_BY_TARGET) + 8]), cur.value().decode()
+        key, gid = found
+        return keys.from_i64(key[len(keys.READY_BY_TARGET):len(keys.READY_BY_TARGET) + 8]), gid.decode()

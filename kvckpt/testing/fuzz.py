@@ -188,9 +188,8 @@ def dump(buf: ReplayBuffer, plan: Any) -> str:
     h = hashlib.sha256()
     with buf.store.reader() as txn:
         for table in TABLES:
-            cur = txn.cursor(table)
             for key, value in txn.iter_prefix(table, b""):
-                if not cur.set_key(key):
+                if not txn.has(table, key):
                     return f"lookup of {table}/{key!r} misses a key iteration finds"
                 value = _without_timeline(table, key, value)
                 h.update(struct.pack("<II", len(key), len(value)) + key + value)

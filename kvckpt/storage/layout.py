@@ -1,0 +1,129 @@
+"""Where each table's records live in the LMDB file: the one mapping from ``(table, key)`` to a
+database and a stored key.
+
+Two layouts exist, and a :class:`~kvckpt.storage.store.Txn` reads and writes both the same way:
+
+* :class:`OneTree` (format 3, what kvckpt writes): every table in LMDB's main database, each
+  under a one-byte prefix. A durable commit then rewrites one B-tree's pages, not five trees'
+  plus the main database's page of their roots (``python -m benchmarks.layout_bytes`` measures
+  it). Ledger entries and group records share one prefix, told apart by a last byte, so a commit
+  that deletes a prompt's entry and writes its group record changes one leaf, not two.
+* :class:`NamedTables` (formats 1 and 2): each table its own LMDB named database, keys as given.
+  Still read and written, so old stores and checkpoints open; a writable replay buffer moves them
+  into :class:`OneTree` in one transaction (:meth:`~kvckpt.storage.store.Store.upgrade_layout`).
+
+Both map every ``(table, key)`` to exactly one stored key and back (:meth:`Layout.logical`), and
+keep each table's keys in their own order, so prefix scans mean what they meant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Named sub-databases of formats 1 and 2, and the tables of every format.
+TABLES = ("meta", "groups", "rows", "ledger", "index")
+#: Format 3's prefix of each table in the main database.
+PREFIXES = {"meta": b"m", "index": b"i", "rows": b"r", "groups": b"g", "ledger": b"g"}
+#: Format 3's last byte of the tables that share the ``g`` prefix (a prompt's record, either kind).
+SUFFIXES = {"groups": b"\x00", "ledger": b"\x01"}
+#: The format version each layout is written under.
+ONE_TREE_VERSIONS = (3,)
+NAMED_TABLES_VERSIONS = (1, 2)
+
+
+class Layout:
+    """The placement of every table of one open store (see the module docstring)."""
+
+    #: Format versions whose files use this layout.
+    versions: tuple[int, ...] = ()
+
+    def place(self, table: str, key: bytes) -> tuple[Any, bytes]:
+        """``(database handle, stored key)`` of ``table``'s ``key``."""
+        raise NotImplementedError
+
+    def region(self, table: str, prefix: bytes) -> tuple[Any, bytes]:
+        """``(database handle, stored prefix)``: every stored key of ``table`` whose key starts with
+        ``prefix`` starts with the stored prefix (other tables' keys may too; see :meth:`logical`)."""
+        raise NotImplementedError
+
+    def logical(self, table: str, stored: bytes) -> bytes | None:
+        """The key of ``table`` stored as ``stored``, or ``None`` when ``stored`` is another table's."""
+        raise NotImplementedError
+
+    def counted(self, table: str) -> Any | None:
+        """The database handle whose LMDB entry count is exactly ``table``'s, or ``None`` (count by scan)."""
+        raise NotImplementedError
+
+    def stray(self, stored: bytes) -> bool:
+        """Whether a key of the main database belongs to no table (damage, or another program's)."""
+        raise NotImplementedError
+
+
+class OneTree(Layout):
+    """Format 3: every table in the main database under its prefix (:data:`PREFIXES`)."""
+
+    versions = ONE_TREE_VERSIONS
+
+    def __init__(self, main: Any) -> None:
+        self.main = main
+
+    def place(self, table: str, key: bytes) -> tuple[Any, bytes]:
+        return self.main, stored_key(table, key)
+
+    def region(self, table: str, prefix: bytes) -> tuple[Any, bytes]:
+        return self.main, PREFIXES[table] + prefix
+
+    def logical(self, table: str, stored: bytes) -> bytes | None:
+        suffix = SUFFIXES.get(table)
+        if suffix is None:
+            return stored[1:]
+        return stored[1:-1] if len(stored) >= 2 and stored[-1:] == suffix else None
+
+    def counted(self, table: str) -> Any | None:
+        return None
+
+    def stray(self, stored: bytes) -> bool:
+        return split(stored) is None
+
+
+class NamedTables(Layout):
+    """Formats 1 and 2: each table its own named database (``dbs``), keys as given."""
+
+    versions = NAMED_TABLES_VERSIONS
+
+    def __init__(self, dbs: dict[str, Any]) -> None:
+        self.dbs = dbs
+
+    def place(self, table: str, key: bytes) -> tuple[Any, bytes]:
+        return self.dbs[table], key
+
+    def region(self, table: str, prefix: bytes) -> tuple[Any, bytes]:
+        return self.dbs[table], prefix
+
+    def logical(self, table: str, stored: bytes) -> bytes | None:
+        return stored
+
+    def counted(self, table: str) -> Any | None:
+        return self.dbs[table]
+
+    def stray(self, stored: bytes) -> bool:
+        return stored.decode(errors="replace") not in TABLES
+
+
+_TABLE_OF_PREFIX = {b"m": "meta", b"i": "index", b"r": "rows"}
+_TABLE_OF_SUFFIX = {suffix: table for table, suffix in SUFFIXES.items()}
+
+
+def split(stored: bytes) -> tuple[str, bytes] | None:
+    """``(table, key)`` of a key of format 3's main database, or ``None`` if no table owns it."""
+    table = _TABLE_OF_PREFIX.get(stored[:1])
+    if table is not None:
+        return table, stored[1:]
+    table = _TABLE_OF_SUFFIX.get(stored[-1:]) if stored[:1] == b"g" and len(stored) >= 2 else None
+    return None if table is None else (table, stored[1:-1])
+
+
+def stored_key(table: str, key: bytes) -> bytes:
+    """The key format 3 stores ``table``'s ``key`` under in the main database (for tools and tests
+    that edit files below kvckpt's API)."""
+    return PREFIXES[table] + key + SUFFIXES.get(table, b"")
