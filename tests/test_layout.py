@@ -6,12 +6,16 @@ closes and reopens the file: what it asserts is what the next process finds.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import lmdb
 import pytest
 from _old_format import rewrite_as_named_tables
 from conftest import dump_store, make_group
+from test_cli import kv
 
-from kvckpt import FormatError, Prompt, ReplayBuffer, check
+from kvckpt import FormatError, Prompt, ReplayBuffer, check, restore
 from kvckpt.storage import codec
 from kvckpt.storage.layout import NamedTables, OneTree, split, stored_key
 from kvckpt.storage.store import FORMAT_VERSION, MAX_DBS, Store
@@ -147,3 +151,35 @@ def test_txn_scans_mean_the_same_in_both_layouts(tmp_path, old):
             "last rt": (b"rt\x09", b"g9"), "last rz": None, "has": [True, False, True]}
         assert store.write(lambda txn: txn.delete_prefix("rows", b"ab\x00")) == 3
         assert store.read(lambda txn: (txn.count("rows"), txn.count("rows", b"a"))) == (6, 3)
+
+
+def test_a_format_2_checkpoint_restores_into_a_format_3_store(buffer_factory, tmp_path):
+    buf = buffer_factory(group_size=2, capacity=8)
+    leases = buf.admit([Prompt(prompt_idx=i) for i in range(4)])
+    for i, lease in enumerate(leases[:2]):
+        buf.commit_group(lease, make_group(2, i))
+    ckpt = str(tmp_path / "old.kvckpt")
+    buf.checkpoint(ckpt, background=False).wait()
+    buf.close()
+    rewrite_as_named_tables(ckpt, 2)
+    restored, plan = restore(ckpt, str(tmp_path / "live.kv"))
+    try:
+        assert isinstance(restored.store.layout, OneTree) and restored.store.info["upgraded_from"] == 2
+        assert sorted(lease.prompt_idx for lease in plan.leases) == [2, 3]  # the in-flight prompts come back
+        assert restored.state()["ready"] == 2 and restored.store.read(lambda t: check(t, deep=True)).ok
+    finally:
+        restored.close()
+    with Store(ckpt, readonly=True) as store:  # the checkpoint itself is only read
+        assert isinstance(store.layout, NamedTables) and store.info["version"] == 2
+
+
+def test_every_cli_verb_reads_a_format_2_file_as_it_is(buffer_factory, tmp_path):
+    path, _ = _busy_buffer(buffer_factory)
+    rewrite_as_named_tables(path, 2)
+    before = Path(path).read_bytes()
+    inspect = json.loads(kv("inspect", path, "--json").stdout)
+    assert inspect["identity"]["version"] == 2 and inspect["counts"]["rows"] == 7
+    assert json.loads(kv("verify", path, "--deep", "--json").stdout)["ok"]
+    kv("export", path, str(tmp_path / "rows.jsonl"), "--format", "jsonl")
+    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 6
+    assert Path(path).read_bytes() == before
