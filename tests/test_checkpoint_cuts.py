@@ -57,7 +57,7 @@ from _scenarios import (
 
 from kvckpt import CheckpointError, Prompt
 from kvckpt.storage import codec
-from kvckpt.storage.store import Store
+from kvckpt.storage.store import FORMAT_VERSION, Store
 from kvckpt.tables.records import GroupInfo, LedgerEntry
 
 CUT_SAMPLERS = ("in_order", "windowed")
@@ -250,8 +250,8 @@ FORGERIES = {
     "row-checksum": (lambda t: _flip_last_byte(t, "rows", b"g13\0" + (0).to_bytes(4, "big")), "VerificationFailed",
                      "[corrupt-record] rows/g13_g0"),
     "stamp-checksum": (lambda t: _flip_last_byte(t, "meta", b"checkpoint"), "CorruptRecord", "meta/checkpoint"),
-    "newer-format-version": (lambda t: _put_doc(t, "meta", b"format", version=3), "FormatError",
-                             "format version 3"),
+    "newer-format-version": (lambda t: _put_doc(t, "meta", b"format", version=FORMAT_VERSION + 1), "FormatError",
+                             f"format version {FORMAT_VERSION + 1}"),
     # found by the fuzz soak: the error named the temporary copy and said "create it"
     "config-missing": (lambda t: t.delete("meta", b"config"), "FormatError",
                        "forged-config-missing.kvckpt' is a kvckpt store without a replay buffer config"),
