@@ -7,6 +7,9 @@ closes and reopens the file: what it asserts is what the next process finds.
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import lmdb
@@ -17,7 +20,8 @@ from test_cli import kv
 
 from kvckpt import FormatError, Prompt, ReplayBuffer, check, restore
 from kvckpt.storage import codec
-from kvckpt.storage.layout import NamedTables, OneTree, split, stored_key
+from kvckpt.storage import store as store_module
+from kvckpt.storage.layout import NamedTables, OneTree, partial_copy_key, split, stored_key
 from kvckpt.storage.store import FORMAT_VERSION, MAX_DBS, Store
 
 
@@ -79,18 +83,43 @@ def test_an_old_store_reads_as_it_is_and_upgrades_in_one_transaction(buffer_fact
         assert again.store.read(lambda t: check(t, deep=True)).ok
 
 
-def test_a_failed_upgrade_leaves_the_old_store(buffer_factory):
+_CRASH_AT_THE_SWITCH = """
+import os, signal, sys
+from kvckpt.storage.store import Store
+store = Store(sys.argv[1])
+store.upgrade_layout(prepare=lambda txn: os.kill(os.getpid(), signal.SIGKILL))
+"""
+
+
+def test_a_crash_at_the_switch_leaves_the_old_store_and_the_next_open_upgrades(buffer_factory):
     path, before = _busy_buffer(buffer_factory)
     rewrite_as_named_tables(path, 2)
-
-    def refuse(txn):
-        txn.put_json("meta", b"state", {"half": "written"})
-        raise RuntimeError("the upgrade's first step failed")
-
-    with Store(path) as store, pytest.raises(RuntimeError, match="first step"):
-        store.upgrade_layout(prepare=refuse)
-    with ReplayBuffer.open(path, readonly=True) as ro:
+    child = subprocess.run([sys.executable, "-c", _CRASH_AT_THE_SWITCH, path], capture_output=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    with ReplayBuffer.open(path, readonly=True) as ro:  # every record was copied; none of it counts yet
         assert ro.store.info["version"] == 2 and _without_format(dump_store(ro)) == _without_format(before)
+        assert ro.store.read(lambda t: check(t, deep=True)).ok
+    assert {split(key)[0] for key in _main_keys(path) if partial_copy_key(key)} == \
+        {"meta", "groups", "rows", "ledger", "index"}
+    with ReplayBuffer.open(path) as up:
+        assert up.store.info["version"] == FORMAT_VERSION
+        assert _without_format(dump_store(up)) == _without_format(before)
+        assert up.store.read(lambda t: check(t, deep=True)).ok
+
+
+def test_a_stale_partial_copy_is_cleared_and_the_copy_goes_in_small_batches(buffer_factory, monkeypatch):
+    path, before = _busy_buffer(buffer_factory)
+    rewrite_as_named_tables(path, 2)
+    env = lmdb.open(path, subdir=False, max_dbs=MAX_DBS, lock=False)
+    with env.begin(write=True) as txn:  # what an upgrade interrupted at an older state left behind
+        for key, value in before["groups"]:
+            txn.put(stored_key("groups", key), value[:-1] + b"?")
+        txn.put(stored_key("ledger", b"a-prompt-since-gone"), codec.encode_json({"gone": True}))
+    env.close()
+    monkeypatch.setattr(store_module, "UPGRADE_BATCH_BYTES", 512)  # a batch per record or two
+    with ReplayBuffer.open(path) as up:
+        assert _without_format(dump_store(up)) == _without_format(before)
+        assert up.store.read(lambda t: check(t, deep=True)).ok
 
 
 @pytest.mark.parametrize("layout, says", [("one tree", 2), ("named tables", 3)])

@@ -12,7 +12,7 @@ from kvckpt.transitions.config import BufferConfig
 
 def buffer_config(store: Store) -> BufferConfig:
     """The buffer config persisted in ``store``; a format-1 or format-2 store open for writing is
-    upgraded to the current format first, in one transaction (:func:`upgrade`).
+    upgraded to the current format first (:func:`upgrade`).
 
     Raises:
         BadArgument: the store has no buffer config (it was not made by ``ReplayBuffer.create``).
@@ -39,9 +39,9 @@ def malformed_config(path: str, exc: Exception) -> FormatError:
 
 
 def upgrade(store: Store) -> None:
-    """Upgrade a format-1 or format-2 store in place, in one transaction: format 1's leases are
-    fenced (:func:`fence_v1_leases`), then the tables move into format 3's layout
-    (:meth:`~kvckpt.storage.store.Store.upgrade_layout`)."""
+    """Upgrade a format-1 or format-2 store in place: the tables move into format 3's layout
+    (:meth:`~kvckpt.storage.store.Store.upgrade_layout`), and for format 1 its leases are fenced
+    (:func:`fence_v1_leases`) in the transaction that switches the layout."""
     store.upgrade_layout(prepare=fence_v1_leases if store.info.get("version") == 1 else None)
 
 

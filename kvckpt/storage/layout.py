@@ -10,7 +10,8 @@ Two layouts exist, and a :class:`~kvckpt.storage.store.Txn` reads and writes bot
   that deletes a prompt's entry and writes its group record changes one leaf, not two.
 * :class:`NamedTables` (formats 1 and 2): each table its own LMDB named database, keys as given.
   Still read and written, so old stores and checkpoints open; a writable replay buffer moves them
-  into :class:`OneTree` in one transaction (:meth:`~kvckpt.storage.store.Store.upgrade_layout`).
+  into :class:`OneTree` (:meth:`~kvckpt.storage.store.Store.upgrade_layout`: copied in bounded
+  transactions, switched in one).
 
 Both map every ``(table, key)`` to exactly one stored key and back (:meth:`Layout.logical`), and
 keep each table's keys in their own order, so prefix scans mean what they meant.
@@ -107,7 +108,7 @@ class NamedTables(Layout):
         return self.dbs[table]
 
     def stray(self, stored: bytes) -> bool:
-        return stored.decode(errors="replace") not in TABLES
+        return stored not in _NAMED and not partial_copy_key(stored)
 
 
 _TABLE_OF_PREFIX = {b"m": "meta", b"i": "index", b"r": "rows"}
@@ -121,6 +122,16 @@ def split(stored: bytes) -> tuple[str, bytes] | None:
         return table, stored[1:]
     table = _TABLE_OF_SUFFIX.get(stored[-1:]) if stored[:1] == b"g" and len(stored) >= 2 else None
     return None if table is None else (table, stored[1:-1])
+
+
+_NAMED = frozenset(table.encode() for table in TABLES)
+
+
+def partial_copy_key(stored: bytes) -> bool:
+    """Whether a key of a format-1/2 file's main database is one an upgrade interrupted by a crash
+    had copied there (format-3 shaped, and not a named database's own record): ignored by
+    readers, cleared by the next upgrade (:meth:`~kvckpt.storage.store.Store.upgrade_layout`)."""
+    return stored not in _NAMED and split(stored) is not None
 
 
 def stored_key(table: str, key: bytes) -> bytes:

@@ -56,7 +56,7 @@ from kvckpt.errors import (
     StoreLocked,
     StoreNotFound,
 )
-from kvckpt.storage.layout import TABLES, Layout, NamedTables, OneTree
+from kvckpt.storage.layout import TABLES, Layout, NamedTables, OneTree, partial_copy_key
 from kvckpt.storage.txn import Txn
 
 FORMAT_NAME = "kvckpt"
@@ -260,46 +260,56 @@ class Store:
         return info
 
     def upgrade_layout(self, prepare: Callable[[Txn], None] | None = None) -> bool:
-        """Move a format-1 or format-2 store into format 3's layout, in one durable transaction, and
-        return whether there was anything to move.
+        """Move a format-1 or format-2 store into format 3's layout and return whether there was
+        anything to move.
 
-        ``prepare`` runs first in the same transaction, on the old layout (the replay buffer fences
-        format 1's leases there). Then every record of every table is copied into the main
-        database, the named databases are dropped, and the format record says version
-        :data:`FORMAT_VERSION` with ``upgraded_from``. A crash at any point leaves the old store
-        or the new one, never a mix. The file grows by about the store's size while the copy is
-        written; the old pages are reused afterwards (``kvckpt compact`` returns them to the disk).
+        The records are copied into the main database in transactions of at most
+        :data:`UPGRADE_BATCH_BYTES` of values each (memory stays bounded whatever the store's
+        size), while the named databases stay the store: every reader, and a crash, still see
+        format 1 or 2, and the copy's keys are ignored until the switch. The switch is one
+        transaction: ``prepare`` runs on the copy (the replay buffer fences format 1's leases
+        there), the format record says version :data:`FORMAT_VERSION` with ``upgraded_from``, and
+        the named databases are dropped. So a crash leaves the old store (a later upgrade clears
+        the partial copy and starts again) or the new one, never a mix. The file grows by about
+        the store's size while the copy is written; the old pages are reused afterwards
+        (``kvckpt compact`` returns them to the disk).
 
         Raises:
             ReadOnlyStore: the handle is read-only.
+            KvckptError: a record cannot be copied (a crafted key colliding with a named
+                database's own record); the store is left in its old format.
         """
         old = self.layout
         if not isinstance(old, NamedTables):
             return False
+        if self.readonly:
+            raise ReadOnlyStore(f"{self.path!r} is open read-only; upgrading it needs a writable open")
         new = OneTree(self.env.open_db(None))
         info = {**self.info, "version": FORMAT_VERSION, "upgraded_from": self.info.get("version")}
-        # The copy needs room for a second copy of every record: grow the map first, since a full
-        # map mid-copy would replay a transaction whose dropped databases no longer exist.
-        needed = 2 * self.env.info()["last_pgno"] * self.env.stat()["psize"] + (64 << 20)
-        if not self.readonly and self.env.info()["map_size"] < needed:
+        # Room for a second copy of every record: a full map during the switch would replay a
+        # transaction whose dropped databases no longer exist.
+        needed = 2 * (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"] + (64 << 20)
+        if self.env.info()["map_size"] < needed:
             with self._gate.resizing():
                 self.env.set_mapsize(needed)
+        started = time.monotonic()
+        log.info("%s: upgrading kvckpt format %s to %s", self.path, info["upgraded_from"], FORMAT_VERSION)
+        while not self.write(lambda txn: _clear_partial_copy(txn, new)):
+            pass
+        for table in TABLES:
+            start: bytes | None = b""
+            while start is not None:
+                start = self.write(lambda txn, start=start, table=table: _copy_batch(txn, new, table, start))
 
-        def txn_fn(txn: Txn) -> None:
-            if prepare is not None:
-                prepare(txn)
+        def switch(txn: Txn) -> None:
             moved = Txn(txn.raw, new, True)
-            for table in TABLES:
-                for key, value in txn.iter_prefix(table, b""):
-                    moved.put(table, key, value)
+            if prepare is not None:
+                prepare(moved)
             moved.put_json("meta", b"format", info)
             for db in old.dbs.values():
                 txn.raw.drop(db, delete=True)
 
-        started = time.monotonic()
-        log.info("%s: upgrading kvckpt format %s to %s (one transaction)", self.path, info["upgraded_from"],
-                 FORMAT_VERSION)
-        self.write(txn_fn)
+        self.write(switch)
         self.layout, self.info = new, info
         log.info("%s: upgraded to format %s in %.1f s", self.path, FORMAT_VERSION, time.monotonic() - started)
         return True
@@ -508,6 +518,44 @@ class Store:
     def __repr__(self) -> str:
         mode = "readonly" if self.readonly else "writable"
         return f"Store({self.path!r}, {mode})"
+
+
+#: Bytes of values one transaction of :meth:`Store.upgrade_layout`'s copy carries at most (LMDB
+#: holds a write transaction's dirty pages in memory).
+UPGRADE_BATCH_BYTES = 64 << 20
+_PARTIAL_BATCH_KEYS = 10_000
+
+
+def _clear_partial_copy(txn: Txn, new: OneTree) -> bool:
+    """Delete up to :data:`_PARTIAL_BATCH_KEYS` keys an interrupted upgrade copied into the main
+    database of a format-1/2 file; True when none are left."""
+    doomed = []
+    for stored in txn.raw.cursor(db=new.main).iternext(keys=True, values=False):
+        if partial_copy_key(stored):
+            doomed.append(stored)
+            if len(doomed) == _PARTIAL_BATCH_KEYS:
+                break
+    for stored in doomed:
+        txn.raw.delete(stored, db=new.main)
+    return len(doomed) < _PARTIAL_BATCH_KEYS
+
+
+def _copy_batch(txn: Txn, new: OneTree, table: str, start: bytes) -> bytes | None:
+    """Copy ``table``'s records from ``start`` into ``new``'s places until
+    :data:`UPGRADE_BATCH_BYTES` of values are copied; the key to go on from, or None when done.
+
+    The format record is not copied: its presence in the main database is what makes a file
+    format 3 (:meth:`Store._open_layout`), so only the switch writes it."""
+    moved = Txn(txn.raw, new, True)
+    size = 0
+    for key, value in txn.iter_prefix(table, b"", start):
+        if size >= UPGRADE_BATCH_BYTES:
+            return key
+        if (table, key) == ("meta", b"format"):
+            continue
+        moved.put(table, key, value)
+        size += len(value) + len(key)
+    return None
 
 
 def fsync_file(path: str) -> None:
