@@ -212,3 +212,16 @@ def test_every_cli_verb_reads_a_format_2_file_as_it_is(buffer_factory, tmp_path)
     kv("export", path, str(tmp_path / "rows.jsonl"), "--format", "jsonl")
     assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 6
     assert Path(path).read_bytes() == before
+
+
+def test_a_reader_whose_file_a_writer_upgraded_is_told_to_open_it_again(buffer_factory):
+    path, _ = _busy_buffer(buffer_factory)
+    rewrite_as_named_tables(path, 2)
+    with ReplayBuffer.open(path, readonly=True) as ro:
+        assert len(ro.ledger()) == 2
+        writer = "import sys; from kvckpt import ReplayBuffer; ReplayBuffer.open(sys.argv[1]).close()"
+        subprocess.run([sys.executable, "-c", writer, path], check=True, timeout=120)
+        with pytest.raises(FormatError, match=r"upgraded it to format 3.*open it again"):
+            ro.ledger()
+    with ReplayBuffer.open(path, readonly=True) as again:
+        assert len(again.ledger()) == 2

@@ -731,6 +731,9 @@ def _translate(exc: lmdb.Error, what: str, path: str | None = None) -> KvckptErr
     if code in (errno.EMFILE, errno.ENFILE) or "Too many open files" in text:
         return ResourceLimit(errno.EMFILE, f"{what}: too many open files ({text}); close stores or raise "
                              "`ulimit -n`")
+    if isinstance(exc, lmdb.BadDbiError):  # kvckpt drops databases only when it upgrades a format-1/2 file
+        return FormatError(f"{what}: the file's tables moved under this handle (its writer upgraded it to format "
+                           f"{FORMAT_VERSION}); open it again")
     if isinstance(exc, (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.CorruptedError,
                         lmdb.PageNotFoundError)):
         return FormatError(f"{what}: {text}. The file is damaged or not a kvckpt store")
