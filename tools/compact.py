@@ -27,8 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvckpt.tools.inspect import table_entries
-
 from kvckpt.durability.checkpoint import PARTIAL_SUFFIX
 from kvckpt.durability.safe_open import open_readonly
 from kvckpt.errors import BadArgument, StoreLocked
@@ -186,7 +184,7 @@ def _reencode_file(path: str, level: int, result: CompactResult, progress: Phase
     with Store(path) as store:
         if store.read(lambda t: t.get_json("meta", CONFIG_KEY)) is None:
             raise BadArgument(f"{result.src!r} holds no replay buffer; --level needs one")
-        total = store.read(lambda t: table_entries(t, "rows"))
+        total = store.read(lambda t: t.count("rows"))
         for table in ("groups", "ledger"):
             start: bytes | None = b""
             while start is not None:

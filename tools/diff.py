@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvckpt.tools.inspect import Progress, table_entries
+from kvckpt.tools.inspect import Progress
 
 from kvckpt.durability.safe_open import open_readonly
 from kvckpt.storage import codec, keys
@@ -163,7 +163,7 @@ def _compare(result: DiffResult, sa: Store, sb: Store, ta: Txn, tb: Txn, rows: b
     skip = ENCODING_FIELDS if result.compared_rows else ()
     result.config = _differences(ma["config"], mb["config"])
     result.cursors = _differences(ma["cursors"], mb["cursors"], skip)
-    total = sum(table_entries(t, name) for t in (ta, tb) for name in ("groups", "ledger"))
+    total = sum(t.count(name) for t in (ta, tb) for name in ("groups", "ledger"))
     done = [0]
     for table, fields, out in (("groups", GROUP_FIELDS, result.groups), ("ledger", LEDGER_FIELDS, result.ledger)):
         compared = fields + (() if result.compared_rows else tuple(f for f in ENCODING_FIELDS if f != "stored_bytes"))

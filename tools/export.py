@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 from kvckpt.tools.compact import check_destination
-from kvckpt.tools.inspect import Progress, table_entries
+from kvckpt.tools.inspect import Progress
 
 from kvckpt.durability.checkpoint import PARTIAL_SUFFIX
 from kvckpt.durability.safe_open import open_readonly
@@ -209,7 +209,7 @@ def export(path: str, out: str, *, fmt: str = "parquet", states: Sequence[str] |
             result = ExportResult(out, fmt, names)
             sink = _BackgroundSink(sink_class(tmp, schema, layout))
             try:
-                total = table_entries(txn, "groups")
+                total = txn.count("groups")
                 batch = _Batch(arrays={n: [] for n in names})
                 for done, (key, value) in enumerate(txn.iter_prefix("groups", b""), 1):
                     doc = codec.decode_meta(value, f"groups/{key.decode(errors='replace')}")

@@ -37,11 +37,6 @@ Progress = Callable[[int, int], None]
 """A progress callback: ``progress(done, total)``."""
 
 
-def table_entries(txn: Txn, table: str) -> int:
-    """Number of keys in ``table`` (:meth:`~kvckpt.storage.store.Txn.count`: no values read)."""
-    return txn.count(table)
-
-
 def _scan(txn: Txn, table: str, problems: list[dict[str, str]], progress: Progress | None,
           done: list[int], total: int) -> Any:
     """Yield the decoded JSON documents of ``table``; damaged records go to ``problems``."""
@@ -129,8 +124,8 @@ def _describe(txn: Txn, ledger_limit: int, progress: Progress | None) -> dict[st
         dataloader = None if value is None else codec.decode(value, "meta/dataloader").arrays["state"].nbytes
     except CorruptRecord as exc:
         problems.append({"key": exc.key, "problem": exc.reason})
-    total = table_entries(txn, "groups") + table_entries(txn, "ledger")
-    rows = table_entries(txn, "rows")
+    total = txn.count("groups") + txn.count("ledger")
+    rows = txn.count("rows")
     done = [0]
 
     counts: Counter[str] = Counter()

@@ -75,10 +75,8 @@ class OneTree(Layout):
         return self.main, PREFIXES[table] + prefix
 
     def logical(self, table: str, stored: bytes) -> bytes | None:
-        suffix = SUFFIXES.get(table)
-        if suffix is None:
-            return stored[1:]
-        return stored[1:-1] if len(stored) >= 2 and stored[-1:] == suffix else None
+        where = split(stored)
+        return where[1] if where is not None and where[0] == table else None
 
     def counted(self, table: str) -> Any | None:
         return None
