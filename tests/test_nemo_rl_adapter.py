@@ -111,7 +111,7 @@ def test_nemo_config_keys_choose_the_sampler(make: Any, name: str) -> None:
 
 def test_config_refuses_typos_other_backends_and_deadlocking_capacity(tmp_path: Any) -> None:
     path = str(tmp_path / "r.kv")
-    with pytest.raises(BadArgument, match=r"unknown replay-buffer config keys \['max_bufferd_rollouts'\]"):
+    with pytest.raises(BadArgument, match=r"unknown config key\(s\) \['max_bufferd_rollouts'\] in the replay-buffer"):
         parse_config({**config(path, "in_order"), "max_bufferd_rollouts": 8})
     with pytest.raises(BadArgument, match="not 'tq'"):
         parse_config({**config(path, "in_order"), "backend": "tq"})
