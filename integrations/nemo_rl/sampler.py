@@ -3,9 +3,10 @@
 :func:`create_sampler` is NeMo-RL's ``create_sampler(buffer, cfg)``: it returns the class NeMo-RL
 would (:class:`InOrderSampler`, :class:`WeightFifoSampler`, :class:`WindowedSampler`,
 :class:`ReadyFirstSampler`), with the same keyword-only, awaited ``admit`` / ``select`` /
-``evict`` and the same attributes. The eligibility, eviction and gate rules are kvckpt's samplers
-(NeMo-RL's four, same config keys) applied inside one transaction each; the dispatch cursor is the
-store's, so it is checkpointed with everything else.
+``evict`` and the same attributes; the classes also build directly, as NeMo-RL's tests build
+them (``InOrderSampler(buffer, max_lookahead_versions=1)``). The eligibility, eviction and gate
+rules are kvckpt's samplers (NeMo-RL's four, same config keys) applied inside one transaction
+each; the dispatch cursor is the store's, so it is checkpointed with everything else.
 
 The gate wait is an :class:`asyncio.Event` per waiter, set (thread-safely, from whichever thread
 or loop) by every call that tells the buffer the trainer's version (``select``, ``evict``,
