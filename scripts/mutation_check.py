@@ -120,6 +120,9 @@ MUTATIONS += (
              "            fns = [acked(p) for p in batch]\n",
              ("tests/test_group_commit.py::"
               "test_inside_a_batch_nothing_acknowledged_is_missing_from_another_process_snapshot",)),
+    Mutation("format3-suffixes-swapped", "kvckpt/storage/layout.py",
+             'SUFFIXES = {"groups": b"\\x00", "ledger": b"\\x01"}',
+             'SUFFIXES = {"groups": b"\\x01", "ledger": b"\\x00"}', ("tests/test_format_pinned.py",)),
     Mutation("makedirs-skips-parent-fsync", "kvckpt/storage/store.py",
              "        fsync_dir(os.path.dirname(directory))\n", "",
              ("tests/test_powercut.py::test_a_new_store_in_new_directories_survives_a_power_cut",)),
