@@ -105,6 +105,32 @@ MUTATIONS: tuple[Mutation, ...] = (
              (f"{NET}::test_recover_rolls_the_weight_version_back_with_the_trainer",)),
 )
 
+#: The mechanisms issue 29 found no test aimed at (each killed by one deterministic test).
+MUTATIONS += (
+    Mutation("group-commit-acks-before-durable", "kvckpt/storage/group_commit.py",
+             "            fns = [p.fn for p in batch]\n",
+             "            def acked(p):\n"
+             "                def run(txn):\n"
+             "                    result = p.fn(txn)\n"
+             "                    with self._cond:\n"
+             "                        p.result, p.done = result, True\n"
+             "                        self._cond.notify_all()\n"
+             "                    return result\n"
+             "                return run\n"
+             "            fns = [acked(p) for p in batch]\n",
+             ("tests/test_group_commit.py::"
+              "test_inside_a_batch_nothing_acknowledged_is_missing_from_another_process_snapshot",)),
+    Mutation("format3-suffixes-swapped", "kvckpt/storage/layout.py",
+             'SUFFIXES = {"groups": b"\\x00", "ledger": b"\\x01"}',
+             'SUFFIXES = {"groups": b"\\x01", "ledger": b"\\x00"}', ("tests/test_format_pinned.py",)),
+    Mutation("sparse-check-disabled", "kvckpt/durability/safe_open.py",
+             "    if holes > max(MAX_HOLE_BYTES, used // 4):", "    if False:",
+             ("tests/test_sparse_refusal.py",)),
+    Mutation("makedirs-skips-parent-fsync", "kvckpt/storage/store.py",
+             "        fsync_dir(os.path.dirname(directory))\n", "",
+             ("tests/test_powercut.py::test_a_new_store_in_new_directories_survives_a_power_cut",)),
+)
+
 
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and

@@ -136,7 +136,14 @@ def _edited(fn: Callable[[_Edit], None]) -> Callable[[str], None]:
         edit = _Edit(path)
         fn(edit)
         edit.close()
+    build.edits_records = True  # type: ignore[attr-defined]  # format 3 records: see edits_records()
     return build
+
+
+def edits_records(case: Case) -> bool:
+    """Whether ``case`` edits records of a format-3 file through raw LMDB (so an old-format copy is
+    rewritten after the edit), rather than its pages or the whole file (rewritten before)."""
+    return getattr(case.build, "edits_records", False)
 
 
 # -- the cases -----------------------------------------------------------------------------------

@@ -3,6 +3,9 @@ transition, acknowledged only once durable, and a refused one fails alone."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -10,6 +13,7 @@ import pytest
 from conftest import dump_store, make_group
 
 from kvckpt import AbandonedTimeline, CommitResult, DuplicateCommit, Prompt, SchemaMismatch, check
+from kvckpt.tables.access import Tables
 
 
 def test_commit_many_is_one_transaction_and_a_refused_item_fails_alone(buffer_factory):
@@ -80,6 +84,72 @@ def test_a_failed_batch_transaction_reaches_every_caller_and_writes_nothing(buff
     assert isinstance(results[0], RuntimeError)
     assert dump_store(buf) == before
     assert all(r.ready for r in buf.commit_many([{"lease": x, "rows": make_group(2, 1)} for x in leases]))
+
+
+#: Another process's fresh read snapshot of a store: the ids of its group records.
+_SNAPSHOT = ("import json, sys\nfrom kvckpt import ReplayBuffer\n"
+             "with ReplayBuffer.open(sys.argv[1], readonly=True) as buf:\n"
+             "    print(json.dumps(sorted(g.group_id for g in buf.groups())))\n")
+
+
+def _fresh_snapshot(path: str) -> set[str]:
+    done = subprocess.run([sys.executable, "-c", _SNAPSHOT, path], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return set(json.loads(done.stdout))
+
+
+def test_inside_a_batch_nothing_acknowledged_is_missing_from_another_process_snapshot(buffer_factory):
+    """Issue 29: look inside the batch, between its transitions and its durable commit (the
+    committer's ``before_commit`` seam): no producer may have been told "committed" yet for a
+    transition that a fresh read snapshot, in another process, does not hold."""
+    buf = buffer_factory(capacity=16)
+    leases = buf.admit([Prompt(prompt_idx=i) for i in range(6)])
+    leader, followers = leases[0], leases[1:]
+    told: list[str] = []  # group ids whose producer got its CommitResult back
+    told_lock = threading.Lock()
+    seen: list[dict] = []
+    in_first_batch = threading.Event()
+
+    def probe(txn, acknowledged):
+        if not seen:  # the leader's own batch: hold it until every follower queued behind it
+            in_first_batch.set()
+            _wait_until(lambda: buf.committer.queued == len(followers))
+        written = {x.group_id for x in leases if Tables(txn).group(x.group_id) is not None}
+        snapshot = _fresh_snapshot(buf.path)
+        with told_lock:
+            told_now = set(told)
+        seen.append({"acknowledged": list(acknowledged), "written": written, "snapshot": snapshot,
+                     "told": told_now})
+
+    def produce(lease):
+        result = buf.commit_group(lease, make_group(2, lease.prompt_idx))
+        assert result.ready
+        with told_lock:
+            told.append(lease.group_id)
+
+    buf.committer.before_commit = probe
+    threads = [threading.Thread(target=produce, args=(leader,))]
+    threads[0].start()
+    assert in_first_batch.wait(60), "the leader's batch never reached its commit"
+    threads += [threading.Thread(target=produce, args=(x,)) for x in followers]
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(120)
+    buf.committer.before_commit = None
+    assert [len(s["acknowledged"]) for s in seen] == [1, len(followers)]  # the leader alone, then one batch
+    durable: set[str] = set()
+    early = []
+    for n, batch in enumerate(seen):
+        this_batch, durable = batch["written"] - durable, batch["written"]
+        assert this_batch and not this_batch & batch["snapshot"], "the seam ran outside the batch"
+        if any(batch["acknowledged"]) or batch["told"] - batch["snapshot"]:
+            early.append(f"batch {n}: {sum(batch['acknowledged'])} of its {len(this_batch)} transitions "
+                         f"acknowledged, {sorted(batch['told'] - batch['snapshot'])} returned to their producers")
+    assert not early, ("acknowledged before durable (another process's fresh snapshot, taken inside the batch "
+                       f"before its commit, lacks them): {'; '.join(early)}")
+    assert sorted(told) == sorted(x.group_id for x in leases)
+    assert _fresh_snapshot(buf.path) == set(told)  # once durable, the same snapshot sees them all
 
 
 def _refusal(fn, *args):

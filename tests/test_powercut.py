@@ -193,6 +193,27 @@ def test_a_new_store_survives_a_power_cut(mounted):
         reopened.close()
 
 
+@needs_fuse
+def test_a_new_store_in_new_directories_survives_a_power_cut(mounted):
+    """Issue 29: ``ReplayBuffer.create`` into a path none of whose directories exist makes each
+    one durable in its parent (``makedirs_durable``), so an acknowledged create survives a cut."""
+    m, mnt, tmp = mounted
+    _fsync_path(mnt, os.O_RDONLY | os.O_DIRECTORY)  # only the mount point itself is durable
+    live = os.path.join(mnt, "runs", "job-7", "buffer", "live.kv")
+    buf = ReplayBuffer.create(live, workload_config(SAMPLERS[0]))
+    buf.admit([Prompt(0), Prompt(1)], dataloader_state=b"2")  # acknowledged
+    m.cut(str(tmp / "image"), "strict")
+    image = tmp / "image"
+    made = [image / "runs", image / "runs" / "job-7", image / "runs" / "job-7" / "buffer"]
+    lost = [str(d.relative_to(image)) for d in made if not d.is_dir()]
+    assert not lost, f"directories the create made vanished in the power cut (never fsynced in their parent): {lost}"
+    reopened = ReplayBuffer.open(str(made[-1] / "live.kv"), readonly=True)
+    try:
+        assert sorted(e.prompt_idx for e in reopened.ledger()) == [0, 1]
+    finally:
+        reopened.close()
+
+
 # -- the campaign ----------------------------------------------------------------------------------
 
 

@@ -14,6 +14,11 @@ Guarantees:
   transaction, and a refused one (a :class:`~kvckpt.errors.KvckptError` it raised) is rolled back
   alone by its nested transaction and reported to its caller only;
 * **order**: transitions of one batch apply in the order they were queued.
+
+:attr:`GroupCommitter.before_commit` is a test seam into the batch: it runs inside the batch's
+write transaction, after its transitions and before its durable commit, and sees which of them
+have been acknowledged so far (none may be, by the first guarantee; ``tests/test_group_commit.py``
+checks that against another process's snapshot taken at exactly that point).
 """
 
 from __future__ import annotations
@@ -48,6 +53,11 @@ class GroupCommitter:
         self._queue: list[_Pending] = []
         self._leading = False
         self.stats = {"transactions": 0, "transitions": 0}
+        #: Test seam (``None`` in production): ``before_commit(txn, acknowledged)`` runs inside every
+        #: batch's write transaction (in a nested transaction of its own, after the batch's
+        #: transitions) before its durable commit; ``acknowledged[i]`` says whether the batch's
+        #: ``i``-th transition has been handed back to its caller.
+        self.before_commit: Callable[[Txn, list[bool]], None] | None = None
 
     @property
     def queued(self) -> int:
@@ -69,8 +79,12 @@ class GroupCommitter:
                     return [p.result for p in mine]
                 self._leading = True  # lead: our items are still queued, nobody is writing
                 batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+            fns = [p.fn for p in batch]
+            hook = self.before_commit
+            if hook is not None:
+                fns.append(lambda txn, batch=batch, hook=hook: hook(txn, [p.done for p in batch]))
             try:
-                results: list[Any] = self.store.write_each([p.fn for p in batch])
+                results: list[Any] = self.store.write_each(fns)[:len(batch)]
             except BaseException as exc:  # the whole transaction failed (disk full, closed store...)
                 results = [exc] * len(batch)
             with self._cond:
