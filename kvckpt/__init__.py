@@ -27,6 +27,7 @@ from kvckpt.errors import (
     DuplicateCommit,
     ForeignLease,
     FormatError,
+    FutureVersion,
     GateTimeout,
     InvariantViolation,
     KvckptError,
@@ -35,6 +36,7 @@ from kvckpt.errors import (
     NotSelectable,
     ReadOnlyStore,
     RecoveryError,
+    SampleCommitted,
     SchemaMismatch,
     StaleAttempt,
     StoreLocked,
@@ -45,17 +47,18 @@ from kvckpt.errors import (
 from kvckpt.samplers import Sampler, create_sampler, register
 from kvckpt.storage.schema import Field, RowSchema, split_padded
 from kvckpt.storage.store import Store
-from kvckpt.tables.records import CommitResult, GroupInfo, Lease, LedgerEntry, Prompt, Selection
+from kvckpt.tables.records import CommitResult, GroupInfo, Lease, LedgerEntry, Progress, Prompt, Selection
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AbandonedTimeline", "AsyncReplayBuffer", "BadArgument", "Batch", "BufferConfig", "CapacityError",
     "CheckpointError", "CheckpointHandle", "CheckpointResult", "CommitResult", "CorruptRecord", "DiskFull",
-    "DuplicateCommit", "Field", "ForeignLease", "FormatError", "GateTimeout", "GroupInfo", "InvariantViolation",
-    "KvckptError", "Lease", "LeaseError", "LeaseMismatch", "LedgerEntry", "NotSelectable", "Prompt",
-    "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer", "Report", "RowSchema", "Sampler",
-    "SchemaMismatch", "Selection", "StaleAttempt", "Store", "StoreLocked", "StoreNotFound", "UnknownGroup",
-    "VerificationFailed", "check", "checkpoint", "create_sampler", "keep_latest", "read_stamp", "recover",
-    "register", "restore", "split_padded", "verify_path",
+    "DuplicateCommit", "Field", "ForeignLease", "FormatError", "FutureVersion", "GateTimeout", "GroupInfo",
+    "InvariantViolation", "KvckptError", "Lease", "LeaseError", "LeaseMismatch", "LedgerEntry",
+    "NotSelectable", "Progress", "Prompt", "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer",
+    "Report", "RowSchema", "SampleCommitted", "Sampler", "SchemaMismatch", "Selection", "StaleAttempt",
+    "Store", "StoreLocked", "StoreNotFound", "UnknownGroup", "VerificationFailed", "check", "checkpoint",
+    "create_sampler", "keep_latest", "read_stamp", "recover", "register", "restore", "split_padded",
+    "verify_path",
 ]

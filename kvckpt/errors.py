@@ -127,6 +127,16 @@ class DuplicateCommit(LeaseError):
     """The group is already committed with different content by the same or another attempt."""
 
 
+class SampleCommitted(DuplicateCommit):
+    """Token progress was recorded for a sample whose row is already committed (its progress was
+    consumed by that commit); nothing was written."""
+
+
+class FutureVersion(BadArgument):
+    """Token progress claims a weight version newer than any the buffer has reached (the trainer's
+    and the rollout weight version); nothing was written."""
+
+
 class GateTimeout(KvckptError, TimeoutError):
     """Admission waited ``timeout`` seconds and the sampler's gate (or capacity) stayed closed."""
 

@@ -56,7 +56,7 @@ def test_a_new_store_keeps_every_table_in_the_main_database(buffer_factory):
     tables = {split(key)[0] for key in _main_keys(path)}
     assert tables == {"meta", "groups", "rows", "ledger", "index"}
     with Store(path, readonly=True) as store:
-        assert isinstance(store.layout, OneTree) and store.info["version"] == FORMAT_VERSION == 3
+        assert isinstance(store.layout, OneTree) and store.info["version"] == FORMAT_VERSION == 4
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -221,7 +221,7 @@ def test_a_reader_whose_file_a_writer_upgraded_is_told_to_open_it_again(buffer_f
         assert len(ro.ledger()) == 2
         writer = "import sys; from kvckpt import ReplayBuffer; ReplayBuffer.open(sys.argv[1]).close()"
         subprocess.run([sys.executable, "-c", writer, path], check=True, timeout=120)
-        with pytest.raises(FormatError, match=r"upgraded it to format 3.*open it again"):
+        with pytest.raises(FormatError, match=rf"upgraded it to format {FORMAT_VERSION}.*open it again"):
             ro.ledger()
     with ReplayBuffer.open(path, readonly=True) as again:
         assert len(again.ledger()) == 2

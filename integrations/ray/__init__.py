@@ -36,10 +36,12 @@ from kvckpt.integrations.ray.client import (  # noqa: E402
     BufferClient,
     batch_from_dict,
     plan_from_dict,
+    progress_from_dict,
     wait_for_actor,
 )
 
 __all__ = [
     "DEFAULT_NAME", "DEFAULT_NAMESPACE", "LOOPBACK_ENV", "BufferActor", "BufferClient", "batch_from_dict",
-    "init_local_ray", "keep_ray_on_loopback", "plan_from_dict", "start_buffer_actor", "to_wire", "wait_for_actor",
+    "init_local_ray", "keep_ray_on_loopback", "plan_from_dict", "progress_from_dict",
+    "start_buffer_actor", "to_wire", "wait_for_actor",
 ]

@@ -310,6 +310,36 @@ class BufferActor:
             out.append(result if isinstance(result, BaseException) else result.to_dict())
         return out
 
+    async def record_progress_many(self, items: Sequence[Mapping[str, Any]]) -> list[int | BaseException]:
+        """Record chunks of token progress in one call and one durable transaction (group commit),
+        each its own transition (see :meth:`kvckpt.ReplayBuffer.record_progress_many`). Each item
+        holds ``record_progress``'s keyword arguments plus ``lease`` (a dict) and ``index``; the
+        result list holds, in item order, each durable prefix length or the exception that refused
+        the item (nothing of it was written). One call per engine step carries all its sequences."""
+        parsed: list[Any] = []
+        for item in items:
+            try:
+                parsed.append({**item, "lease": Lease.from_dict(dict(item["lease"]))})
+            except (KvckptError, KeyError, TypeError) as exc:
+                parsed.append(exc if isinstance(exc, KvckptError) else BadArgument(f"malformed progress item: {exc!r}"))
+        good = [p for p in parsed if not isinstance(p, BaseException)]
+        results = iter(await self._abuf.record_progress_many(good))
+        return [p if isinstance(p, BaseException) else next(results) for p in parsed]
+
+    async def record_progress(self, lease: Mapping[str, Any], index: int, start: int, tokens: Any, logprobs: Any,
+                              weight_version: int, fields: Mapping[str, Any] | None = None) -> int:
+        """Record one chunk of a sample's token progress (see :meth:`kvckpt.ReplayBuffer.record_progress`)."""
+        return await self._abuf.record_progress(Lease.from_dict(dict(lease)), index, start=start, tokens=tokens,
+                                                logprobs=logprobs, weight_version=weight_version, fields=fields)
+
+    async def progress(self, group_id: str) -> dict[int, dict[str, Any]]:
+        """A group's durable token prefixes: ``{index: {"tokens", "logprobs", "versions", "fields"}}``
+        with numpy payloads (see :meth:`kvckpt.ReplayBuffer.progress`;
+        :func:`kvckpt.integrations.ray.client.progress_from_dict` rebuilds them)."""
+        found = await self._abuf.progress(group_id)
+        return {i: to_wire({"tokens": p.tokens, "logprobs": p.logprobs, "versions": p.versions, "fields": p.fields})
+                for i, p in found.items()}
+
     async def abort(self, group_id: str, reason: str) -> None:
         """Give up on an in-flight prompt (see :meth:`kvckpt.ReplayBuffer.abort`)."""
         await self._abuf.abort(group_id, reason)

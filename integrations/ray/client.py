@@ -30,7 +30,7 @@ from kvckpt.buffer import Batch
 from kvckpt.durability.recovery import RecoveryPlan
 from kvckpt.errors import BadArgument, KvckptError
 from kvckpt.storage.encoding import RowEncoder
-from kvckpt.tables.records import CommitResult, GroupInfo, Lease
+from kvckpt.tables.records import CommitResult, GroupInfo, Lease, Progress
 
 
 @dataclass
@@ -98,6 +98,32 @@ class BufferClient:
         """Queue a single-row commit (see :meth:`kvckpt.ReplayBuffer.commit_sample`)."""
         return self._queue({"lease": _lease_dict(lease), "index": int(index), "end_weight": end_weight},
                            {int(index): row})
+
+    def record_progress_many(self, items: Sequence[Mapping[str, Any]]) -> list[int | BaseException]:
+        """Record chunks of token progress in ONE actor call (and one durable transaction), e.g.
+        every sequence of an engine step; blocks until they are durable. Each item holds
+        :meth:`kvckpt.ReplayBuffer.record_progress`'s keyword arguments plus ``lease`` and
+        ``index``; returns, in item order, each durable prefix length or the error that refused it.
+        Not retried across an actor restart: the restart's recovery fences the lease (a resend
+        would be refused with :class:`~kvckpt.AbandonedTimeline`), so the driver resumes the
+        sample from :meth:`progress` under the recovery plan's lease instead."""
+        payload = [{**to_wire(dict(item)), "lease": _lease_dict(item["lease"])} for item in items]
+        return ray.get(self.actor.record_progress_many.remote(payload))
+
+    def record_progress(self, lease: Lease | Mapping[str, Any], index: int, *, start: int, tokens: Any,
+                        logprobs: Any, weight_version: int, fields: Mapping[str, Any] | None = None) -> int:
+        """Record one chunk (see :meth:`kvckpt.ReplayBuffer.record_progress`) in one actor call."""
+        [result] = self.record_progress_many([{"lease": lease, "index": index, "start": start, "tokens": tokens,
+                                               "logprobs": logprobs, "weight_version": weight_version,
+                                               "fields": fields}])
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def progress(self, lease_or_group_id: Lease | Mapping[str, Any] | str) -> dict[int, Progress]:
+        """A group's durable token prefixes (see :meth:`kvckpt.ReplayBuffer.progress`)."""
+        gid = lease_or_group_id if isinstance(lease_or_group_id, str) else _lease_dict(lease_or_group_id)["group_id"]
+        return progress_from_dict(ray.get(self.actor.progress.remote(gid)))
 
     def flush(self) -> None:
         """Send what is queued and wait until every outstanding call is answered."""
@@ -212,6 +238,13 @@ def batch_from_dict(doc: Mapping[str, Any]) -> Batch:
     return Batch(list(doc["group_ids"]), list(doc["row_indices"]), _to_torch(doc["lengths"]),
                  tensors=_to_torch(dict(doc["tensors"])), cu_seqlens=_to_torch(doc["cu_seqlens"]),
                  rows=_to_torch(list(doc["rows"])), groups=[GroupInfo.from_dict(g) for g in doc["groups"]])
+
+
+def progress_from_dict(doc: Mapping[Any, Mapping[str, Any]]) -> dict[int, Progress]:
+    """Rebuild :class:`~kvckpt.Progress` records (torch tensors, owning their memory) from the dict
+    :meth:`BufferActor.progress <kvckpt.integrations.ray.actor.BufferActor.progress>` returns."""
+    return {int(i): Progress(int(i), _to_torch(p["tokens"]), _to_torch(p["logprobs"]), _to_torch(p["versions"]),
+                             _to_torch(dict(p["fields"]))) for i, p in doc.items()}
 
 
 def plan_from_dict(doc: Mapping[str, Any]) -> RecoveryPlan:

@@ -45,7 +45,16 @@ from kvckpt.buffer.replay_buffer import ReplayBuffer
 from kvckpt.durability.checkpoint import CheckpointHandle, CheckpointResult
 from kvckpt.durability.recovery import RecoveryPlan
 from kvckpt.errors import BadArgument, GateTimeout
-from kvckpt.tables.records import Admission, CommitResult, GroupInfo, Lease, LedgerEntry, Prompt, Selection
+from kvckpt.tables.records import (
+    Admission,
+    CommitResult,
+    GroupInfo,
+    Lease,
+    LedgerEntry,
+    Progress,
+    Prompt,
+    Selection,
+)
 from kvckpt.transitions.config import BufferConfig
 
 T = TypeVar("T")
@@ -190,6 +199,20 @@ class AsyncReplayBuffer:
     async def commit_many(self, items: Sequence[Mapping[str, Any]]) -> list[Any]:
         """Commit several groups or rows in one durable transaction (see :meth:`ReplayBuffer.commit_many`)."""
         return await self._write(self.buffer.commit_many, items)
+
+    async def record_progress(self, lease: Lease, index: int, *, start: int, tokens: Any, logprobs: Any,
+                              weight_version: int, fields: Mapping[str, Any] | None = None) -> int:
+        """Record one chunk of a sample's token progress (see :meth:`ReplayBuffer.record_progress`)."""
+        return await self._run(self.buffer.record_progress, lease, index, start=start, tokens=tokens,
+                               logprobs=logprobs, weight_version=weight_version, fields=fields)
+
+    async def record_progress_many(self, items: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """Record several chunks in one durable transaction (see :meth:`ReplayBuffer.record_progress_many`)."""
+        return await self._run(self.buffer.record_progress_many, items)
+
+    async def progress(self, lease_or_group_id: Lease | str) -> dict[int, Progress]:
+        """A group's durable token prefixes (see :meth:`ReplayBuffer.progress`)."""
+        return await self._run(self.buffer.progress, lease_or_group_id)
 
     # -- training side ---------------------------------------------------------------------------
     async def select(self, min_groups: int = 1, max_groups: int | None = None) -> Selection:

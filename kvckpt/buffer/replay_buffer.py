@@ -13,7 +13,7 @@ covers the step, or kept with ``retain_consumed``). Side exits: ``evict`` (ready
 and ``abort`` (in flight). Group records stay as small tombstones so every prompt that ever left
 the dataloader remains accounted for.
 
-The module is long (about 620 lines) only because every public method carries its whole contract
+The module is long (about 730 lines) only because every public method carries its whole contract
 (arguments, refusals, what is written) in its docstring; the logic is in :mod:`kvckpt.transitions`.
 """
 
@@ -51,10 +51,19 @@ from kvckpt.storage.schema import RowSchema
 from kvckpt.storage.store import Store, Txn, makedirs_durable
 from kvckpt.tables import meta
 from kvckpt.tables.access import Tables
-from kvckpt.tables.records import Admission, CommitResult, GroupInfo, Lease, LedgerEntry, Prompt, Selection
+from kvckpt.tables.records import (
+    Admission,
+    CommitResult,
+    GroupInfo,
+    Lease,
+    LedgerEntry,
+    Progress,
+    Prompt,
+    Selection,
+)
 from kvckpt.tables.view import BufferView
 from kvckpt.transitions import admission as _admission
-from kvckpt.transitions import commit, inflight, training
+from kvckpt.transitions import commit, inflight, progress, training
 from kvckpt.transitions.config import BufferConfig
 from kvckpt.transitions.fencing import check_lease
 
@@ -402,6 +411,91 @@ class ReplayBuffer:
         if elapsed >= SLOW_COMMIT_SECONDS:
             log.warning("%s: %d commit(s) took %.2fs (encode and durable transaction)", self.path, len(jobs), elapsed)
         return results
+
+    # -- token progress --------------------------------------------------------------------------
+    def record_progress(self, lease: Lease, index: int, *, start: int, tokens: Any, logprobs: Any,
+                        weight_version: int, fields: Mapping[str, Any] | None = None) -> int:
+        """Make the next chunk of sample ``index``'s completion durable: the tokens generated from
+        position ``start`` on, their logprobs, the weight version that produced them and any
+        per-token generation ``fields`` the schema declares. One durable transaction (through the
+        group committer); returns the sample's durable prefix length afterwards.
+
+        Retrying the same chunk at the same ``start`` is a no-op returning the durable length.
+        The commit of the sample's row later checks that the row's completion begins with the
+        prefix and deletes it (docs/recovery.md, "Progress").
+
+        Raises:
+            StaleAttempt (or a subclass), LeaseMismatch, UnknownGroup: the lease is fenced or its
+                group is not in flight, exactly as for a commit.
+            SampleCommitted: the sample's row is already committed.
+            FutureVersion: ``weight_version`` is newer than the buffer's trainer and weight versions.
+            DuplicateCommit: another chunk already covers position ``start``.
+            BadArgument: ``start`` is past the durable prefix (a gap), an empty chunk, an index
+                outside the group, a field that is not a per-token field of the schema.
+            SchemaMismatch: tokens and logprobs of different lengths, a lossy cast, or a prefix
+                longer than the schema's ``max_tokens``.
+        """
+        [result] = self.record_progress_many([{"lease": lease, "index": index, "start": start, "tokens": tokens,
+                                               "logprobs": logprobs, "weight_version": weight_version,
+                                               "fields": fields}])
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def record_progress_many(self, items: Sequence[Mapping[str, Any]]) -> list[int | KvckptError]:
+        """Record several chunks (:meth:`record_progress`'s keyword arguments plus ``lease`` and
+        ``index`` per item) in one durable transaction, each its own transition: a refused item
+        writes nothing and does not stop the others. Returns, in item order, each durable prefix
+        length or the error that refused the item. Every result is durable when this returns."""
+        chunks: list[progress.Chunk] = []
+        out: list[Any] = []
+        for item in items:
+            try:
+                check_lease(item["lease"], self.config.group_size)
+                chunks.append(progress.encode_chunk(
+                    self.schema, item["lease"], item["index"], item["start"], item["tokens"], item["logprobs"],
+                    item["weight_version"], item.get("fields")))
+                out.append(None)
+            except KvckptError as exc:
+                out.append(exc)
+            except (KeyError, TypeError) as exc:
+                out.append(BadArgument(f"a record_progress_many item needs lease, index, start, tokens, logprobs "
+                                       f"and weight_version (and optionally fields): {exc!r}"))
+
+        def transition(txn: Txn, chunk: progress.Chunk) -> int:
+            return progress.record(Tables(txn), self.store.store_id, chunk)
+
+        results = iter(self.committer.submit_many([functools.partial(transition, chunk=c) for c in chunks]))
+        return [next(results) if slot is None else slot for slot in out]
+
+    def progress(self, lease_or_group_id: Lease | str) -> dict[int, Progress]:
+        """The durable token prefix of every sample of a group that has one (``{}`` when none):
+        what a new attempt (a lease from :meth:`recover`, :func:`kvckpt.restore` or
+        :meth:`redispatch`) continues from; its first :meth:`record_progress` of sample ``i``
+        has ``start=progress[i].length``. Read in one transaction; checked like any stored record.
+
+        Raises:
+            CorruptRecord: a stored chunk fails its checksum or is not one kvckpt writes.
+        """
+        gid = lease_or_group_id.group_id if isinstance(lease_or_group_id, Lease) else lease_or_group_id
+        args.identifier("group_id", gid)
+        stored = self._read(lambda t: list(t.progress_chunks(gid)))
+        import torch
+
+        by_index: dict[int, list[Any]] = {}
+        for index, start, value in stored:
+            by_index.setdefault(index, []).append(progress.decode_chunk(self.schema, gid, index, start, value))
+        found = {}
+        for index, records in by_index.items():
+            tensors = [r.tensors() for r in records]
+            # a field some chunk lacks has no value for every token: it is not part of the prefix
+            names = [n[len(progress.FIELD_PREFIX):] for n in tensors[0]
+                     if n.startswith(progress.FIELD_PREFIX) and all(n in c for c in tensors)]
+            found[index] = Progress(
+                index, torch.cat([c["tokens"] for c in tensors]), torch.cat([c["logprobs"] for c in tensors]),
+                torch.cat([torch.full((r.meta["length"],), r.meta["version"], dtype=torch.int64) for r in records]),
+                {n: torch.cat([c[progress.FIELD_PREFIX + n] for c in tensors]) for n in names})
+        return found
 
     # -- training side ---------------------------------------------------------------------------
     def select(self, min_groups: int = 1, max_groups: int | None = None) -> Selection:

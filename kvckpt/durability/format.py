@@ -39,10 +39,13 @@ def malformed_config(path: str, exc: Exception) -> FormatError:
 
 
 def upgrade(store: Store) -> None:
-    """Upgrade a format-1 or format-2 store in place: the tables move into format 3's layout
-    (:meth:`~kvckpt.storage.store.Store.upgrade_layout`), and for format 1 its leases are fenced
-    (:func:`fence_v1_leases`) in the transaction that switches the layout."""
-    store.upgrade_layout(prepare=fence_v1_leases if store.info.get("version") == 1 else None)
+    """Upgrade an older store in place: a format-1 or format-2 store's tables move into the one-tree
+    layout (:meth:`~kvckpt.storage.store.Store.upgrade_layout`), and for format 1 its leases are
+    fenced (:func:`fence_v1_leases`) in the transaction that switches the layout; a format-3 store
+    (the same layout, no progress records yet) only gets its format record rewritten
+    (:meth:`~kvckpt.storage.store.Store.upgrade_record`)."""
+    if not store.upgrade_layout(prepare=fence_v1_leases if store.info.get("version") == 1 else None):
+        store.upgrade_record()
 
 
 def fence_v1_leases(txn: Txn) -> None:

@@ -22,7 +22,9 @@ and :func:`kvckpt.recover` call it)
    restore of the same checkpoint file, whose attempts equal the new ones.
 
 Groups committed after the checkpoint are kept; finished siblings of partial groups are kept
-(``siblings_reused``). Restore never applies staleness: the first ``evict`` does.
+(``siblings_reused``), and so is the durable token progress of every sample still missing
+(``progress_samples``, ``progress_tokens``): a new attempt reads it with
+:meth:`~kvckpt.ReplayBuffer.progress` and continues from it. Restore never applies staleness: the first ``evict`` does.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from kvckpt.tables import meta
 from kvckpt.tables.access import Tables
 from kvckpt.tables.records import CLAIMED, READY, GroupInfo, Lease, LedgerEntry
 from kvckpt.transitions.config import BufferConfig
+from kvckpt.transitions.progress import durable_length
 
 log = logging.getLogger("kvckpt.recovery")
 
@@ -48,7 +51,9 @@ log = logging.getLogger("kvckpt.recovery")
 class RecoveryPlan:
     """What a trainer does next after recovery, with NeMo-RL's telemetry names.
 
-    ``leases`` are the in-flight prompts to redispatch, each once, in dispatch order.
+    ``leases`` are the in-flight prompts to redispatch, each once, in dispatch order;
+    ``progress_samples`` of their samples have durable token progress, ``progress_tokens`` tokens
+    in all (read each with :meth:`~kvckpt.ReplayBuffer.progress`).
     ``trainer_state`` is the JSON the trainer stamped into the checkpoint at ``resume_version``
     (``None`` when the store's last stamp is at another version, or for a live store never
     checkpointed); ``dataloader_state`` is the state stored with the last admission:
@@ -63,6 +68,8 @@ class RecoveryPlan:
     groups_returned_to_ready: int = 0
     siblings_reused: int = 0
     siblings_rerun: int = 0
+    progress_samples: int = 0
+    progress_tokens: int = 0
     dispatch_index: int = -1
     trainer_state: dict[str, Any] | None = None
     dataloader_state: bytes | None = None
@@ -78,6 +85,7 @@ class RecoveryPlan:
                 "groups_redispatched": self.groups_redispatched,
                 "groups_returned_to_ready": self.groups_returned_to_ready,
                 "siblings_reused": self.siblings_reused, "siblings_rerun": self.siblings_rerun,
+                "progress_samples": self.progress_samples, "progress_tokens": self.progress_tokens,
                 "dispatch_index": self.dispatch_index, "checkpoint_id": self.checkpoint_id,
                 "timeline": self.timeline,
                 "changes": list(self.changes), **{f"{k}_seconds": v for k, v in self.timings.items()}}
@@ -159,6 +167,10 @@ def recover_store(store: Store, config: BufferConfig, resume_version: int | None
             plan.leases.append(lease)
             plan.siblings_reused += len(entry.siblings)
             plan.siblings_rerun += len(lease.missing)
+            for index in lease.missing:
+                length = durable_length(t, entry.group_id, index)
+                plan.progress_samples += length > 0
+                plan.progress_tokens += length
         plan.groups_unfinished_found = plan.groups_redispatched = len(entries)
         plan.groups_complete_restored = st["ready"]
         plan.dispatch_index = st["dispatch_index"]

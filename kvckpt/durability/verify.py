@@ -19,6 +19,10 @@ with the key it concerns. It never repairs anything. What it checks:
   belong to the current step and consumption to earlier ones (more ready groups than the
   capacity is not a finding: a rollback legitimately returns them, and admission waits);
   every ledger entry is in a known phase and its recorded digests name exactly its siblings;
+* token progress (format 4): every chunk's key has the ``{group}\\0{index}{start}`` shape and its
+  header (checksum-verified; with ``deep`` the whole chunk) names that key; a sample's chunks are
+  contiguous from token 0 and no longer than the schema's ``max_tokens``; every chunk belongs to a
+  live ledger entry's sample that is not committed yet (anything else is ``orphan-progress``);
 * every key of the file belongs to a table of its layout (:mod:`kvckpt.storage.layout`);
 * every key that iteration finds is found by a lookup (a damaged branch page can misroute
   lookups while iteration still finds every key);
@@ -50,8 +54,8 @@ import lmdb
 
 from kvckpt.errors import CorruptRecord, KvckptError
 from kvckpt.storage import codec, keys
+from kvckpt.storage.layout import ONE_TREE_TABLES
 from kvckpt.storage.schema import RowSchema
-from kvckpt.storage.store import TABLES
 from kvckpt.tables.digest import group_digest, row_digest
 from kvckpt.tables.indexes import entry_index_key, group_index_keys
 from kvckpt.tables.meta import (
@@ -65,6 +69,7 @@ from kvckpt.tables.meta import (
 )
 from kvckpt.tables.records import ABORTED, CLAIMED, CONSUMED, EVICTED, GROUP_STATES, PHASE_ADMITTED, READY
 from kvckpt.transitions.config import BufferConfig
+from kvckpt.transitions.progress import decode_chunk
 
 #: Every key the ``meta`` table may hold; anything else is a damaged key (or a newer kvckpt).
 
@@ -159,7 +164,7 @@ def check(txn: Any, *, deep: bool = False, checksums: bool = False,
 #: Integer fields of ``meta/state``, group records and ledger entries (``None`` allowed where optional).
 _STATE_INTS = ("seq", "trainer_version", "dispatch_index", "inflight", "ready", "claimed")
 _RECORD_INTS = ("seq", "group_size", "prompt_idx", "start_weight", "attempt", "raw_bytes", "stored_bytes")
-_OPTIONAL_INTS = ("end_weight", "target_step", "claimed_step", "consumed_step")
+_OPTIONAL_INTS = ("end_weight", "target_step", "claimed_step", "consumed_step", "token_weight")
 _INT64 = 1 << 63
 
 
@@ -218,7 +223,7 @@ def _check_lookups(txn: Any, report: Report) -> None:
     """Every key that iteration finds must be found by a lookup too. A damaged separator key in a
     branch page passes LMDB's own structure check and leaves iteration intact, but misroutes
     lookups (``get``, ``set_range``), so records would silently go missing."""
-    for table in TABLES:
+    for table in ONE_TREE_TABLES:
         for key in txn.iter_keys(table, b""):
             try:
                 found = txn.has(table, key)
@@ -333,6 +338,8 @@ def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dic
         if doc.get("target_step") is not None:
             max_target = max(max_target, doc["target_step"])
 
+    _check_progress(txn, report, schema, ledger, deep)
+
     for gid, stored in sorted(rows.items()):
         report.add("orphan-rows", gid, f"rows {sorted(stored)} belong to no group or ledger entry")
 
@@ -351,6 +358,42 @@ def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dic
                    f"dispatch_index {state['dispatch_index']} is behind the largest target_step {max_target}")
     _check_accounting(groups, ledger, state, shortfall, by_state, report)
     report.counts.update({f"groups_{k}": v for k, v in by_state.items()})
+
+
+def _check_progress(txn: Any, report: Report, schema: RowSchema, ledger: dict[str, dict[str, Any]],
+                    deep: bool) -> None:
+    """Token-progress chunks: key shape, header identity, contiguity, bound and a live owner."""
+    ends: dict[tuple[str, int], int] = {}
+    count = 0
+    for key, value in txn.iter_prefix("progress", b""):
+        count += 1
+        if len(key) < 14 or key[-13] != 0:
+            report.add("progress-key", key.hex(), "progress key is not {group id}\\0{4-byte index}{8-byte start}")
+            continue
+        gid, index, start = key[:-13].decode(errors="replace"), int.from_bytes(key[-12:-8], "big"), \
+            int.from_bytes(key[-8:], "big")
+        name = f"progress/{keys.row_id(gid, index)}@{start}"
+        try:
+            meta = decode_chunk(schema, gid, index, start, value).meta if deep else codec.decode_meta(value, name)
+        except CorruptRecord as exc:
+            report.add("corrupt-record", name, exc.reason)
+            continue
+        length = meta.get("length")
+        if (meta.get("group_id"), meta.get("index"), meta.get("start")) != (gid, index, start) \
+                or type(length) is not int or length < 1 or type(meta.get("version")) is not int:
+            report.add("key-mismatch", name, f"chunk header {meta!r:.200} does not describe its key")
+            continue
+        entry = ledger.get(gid)
+        if entry is None or index >= entry["group_size"] or index in entry["siblings"]:
+            why = "no ledger entry" if entry is None else f"row {index} is committed or outside the group"
+            report.add("orphan-progress", name, f"token progress of a sample nobody generates ({why})")
+        if ends.get((gid, index), 0) != start:
+            report.add("progress", name, f"chunk starts at {start}, the prefix before it ends at "
+                                         f"{ends.get((gid, index), 0)}")
+        ends[gid, index] = start + length
+        if start + length > schema.max_tokens:
+            report.add("progress", name, f"prefix of {start + length} tokens is over max_tokens {schema.max_tokens}")
+    report.counts["progress"] = count
 
 
 def _check_group_state(doc: dict[str, Any], gid: str, version: int, report: Report) -> None:

@@ -57,6 +57,12 @@ def row_key(group_id: str, index: int) -> bytes:
     return row_prefix(group_id) + index.to_bytes(4, "big")
 
 
+def progress_key(group_id: str, index: int, start: int) -> bytes:
+    """Key of the progress chunk of row ``index`` of a group that begins at token ``start``: the
+    row's key, then ``start`` (so a sample's chunks sort by position, after its group's)."""
+    return row_key(group_id, index) + u64(start)
+
+
 def row_id(group_id: str, index: int) -> str:
     """The NeMo-RL style row identity ``{group_id}_g{index}``."""
     return f"{group_id}_g{index}"

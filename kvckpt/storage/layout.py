@@ -6,12 +6,17 @@ Two layouts exist, and a :class:`~kvckpt.storage.store.Txn` reads and writes bot
 * :class:`OneTree` (format 3, what kvckpt writes): every table in LMDB's main database, each
   under a one-byte prefix. A durable commit then rewrites one B-tree's pages, not five trees'
   plus the main database's page of their roots (``python -m benchmarks.layout_bytes`` measures
-  it). Ledger entries and group records share one prefix, told apart by a last byte, so a commit
-  that deletes a prompt's entry and writes its group record changes one leaf, not two.
+  it). Ledger entries, group records and (format 4) token-progress chunks share one prefix, told
+  apart by a last byte, so a commit that deletes a prompt's entry and its samples' progress and
+  writes its group record changes one leaf, not two.
 * :class:`NamedTables` (formats 1 and 2): each table its own LMDB named database, keys as given.
   Still read and written, so old stores and checkpoints open; a writable replay buffer moves them
   into :class:`OneTree` (:meth:`~kvckpt.storage.store.Store.upgrade_layout`: copied in bounded
   transactions, switched in one).
+
+Format 4 is format 3 plus the ``progress`` table (a sample's durable token prefix, in chunks); the
+named-table layout has no ``progress`` table (:meth:`Layout.holds`): formats 1 and 2 predate it,
+and reading it there finds nothing.
 
 Both map every ``(table, key)`` to exactly one stored key and back (:meth:`Layout.logical`), and
 keep each table's keys in their own order, so prefix scans mean what they meant.
@@ -23,12 +28,14 @@ from typing import Any
 
 #: Named sub-databases of formats 1 and 2, and the tables of every format.
 TABLES = ("meta", "groups", "rows", "ledger", "index")
+#: The tables of the one-tree layout: :data:`TABLES` and (format 4) ``progress``.
+ONE_TREE_TABLES = (*TABLES, "progress")
 #: Format 3's prefix of each table in the main database.
-PREFIXES = {"meta": b"m", "index": b"i", "rows": b"r", "groups": b"g", "ledger": b"g"}
-#: Format 3's last byte of the tables that share the ``g`` prefix (a prompt's record, either kind).
-SUFFIXES = {"groups": b"\x00", "ledger": b"\x01"}
-#: The format version each layout is written under.
-ONE_TREE_VERSIONS = (3,)
+PREFIXES = {"meta": b"m", "index": b"i", "rows": b"r", "groups": b"g", "ledger": b"g", "progress": b"g"}
+#: The last byte of the tables that share the ``g`` prefix (a prompt's records, every kind).
+SUFFIXES = {"groups": b"\x00", "ledger": b"\x01", "progress": b"\x02"}
+#: The format versions each layout is written under (4 adds ``progress`` to 3).
+ONE_TREE_VERSIONS = (3, 4)
 NAMED_TABLES_VERSIONS = (1, 2)
 
 
@@ -40,6 +47,10 @@ class Layout:
 
     def place(self, table: str, key: bytes) -> tuple[Any, bytes]:
         """``(database handle, stored key)`` of ``table``'s ``key``."""
+        raise NotImplementedError
+
+    def holds(self, table: str) -> bool:
+        """Whether this layout has ``table`` (a table it lacks reads as empty and refuses writes)."""
         raise NotImplementedError
 
     def region(self, table: str, prefix: bytes) -> tuple[Any, bytes]:
@@ -71,6 +82,9 @@ class OneTree(Layout):
     def place(self, table: str, key: bytes) -> tuple[Any, bytes]:
         return self.main, stored_key(table, key)
 
+    def holds(self, table: str) -> bool:
+        return table in PREFIXES
+
     def region(self, table: str, prefix: bytes) -> tuple[Any, bytes]:
         return self.main, PREFIXES[table] + prefix
 
@@ -95,6 +109,9 @@ class NamedTables(Layout):
 
     def place(self, table: str, key: bytes) -> tuple[Any, bytes]:
         return self.dbs[table], key
+
+    def holds(self, table: str) -> bool:
+        return table in self.dbs
 
     def region(self, table: str, prefix: bytes) -> tuple[Any, bytes]:
         return self.dbs[table], prefix

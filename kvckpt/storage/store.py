@@ -60,11 +60,14 @@ from kvckpt.storage.layout import TABLES, Layout, NamedTables, OneTree, partial_
 from kvckpt.storage.txn import Txn
 
 FORMAT_NAME = "kvckpt"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 #: Versions this code opens. Version 1 (kvckpt before lease fencing by timeline) and version 2 have
 #: the same tables and records in named sub-databases (:mod:`kvckpt.storage.layout`); a writable
 #: :class:`~kvckpt.buffer.ReplayBuffer` upgrades them in place (:meth:`Store.upgrade_layout`).
-READABLE_VERSIONS = (1, 2, 3)
+#: Version 3 is version 4's layout without token-progress records; a writable open rewrites its
+#: format record (:meth:`Store.upgrade_record`), so a kvckpt that knows no progress records
+#: refuses the file from then on instead of leaving them behind.
+READABLE_VERSIONS = (1, 2, 3, 4)
 #: ``max_dbs`` is not stored in the file, so every opener of a format-1/2 file uses this.
 MAX_DBS = 8
 DEFAULT_MAP_SIZE = 64 << 30
@@ -312,6 +315,22 @@ class Store:
         self.write(switch)
         self.layout, self.info = new, info
         log.info("%s: upgraded to format %s in %.1f s", self.path, FORMAT_VERSION, time.monotonic() - started)
+        return True
+
+    def upgrade_record(self) -> bool:
+        """Mark a format-3 store as format :data:`FORMAT_VERSION` (its layout is already the current
+        one; only the format record changes, in one transaction) and return whether it did.
+
+        Raises:
+            ReadOnlyStore: the handle is read-only.
+        """
+        if self.info.get("version") not in (3,):
+            return False
+        if self.readonly:
+            raise ReadOnlyStore(f"{self.path!r} is open read-only; upgrading it needs a writable open")
+        info = {**self.info, "version": FORMAT_VERSION, "upgraded_from": self.info.get("version")}
+        self.write(lambda txn: txn.put_json("meta", b"format", info))
+        self.info = info
         return True
 
     @property

@@ -35,6 +35,8 @@ class Txn:
 
     def get(self, table: str, key: bytes) -> bytes | None:
         """The raw stored value, or ``None``."""
+        if not self.layout.holds(table):
+            return None
         db, stored = self.layout.place(table, key)
         return self.raw.get(stored, db=db)
 
@@ -71,6 +73,8 @@ class Txn:
 
     def _scan(self, table: str, prefix: bytes, start: bytes | None) -> Iterator[tuple[bytes, lmdb.Cursor]]:
         """``(key, cursor on it)`` for ``table``'s keys starting with ``prefix`` in order, from ``start``."""
+        if not self.layout.holds(table):
+            return
         db, stored_prefix = self.layout.region(table, prefix)
         cur = self.raw.cursor(db=db)
         if not cur.set_range(self.layout.place(table, start)[1] if start is not None else stored_prefix):
@@ -97,7 +101,7 @@ class Txn:
     def count(self, table: str, prefix: bytes = b"") -> int:
         """Number of keys of ``table`` starting with ``prefix`` (LMDB's own count where the layout
         keeps the table alone in a database; otherwise a scan of keys, no values)."""
-        db = self.layout.counted(table) if not prefix else None
+        db = self.layout.counted(table) if not prefix and self.layout.holds(table) else None
         if db is not None:
             return int(self.raw.stat(db)["entries"])
         return sum(1 for _ in self._scan(table, prefix, None))
@@ -111,6 +115,8 @@ class Txn:
 
     def last(self, table: str, prefix: bytes) -> tuple[bytes, bytes] | None:
         """``(key, value)`` of the largest key of ``table`` starting with ``prefix``, or ``None``."""
+        if not self.layout.holds(table):
+            return None
         db, stored_prefix = self.layout.region(table, prefix)
         cur = self.raw.cursor(db=db)
         bound = _successor(stored_prefix)

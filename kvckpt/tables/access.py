@@ -183,6 +183,32 @@ class Tables:
         """Delete every stored row of a group; returns how many there were."""
         return self.txn.delete_prefix("rows", keys.row_prefix(group_id))
 
+    # -- token progress (format 4) -------------------------------------------------------------------
+    def progress_chunks(self, group_id: str, index: int | None = None) -> Iterator[tuple[int, int, bytes]]:
+        """``(row index, start, stored chunk)`` of every progress chunk of a group (or of its row
+        ``index``), by row index, then position."""
+        prefix = keys.row_prefix(group_id) if index is None else keys.row_key(group_id, index)
+        for key, value in self.txn.iter_prefix("progress", prefix):
+            yield int.from_bytes(key[-12:-8], "big"), int.from_bytes(key[-8:], "big"), value
+
+    def last_progress_chunk(self, group_id: str, index: int) -> tuple[int, bytes] | None:
+        """``(start, stored chunk)`` of the last progress chunk of a sample, or ``None``."""
+        found = self.txn.last("progress", keys.row_key(group_id, index))
+        return None if found is None else (int.from_bytes(found[0][-8:], "big"), found[1])
+
+    def progress_chunk(self, group_id: str, index: int, start: int) -> bytes | None:
+        """The progress chunk of a sample that begins at token ``start``, or ``None``."""
+        return self.txn.get("progress", keys.progress_key(group_id, index, start))
+
+    def put_progress_chunk(self, group_id: str, index: int, start: int, value: bytes) -> None:
+        """Store one progress chunk."""
+        self.txn.put("progress", keys.progress_key(group_id, index, start), value)
+
+    def delete_progress(self, group_id: str, index: int | None = None) -> int:
+        """Delete the progress of a group (or of its row ``index``); returns how many chunks there were."""
+        prefix = keys.row_prefix(group_id) if index is None else keys.row_key(group_id, index)
+        return self.txn.delete_prefix("progress", prefix)
+
     # -- index queries the transitions need (samplers use :class:`~kvckpt.tables.view.BufferView`) -
     def claimed_at(self, step: int) -> list[str]:
         """Groups claimed by training step ``step``, in dispatch order."""

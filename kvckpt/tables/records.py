@@ -155,6 +155,9 @@ class LedgerEntry(_Doc):
     ``siblings`` holds the row indices already committed one by one (sibling progress) and
     ``digests`` their content digests (for idempotent retries). ``timeline`` and ``attempt`` are
     the fencing identity of the one lease that may commit it now (with the store's id).
+    ``token_weight`` is the oldest weight version of the token progress (:class:`Progress`) its
+    committed siblings consumed, or ``None``: the group's ``start_weight`` stamp takes it into
+    account when the group completes.
     """
 
     group_id: str
@@ -172,6 +175,7 @@ class LedgerEntry(_Doc):
     raw_bytes: int = 0
     stored_bytes: int = 0
     timeline: str = ""
+    token_weight: int | None = None
 
     def lease(self, store_id: str) -> Lease:
         """The lease a worker needs to finish this entry, issued by the store ``store_id``."""
@@ -179,6 +183,29 @@ class LedgerEntry(_Doc):
         return Lease(self.group_id, self.attempt, self.group_size, self.target_step, self.start_weight,
                      self.prompt_idx, self.task_name, self.admission_id,
                      tuple(i for i in range(self.group_size) if i not in done), store_id, self.timeline)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The durable token prefix of one sample still being generated (``ReplayBuffer.progress``).
+
+    ``tokens`` (int64) are the completion tokens generated so far, ``logprobs`` (float32) their
+    log-probabilities, ``versions`` (int64) the weight version that produced each token, and
+    ``fields`` the schema's other per-token generation fields recorded with them (first dimension
+    = :attr:`length`). All of it survived every crash since it was acknowledged; a new attempt
+    continues at position :attr:`length`.
+    """
+
+    index: int
+    tokens: Any
+    logprobs: Any
+    versions: Any
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        """The number of durable tokens (the ``start`` of the next chunk)."""
+        return int(self.tokens.shape[0])
 
 
 @dataclass(frozen=True)

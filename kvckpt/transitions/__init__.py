@@ -15,7 +15,9 @@ transition           function                        written atomically
                                                      state, one ledger entry per prompt
 ``advance_dispatch`` :func:`admission.advance`       ``dispatch_index`` (gated samplers), dataloader state
 ``commit_*``         :func:`commit.commit`           rows, group ready with ``end_weight``, ledger entry
-                                                     deleted (or one row and the entry's progress)
+                                                     deleted (or one row and the entry's progress);
+                                                     the rows' token progress checked and deleted
+``record_progress``  :func:`progress.record`         one chunk of a sample's token progress appended
 ``select``           :func:`training.select`         chosen ready groups -> claimed by the current step
 ``claim``            :func:`training.claim`          the named ready groups -> claimed (all or none)
 ``release_claims``   :func:`training.release`        the named claims of the current step -> ready
@@ -24,7 +26,8 @@ transition           function                        written atomically
 ``evict``            :func:`training.evict`          out-of-window ready groups -> evicted, rows deleted
 ``promote``          :func:`training.promote`        one ready group re-stamped onto an earlier step
 ``redispatch``       :func:`inflight.redispatch`     one ledger entry's ``attempt`` + 1 (and ``start_weight``)
-``abort``            :func:`inflight.abort`          ledger entries -> aborted tombstones, shortfall credited
+``abort``            :func:`inflight.abort`          ledger entries -> aborted tombstones (rows and token
+                                                     progress deleted), shortfall credited
 ``recover``          :mod:`kvckpt.durability`        (a durability transition: it verifies first)
 ==================== =============================== ===================================================
 """

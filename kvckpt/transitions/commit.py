@@ -1,8 +1,11 @@
 """Commits: rows arrive under a lease; the group becomes ready in the transaction that completes it.
 
-:func:`commit` is the whole transition: fence the lease against the ledger entry, pin first-seen
-shapes, put the rows, then either record the sibling progress in the entry (a partial group) or
-delete the entry and write the ready group with its indexes. A lease with no ledger entry is a
+:func:`commit` is the whole transition: fence the lease against the ledger entry, hold each row
+against its sample's durable token progress and delete that progress
+(:func:`kvckpt.transitions.progress.consume`), pin first-seen shapes, put the rows, then either
+record the sibling progress in the entry (a partial group) or delete the entry and write the ready
+group with its indexes. The group's ``start_weight`` stamp is the oldest of its entry's and of
+every consumed progress token's weight version. A lease with no ledger entry is a
 retried commit: :func:`replayed` answers it from the committed group without writing.
 """
 
@@ -16,6 +19,7 @@ from kvckpt.tables.access import Tables
 from kvckpt.tables.digest import group_digest, row_digest
 from kvckpt.tables.records import ABORTED, EVICTED, READY, CommitResult, GroupInfo, Lease, LedgerEntry
 from kvckpt.transitions.fencing import check_against_entry, fence
+from kvckpt.transitions.progress import consume
 
 
 def commit(t: Tables, schema: RowSchema, store_id: str, lease: Lease, encoded: list[CheckedRow],
@@ -27,6 +31,7 @@ def commit(t: Tables, schema: RowSchema, store_id: str, lease: Lease, encoded: l
         DuplicateCommit: a row or the group is already committed with other content.
         UnknownGroup: the group is neither in flight nor committed.
         SchemaMismatch: a shape differs from the store's pins.
+        BadArgument: a row's completion does not begin with its sample's durable token progress.
     """
     gid = lease.group_id
     entry = t.entry(gid)
@@ -43,6 +48,9 @@ def commit(t: Tables, schema: RowSchema, store_id: str, lease: Lease, encoded: l
                 if merged.get(str(r.index)) == digests[str(r.index)]:
                     return CommitResult(gid, ready=False, replayed=True)
                 raise DuplicateCommit(f"row {keys.row_id(gid, r.index)} is already committed with other content")
+    oldest = [w for w in (entry.token_weight, *(consume(t, schema, gid, r.index, r.value) for r in encoded))
+              if w is not None]
+    token_weight = min(oldest) if oldest else None
     _pin_shapes(t, schema, encoded)
     st = t.state()
     raw, stored = entry.raw_bytes, entry.stored_bytes
@@ -68,7 +76,8 @@ def commit(t: Tables, schema: RowSchema, store_id: str, lease: Lease, encoded: l
         return CommitResult(gid, ready=False, rows_written=len(encoded))
     group = GroupInfo(
         gid, entry.prompt_idx, entry.task_name, entry.admission_id, entry.seq, entry.group_size, READY,
-        entry.start_weight, st["weight_version"] if end_weight is None else int(end_weight),
+        entry.start_weight if token_weight is None else min(entry.start_weight, token_weight),
+        st["weight_version"] if end_weight is None else int(end_weight),
         entry.target_step, entry.attempt, group_digest(merged[str(i)] for i in range(entry.group_size)),
         raw_bytes=raw, stored_bytes=stored, timeline=entry.timeline)
     t.remove_entry(entry)

@@ -28,28 +28,29 @@ def check_lease(lease: Any, group_size: int) -> None:
                             "nothing was written", "group_size")
 
 
-def fence(lease: Lease, store_id: str, timeline: str, attempt: int, where: str) -> None:
-    """Refuse ``lease`` unless its store id, timeline and attempt are exactly the current ones."""
+def fence(lease: Lease, store_id: str, timeline: str, attempt: int, where: str, what: str = "commit") -> None:
+    """Refuse ``lease`` unless its store id, timeline and attempt are exactly the current ones
+    (``what`` names the refused operation in the message)."""
     gid = lease.group_id
     if lease.store_id != store_id:
         issued = f"store {lease.store_id}" if lease.store_id else "a kvckpt that issued no store id"
-        raise ForeignLease(f"commit of group {gid!r} refused: the lease was issued by {issued}, not by this "
+        raise ForeignLease(f"{what} of group {gid!r} refused: the lease was issued by {issued}, not by this "
                            f"store ({store_id}); nothing was written")
     if lease.timeline != timeline:
         raise AbandonedTimeline(
-            f"commit of group {gid!r} refused: the lease belongs to timeline {lease.timeline or '(none)'}, but the "
+            f"{what} of group {gid!r} refused: the lease belongs to timeline {lease.timeline or '(none)'}, but the "
             f"group is {where} on timeline {timeline} (a restore or recovery came after the lease was issued: "
             "this worker is a zombie); nothing was written")
     if lease.attempt != attempt:
         older = "older than" if lease.attempt < attempt else "newer than"
-        raise StaleAttempt(f"commit of group {gid!r} under attempt {lease.attempt} refused: it is {older} the "
+        raise StaleAttempt(f"{what} of group {gid!r} under attempt {lease.attempt} refused: it is {older} the "
                            f"current attempt {attempt} (the lease was fenced by a redispatch); nothing was written")
 
 
-def check_against_entry(lease: Lease, entry: LedgerEntry) -> None:
+def check_against_entry(lease: Lease, entry: LedgerEntry, what: str = "commit") -> None:
     """Refuse a lease whose description of the group differs from its ledger entry's."""
     for name in LEASE_AUTHORITY:
         if getattr(lease, name) != getattr(entry, name):
-            raise LeaseMismatch(f"commit of group {lease.group_id!r} refused: the lease says {name}="
+            raise LeaseMismatch(f"{what} of group {lease.group_id!r} refused: the lease says {name}="
                                 f"{getattr(lease, name)!r} but the ledger entry holds {getattr(entry, name)!r}; "
                                 "nothing was written", name)

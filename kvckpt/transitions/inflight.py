@@ -30,8 +30,8 @@ def redispatch(t: Tables, store_id: str, group_id: str, start_weight: int | None
 
 
 def abort(t: Tables, group_ids: list[str], reason: str) -> None:
-    """Ledger entries -> aborted tombstones with ``reason``, their partial rows deleted, and
-    ``batch_shortfall[target_step]`` credited.
+    """Ledger entries -> aborted tombstones with ``reason``, their partial rows and token progress
+    deleted, and ``batch_shortfall[target_step]`` credited.
 
     Raises:
         UnknownGroup: a group is not in flight.
@@ -44,6 +44,7 @@ def abort(t: Tables, group_ids: list[str], reason: str) -> None:
             raise UnknownGroup(f"group {gid!r} is not in flight; nothing to abort")
         t.remove_entry(entry)
         t.delete_rows(gid)
+        t.delete_progress(gid)
         t.put_group(GroupInfo(
             gid, entry.prompt_idx, entry.task_name, entry.admission_id, entry.seq, entry.group_size,
             ABORTED, entry.start_weight, -1, entry.target_step, entry.attempt, "", rows_stored=False,

@@ -1,0 +1,251 @@
+"""Token progress: what a sample still being generated has produced so far, durable chunk by chunk.
+
+A producer holding a lease records each new chunk of a sample's completion (tokens, their
+logprobs, the weight version that produced them, and any per-token generation fields the schema
+declares) with :func:`record`: one transition, fenced exactly like a commit, that appends one
+record under the key ``(group, row index, start)``. A sample's durable prefix is the
+concatenation of its chunks; its length is where the next chunk starts.
+
+The commit of the sample's row holds the row against the prefix and deletes it in the same
+transaction (:func:`consume`); the abort of its group deletes it too. Recovery, restore and
+redispatch keep it: the ledger entry, not the chunk, carries the fencing, so a new attempt
+continues from the prefix and the old attempt's appends are refused.
+
+The row fields a commit holds against the prefix (the vLLM worker's rows, NeMo-RL's names):
+:data:`TOKENS_FIELD` (prompt + completion), :data:`MASK_FIELD` (1 on completion tokens; without
+it the whole token field is the completion) and, when the schema declares it,
+:data:`VERSIONS_FIELD` (the weight version of every completion token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvckpt import args
+from kvckpt.errors import (
+    BadArgument,
+    CorruptRecord,
+    DuplicateCommit,
+    FutureVersion,
+    SampleCommitted,
+    SchemaMismatch,
+    UnknownGroup,
+)
+from kvckpt.storage import codec, keys
+from kvckpt.storage.casts import cast
+from kvckpt.storage.codec import TEXT_DTYPES, Limits
+from kvckpt.storage.schema import RowSchema
+from kvckpt.tables.access import Tables
+from kvckpt.tables.records import ABORTED, EVICTED, Lease
+from kvckpt.transitions.fencing import check_against_entry, fence
+
+#: The row field holding a row's tokens (prompt + completion).
+TOKENS_FIELD = "input_ids"
+#: The row field that is non-zero exactly on completion tokens (optional in a schema).
+MASK_FIELD = "token_mask"
+#: The row field holding each token's weight version (optional in a schema; int64, per token).
+VERSIONS_FIELD = "token_versions"
+#: Fields of a stored chunk; the schema's generation fields are stored as ``FIELD_PREFIX + name``.
+_TOKENS, _LOGPROBS, FIELD_PREFIX = "tokens", "logprobs", "f."
+_WHAT = "progress"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One encoded progress chunk, ready for :func:`record` (built outside the transaction)."""
+
+    lease: Lease
+    index: int
+    start: int
+    length: int
+    version: int
+    value: bytes
+
+
+def encode_chunk(schema: RowSchema, lease: Lease, index: Any, start: Any, tokens: Any, logprobs: Any,
+                 weight_version: Any, fields: Mapping[str, Any] | None) -> Chunk:
+    """Check and encode one chunk (the checks that need no transaction).
+
+    Raises:
+        BadArgument: ``index`` outside the group, a negative ``start``, an empty chunk, a field the
+            schema does not declare as a per-token field.
+        SchemaMismatch: tokens or logprobs not 1-D or of different lengths, a field of another
+            length or trailing shape, a lossy cast, or a prefix longer than the schema's ``max_tokens``.
+    """
+    index = args.integer("index", index)
+    start = args.integer("start", start)
+    version = args.integer("weight_version", weight_version, minimum=None)
+    gid = lease.group_id
+    where = f"progress of {keys.row_id(gid, index)} at token {start}"
+    if index >= lease.group_size:
+        raise BadArgument(f"{where}: row index {index} is outside the group (size {lease.group_size}); "
+                          "nothing was written")
+    ids = cast(tokens, "int64", where, "tokens")
+    lps = cast(logprobs, "float32", where, "logprobs")
+    if ids.ndim != 1 or lps.ndim != 1:
+        raise SchemaMismatch(f"{where}: tokens and logprobs are 1-D, got shapes {list(ids.shape)} and "
+                             f"{list(lps.shape)}; nothing was written")
+    if len(ids) != len(lps):
+        raise SchemaMismatch(f"{where}: {len(ids)} tokens but {len(lps)} logprobs; nothing was written")
+    if not len(ids):
+        raise BadArgument(f"{where}: an empty chunk records nothing; nothing was written")
+    if start + len(ids) > schema.max_tokens:
+        raise SchemaMismatch(f"{where}: {len(ids)} tokens would make the prefix {start + len(ids)} tokens long, "
+                             f"over the schema's max_tokens {schema.max_tokens}; nothing was written")
+    arrays: dict[str, Any] = {_TOKENS: ids, _LOGPROBS: lps}
+    dtypes: dict[str, str] = {}
+    for name, value in (fields or {}).items():
+        spec = schema.fields.get(name)
+        if spec is None or spec.kind != "token" or spec.dtype in TEXT_DTYPES or name in (TOKENS_FIELD, VERSIONS_FIELD):
+            raise BadArgument(f"{where}: {name!r} is not a per-token generation field of the schema (its token "
+                              f"fields other than {TOKENS_FIELD!r} and {VERSIONS_FIELD!r}); nothing was written")
+        arr = cast(value, spec.dtype, where, name)
+        trailing = tuple(spec.shape or ())
+        if arr.ndim < 1 or arr.shape[0] != len(ids) or tuple(arr.shape[1:]) != trailing:
+            raise SchemaMismatch(f"{where}: field {name!r} has shape {list(arr.shape)}, expected "
+                                 f"{[len(ids), *trailing]}; nothing was written")
+        arrays[FIELD_PREFIX + name] = arr
+        dtypes[FIELD_PREFIX + name] = spec.dtype
+    meta = {"group_id": gid, "index": index, "start": start, "length": len(ids), "version": version}
+    return Chunk(lease, index, start, len(ids), version, codec.encode(arrays, meta, level=0, dtypes=dtypes))
+
+
+def record(t: Tables, store_id: str, chunk: Chunk) -> int:
+    """``record_progress``: append ``chunk`` to its sample's durable prefix; returns the prefix's
+    length afterwards. The same chunk again at the same start is a no-op.
+
+    Raises:
+        StaleAttempt (or a subclass), LeaseMismatch: the lease is fenced, exactly as a commit's.
+        UnknownGroup: the group is neither in flight nor committed (or was aborted or evicted).
+        SampleCommitted: the sample's row (or its whole group) is already committed.
+        FutureVersion: the chunk's weight version is newer than the buffer's.
+        BadArgument: the chunk starts past the durable prefix (a gap).
+        DuplicateCommit: another chunk already covers its position.
+    """
+    lease, index = chunk.lease, chunk.index
+    gid = lease.group_id
+    where = f"progress of {keys.row_id(gid, index)} at token {chunk.start}"
+    entry = t.entry(gid)
+    if entry is None:
+        group = t.group(gid)
+        if group is None or group.state in (EVICTED, ABORTED):
+            state = "neither in flight nor committed" if group is None else group.state
+            raise UnknownGroup(f"{where} refused: group {gid!r} is {state}; nothing was written")
+        fence(lease, store_id, group.timeline, group.attempt, f"committed ({group.state})", _WHAT)
+        raise SampleCommitted(f"{where} refused: group {gid!r} is already committed ({group.state}); "
+                              "nothing was written")
+    fence(lease, store_id, entry.timeline, entry.attempt, "in flight", _WHAT)
+    check_against_entry(lease, entry, _WHAT)
+    if index in entry.siblings:
+        raise SampleCommitted(f"{where} refused: row {keys.row_id(gid, index)} is already committed; "
+                              "nothing was written")
+    st = t.state()
+    newest = max(st["trainer_version"], st["weight_version"])
+    if chunk.version > newest:
+        raise FutureVersion(f"{where} refused: weight version {chunk.version} is from the future (the buffer's "
+                            f"trainer version is {st['trainer_version']}, its weight version "
+                            f"{st['weight_version']}); nothing was written")
+    length = durable_length(t, gid, index)
+    if chunk.start > length:
+        raise BadArgument(f"{where} refused: the durable prefix is {length} tokens long, so the next chunk starts "
+                          f"at {length} (a gap); nothing was written")
+    if chunk.start < length:
+        if t.progress_chunk(gid, index, chunk.start) == chunk.value:
+            return length  # a retry of an acknowledged chunk
+        raise DuplicateCommit(f"{where} refused: tokens from {chunk.start} are already recorded with other "
+                              f"content (the durable prefix is {length} tokens); nothing was written")
+    t.put_progress_chunk(gid, index, chunk.start, chunk.value)
+    return length + chunk.length
+
+
+def durable_length(t: Tables, group_id: str, index: int) -> int:
+    """The length of a sample's durable prefix (0 without progress).
+
+    Raises:
+        CorruptRecord: the last chunk's header is not one kvckpt writes.
+    """
+    last = t.last_progress_chunk(group_id, index)
+    if last is None:
+        return 0
+    start, value = last
+    meta = codec.decode_meta(value, _key_name(group_id, index, start))
+    length = meta.get("length")
+    if type(length) is not int or length < 1 or meta.get("start") != start:
+        raise CorruptRecord(_key_name(group_id, index, start), f"progress chunk header {meta!r:.200} is not one "
+                                                                "kvckpt writes")
+    return start + length
+
+
+def chunk_limits(schema: RowSchema) -> Limits:
+    """What decoding one stored chunk may allocate (a chunk never holds more than ``max_tokens``)."""
+    caps = {_TOKENS: 8 * schema.max_tokens, _LOGPROBS: 4 * schema.max_tokens}
+    row_caps = schema.limits().field_bytes
+    caps.update({FIELD_PREFIX + n: row_caps[n] for n, f in schema.fields.items() if f.kind == "token"})
+    return Limits(max_bytes=sum(caps.values()), field_bytes=caps)
+
+
+def decode_chunk(schema: RowSchema, group_id: str, index: int, start: int, value: bytes) -> codec.Record:
+    """A stored chunk, checked: its checksum, limits, identity and field lengths.
+
+    Raises:
+        CorruptRecord: anything a writer of kvckpt would not have stored.
+    """
+    name = _key_name(group_id, index, start)
+    record = codec.decode(value, name, limits=chunk_limits(schema))
+    meta, arrays = record.meta, record.arrays
+    length = meta.get("length")
+    if (meta.get("group_id"), meta.get("index"), meta.get("start")) != (group_id, index, start) \
+            or type(length) is not int or type(meta.get("version")) is not int \
+            or _TOKENS not in arrays or _LOGPROBS not in arrays \
+            or record.dtypes[_TOKENS] != "int64" or record.dtypes[_LOGPROBS] != "float32" \
+            or any(getattr(a, "ndim", 0) < 1 or a.shape[0] != length for a in arrays.values()):
+        raise CorruptRecord(name, f"not a progress chunk kvckpt writes (header {meta!r:.200})")
+    return record
+
+
+def consume(t: Tables, schema: RowSchema, group_id: str, index: int, row: bytes) -> int | None:
+    """Hold a committed row against its sample's durable prefix and delete the prefix (in the
+    commit's transaction); returns the oldest weight version of the prefix, or ``None`` without one.
+
+    Raises:
+        BadArgument: the row's completion tokens (or its ``token_versions``) do not begin with the
+            recorded prefix; the message names the sample.
+    """
+    chunks = [decode_chunk(schema, group_id, i, start, value) for i, start, value in t.progress_chunks(group_id, index)]
+    if not chunks:
+        return None
+    sample = keys.row_id(group_id, index)
+    tokens = np.concatenate([c.arrays[_TOKENS] for c in chunks])
+    versions = np.concatenate([np.full(c.meta["length"], c.meta["version"], np.int64) for c in chunks])
+    arrays = codec.decode(row, f"rows/{sample}", limits=schema.limits(t.shape_pins())).arrays
+    if TOKENS_FIELD not in arrays:
+        raise BadArgument(f"commit of {sample} refused: the sample has {len(tokens)} tokens of durable progress but "
+                          f"the row has no {TOKENS_FIELD!r} to hold them against; nothing was written")
+    picked = np.asarray(arrays[MASK_FIELD]).reshape(-1) != 0 if MASK_FIELD in arrays else slice(None)
+    completion = np.asarray(arrays[TOKENS_FIELD])[picked]
+    if len(completion) < len(tokens) or not np.array_equal(completion[:len(tokens)], tokens):
+        raise BadArgument(f"commit of {sample} refused: the row's completion does not begin with the sample's "
+                          f"durable prefix of {len(tokens)} tokens (first difference at completion token "
+                          f"{_first_difference(completion, tokens)}); nothing was written")
+    if VERSIONS_FIELD in arrays:
+        stamped = np.asarray(arrays[VERSIONS_FIELD])[picked][:len(versions)]
+        if not np.array_equal(stamped, versions):
+            raise BadArgument(f"commit of {sample} refused: the row's {VERSIONS_FIELD} differ from the weight "
+                              f"versions recorded with its durable prefix (first difference at completion token "
+                              f"{_first_difference(stamped, versions)}); nothing was written")
+    t.delete_progress(group_id, index)
+    return int(versions.min())
+
+
+def _first_difference(have: np.ndarray, want: np.ndarray) -> int:
+    n = min(len(have), len(want))
+    differ = np.flatnonzero(have[:n] != want[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def _key_name(group_id: str, index: int, start: int) -> str:
+    return f"progress/{keys.row_id(group_id, index)}@{start}"
