@@ -32,6 +32,9 @@ class Sample:
 
     ``logprobs[i]`` is the engine's log-probability of ``completion_ids[i]``; ``finish_reason`` is
     ``"stop"`` (end-of-text sampled, and included in ``completion_ids``) or ``"length"``.
+    ``prefix_versions`` are the weight versions of the completion's first tokens when they came
+    from an earlier attempt's durable progress (empty otherwise); the rest are the generating
+    weights'.
     """
 
     prompt_ids: tuple[int, ...]
@@ -39,6 +42,7 @@ class Sample:
     logprobs: tuple[float, ...]
     text: str
     finish_reason: str
+    prefix_versions: tuple[int, ...] = ()
 
 
 class GenerationBackend(Protocol):
@@ -123,7 +127,7 @@ class TransformersBackend:
         completion = seq.prefix_ids + tuple(new)
         return Sample(seq.prompt_ids, completion, seq.prefix_logprobs + tuple(logps),
                       self.tokenizer.decode(completion, skip_special_tokens=True),
-                      finish(seq, new, eos, max_tokens))
+                      finish(seq, new, eos, max_tokens), seq.prefix_versions)
 
     def _extend(self, inputs: list[list[int]], n: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``n`` new tokens of every input (one left-padded batch) and their raw-logit logprobs."""
@@ -178,6 +182,7 @@ class VLLMBackend:
         self.llm = LLM(model=model_path, tokenizer=model_path, seed=seed, max_model_len=max_model_len,
                        dtype=dtype, enforce_eager=True, enable_prefix_caching=False, **llm_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
+        self._requests = 0
 
     def generate(self, prompts: Sequence[Sequence[int]], counts: Sequence[int], max_tokens: int,
                  temperature: float) -> list[list[Sample]]:
@@ -201,6 +206,55 @@ class VLLMBackend:
                                    c.text, "stop" if c.finish_reason == "stop" else "length")
                             for c in request.outputs])
         return grouped
+
+    def stream(self, seqs: Sequence[Continuation], max_tokens: int, temperature: float,
+               on_step: Callable[[Sequence[Delta]], Collection[int]] | None = None,
+               step_tokens: int | None = None) -> list[Sample]:
+        """Generate each continuation as its own request (``n=1``: every sample has its own
+        prefix) on the engine directly — ``LLMEngine.add_request`` with
+        ``RequestOutputKind.DELTA``, then ``step()`` until done, as ``LLM.generate`` runs it —
+        calling ``on_step`` with every engine step's new tokens; a sequence ``on_step`` returns is
+        aborted (``abort_request``). ``step_tokens`` is ignored: a vLLM step is one token per
+        running sequence."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        torch.set_num_threads(torch.get_num_threads())  # see generate
+        engine, eos = self.llm.llm_engine, self.tokenizer.eos_token_id
+        new: list[list[int]] = [[] for _ in seqs]
+        logps: list[list[float]] = [[] for _ in seqs]
+        running: dict[str, int] = {}
+        for i, seq in enumerate(seqs):
+            left = seq.remaining(max_tokens, eos)
+            if left:
+                self._requests += 1
+                request_id = f"kvckpt-stream-{self._requests}"
+                engine.add_request(request_id, {"prompt_token_ids": list(seq.prompt_ids + seq.prefix_ids)},
+                                   SamplingParams(n=1, logprobs=1, max_tokens=left, temperature=temperature,
+                                                  output_kind=RequestOutputKind.DELTA))
+                running[request_id] = i
+        while engine.has_unfinished_requests():
+            deltas = []
+            for output in engine.step():
+                i, completion = running[output.request_id], output.outputs[0]
+                ids = list(completion.token_ids)
+                step_logps = sampled_logprobs(completion, f"stream request {output.request_id}") if ids else []
+                new[i] += ids
+                logps[i] += step_logps
+                if ids:
+                    deltas.append((i, ids, step_logps))
+                if output.finished:
+                    running.pop(output.request_id)
+            stop = set(on_step(deltas)) if on_step is not None and deltas else set()
+            aborted = [rid for rid, i in running.items() if i in stop]
+            if aborted:
+                engine.abort_request(aborted)
+                for rid in aborted:
+                    running.pop(rid)
+        return [Sample(seq.prompt_ids, seq.prefix_ids + tuple(ids), seq.prefix_logprobs + tuple(lps),
+                       self.tokenizer.decode(seq.prefix_ids + tuple(ids), skip_special_tokens=True),
+                       finish(seq, ids, eos, max_tokens), seq.prefix_versions)
+                for seq, ids, lps in zip(seqs, new, logps, strict=True)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # vLLM's supported in-place reload: the model's own load_weights maps Hugging Face names

@@ -31,12 +31,13 @@ Delta = tuple[int, list[int], list[float]]
 
 @dataclass(frozen=True)
 class Continuation:
-    """One sequence to generate: ``prompt_ids``, then the durable ``prefix_ids`` (with the
-    ``prefix_logprobs`` the engine reported for them) it continues from."""
+    """One sequence to generate: ``prompt_ids``, then the durable ``prefix_ids`` it continues from
+    (with the ``prefix_logprobs`` and ``prefix_versions`` recorded for them)."""
 
     prompt_ids: tuple[int, ...]
     prefix_ids: tuple[int, ...] = ()
     prefix_logprobs: tuple[float, ...] = ()
+    prefix_versions: tuple[int, ...] = ()
 
     def remaining(self, max_tokens: int, eos: int | None) -> int:
         """Tokens left to generate: 0 once the prefix fills ``max_tokens`` or ends with ``eos``."""

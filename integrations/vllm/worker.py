@@ -37,6 +37,10 @@ DEFAULT_SCHEMA: dict[str, tuple[str, str]] = {
     "sample_mask": ("float32", "row"),
     "total_reward": ("float32", "row"),
 }
+#: The optional per-token field of a store's schema that :meth:`RolloutWorker.rows` fills with each
+#: token's weight version (``("int64", "token")``), so a trainer can mask or reweight the tokens
+#: older weights produced; declare it next to :data:`DEFAULT_SCHEMA` to keep it.
+TOKEN_VERSIONS = "token_versions"
 #: Default progress interval per sequence, in tokens (benchmarks/progress_bench.py: generation
 #: throughput with it on stays within noise of off, and a fleet of 1,024 engines x 256 sequences
 #: appends 6,400 chunks/s at it).
@@ -133,17 +137,25 @@ class RolloutWorker:
             samples = self.backend.generate(prompts, counts, self.max_tokens, self.temperature)
             return samples, self._version
 
-    def rows(self, lease: Lease, samples: Sequence[Sample]) -> dict[int, dict[str, torch.Tensor]]:
+    def rows(self, lease: Lease, samples: Sequence[Sample], version: int | None = None,
+             ) -> dict[int, dict[str, torch.Tensor]]:
         """The rows of ``lease.missing`` (row index -> field -> tensor) from their samples.
 
         ``input_ids`` is prompt + completion; ``generation_logprobs`` is 0 on prompt tokens and the
         engine's logprob on completion tokens; ``token_mask`` is 1 exactly on completion tokens;
-        ``total_reward`` comes from ``task.reward``.
+        ``total_reward`` comes from ``task.reward``; ``token_versions`` (where the store declares
+        it, int64 per token) is -1 on prompt tokens and each completion token's weight version:
+        the durable prefix's recorded versions, then ``version`` (the generating weights').
         """
         out = {}
         for index, sample in zip(lease.missing, samples, strict=True):
             row = make_row(sample.prompt_ids, sample.completion_ids, sample.logprobs,
                            self.task.reward(lease.prompt_idx, sample.text), completion_text=sample.text)
+            if TOKEN_VERSIONS in self.fields:
+                tail = [self._version if version is None else version] * (len(sample.completion_ids)
+                                                                            - len(sample.prefix_versions))
+                row[TOKEN_VERSIONS] = torch.tensor([-1] * len(sample.prompt_ids) + [*sample.prefix_versions, *tail],
+                                                   dtype=torch.int64)
             if self.extra_fields is not None:
                 row.update(self.extra_fields(lease, index, sample))
             out[index] = {k: v for k, v in row.items() if k in self.fields}
@@ -218,7 +230,8 @@ class RolloutWorker:
             prompt, known = tuple(self.prompt_ids(lease)), prefixes(sink, lease)
             for index in lease.missing:
                 done = known.get(index)
-                seqs.append(Continuation(prompt, tuple(done.tokens.tolist()), tuple(done.logprobs.tolist()))
+                seqs.append(Continuation(prompt, tuple(done.tokens.tolist()), tuple(done.logprobs.tolist()),
+                                         tuple(done.versions.tolist()))
                             if done is not None else Continuation(prompt))
                 owners.append((lease, index))
         with self._lock:
@@ -242,13 +255,13 @@ class RolloutWorker:
             out: list[CommitResult | KvckptError] = []
             for lease, group in zip(leases, samples, strict=True):
                 try:
-                    out.append(self.commit(sink, lease, self.rows(lease, group), version, before_commit))
+                    out.append(self.commit(sink, lease, self.rows(lease, group, version), version, before_commit))
                 except KvckptError as exc:
                     out.append(exc)
             return out
         items, owner = [], []
         for n, (lease, group) in enumerate(zip(leases, samples, strict=True)):
-            rows = self.rows(lease, group)
+            rows = self.rows(lease, group, version)
             if self.commit_mode == "group":
                 items.append({"lease": lease, "rows": rows, "end_weight": version})
                 owner.append(n)
@@ -272,7 +285,7 @@ def _is_actor(buffer: Any) -> bool:
 
 
 class _ActorSink:
-    """``commit_group``/``commit_sample``/``commit_many`` through a buffer actor, via the Ray
+    """``commit_group``/``commit_sample``/``commit_many`` and the progress stream through a buffer actor, via the Ray
     integration's :class:`~kvckpt.integrations.ray.BufferClient` (retries after an actor restart are
     idempotent)."""
 
@@ -290,6 +303,14 @@ class _ActorSink:
         future = self.client.commit_sample(lease, index, row, end_weight=end_weight)
         self.client.flush()
         return future.result()
+
+    def record_progress_many(self, items: Sequence[Mapping[str, Any]]) -> list[int | BaseException]:
+        """Every progress chunk of one engine step in one actor call."""
+        return self.client.record_progress_many(items)
+
+    def progress(self, lease: Lease) -> dict[int, Any]:
+        """The lease's durable prefixes, in one actor call."""
+        return self.client.progress(lease)
 
     def commit_many(self, items: Sequence[Mapping[str, Any]]) -> list[CommitResult | BaseException]:
         """Every item (as :meth:`kvckpt.ReplayBuffer.commit_many` takes them) in one actor call."""
