@@ -12,6 +12,7 @@ import importlib.util
 import pytest
 import torch
 from kvckpt.integrations.vllm import DEFAULT_SCHEMA, AdditionTask, RolloutWorker, ensure_tiny_model
+from kvckpt.integrations.vllm.worker import TOKEN_VERSIONS
 
 from kvckpt import BufferConfig, ReplayBuffer, StaleAttempt
 
@@ -177,3 +178,107 @@ def test_vllm_worker_commits_engine_logprobs_and_takes_weights(tmp_path, model_p
             expected = _teacher_forced_logprobs(reference, sample)
             assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=1e-3)
         assert worker.commit(buf, lease, worker.rows(lease, samples[0]), version).ready
+
+
+# -- bit-exact resume from durable progress ---------------------------------------------------------
+RESUME_SCHEMA = {**DEFAULT_SCHEMA, TOKEN_VERSIONS: ("int64", "token")}
+#: Prompts (prompt_idx of AdditionTask) whose greedy completions under the (random-weight) tiny
+#: model change token at or after the durable prefix (960 x 8 then 102 x 8; 385 x 10 then 365 x 6),
+#: so a resume that dropped or misplaced the prefix would differ, with no end-of-text within
+#: RESUME_MAX_TOKENS and no near-tie: see MIN_MARGIN. Chosen by scanning prompts 0-39.
+RESUME_PROMPTS = [10, 26]
+RESUME_GROUP, RESUME_MAX_TOKENS, RESUME_EVERY, RESUME_KILL_AT = 2, 16, 4, 10
+#: The smallest gap between the top-1 and top-2 logits, at every greedy step of the reference
+#: completions, that the test requires (asserted). float32 recomputation of the same prefix in
+#: another batch shape or another process moves logits by ~1e-5 here (the logprobs are asserted
+#: to agree to 1e-4), so a gap of MIN_MARGIN can never flip a greedy choice.
+MIN_MARGIN = 1e-2
+_KILLED_CHILD = """
+import os, signal, sys
+from kvckpt import ReplayBuffer
+from kvckpt.integrations.vllm import RolloutWorker
+path, model, backend, every, kill_at, max_tokens = sys.argv[1:4] + [int(a) for a in sys.argv[4:7]]
+prompts = [int(p) for p in sys.argv[7].split(",")]
+options = {"step_tokens": 1} if backend == "transformers" else {}
+buf = ReplayBuffer.open(path)
+worker = RolloutWorker(model, backend=backend, max_tokens=max_tokens, temperature=0.0, progress_every_tokens=every,
+                       fields=buf.schema.fields, backend_options=options)
+
+def kill(states):
+    if states[0].generated >= kill_at:  # after this step's appends: the tokens past the last one die
+        os.kill(os.getpid(), signal.SIGKILL)
+
+worker.run(buf, buf.admit(prompts), after_step=kill)
+raise SystemExit("not killed")
+"""
+
+
+def _greedy_margins(model: torch.nn.Module, prompt: list[int], completion: list[int]) -> list[float]:
+    """The top-1 minus top-2 logit at every completion position, by teacher forcing."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        top = model(ids).logits[0, len(prompt) - 1:-1].float().topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
+
+
+def _check_bit_exact_resume(tmp_path, model_path: str, backend: str, **options) -> None:
+    """Greedy: a run SIGKILLed at token RESUME_KILL_AT (a fresh process), resumed in this process
+    from its durable prefix (the last multiple of RESUME_EVERY), commits exactly the tokens of an
+    uninterrupted run; the resumed worker generated only the tokens past the prefix, and the
+    prefix's tokens, logprobs and versions in the row are the recorded ones."""
+    import subprocess
+    import sys
+
+    worker = RolloutWorker(model_path, backend=backend, max_tokens=RESUME_MAX_TOKENS, temperature=0.0,
+                           progress_every_tokens=RESUME_EVERY, fields=RESUME_SCHEMA, backend_options=options)
+    config = BufferConfig(group_size=RESUME_GROUP, schema=RESUME_SCHEMA, max_buffered_rollouts=4)
+    with ReplayBuffer.create(str(tmp_path / "reference.kv"), config) as buf:
+        leases = buf.admit(RESUME_PROMPTS)
+        assert all(r.ready for r in worker.run(buf, leases))
+        reference = buf.read_batch([lease.group_id for lease in leases], layout="list").rows
+    policy, durable = _reference_model(model_path), RESUME_KILL_AT // RESUME_EVERY * RESUME_EVERY
+    for lease_no in range(len(RESUME_PROMPTS)):
+        row = reference[lease_no * RESUME_GROUP]
+        plen = int((row["token_mask"] == 0).sum())
+        completion = row["input_ids"][plen:].tolist()
+        assert len(completion) == RESUME_MAX_TOKENS and worker.tokenizer.eos_token_id not in completion
+        # what a resume from the prompt alone (the prefix lost) would produce differs:
+        assert completion[durable:] != completion[:RESUME_MAX_TOKENS - durable]
+        assert min(_greedy_margins(policy, row["input_ids"][:plen].tolist(), completion)) >= MIN_MARGIN
+
+    path = str(tmp_path / "killed.kv")
+    ReplayBuffer.create(path, config).close()
+    child = subprocess.run([sys.executable, "-c", _KILLED_CHILD, path, model_path, backend, str(RESUME_EVERY),
+                            str(RESUME_KILL_AT), str(RESUME_MAX_TOKENS), ",".join(map(str, RESUME_PROMPTS))],
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == -9, child.stderr[-2000:]
+    before = dict(worker.progress_stats)
+    with ReplayBuffer.open(path) as buf:  # fresh handle, after the kill
+        leases = buf.recover().leases
+        recorded = {lease.group_id: buf.progress(lease) for lease in leases}
+        assert [sorted((i, p.length) for i, p in recorded[lease.group_id].items()) for lease in leases] == \
+            [[(i, durable) for i in range(RESUME_GROUP)]] * len(leases)
+        assert all(r.ready for r in worker.run(buf, leases))
+        resumed = buf.read_batch([lease.group_id for lease in leases], layout="list").rows
+        assert all(buf.progress(lease) == {} for lease in leases)  # the commit deleted the prefixes
+    rows = len(RESUME_PROMPTS) * RESUME_GROUP
+    assert worker.progress_stats["tokens_resumed"] - before["tokens_resumed"] == rows * durable
+    generated = worker.progress_stats["tokens_generated"] - before["tokens_generated"]
+    assert generated == rows * (RESUME_MAX_TOKENS - durable)
+    for n, (want, got) in enumerate(zip(reference, resumed, strict=True)):
+        assert got["input_ids"].tolist() == want["input_ids"].tolist()  # bit-exact
+        assert got["token_versions"].tolist() == want["token_versions"].tolist()
+        plen = int((got["token_mask"] == 0).sum())
+        prefix = recorded[leases[n // RESUME_GROUP].group_id][n % RESUME_GROUP]
+        assert got["generation_logprobs"][plen:plen + durable].tolist() == prefix.logprobs.tolist()
+        assert torch.allclose(got["generation_logprobs"], want["generation_logprobs"], atol=1e-4)
+
+
+def test_transformers_resume_from_durable_progress_is_bit_exact(tmp_path, model_path):
+    _check_bit_exact_resume(tmp_path, model_path, "transformers", step_tokens=1)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed (run in .venv-vllm: scripts/setup_vllm_env.sh)")
+def test_vllm_resume_from_durable_progress_is_bit_exact(tmp_path, model_path):
+    _check_bit_exact_resume(tmp_path, model_path, "vllm")

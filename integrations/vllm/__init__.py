@@ -10,21 +10,22 @@ vLLM itself is imported only when the ``vllm`` backend is created, so this packa
 environment without it (the ``transformers`` backend needs ``transformers`` and ``tokenizers``).
 """
 
-from kvckpt.integrations.vllm.rows import TEXT_FIELDS, make_row, rows_from_vllm, sampled_logprobs
-from kvckpt.integrations.vllm.tiny_model import AdditionTask, TinyModelSpec, ensure_tiny_model, train_tokenizer
-from kvckpt.integrations.vllm.worker import (
+from kvckpt.integrations.vllm.backends import (
     BACKENDS,
-    DEFAULT_SCHEMA,
     GenerationBackend,
-    RolloutWorker,
     Sample,
     TransformersBackend,
     VLLMBackend,
     create_backend,
 )
+from kvckpt.integrations.vllm.rows import TEXT_FIELDS, make_row, rows_from_vllm, sampled_logprobs
+from kvckpt.integrations.vllm.stream import Continuation, ProgressRecorder, SequenceState
+from kvckpt.integrations.vllm.tiny_model import AdditionTask, TinyModelSpec, ensure_tiny_model, train_tokenizer
+from kvckpt.integrations.vllm.worker import DEFAULT_SCHEMA, PROGRESS_EVERY_TOKENS, RolloutWorker
 
 __all__ = [
-    "BACKENDS", "DEFAULT_SCHEMA", "TEXT_FIELDS", "AdditionTask", "GenerationBackend", "RolloutWorker", "Sample",
+    "BACKENDS", "DEFAULT_SCHEMA", "PROGRESS_EVERY_TOKENS", "TEXT_FIELDS", "AdditionTask", "Continuation",
+    "GenerationBackend", "ProgressRecorder", "RolloutWorker", "Sample", "SequenceState",
     "TinyModelSpec", "TransformersBackend", "VLLMBackend", "create_backend", "ensure_tiny_model", "make_row",
     "rows_from_vllm", "sampled_logprobs", "train_tokenizer",
 ]
