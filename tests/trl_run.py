@@ -69,8 +69,10 @@ def main() -> None:
             if state.global_step != cfg["kill_at"]:
                 return
             if cfg["mode"] == "kvckpt":
+                # Admitted while the engine is held, a prompt cannot be generated or committed before the kill.
                 worker.engine_lock.acquire()
-                while not worker.buffer.ledger():
+                before = {e.group_id for e in worker.buffer.ledger()}
+                while not {e.group_id for e in worker.buffer.ledger()} - before:
                     worker.buffer.wait_for_change(0.1)
             os.kill(os.getpid(), signal.SIGKILL)
 
