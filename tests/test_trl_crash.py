@@ -5,7 +5,7 @@ CPU (the two GPU-only calls stood in as tests/trl_cpu.py lists). Run 1 checkpoin
 is SIGKILLed at the end of step 5 with a prompt in flight; run 2 is `trainer.train(
 resume_from_checkpoint="checkpoint-4")`. The same crash with TRL's own resume logic
 (`rollout_state.json`, a default-like worker) runs beside it and its regeneration is reported.
-Runs in the TRL environment (scripts/peer_envs/trl.txt); skipped where TRL is not installed.
+TRL is in the test extra (Python >= 3.11); skipped where it is not installed.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvckpt import ReplayBuffer
 
 pytestmark = [pytest.mark.trl,
               pytest.mark.skipif(importlib.util.find_spec("trl") is None,
-                                 reason="TRL not installed (bash scripts/setup_peer_env.sh trl)")]
+                                 reason="TRL not installed (pip install -e '.[test]' on Python >= 3.11)")]
 
 RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_run.py")
 KILL_AT, SAVE_STEPS, MAX_STEPS = 5, 4, 8

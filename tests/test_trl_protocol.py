@@ -21,7 +21,7 @@ import pytest
 
 pytestmark = [pytest.mark.trl,
               pytest.mark.skipif(importlib.util.find_spec("trl") is None,
-                                 reason="TRL not installed (bash scripts/setup_peer_env.sh trl)")]
+                                 reason="TRL not installed (pip install -e '.[test]' on Python >= 3.11)")]
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_missing_trl_names_the_install(monkeypatch):
     from kvckpt.integrations.trl.worker import rollout_sample_class
 
     monkeypatch.setitem(sys.modules, "trl.experimental.async_grpo.async_rollout_worker", None)
-    with pytest.raises(TrlMissing, match=r"pip install 'trl==1\.16\.0'"):
+    with pytest.raises(TrlMissing, match=r"pip install 'kvckpt\[trl\]'"):
         rollout_sample_class()
 
 
@@ -134,3 +134,27 @@ def test_docs_block_trains():
     section = doc[doc.index("## TRL AsyncGRPOTrainer"):]
     block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     exec(compile(block, "docs/integrations.md (TRL)", "exec"), {"__name__": "docs_trl"})
+
+
+def test_resume_without_live_store_restores_the_checkpoint_file(setup, tmp_path, model_path):
+    from kvckpt.errors import RecoveryError
+    from kvckpt.integrations.trl import BUFFER_FILE, KvckptRolloutWorker
+
+    worker, args, state, control, _ = setup
+    worker.callback.on_train_begin(args, state, control)
+    worker.buffer.finish_step()
+    state.global_step = 1
+    (tmp_path / "out" / "checkpoint-1").mkdir(parents=True)
+    worker.callback.on_save(args, state, control)
+    assert (tmp_path / "out" / "checkpoint-1" / BUFFER_FILE).is_file()
+    worker.close()
+
+    again = KvckptRolloutWorker(worker.store_path, model_path, worker.dataset, worker.reward_funcs, args)
+    state.global_step = 0  # a fresh start over a store that has trained: refused, nothing touched
+    with pytest.raises(RecoveryError, match="starts from step 0"):
+        again.callback.on_train_begin(args, state, control)
+    (tmp_path / "buffer.kv").unlink()
+    state.global_step = 1  # resume_from_checkpoint=checkpoint-1 with the live store lost
+    again.callback.on_train_begin(args, state, control)
+    assert again.callback.plan.resume_version == 1 and again.buffer.trainer_version == 1
+    again.close()

@@ -33,7 +33,7 @@ from kvckpt.integrations.vllm import create_backend
 from kvckpt import BufferConfig, GateTimeout, KvckptError, Lease, Prompt, ReplayBuffer
 from kvckpt.errors import BadArgument, InvariantViolation
 
-INSTALL = "pip install 'trl==1.16.0' (or: bash scripts/setup_peer_env.sh trl)"
+INSTALL = "pip install 'kvckpt[trl]' (TRL 1.16.0, Python >= 3.11)"
 
 
 class TrlMissing(KvckptError):
