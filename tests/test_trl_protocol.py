@@ -137,8 +137,9 @@ def test_docs_block_trains():
 
 
 def test_resume_without_live_store_restores_the_checkpoint_file(setup, tmp_path, model_path):
-    from kvckpt.errors import RecoveryError
     from kvckpt.integrations.trl import BUFFER_FILE, KvckptRolloutWorker
+
+    from kvckpt.errors import RecoveryError
 
     worker, args, state, control, _ = setup
     worker.callback.on_train_begin(args, state, control)
