@@ -1,0 +1,105 @@
+"""The ``TrainerCallback`` that ties a kvckpt store to TRL's steps, checkpoints and resume.
+
+``on_train_begin`` opens the store at the trainer's ``global_step``: a fresh run creates it; a run
+resumed from ``checkpoint-N`` (TRL's own ``trainer.train(resume_from_checkpoint=...)``) recovers
+the live store at version N — groups trained after step N go back to ready, in-flight prompts are
+handed back once, rollouts committed after the checkpoint are kept — or, when the live store is
+gone or behind, restores ``checkpoint-N/kvckpt_buffer.kvckpt``. ``on_step_end`` claims the groups
+the step trained and closes the kvckpt step; ``on_save`` writes that file into ``checkpoint-N/``
+(so TRL's ``save_total_limit`` rotation removes it with its checkpoint).
+
+Why a step's groups are known exactly: with ``token_budget=0`` TRL's ``FixedCountBatcher`` puts
+``per_device_train_batch_size * num_processes`` rows in every micro-batch and a step trains
+``gradient_accumulation_steps`` micro-batches, in the order the queue served them; the callback
+refuses any other set-up at train begin instead of guessing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from transformers import TrainerCallback
+
+from kvckpt import RecoveryPlan, ReplayBuffer, restore
+from kvckpt.errors import BadArgument, RecoveryError
+
+BUFFER_FILE = "kvckpt_buffer.kvckpt"
+
+
+class KvckptCallback(TrainerCallback):
+    """Opens, steps, checkpoints and recovers a :class:`KvckptRolloutWorker`'s store.
+
+    Guarantees: after a resume from ``checkpoint-N`` every group is trained exactly once over both
+    runs (none trained in steps ``<= N`` is served again; every one served but not trained by step
+    ``N`` is served again), no group committed before the crash is generated again, and every prompt
+    in flight at the crash is generated once more.
+
+    Attributes:
+        plan: the :class:`kvckpt.RecoveryPlan` of the last train begin (``None`` for a fresh store).
+    """
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.plan: RecoveryPlan | None = None
+        self.samples_per_step = 0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Check the batching, then open (fresh), recover (live) or restore (file) the store."""
+        if not state.is_world_process_zero:
+            return
+        if args.token_budget != 0:
+            raise BadArgument(f"token_budget={args.token_budget}: kvckpt's TRL worker needs token_budget=0 "
+                              "(a fixed number of rows per step, so the groups a step trained are known)")
+        self.samples_per_step = (args.per_device_train_batch_size * args.gradient_accumulation_steps
+                                 * args.world_size)
+        if self.samples_per_step % self.worker.num_generations:
+            raise BadArgument(f"{self.samples_per_step} rows per step is not a multiple of num_generations="
+                              f"{self.worker.num_generations}: a group would be trained across two steps")
+        step = int(state.global_step)
+        buffer, self.plan = open_store(self.worker, args.output_dir, step)
+        self.worker.clock.pending_step = step
+        self.worker.attach(buffer, self.plan.leases if self.plan is not None else ())
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Claim the groups this optimizer step trained and close the kvckpt step."""
+        if not state.is_world_process_zero:
+            return
+        self.worker.rollout_buffer.close_step(self.samples_per_step)
+        self.worker.clock.pending_step = int(state.global_step)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Write the buffer's checkpoint into TRL's ``checkpoint-N/`` (and wait until it is durable)."""
+        if not state.is_world_process_zero:
+            return
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", BUFFER_FILE)
+        self.worker.buffer.checkpoint(path, {"global_step": int(state.global_step)}, overwrite=True).wait()
+
+
+def open_store(worker: Any, output_dir: str, step: int) -> tuple[ReplayBuffer, RecoveryPlan | None]:
+    """The worker's store for a run starting at ``step``, and its recovery plan (``None`` if new).
+
+    Raises:
+        RecoveryError: the live store is ahead of a run starting from scratch, or a resumed run
+            finds neither a live store at or past ``step`` nor ``checkpoint-<step>/kvckpt_buffer.kvckpt``.
+    """
+    live = worker.store_path
+    saved = os.path.join(output_dir, f"checkpoint-{step}", BUFFER_FILE)
+    if os.path.exists(live):
+        buffer = ReplayBuffer.open(live)
+        version = buffer.trainer_version
+        if step == 0 and version > 0:
+            buffer.close()
+            raise RecoveryError(f"{live} has trained {version} steps but the trainer starts from step 0: pass "
+                                "resume_from_checkpoint, or move the store away to start over")
+        if version >= step:
+            return buffer, buffer.recover(resume_version=step)
+        buffer.close()
+        if not os.path.exists(saved):
+            raise RecoveryError(f"{live} is at step {version}, behind the resumed step {step}, and {saved} is missing")
+        return restore(saved, live)
+    if step == 0:
+        return ReplayBuffer.create(live, worker.config), None
+    if not os.path.exists(saved):
+        raise RecoveryError(f"resuming at step {step}: no live store at {live} and no {saved}")
+    return restore(saved, live)

@@ -1,0 +1,324 @@
+"""A TRL ``RolloutWorkerProtocol`` whose queue is a kvckpt store.
+
+TRL's ``AsyncGRPOTrainer`` calls, on its main process (trl/experimental/async_grpo/
+async_grpo_trainer.py, TRL 1.16.0): ``rollout_worker.rollout_buffer`` once in ``__init__``;
+``start()`` on train begin after the cold weight sync; ``update_model_version(v)`` after every sync;
+``check_health(stale_after_s)`` whenever ``rollout_buffer.get`` times out; ``metrics_queue.get_nowait``
+in ``log()``; ``stop()`` when training ends. Its ``weight_transfer`` gets ``init_weight_transfer()``,
+then per sync ``pause()``, ``send_weights(iterator)``, ``resume()``, and ``destroy()`` at the end.
+
+:class:`KvckptRolloutWorker` generates in a thread of the trainer's process: it admits dataset
+positions through :meth:`kvckpt.ReplayBuffer.admit` (the position after them is the admission's
+dataloader state, so the ledger owns the cursor and every in-flight prompt), samples
+``num_generations`` completions per prompt with a kvckpt generation backend, scores them with the
+trainer's reward functions as TRL's own worker does (group-normalised advantage), and commits each
+group in one transaction. The store is opened by :class:`~kvckpt.integrations.trl.callback.KvckptCallback`
+on train begin, which also recovers it on a resume; the worker only generates once it is open.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from kvckpt.integrations.trl.queue import BufferQueue, VersionClock
+from kvckpt.integrations.vllm import create_backend
+
+from kvckpt import BufferConfig, GateTimeout, KvckptError, Lease, Prompt, ReplayBuffer
+from kvckpt.errors import BadArgument, InvariantViolation
+
+INSTALL = "pip install 'kvckpt[trl]' (TRL 1.16.0, Python >= 3.11)"
+
+
+class TrlMissing(KvckptError):
+    """TRL (``trl.experimental.async_grpo``) is not importable here."""
+
+
+def rollout_sample_class() -> type:
+    """TRL's ``RolloutSample`` dataclass.
+
+    Raises:
+        TrlMissing: TRL is not installed; the message names the install.
+    """
+    try:
+        from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+    except ImportError as exc:
+        raise TrlMissing(f"the TRL integration needs TRL's AsyncGRPOTrainer: {INSTALL} ({exc})") from exc
+    return RolloutSample
+
+
+def trl_schema() -> dict[str, tuple[str, str]]:
+    """The row schema of a TRL rollout: exactly the fields a ``RolloutSample`` trains on."""
+    return {"input_ids": ("int64", "token"), "completion_mask": ("int64", "token"),
+            "old_log_probs": ("float32", "token"), "advantage": ("float32", "row"), "reward": ("float32", "row")}
+
+
+class KvckptRolloutWorker:
+    """TRL's rollout worker on kvckpt: admission, in-process generation, durable group commits.
+
+    Guarantees: every dataset position leaves the cursor in the same transaction that makes it a
+    ledger entry; every group is committed whole in one durable transaction before the trainer can
+    see it; a crash loses no committed group and no in-flight prompt (the callback's recovery hands
+    each in-flight prompt back exactly once, and this worker generates it before admitting more).
+
+    Args:
+        store_path: the live kvckpt store (created on first train begin).
+        model_path: the policy's Hugging Face directory (the trainer's starting weights).
+        dataset: rows with a ``prompt`` (text, or chat messages rendered with the tokenizer's chat
+            template); position ``i`` of the stream is row ``i % len(dataset)``.
+        reward_funcs: called as TRL's worker calls them: ``f(prompts=, completions=, completion_ids=,
+            **other columns)``, returning one float (or ``None``) per completion; summed.
+        args: the trainer's ``AsyncGRPOConfig`` (``num_generations``, ``max_staleness``,
+            ``weight_sync_steps``, ``max_completion_length``, ``temperature``).
+        backend: a kvckpt generation backend name (``"transformers"`` or ``"vllm"``). Defaults to
+            ``"transformers"``.
+        capacity: ``max_buffered_rollouts`` of a new store (prompts in flight plus ready groups).
+            Defaults to ``(max_staleness + 1) * 4`` prompts.
+        prompts_per_admit: prompts admitted and generated per engine call. Defaults to 1.
+        retain_consumed: keep trained groups' rows in the store. Defaults to False.
+        seed: the backend's sampling seed. Defaults to 0.
+    """
+
+    def __init__(self, store_path: str, model_path: str, dataset: Sequence[Any], reward_funcs: Any, args: Any, *,
+                 backend: str = "transformers", capacity: int | None = None, prompts_per_admit: int = 1,
+                 retain_consumed: bool = False, seed: int = 0) -> None:
+        self._sample_cls = rollout_sample_class()
+        if len(dataset) == 0:
+            raise BadArgument("the TRL worker needs a non-empty dataset")
+        self.store_path = str(store_path)
+        self.dataset = dataset
+        self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        self.num_generations = int(args.num_generations)
+        self.max_tokens = int(args.max_completion_length)
+        self.temperature = float(args.temperature)
+        self.prompts_per_admit = int(prompts_per_admit)
+        self.config = BufferConfig(
+            group_size=self.num_generations, schema=trl_schema(),
+            sampler={"name": "windowed",
+                     "max_staleness_versions": int(args.max_staleness) * int(args.weight_sync_steps)},
+            max_buffered_rollouts=capacity or (int(args.max_staleness) + 1) * 4, retain_consumed=retain_consumed)
+        self.clock = VersionClock(weight_sync_steps=int(args.weight_sync_steps), max_staleness=int(args.max_staleness))
+        self.rollout_buffer = BufferQueue(self._samples, self.clock)
+        self.metrics_queue: queue.Queue = queue.Queue()
+        self.backend = create_backend(backend, model_path, seed=seed)
+        self.tokenizer = self.backend.tokenizer
+        self.engine_lock = threading.Lock()
+        self.buffer: ReplayBuffer | None = None
+        self.weight_transfer = InProcessWeightTransfer(self)
+        self._redispatch: list[Lease] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # -- the store (opened by the callback) -------------------------------------------------------
+    def attach(self, buffer: ReplayBuffer, leases: Iterable[Lease] = ()) -> None:
+        """Serve and generate with ``buffer``; ``leases`` (a recovery plan's) are generated first."""
+        self.buffer = buffer
+        self._redispatch = list(leases)
+        self.rollout_buffer.attach(buffer)
+
+    # -- RolloutWorkerProtocol ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the generation thread (TRL calls this once, after the cold weight sync)."""
+        if self.buffer is None:
+            raise InvariantViolation("the kvckpt store is not open: pass worker.callback in the trainer's callbacks")
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="kvckpt-trl-rollout", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop generating and wait for the thread; the store stays open (``close`` closes it)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def close(self) -> None:
+        """Stop, then close the store."""
+        self.stop()
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None
+
+    def update_model_version(self, model_version: int) -> None:
+        """TRL published ``model_version``: new admissions are stamped with its weights' step."""
+        self.clock.publish(model_version)
+
+    def check_health(self, stale_after_s: float) -> None:
+        """Raise the generation thread's failure, if it failed.
+
+        Raises:
+            KvckptError: the thread stopped on an error (chained as the cause).
+        """
+        if self._error is not None:
+            raise KvckptError(f"the kvckpt rollout worker stopped: {type(self._error).__name__}: {self._error}") \
+                from self._error
+
+    @property
+    def callback(self) -> Any:
+        """The :class:`~kvckpt.integrations.trl.callback.KvckptCallback` of this worker (one per worker)."""
+        if not hasattr(self, "_callback"):
+            from kvckpt.integrations.trl.callback import KvckptCallback
+
+            self._callback = KvckptCallback(self)
+        return self._callback
+
+    # -- weights --------------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Install the trainer's parameters (TRL's names) in the engine; call with ``engine_lock`` held.
+
+        Raises:
+            BadArgument: a name the engine's model does not have (nothing is loaded then).
+        """
+        items = [(name, tensor.detach().to("cpu")) for name, tensor in weights]
+        model = getattr(self.backend, "model", None)
+        if model is not None:
+            known = set(model.state_dict())
+            unknown = sorted(name for name, _ in items if name not in known)
+            if unknown:
+                raise BadArgument(f"the trainer sent parameters the rollout engine lacks: {unknown[:5]}")
+        self.backend.load_weights(items)
+
+    # -- generation -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                leases = self._next_leases()
+                if leases:
+                    self._generate(leases)
+        except BaseException as exc:  # reported through check_health, which TRL polls
+            self._error = exc
+
+    def _next_leases(self) -> list[Lease]:
+        if self._redispatch:
+            count = self.prompts_per_admit
+            taken, self._redispatch = self._redispatch[:count], self._redispatch[count:]
+            return taken
+        state = self.buffer.dataloader_state()
+        cursor = json.loads(state)["next"] if state else 0
+        count = self.prompts_per_admit
+        try:
+            return self.buffer.admit([Prompt(cursor + i) for i in range(count)],
+                                     dataloader_state=json.dumps({"next": cursor + count}).encode(),
+                                     timeout=0.2, weight_version=self.clock.weights_step)
+        except GateTimeout:
+            return []
+
+    def _row(self, prompt_idx: int) -> Any:
+        return self.dataset[prompt_idx % len(self.dataset)]
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False))
+
+    def _completion(self, prompt: Any, text: str) -> Any:
+        return text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
+
+    def _generate(self, leases: list[Lease]) -> None:
+        rows = [self._row(lease.prompt_idx) for lease in leases]
+        prompts = [self._prompt_ids(row["prompt"]) for row in rows]
+        with self.engine_lock:
+            groups = self.backend.generate(prompts, [len(lease.missing) for lease in leases], self.max_tokens,
+                                           self.temperature)
+            end_weight = self.clock.weights_step
+        for lease, row, samples in zip(leases, rows, groups, strict=True):
+            if len(lease.missing) != self.num_generations:
+                raise InvariantViolation(f"lease {lease.group_id} misses {len(lease.missing)} of "
+                                         f"{self.num_generations} rows; this worker commits whole groups only")
+            completions = [self._completion(row["prompt"], s.text) for s in samples]
+            rewards = self._score(row, completions, [list(s.completion_ids) for s in samples])
+            self.buffer.commit_group(lease, _rows(samples, rewards), end_weight=end_weight)
+
+    def _score(self, row: Any, completions: list[Any], completion_ids: list[list[int]]) -> list[float]:
+        count = len(completions)
+        extra = {k: [v] * count for k, v in row.items() if k not in ("prompt", "completion", "completion_ids")}
+        table = []
+        for func in self.reward_funcs:
+            got = func(prompts=[row["prompt"]] * count, completions=completions, completion_ids=completion_ids,
+                       **extra)
+            table.append([math.nan if r is None else float(r) for r in got])
+        arr = np.array(table, dtype=float)
+        unscored = np.all(np.isnan(arr), axis=0)
+        rewards = np.nansum(arr, axis=0)
+        rewards[unscored] = np.nan
+        return [float(r) for r in rewards]
+
+    def _samples(self, info: Any, rows: list[dict[str, Any]], model_version: int) -> Iterator[Any]:
+        """TRL ``RolloutSample``s of one stored group (its ``group_id`` is the dataset position)."""
+        prompt = self._row(info.prompt_idx)["prompt"]
+        for row in rows:
+            ids = row["input_ids"]
+            mask = row["completion_mask"]
+            text = self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+            reward = float(row["reward"])
+            yield self._sample_cls(
+                prompt=prompt, completion=self._completion(prompt, text), input_ids=ids.numpy().astype(np.int64),
+                completion_mask=mask.numpy().astype(np.int64), old_log_probs=row["old_log_probs"].numpy(),
+                advantage=float(row["advantage"]), model_version=model_version, group_id=int(info.prompt_idx),
+                metrics={"reward": reward})
+
+
+def _rows(samples: Sequence[Any], rewards: list[float]) -> list[dict[str, torch.Tensor]]:
+    """One row per completion, with TRL's group-normalised advantage (0 for an unscorable one)."""
+    arr = np.array(rewards, dtype=float)
+    scored = ~np.isnan(arr)
+    advantages = np.zeros_like(arr)
+    if scored.any():
+        advantages[scored] = (arr[scored] - arr[scored].mean()) / (arr[scored].std() + 1e-8)
+    out = []
+    for sample, reward, advantage in zip(samples, rewards, advantages, strict=True):
+        prompt, completion = list(sample.prompt_ids), list(sample.completion_ids)
+        out.append({
+            "input_ids": torch.tensor(prompt + completion, dtype=torch.int64),
+            "completion_mask": torch.tensor([0] * len(prompt) + [1] * len(completion), dtype=torch.int64),
+            "old_log_probs": torch.tensor([0.0] * len(prompt) + list(sample.logprobs), dtype=torch.float32),
+            "advantage": torch.tensor(float(advantage), dtype=torch.float32),
+            "reward": torch.tensor(reward, dtype=torch.float32),
+        })
+    return out
+
+
+class InProcessWeightTransfer:
+    """TRL's ``WeightTransferProtocol`` for a :class:`KvckptRolloutWorker`'s in-process engine.
+
+    ``pause`` waits for the generation in progress and holds the engine; ``send_weights`` loads the
+    trainer's parameters into it; ``resume`` lets generation go on. A sync therefore lands between
+    two generations, never inside one.
+    """
+
+    def __init__(self, worker: KvckptRolloutWorker) -> None:
+        self.worker = worker
+        self._held = False
+
+    def init_weight_transfer(self) -> None:
+        """Nothing to set up in process."""
+
+    def pause(self) -> None:
+        """Hold the engine (waits for the generation in progress)."""
+        if not self._held:
+            self.worker.engine_lock.acquire()
+            self._held = True
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Load every ``(name, tensor)`` pair into the engine."""
+        self.worker.load_weights(iterator)
+
+    def resume(self) -> None:
+        """Release the engine."""
+        if self._held:
+            self._held = False
+            self.worker.engine_lock.release()
+
+    def destroy(self) -> None:
+        """Release the engine if a sync failed between ``pause`` and ``resume``."""
+        self.resume()
+

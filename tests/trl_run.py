@@ -1,0 +1,127 @@
+"""One AsyncGRPOTrainer run on CPU, in its own process (the TRL crash tests start it twice).
+
+    python tests/trl_run.py CONFIG_JSON
+
+CONFIG_JSON: ``mode`` ("kvckpt" or "default"), ``workdir``, ``model``, ``max_steps``,
+``save_steps``, ``kill_at`` (SIGKILL this process at the end of that step, with a prompt in flight;
+0: never), ``resume`` (a checkpoint directory or null), ``log`` (a JSON-lines file the run
+appends its events to, each fsynced: the steps' trained groups and, for "default", every
+generated position).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from trl_cpu import default_like_worker, install_cpu_stand_ins
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    install_cpu_stand_ins()
+    import numpy as np
+    import torch
+    from kvckpt.integrations.trl import KvckptRolloutWorker
+    from kvckpt.integrations.vllm import AdditionTask
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+    task = AdditionTask()
+    from datasets import Dataset
+
+    dataset = Dataset.from_list([{"prompt": task.prompt(i), "answer": task.answer(i)} for i in range(task.size)])
+    log_fh = open(cfg["log"], "a")  # noqa: SIM115 - appended to until the process ends or is killed
+
+    def log(event):
+        log_fh.write(json.dumps({"run": cfg["run"], **event}) + "\n")
+        log_fh.flush()
+        os.fsync(log_fh.fileno())
+
+    def reward(completions, answer, **_):
+        return [1.0 if c.strip() == a else 0.1 * (a in c) for c, a in zip(completions, answer, strict=True)]
+
+    args = AsyncGRPOConfig(
+        output_dir=os.path.join(cfg["workdir"], "out"), max_steps=cfg["max_steps"], save_steps=cfg["save_steps"],
+        save_strategy="steps", per_device_train_batch_size=4, gradient_accumulation_steps=1, num_generations=2,
+        max_completion_length=3, token_budget=0, use_cpu=True, bf16=False, report_to=[], logging_steps=1,
+        max_staleness=cfg.get("max_staleness", 1), learning_rate=1e-3, seed=0, save_only_model=False,
+        dataloader_num_workers=0)
+    tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
+
+    class Probe(TrainerCallback):
+        """Logs what each step trained; at ``kill_at`` holds the engine until a prompt is in flight, then
+        SIGKILLs this process (so the kill always finds committed, ready and in-flight work)."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if cfg["mode"] == "kvckpt":
+                trained = [g.prompt_idx for g in worker.buffer.groups(["consumed"])
+                           if g.consumed_step == state.global_step - 1]
+                log({"step": state.global_step, "trained": sorted(trained), "evicted": worker.rollout_buffer.evicted})
+            else:
+                log({"step": state.global_step, "trained_ids": sorted(trainer._trained_groups),
+                     "start": worker._loop_kwargs["dataset_start_index"]})
+            if state.global_step != cfg["kill_at"]:
+                return
+            if cfg["mode"] == "kvckpt":
+                # Admitted while the engine is held, a prompt cannot be generated or committed before the kill.
+                worker.engine_lock.acquire()
+                before = {e.group_id for e in worker.buffer.ledger()}
+                while not {e.group_id for e in worker.buffer.ledger()} - before:
+                    worker.buffer.wait_for_change(0.1)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if cfg["mode"] == "kvckpt":
+        worker = KvckptRolloutWorker(os.path.join(cfg["workdir"], "buffer.kv"), cfg["model"], dataset, [reward], args,
+                                     capacity=8, retain_consumed=True)
+        extra = {"rollout_worker": worker, "weight_transfer": worker.weight_transfer}
+        callbacks = [worker.callback, Probe()]
+    else:
+        from kvckpt.integrations.vllm import create_backend
+
+        engine = create_backend("transformers", cfg["model"], seed=0)
+
+        def generate_group(position, group_id, version):
+            row = dataset[position % len(dataset)]
+            ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+            (samples,) = engine.generate([ids], [2], 3, 1.0)
+            rewards = np.array(reward([s.text for s in samples], [row["answer"]] * 2))
+            adv = (rewards - rewards.mean()) / (rewards.std() + 1e-8)
+            return [RolloutSample(prompt=row["prompt"], completion=s.text,
+                                  input_ids=np.array(list(s.prompt_ids) + list(s.completion_ids), dtype=np.int64),
+                                  completion_mask=np.array([0] * len(s.prompt_ids) + [1] * len(s.completion_ids)),
+                                  old_log_probs=np.array([0.0] * len(s.prompt_ids) + list(s.logprobs),
+                                                         dtype=np.float32),
+                                  advantage=float(a), model_version=version, group_id=group_id,
+                                  metrics={"reward": float(r)}) for s, r, a in zip(samples, rewards, adv, strict=True)]
+
+        worker = default_like_worker(generate_group, len(dataset), log)
+
+        class NoTransfer:
+            def init_weight_transfer(self): pass
+            def pause(self): pass
+            def send_weights(self, iterator):
+                engine.load_weights([(n, t.detach().clone()) for n, t in iterator])
+            def resume(self): pass
+            def destroy(self): pass
+
+        extra = {"rollout_worker": worker, "weight_transfer": NoTransfer()}
+        callbacks = [Probe()]
+    torch.manual_seed(0)
+    trainer = AsyncGRPOTrainer(model=cfg["model"], reward_funcs=[reward], args=args, train_dataset=dataset,
+                               processing_class=tokenizer, callbacks=callbacks, **extra)
+    trainer.train(resume_from_checkpoint=cfg.get("resume"))
+    if cfg["mode"] == "kvckpt":
+        log({"done": True, "plan": worker.callback.plan.report() if worker.callback.plan else None})
+        worker.close()
+    else:
+        log({"done": True})
+
+
+if __name__ == "__main__":
+    main()
