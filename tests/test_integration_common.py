@@ -6,6 +6,7 @@ each ``scripts/peer_envs/*.txt`` is checked for what ``make test`` reads from it
 
 from __future__ import annotations
 
+import importlib.util
 import pickle
 import re
 import subprocess
@@ -52,6 +53,25 @@ def test_the_integrations_refuse_a_missing_peer_through_it(package: str, peer: s
             f"try:\n    import {package}\nexcept PeerMissing as exc:\n    print(exc)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.startswith(f"{package} needs {peer}: {command}"), out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_the_vllm_backend_refuses_a_missing_vllm_through_it() -> None:
+    from kvckpt.integrations.vllm.worker import create_backend
+
+    with pytest.raises(PeerMissing, match=r"^the vllm generation backend needs vllm: bash scripts/setup_peer_env\.sh "
+                                          r"vllm, then use \.venv-vllm/bin/python"):
+        create_backend("vllm", "unused-model-path")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nemo_rl") is not None, reason="NeMo-RL is installed here")
+def test_nemo_rl_hooks_refuse_a_missing_nemo_rl_through_it() -> None:
+    from kvckpt.integrations.nemo_rl.hooks import nemo_rl_modules
+
+    with pytest.raises(PeerMissing, match=r"^kvckpt\.integrations\.nemo_rl \(inside NeMo-RL's SingleController\) "
+                                          r"needs nemo_rl\.algorithms\.single_controller_utils\.setup: "
+                                          r".*does not provide it\)$"):
+        nemo_rl_modules()
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,10 @@ def _build(cls: type[T], doc: Mapping[str, Any], path: tuple[str, ...], origin: 
     where = _where(path, origin)
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     check_keys(doc, fields, where)
-    hints = typing.get_type_hints(cls)
+    try:
+        hints = typing.get_type_hints(cls)
+    except NameError:  # an annotation names a type only a function's scope knew: take what is a class
+        hints = {f.name: f.type for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for name, value in doc.items():
         sub = hints.get(name)

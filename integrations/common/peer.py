@@ -23,9 +23,12 @@ class PeerMissing(KvckptError, ModuleNotFoundError):
 def peer_missing(module: str, *, integration: str, install: str, cause: BaseException | None = None) -> PeerMissing:
     """The :class:`PeerMissing` to raise when ``module`` is absent (for checks that look a module
     up without importing it). ``cause``, an import's own error, is appended when it is not the
-    plain absence of ``module`` (e.g. the peer is installed but one of its dependencies is not)."""
+    plain absence of ``module`` or of a package above it (e.g. the peer is installed but one of
+    its dependencies is not)."""
     message = f"{integration} needs {module}: {install}"
-    if cause is not None and not (isinstance(cause, ModuleNotFoundError) and cause.name == module):
+    absent = isinstance(cause, ModuleNotFoundError) and cause.name is not None \
+        and (module == cause.name or module.startswith(cause.name + "."))
+    if cause is not None and not absent:
         message += " (importing it failed: " + " ".join(str(cause).split()) + ")"
     return PeerMissing(message, name=module)
 
