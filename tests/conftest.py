@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvckpt import BufferConfig, ReplayBuffer
-from kvckpt.storage.store import TABLES
+from kvckpt.storage.layout import ONE_TREE_TABLES
 
 #: The smallest schema that exercises both field kinds and two dtypes.
 SCHEMA: dict[str, tuple[str, str]] = {
@@ -41,7 +41,7 @@ def make_group(group_size: int, seed: int, length: int = 4) -> list[dict[str, to
 def dump_store(buf: ReplayBuffer) -> dict[str, list[tuple[bytes, bytes]]]:
     """Every key and value of every table, from one snapshot: compare two dumps to prove that a
     refused operation wrote nothing."""
-    return buf.store.read(lambda t: {name: list(t.iter_prefix(name, b"")) for name in TABLES})
+    return buf.store.read(lambda t: {name: list(t.iter_prefix(name, b"")) for name in ONE_TREE_TABLES})
 
 
 def refused(buf: ReplayBuffer, error: type[Exception], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Exception:

@@ -1,19 +1,24 @@
 """A Hypothesis state machine drives the real buffer against a small pure-Python model.
 
-Random sequences of admit / commit_group / commit_sample / select / finish_step / evict (the
-sampler's or named groups) / abort / abort_stale_inflight / redispatch / promote_ready_group /
-checkpoint / close-and-reopen / recover / restore of *any* earlier checkpoint run on a real LMDB
-file, once per sampler. Every lease ever issued is kept, and zombies — leases of abandoned
-timelines (before a recovery or a restore, including earlier restores of the same checkpoint) and
+Random sequences of admit / commit_group / commit_sample / record_progress (appends, retries,
+conflicts, gaps, future versions) / select / finish_step / evict (the sampler's or named groups) /
+abort / abort_stale_inflight / redispatch / promote_ready_group / checkpoint / close-and-reopen /
+recover / restore of *any* earlier checkpoint run on a real LMDB file, once per sampler.
+Every lease ever issued is kept, and zombies — leases of abandoned timelines (before a recovery or
+a restore, including earlier restores of the same checkpoint) and
 leases of another store with the same group ids — try to commit at random moments: none may be
-accepted, and the rows a trainer reads are always those of the one legitimate commit. Every
+accepted (neither a commit nor a progress append), and the rows a trainer reads are always those
+of the one legitimate commit. Token progress: within a timeline a sample's durable prefix only
+grows, every acknowledged chunk survives reopens, recoveries and restores (at the checkpoint's
+cut), no zombie chunk lands, and a committed row starts with its sample's prefix (a row that does
+not is refused) while the prefix is deleted in the same transaction. Every
 operation's outcome (result or exact error) is predicted by the model first; a refused operation
 must leave every table byte-for-byte unchanged. After every step the machine checks the
 invariants of replay_semantics.md §G that apply: single owner (§G.10), capacity conservation
 (§G.6), counters, stamps (§G.9), cursor exactness (§G.12), sampler semantics (§G.5: the
 buffer's eligible and evictable lists equal the model's), and ``kvckpt.durability.verify.check``.
 
-CI runs a short, derandomized profile (about 30 s in all, the same examples every run);
+CI runs a short, derandomized profile (about 30 s in all on a quiet machine, the same examples every run);
 ``KVCKPT_HYPOTHESIS_PROFILE=soak`` runs a long, random one (docs/testing.md says how to replay a failure).
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import os
 import shutil
 import tempfile
@@ -30,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import pytest
+import torch
 from conftest import SCHEMA, dump_store, make_row
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -48,10 +55,12 @@ from kvckpt import (
     CapacityError,
     DuplicateCommit,
     ForeignLease,
+    FutureVersion,
     GateTimeout,
     Prompt,
     RecoveryError,
     ReplayBuffer,
+    SampleCommitted,
     StaleAttempt,
     UnknownGroup,
     restore,
@@ -75,7 +84,8 @@ N = 2  # rows per group
 #: Operations with their relative frequency (drawn as a number: sampled_from favours its first item).
 WEIGHTS = {"produce": 4, "commit_group": 3, "select": 3, "admit": 2, "commit_sample": 3, "train": 2, "finish_step": 1,
            "evict": 1, "abort": 1, "abort_stale_inflight": 1, "redispatch": 1, "promote_ready_group": 1,
-           "checkpoint": 1, "reopen": 1, "recover": 1, "restore": 1, "foreign_admit": 1, "zombie": 2}
+           "checkpoint": 1, "reopen": 1, "recover": 1, "restore": 1, "foreign_admit": 1, "zombie": 3, "progress": 3,
+           "zombie_progress": 1}
 OPERATIONS = [op for op, weight in WEIGHTS.items() for _ in range(weight)]
 INFLIGHT = "inflight"
 
@@ -83,6 +93,13 @@ INFLIGHT = "inflight"
 def row_for(gid: str, index: int, variant: int) -> dict[str, Any]:
     """Row ``index`` of group ``gid``; the same ``variant`` always gives identical bytes."""
     return make_row(3 + index, zlib.crc32(f"{gid}/{index}/{variant}".encode()))
+
+
+def starts_with_prefix(gid: str, index: int, variant: int, length: int) -> bool:
+    """Whether row ``variant`` begins with the sample's progress prefix of ``length`` tokens (progress
+    is always a prefix of variant 0's tokens: the row with no schema mask is all completion)."""
+    return bool((row_for(gid, index, variant)["input_ids"][:length] == row_for(gid, index, 0)["input_ids"][:length])
+                .all())
 
 
 @dataclass
@@ -101,6 +118,12 @@ class Owned:
     consumed_step: int | None = None
     rows_stored: bool = True
     timeline: str = ""
+    chunks: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # index -> (start, n, version)
+    token_weight: int | None = None  # the oldest version of progress its committed siblings consumed
+
+    def length(self, index: int) -> int:
+        """The durable progress length of row ``index``."""
+        return sum(n for _, n, _ in self.chunks.get(index, ()))
 
 
 class Model:
@@ -200,6 +223,8 @@ class Model:
                 [(index, variant)] = rows.items()
                 if index in prompt.rows:
                     return (None, True) if prompt.rows[index] == variant else (DuplicateCommit, False)
+            if any(not starts_with_prefix(prompt.gid, i, v, prompt.length(i)) for i, v in rows.items()):
+                return BadArgument, False  # the row contradicts its sample's durable prefix
             return None, False
         if prompt.state in ("evicted", "aborted"):
             return UnknownGroup, False
@@ -212,10 +237,15 @@ class Model:
     def commit(self, gid: str, rows: dict[int, int], whole: bool, end_weight: int | None) -> bool:
         prompt = self.prompts[gid]
         prompt.rows.update(rows)
+        consumed = [v for i in rows for _, _, v in prompt.chunks.pop(i, ())]
+        weights = [w for w in (prompt.token_weight, *consumed) if w is not None]
+        prompt.token_weight = min(weights) if weights else None
         if not whole:
             self.counters["samples_committed"] += len(rows)
         if len(prompt.rows) < N:
             return False
+        if prompt.token_weight is not None:  # the stamp is the oldest token's weight
+            prompt.start_weight = min(prompt.start_weight, prompt.token_weight)
         prompt.state, prompt.end_weight = "ready", self.wv if end_weight is None else end_weight
         self.counters["committed"] += 1
         return True
@@ -256,9 +286,31 @@ class Model:
         for gid in gids:
             prompt = self.prompts[gid]
             prompt.state, prompt.rows_stored, prompt.end_weight, prompt.rows = "aborted", False, -1, {}
+            prompt.chunks = {}
             if prompt.target_step is not None:
                 self.shortfall[prompt.target_step] = self.shortfall.get(prompt.target_step, 0) + 1
         self.counters["aborted"] += len(gids)
+
+    def progress_error(self, lease: Any, index: int, start: int, tokens_match: bool, version: int,
+                       store_id: str) -> tuple[type[Exception] | None, bool]:
+        """The error a progress append raises (or None), and whether it is a no-op retry."""
+        prompt = self.prompts.get(lease.group_id)
+        if prompt is None or prompt.state in ("evicted", "aborted"):
+            return UnknownGroup, False
+        fenced = (ForeignLease if lease.store_id != store_id else AbandonedTimeline
+                  if lease.timeline != prompt.timeline else StaleAttempt if lease.attempt != prompt.attempt else None)
+        if fenced is not None:
+            return fenced, False
+        if prompt.state != INFLIGHT or index in prompt.rows:
+            return SampleCommitted, False
+        if version > max(self.tv, self.wv):
+            return FutureVersion, False
+        length = prompt.length(index)
+        if start > length:
+            return BadArgument, False
+        if start < length:
+            return (None, True) if tokens_match else (DuplicateCommit, False)
+        return None, False
 
     def redispatch(self, gid: str, start_weight: int | None) -> Owned:
         prompt = self.prompts[gid]
@@ -322,6 +374,7 @@ class BufferMachine(RuleBasedStateMachine):
         self.leases: list[Any] = []
         self.checkpoints = 0
         self.saved: list[tuple[str, Model]] = []  # each checkpoint file with the model at its stamp
+        self.prefixes: dict[tuple[str, int], tuple[str, int]] = {}  # (gid, row) -> (timeline, prefix length)
         self.foreign: ReplayBuffer | None = None
 
     # -- setup ---------------------------------------------------------------------------------------
@@ -428,6 +481,66 @@ class BufferMachine(RuleBasedStateMachine):
             error, _ = self.model.commit_error(lease, {index: 2}, whole=False, store_id=self.store_id)
             assert error is not None, f"zombie {lease} would be accepted"
             self.refused(error, self.buf.commit_sample, lease, index, row_for(lease.group_id, index, 2))
+
+    def append(self, lease: Any, index: int, data: Any, label: str) -> None:
+        """One ``record_progress`` of ``lease``'s sample ``index``: the next chunk, a retry of a
+        recorded chunk, a conflicting one, a gap or a weight from the future (drawn as ``label``)."""
+        m = self.model
+        prompt = m.prompts.get(lease.group_id)
+        chunks = [] if prompt is None else list(prompt.chunks.get(index, ()))
+        length = sum(n for _, n, _ in chunks)
+        base = row_for(lease.group_id, index, 0)
+        kind = data.draw(st.sampled_from(["next", "next", "next", "retry", "conflict", "gap", "future"]), label=label)
+        start, n, version, change = length, 1 + (length < 3 + index - 1), min(m.wv, m.tv), 0
+        if kind in ("retry", "conflict") and chunks:
+            start, n, version = data.draw(st.sampled_from(chunks), label="chunk")
+            change = int(kind == "conflict")
+        elif kind == "gap":
+            start += 1
+        elif kind == "future":
+            version = max(m.tv, m.wv) + 1
+        n = min(n, max(1, 3 + index - start))  # a prefix never outgrows variant 0's row
+        tokens = base["input_ids"][start:start + n] + change
+        if len(tokens) < n:  # past the row's end: pad (only a gap or a refused append gets here)
+            tokens = torch.cat([tokens, torch.zeros(n - len(tokens), dtype=torch.int64)])
+        logprobs = torch.full((n,), -0.5)
+        error, retry = m.progress_error(lease, index, start, (start, n, version) in chunks and not change, version,
+                                        self.store_id)
+        call = functools.partial(self.buf.record_progress, lease, index, start=start, tokens=tokens,
+                                 logprobs=logprobs, weight_version=version)
+        if error is None and start + n > 3 + index:
+            error = None if retry else BadArgument  # never reached: appends stay within the row
+        if error is not None:
+            self.refused(error, call)
+            return
+        before = dump_store(self.buf) if retry else None
+        assert call() == (length if retry else length + n)
+        if retry:
+            assert dump_store(self.buf) == before
+            return
+        prompt.chunks.setdefault(index, []).append((start, n, version))
+        self.seen["progress"] += 1
+
+    def progress(self, data):
+        """A producer records the next chunk of a sample (mostly under a lease that may)."""
+        if not self.leases:
+            return
+        lease = self.lease(data)
+        self.append(lease, data.draw(st.integers(0, N - 1), label="index"), data, "progress kind")
+
+    def zombie_progress(self, data):
+        """A lease of an abandoned timeline or another store appends progress: always refused."""
+        stale = [x for x in self.leases if x.store_id != self.store_id or x.timeline != self.model.timeline]
+        if not stale:
+            return
+        lease = data.draw(st.sampled_from(stale), label="zombie")
+        index = data.draw(st.integers(0, N - 1), label="index")
+        prompt = self.model.prompts.get(lease.group_id)
+        error, _ = self.model.progress_error(lease, index, 0 if prompt is None else prompt.length(index), False, 0,
+                                             self.store_id)
+        assert error is not None, f"zombie progress of {lease} would be accepted"
+        self.seen["zombie progress"] += 1
+        self.append(lease, index, data, "zombie progress kind")
 
     def foreign_admit(self, data):
         """Another store admits prompts (its group ids collide with ours): keep its leases as zombies."""
@@ -584,6 +697,9 @@ class BufferMachine(RuleBasedStateMachine):
             (p.gid, p.attempt, p.target_step, p.start_weight) for p in redispatch]
         assert [x.missing for x in plan.leases] == [tuple(i for i in range(N) if i not in p.rows) for p in redispatch]
         assert plan.siblings_reused == sum(len(p.rows) for p in redispatch)
+        assert (plan.progress_samples, plan.progress_tokens) == (
+            sum(1 for p in redispatch for i in p.chunks if p.chunks[i]),
+            sum(p.length(i) for p in redispatch for i in p.chunks))
         assert plan.dispatch_index == m.dispatch
         assert plan.dataloader_state == m.dataloader
         self.leases += plan.leases
@@ -626,6 +742,19 @@ class BufferMachine(RuleBasedStateMachine):
         assert max(targets, default=-1) <= m.dispatch
         assert buf.batch_shortfall() == m.shortfall
         assert buf.dataloader_state() == m.dataloader
+        # Token progress: every acknowledged chunk is there and nothing else; within a timeline a
+        # sample's prefix only grows (a restore to an earlier cut starts another timeline).
+        for p in inflight:
+            got = buf.progress(p.gid)
+            want = {i: c for i, c in p.chunks.items() if c}
+            assert sorted(got) == sorted(want), f"{p.gid}: progress of rows {sorted(got)}, acknowledged {sorted(want)}"
+            for i, chunks in want.items():
+                length = p.length(i)
+                assert got[i].tokens.tolist() == row_for(p.gid, i, 0)["input_ids"][:length].tolist()
+                assert got[i].versions.tolist() == [v for _, n, v in chunks for _ in range(n)]
+                seen = self.prefixes.get((p.gid, i))
+                assert seen is None or seen[0] != m.timeline or seen[1] <= length, f"{p.gid}/{i} shrank"
+                self.prefixes[p.gid, i] = (m.timeline, length)
         # Sampler semantics (§G.5): read-only views of what select / evict / abort would take.
         view = buf.store.read(lambda t: (list(buf.sampler.eligible(BufferView(t), m.tv)),
                                          list(buf.sampler.evictable(BufferView(t), m.tv)),
@@ -641,7 +770,8 @@ def machine_for(sampler: str) -> type[BufferMachine]:
 def test_buffer_matches_the_model(sampler):
     BufferMachine.seen.clear()
     run_state_machine_as_test(machine_for(sampler), settings=SETTINGS)
-    assert min(BufferMachine.seen[k] for k in ("restore", "timeline zombie", "foreign zombie")) > 0, BufferMachine.seen
+    assert min(BufferMachine.seen[k] for k in ("restore", "timeline zombie", "foreign zombie", "progress",
+                                               "zombie progress")) > 0, BufferMachine.seen
 
 
 class Replay:

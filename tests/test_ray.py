@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
+import torch
 from conftest import SCHEMA, make_group
 
 # Imported before ray, so Ray's loopback setting is read with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0.
@@ -158,6 +159,26 @@ def test_a_rollout_worker_commits_one_engine_call_in_one_actor_call(ray_local, t
     stats = ray.get(actor.stats.remote())  # three groups, one call, one durable transaction
     assert (stats["actor_commit_calls"], stats["actor_commit_call_commits"], stats["commit_transactions"]) == (1, 3, 1)
     assert verify_path(str(tmp_path / "live.kv"), deep=True).ok
+    ray.kill(actor)
+
+
+def test_one_engine_steps_progress_is_one_actor_call_and_one_transaction(ray_local, tmp_path):
+    from kvckpt import FutureVersion
+
+    actor = kray.start_buffer_actor(str(tmp_path / "live.kv"), CONFIG, name="progress")
+    leases = ray.get(actor.admit.remote([0, 1]))
+    client = kray.BufferClient(actor, encode_at_edge=False)
+    before = ray.get(actor.stats.remote())["commit_transactions"]
+    step = [{"lease": lease, "index": i, "start": 0, "tokens": torch.tensor([7, i]), "logprobs": [-0.5, -0.25],
+             "weight_version": 0} for lease in leases for i in range(2)]
+    step.append({**step[0], "start": 2, "weight_version": 5})
+    results = client.record_progress_many(step)
+    assert results[:4] == [2, 2, 2, 2] and isinstance(results[4], FutureVersion)
+    assert ray.get(actor.stats.remote())["commit_transactions"] == before + 1
+    assert client.record_progress(leases[0], 1, start=2, tokens=[9], logprobs=[-1.0], weight_version=0) == 3
+    got = client.progress(leases[0])
+    assert got[1].tokens.tolist() == [7, 1, 9] and got[1].versions.tolist() == [0, 0, 0]
+    assert got[0].logprobs.dtype == torch.float32 and verify_path(str(tmp_path / "live.kv"), deep=True).ok
     ray.kill(actor)
 
 

@@ -71,7 +71,7 @@ def commit(t: Tables, schema: RowSchema, store_id: str, lease: Lease, encoded: l
     if len(siblings) < entry.group_size:
         t.replace_entry(LedgerEntry.from_dict({
             **entry.to_dict(), "siblings": tuple(sorted(siblings)), "digests": merged,
-            "raw_bytes": raw, "stored_bytes": stored}), was=entry)
+            "raw_bytes": raw, "stored_bytes": stored, "token_weight": token_weight}), was=entry)
         t.put_state(st)
         return CommitResult(gid, ready=False, rows_written=len(encoded))
     group = GroupInfo(
