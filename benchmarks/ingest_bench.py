@@ -68,7 +68,7 @@ def proc_io() -> dict[str, int]:
         return {k: int(v) for k, v in (line.split(":") for line in f)}
 
 
-def _threads(count: int, work: Callable[[int], dict[str, float]]) -> tuple[float, list[dict[str, float]]]:
+def run_threads(count: int, work: Callable[[int], dict[str, float]]) -> tuple[float, list[dict[str, float]]]:
     """Run ``work(i)`` on ``count`` threads released together; wall seconds and their results."""
     results: list[dict[str, float]] = [{} for _ in range(count)]
     start = threading.Barrier(count + 1)
@@ -115,7 +115,7 @@ def kvckpt_run(path: str, schema: Any, pool: list[Any], groups: int, producers: 
             store_cpu += c2 - c1
         return {"store_cpu": store_cpu, "encode_cpu": encode_cpu}
 
-    wall, parts = _threads(producers, work)
+    wall, parts = run_threads(producers, work)
     cpu, io1 = time.process_time() - cpu0, proc_io()
     stats = {k: buf.committer.stats[k] - before[k] for k in before}
     committed = buf.stats()["committed"]
@@ -130,7 +130,7 @@ def kvckpt_run(path: str, schema: Any, pool: list[Any], groups: int, producers: 
            "wchar_per_group": (io1["wchar"] - io0["wchar"]) / groups,
            "write_bytes_per_group": (io1["write_bytes"] - io0["write_bytes"]) / groups,
            "file_growth_per_group": (os.path.getsize(path) - size0) / groups}
-    _remove(path)
+    remove_store(path)
     return out
 
 
@@ -153,14 +153,14 @@ def bare_run(path: str, schema: Any, pool: list[Any], groups: int, encode: bool)
     wall, cpu, io1 = time.perf_counter() - t0, time.thread_time() - cpu0, proc_io()
     growth = os.path.getsize(path) - size0
     bare.close()
-    _remove(path)
+    remove_store(path)
     return {"groups": groups, "wall_s": wall, "groups_per_s": groups / wall, "cpu_ms": 1e3 * cpu / groups,
             "wchar_per_group": (io1["wchar"] - io0["wchar"]) / groups,
             "write_bytes_per_group": (io1["write_bytes"] - io0["write_bytes"]) / groups,
             "file_growth_per_group": growth / groups}
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far (``/proc/PID/stat``)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -213,9 +213,9 @@ def actor_runs(groups: dict[str, int], producers: int, directory: str, seed: int
                 workers = [Producer.remote(actor, pool_ref) for _ in range(producers)]
                 ray.get([w.ready.remote(edge, batch, in_flight) for w in workers])
                 before = ray.get(actor.stats.remote())
-                cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
+                cpu0, t0 = cpu_seconds(pid), time.perf_counter()
                 done = ray.get([w.run.remote(leases[j::producers]) for j, w in enumerate(workers)])
-                wall, cpu = time.perf_counter() - t0, _cpu_seconds(pid) - cpu0
+                wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
                 after = ray.get(actor.stats.remote())
                 assert sum(done) == groups[kind] == after["committed"]
                 d = {k: after[k] - before[k] for k in ("commit_transactions", "commit_transitions",
@@ -223,7 +223,7 @@ def actor_runs(groups: dict[str, int], producers: int, directory: str, seed: int
                 ray.get(actor.close.remote())
                 for handle in [*workers, actor]:
                     ray.kill(handle)
-                _remove(path)
+                remove_store(path)
                 res["modes"][name] = {
                     "groups_per_s": groups[kind] / wall, "actor_cpu_ms": 1e3 * cpu / groups[kind],
                     "commits_per_fsync": d["commit_transitions"] / d["commit_transactions"],
@@ -273,7 +273,7 @@ def check_cost(schema: Any, pool: list[Any], groups: int) -> float:
     return 1e3 * (time.thread_time() - c0) / groups
 
 
-def _remove(path: str) -> None:
+def remove_store(path: str) -> None:
     for p in (path, path + "-lock"):
         if os.path.exists(p):
             os.unlink(p)
@@ -291,7 +291,7 @@ def profile_new(directory: str, schema: Any, pool: list[Any], groups: int) -> st
         buf.commit_encoded(lease, wire)
     prof.disable()
     buf.close()
-    _remove(os.path.join(directory, "profile.kv"))
+    remove_store(os.path.join(directory, "profile.kv"))
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(8)
     return text.getvalue()

@@ -27,7 +27,14 @@ import numpy as np
 import pytest
 from kvckpt.integrations.trainer.demo import DemoFailed, demo_preset, read_events, run_demo, spawn_child, wait_event
 from kvckpt.integrations.trainer.grpo import BUFFER_FILE, checkpoint_steps
-from kvckpt.integrations.trainer.report import audit, learning, reward_trend, store_view, work_after_checkpoint
+from kvckpt.integrations.trainer.report import (
+    audit,
+    learning,
+    reward_trend,
+    store_view,
+    token_account,
+    work_after_checkpoint,
+)
 from kvckpt.integrations.vllm import ensure_tiny_model
 
 from kvckpt.errors import BadArgument
@@ -245,6 +252,10 @@ def test_kvckpt_demo_fast_reports_exactly_once_and_writes_the_learning_curve(tmp
     assert rec["mode"] == "live" and rec["resume_step"] == 5 and rec["work_lost"]["rows"] == 0
     assert rec["groups_after_checkpoint_recommitted"] == 0 and rec["work_after_checkpoint"]["groups"] >= 1
     assert len(rec["prompts_redispatched"]) == rec["groups_redispatched"] >= 1
+    tokens = rec["tokens"]  # the kill finds completions mid-generation; their durable tokens are resumed
+    assert tokens["resumed"] == tokens["durable_at_kill"] > 0 and tokens["within_bound"] is True
+    assert tokens["regenerated"] <= tokens["progress_every_tokens"] * tokens["inflight_sequences"]
+    assert tokens["completion_level_regenerated"] == tokens["inflight_at_kill"] >= tokens["resumed"]
     assert doc["learning_curve"] == str(out / "kvckpt-demo-learning-curve.png")
     with open(doc["learning_curve"], "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -279,6 +290,17 @@ def test_learning_keeps_the_curve_of_the_model_that_survived():
     assert curve["curve"] == [0.0, 0.1, 0.2, 0.3, 5.0, 6.0, 7.0, 8.0]
     assert curve["before_checkpoint_steps"] == [2, 3] and curve["before_checkpoint_mean"] == pytest.approx(0.25)
     assert curve["after_resume_steps"] == [4, 5] and curve["after_resume_mean"] == pytest.approx(5.5)
+
+
+def test_token_account_counts_what_durable_progress_saved():
+    """40 tokens in flight over 16 sequences at the kill, 32 durable and resumed: 8 regenerated,
+    within one token per sequence; recovering whole completions would have regenerated all 40."""
+    crash = {"inflight_tokens": 40, "inflight_sequences": 16}
+    account = token_account(crash, {"progress_tokens": {"samples": 16, "tokens": 32}}, {"tokens_resumed": 32}, 1)
+    assert account == {"inflight_at_kill": 40, "inflight_sequences": 16, "durable_at_kill": 32, "resumed": 32,
+                       "regenerated": 8, "completion_level_regenerated": 40, "progress_every_tokens": 1,
+                       "within_bound": True}
+    assert token_account(crash, {"progress_tokens": {"samples": 0, "tokens": 0}}, {}, 1)["within_bound"] is False
 
 
 def test_demo_presets_scale_with_steps():

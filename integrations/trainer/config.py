@@ -76,6 +76,9 @@ class GenerationConfig:
         workers: rollout workers, each with its own pump. Defaults to 1.
         ray: host the workers (and the buffer, for ``kvckpt``) in Ray actors. Defaults to False.
         backend_options: extra keyword arguments of the backend (e.g. vLLM's ``max_model_len``).
+        progress_every_tokens: the workers record each sequence's new tokens durably every this
+            many tokens (see :class:`~kvckpt.integrations.vllm.RolloutWorker`). Defaults to 256.
+        progress_every_seconds: and every this many seconds. Defaults to None (by count only).
     """
 
     backend: str = "transformers"
@@ -86,6 +89,8 @@ class GenerationConfig:
     workers: int = 1
     ray: bool = False
     backend_options: dict[str, Any] = field(default_factory=dict)
+    progress_every_tokens: int = 256
+    progress_every_seconds: float | None = None
 
 
 @dataclass

@@ -43,7 +43,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvckpt.integrations.trainer.faults import Hooks, ParkRollout
-from kvckpt.integrations.trainer.report import audit, learning, plot_learning_curve, store_view, work_after_checkpoint
+from kvckpt.integrations.trainer.report import (
+    audit,
+    learning,
+    plot_learning_curve,
+    store_view,
+    token_account,
+    work_after_checkpoint,
+)
 
 from kvckpt.durability.safe_open import verify_path
 from kvckpt.errors import BadArgument, KvckptError, LeaseError
@@ -70,6 +77,9 @@ PRESETS = {
              "sft_steps": 30, "max_operand": 4, "lr": 4e-4},
 }
 PARK_WAIT_SECONDS = 60.0
+#: The demo's progress interval: its completions are 2-4 tokens (a sum and end-of-text), so every
+#: token is made durable; a long-reasoning run would use hundreds (the worker's default is 256).
+PROGRESS_EVERY_TOKENS = 1
 
 
 class DemoFailed(KvckptError):
@@ -89,7 +99,9 @@ class DemoHooks(Hooks):
         events: a JSON-lines file this process appends ``{"event": ...}`` records to: ``commit``
             (each successful commit: prompt_idx, group_id, attempt), ``parked`` (the parked lease),
             ``first-batch`` (the first selection, with ``time.time()``), ``crash-point``.
-        park_prompt: park (block before committing) the first lease with ``prompt_idx >=`` this.
+        park_prompt: park the first lease with ``prompt_idx >=`` this: block before committing it
+            (``park_at="commit"``) or after the first engine step that made some of its tokens
+            durable (``"generation"``: the kill then finds its completions mid-generation).
         crash_step: at ``after_select`` of this step, wait for the park (up to
             :data:`PARK_WAIT_SECONDS`), log ``crash-point`` and wait to be SIGKILLed by the parent
             (or kill this process itself if the parent is gone).
@@ -99,9 +111,14 @@ class DemoHooks(Hooks):
     """
 
     def __init__(self, events: str, *, park_prompt: int | None = None, crash_step: int | None = None,
-                 stop_step: int | None = None) -> None:
+                 stop_step: int | None = None, park_at: str = "commit") -> None:
+        if park_at not in ("commit", "generation"):
+            raise BadArgument(f"park_at must be 'commit' or 'generation', got {park_at!r}")
         self.events, self.crash_step, self.stop_step = events, crash_step, stop_step
-        self.park_prompt = park_prompt
+        self.park_prompt, self.park_at = park_prompt, park_at
+        #: (group id, row index) -> [tokens generated, tokens durable] of every uncommitted sample,
+        #: as the streaming workers last reported them.
+        self.generating: dict[tuple[str, int], list[int]] = {}
         self.park = ParkRollout()
         self.trainer: Any = None
         self._lock = threading.Lock()
@@ -125,8 +142,26 @@ class DemoHooks(Hooks):
                 os.write(sys.stdout.fileno(), b"\n")
 
     def before_commit(self, lease: Lease) -> None:
-        if self.park_prompt is None or lease.prompt_idx < self.park_prompt or self.park.parked.is_set():
+        self._freeze_if_crashing()
+        if self.park_at == "commit" and self._parks(lease):
+            self._park(lease)
+
+    def after_generation_step(self, states: Sequence[Any]) -> None:
+        self._freeze_if_crashing()
+        with self._lock:
+            for s in states:
+                self.generating[(s.lease.group_id, s.index)] = [s.generated, s.durable]
+        if self.park_at != "generation":
             return
+        for lease in {s.lease.group_id: s.lease for s in states}.values():
+            # after the lease's first durable tokens: the answer and its end-of-text are still to come
+            if self._parks(lease) and any(s.durable for s in states if s.lease.group_id == lease.group_id):
+                self._park(lease)
+
+    def _parks(self, lease: Lease) -> bool:
+        return not (self.park_prompt is None or lease.prompt_idx < self.park_prompt or self.park.parked.is_set())
+
+    def _park(self, lease: Lease) -> None:
         self.log("parked", prompt_idx=lease.prompt_idx, group_id=lease.group_id, attempt=lease.attempt,
                  target_step=lease.target_step)
         if self.crash_step is not None:
@@ -134,11 +169,20 @@ class DemoHooks(Hooks):
         self.park.before_commit(lease)
         raise ParkedCommitDropped(f"{lease.group_id}: the run stopped while its commit was parked")
 
+    def _freeze_if_crashing(self) -> None:
+        """Past the crash point, no worker generates or commits more (the SIGKILL is coming): the
+        in-flight tokens logged with ``crash-point`` are what the kill finds."""
+        while self._crashing:
+            time.sleep(0.2)
+
     def _crash(self, step: int | None) -> None:
         with self._lock:
             first, self._crashing = not self._crashing, True
+            generated = sum(g for g, _ in self.generating.values())
+            durable = sum(d for _, d in self.generating.values())
         if first:
-            self.log("crash-point", step=step)
+            self.log("crash-point", step=step, inflight_tokens=generated, durable_tokens=durable,
+                     inflight_sequences=len(self.generating))
         while os.getppid() == self._parent:  # the parent SIGKILLs this process now
             time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -152,6 +196,9 @@ class DemoHooks(Hooks):
     def at(self, point: str, **info: Any) -> None:
         if point == "after_commit":
             for lease, result in zip(info["leases"], info["results"], strict=True):
+                with self._lock:
+                    for index in lease.missing:
+                        self.generating.pop((lease.group_id, index), None)
                 if not isinstance(result, BaseException):
                     self.log("commit", prompt_idx=lease.prompt_idx, group_id=lease.group_id, attempt=lease.attempt)
         elif point == "after_select":
@@ -180,11 +227,12 @@ def child_main(argv: Sequence[str]) -> int:
     parser.add_argument("--park-prompt", type=int)
     parser.add_argument("--crash-step", type=int)
     parser.add_argument("--stop-step", type=int)
+    parser.add_argument("--park-at", choices=("commit", "generation"), default="commit")
     args = parser.parse_args(argv)
     from kvckpt.integrations.trainer.grpo import GRPOTrainer
 
     hooks = DemoHooks(args.events, park_prompt=args.park_prompt, crash_step=args.crash_step,
-                      stop_step=args.stop_step)
+                      stop_step=args.stop_step, park_at=args.park_at)
     trainer = GRPOTrainer(args.config, hooks=hooks)
     hooks.trainer = trainer
     summary = trainer.run()
@@ -195,13 +243,13 @@ def child_main(argv: Sequence[str]) -> int:
 
 
 def spawn_child(config_path: str, events: str, *, summary: str | None = None, park_prompt: int | None = None,
-                crash_step: int | None = None, stop_step: int | None = None,
+                crash_step: int | None = None, stop_step: int | None = None, park_at: str | None = None,
                 stderr: str | None = None) -> subprocess.Popen[bytes]:
     """Start a training process running :func:`child_main` (its stderr to the file ``stderr``; its
     stdout a pipe carrying one byte per logged event, the doorbell :func:`wait_event` waits on)."""
     cmd = [sys.executable, "-m", "kvckpt.integrations.trainer.demo", "child", config_path, events]
     for flag, value in (("--summary", summary), ("--park-prompt", park_prompt), ("--crash-step", crash_step),
-                        ("--stop-step", stop_step)):
+                        ("--stop-step", stop_step), ("--park-at", park_at)):
         if value is not None:
             cmd += [flag, str(value)]
     err = open(stderr or os.devnull, "wb")  # noqa: SIM115 - handed to the child
@@ -287,7 +335,7 @@ def demo_config(out: str, preset: dict[str, Any], sampler: str, recovery: str, b
             "model": {"cache_dir": cache_dir, "sft_steps": preset["sft_steps"]},
             "task": {"max_operand": preset["max_operand"]},
             "generation": {"backend": backend, "group_size": preset["group_size"], "max_tokens": 4,
-                           "workers": workers},
+                           "workers": workers, "progress_every_tokens": PROGRESS_EVERY_TOKENS},
             "train": {"steps": preset["steps"], "groups_per_step": gps, "lr": preset["lr"]},
             "replay_buffer": {"sampler": SAMPLERS[sampler], "max_buffered_rollouts": 3 * gps},
             "checkpoint": {"every_steps": preset["every_steps"], "keep": 2, "resume_from": recovery}}
@@ -337,10 +385,11 @@ def run_demo(out: str | None = None, *, fast: bool = False, steps: int | None = 
         t0 = time.monotonic()
         stderr1 = os.path.join(out, "run-1.stderr")
         proc = spawn_child(config_path, os.path.join(out, "events-1.jsonl"), park_prompt=(crash + 1) * gps + 1,
-                           crash_step=crash, stderr=stderr1)
+                           crash_step=crash, park_at="generation", stderr=stderr1)
         try:
-            killed_in = wait_event(os.path.join(out, "events-1.jsonl"), "crash-point", proc, timeout=900,
-                                   stderr=stderr1)["step"]
+            crash_point = wait_event(os.path.join(out, "events-1.jsonl"), "crash-point", proc, timeout=900,
+                                     stderr=stderr1)
+            killed_in = crash_point["step"]
         finally:
             proc.kill()
             proc.wait()
@@ -374,6 +423,7 @@ def run_demo(out: str | None = None, *, fast: bool = False, steps: int | None = 
         png = plot_learning_curve(metrics, len(metrics_before), killed_in, ckpt_step,
                                   os.path.join(out, "kvckpt-demo-learning-curve.png"), curve)
         rec = summary["recovery"]
+        tokens = token_account(crash_point, source, summary.get("progress", {}), PROGRESS_EVERY_TOKENS)
         report = {
             "backend": backend, "sampler": sampler, "out": out, "kept": "all" if keep else "plot and metrics",
             "learning_curve": png,
@@ -389,14 +439,15 @@ def run_demo(out: str | None = None, *, fast: bool = False, steps: int | None = 
                                        "rows": 0 if recovery == "live" else after["rows"],
                                        "raw_bytes": 0 if recovery == "live" else after["raw_bytes"]},
                          "groups_after_checkpoint_recommitted": len(set(after["group_ids"]) & commits2),
-                         "time_to_first_batch_seconds": first[0]["time"] - t_restart if first else None},
+                         "time_to_first_batch_seconds": first[0]["time"] - t_restart if first else None,
+                         "tokens": tokens},
             "finish": {"final_step": summary["steps_done"], "steps_trained": summary["steps_done"] - ckpt_step},
             "learning": curve,
             "check": {**{k: v for k, v in check.items() if k != "trained_by_step"},
                       "verify_ok": verify.ok, "verify_problems": [str(p) for p in verify.problems]},
         }
         report["ok"] = bool(not check["lost"] and not check["doubled"] and verify.ok
-                            and len(redispatch) == rec["groups_redispatched"])
+                            and len(redispatch) == rec["groups_redispatched"] and tokens["within_bound"])
         succeeded = report["ok"]
         logger.info("demo in %s: %s; reward trend %s/step, t = %s", out, "ok" if succeeded else "FAILED",
                     curve["slope"], curve["t"])

@@ -1,7 +1,8 @@
 """Test-only fault injection for the reference trainer: hooks passed in, never read from the environment.
 
-The trainer calls ``hooks.at(point, **info)`` at named points of its loop and
-``hooks.before_commit(lease)`` right before each rollout commit. Production runs pass nothing
+The trainer calls ``hooks.at(point, **info)`` at named points of its loop,
+``hooks.before_commit(lease)`` right before each rollout commit and
+``hooks.after_generation_step(states)`` after each engine step of a streaming worker. Production runs pass nothing
 and get :class:`Hooks`, whose methods do nothing. Tests pass one of the classes below, or run the
 trainer as a program that crashes in a fresh process::
 
@@ -26,7 +27,10 @@ import os
 import signal
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
+
+from kvckpt.integrations.vllm.stream import SequenceState
 
 from kvckpt.tables.records import Lease
 
@@ -42,6 +46,10 @@ class Hooks:
 
     def before_commit(self, lease: Lease) -> None:
         """Called by the rollout pump right before ``lease``'s rows are committed."""
+
+    def after_generation_step(self, states: Sequence[SequenceState]) -> None:
+        """Called by a streaming worker after each engine step's progress appends, with every
+        sequence's :class:`~kvckpt.integrations.vllm.stream.SequenceState` (in-process workers)."""
 
 
 class CrashAt(Hooks):

@@ -72,7 +72,7 @@ logger = logging.getLogger(__name__)
 MODEL_FILE, BUFFER_FILE = "model.pt", "buffer.kvckpt"
 #: Buffer operations whose time counts as "time in kvckpt" in the metrics.
 BUFFER_OPS = ("admit", "admissible", "commit_group", "commit_sample", "select", "read_batch", "finish_step",
-              "evict", "abort_stale_inflight", "checkpoint", "state", "stats")
+              "evict", "abort_stale_inflight", "checkpoint", "state", "stats", "record_progress_many", "progress")
 
 
 # -- GRPO maths ------------------------------------------------------------------------------------
@@ -444,7 +444,9 @@ class GRPOTrainer:
     def _start_workers(self, model_path: str) -> None:
         gen = self.config.generation
         kwargs = {"model_path": model_path, "backend": gen.backend, "task": self.task, "max_tokens": gen.max_tokens,
-                  "temperature": gen.temperature, "commit": gen.commit, "backend_options": gen.backend_options}
+                  "temperature": gen.temperature, "commit": gen.commit, "backend_options": gen.backend_options,
+                  "progress_every_tokens": gen.progress_every_tokens,
+                  "progress_every_seconds": gen.progress_every_seconds}
         for i in range(gen.workers):
             seed = self.config.seed * 1000 + i
             if gen.ray:
@@ -491,7 +493,11 @@ class GRPOTrainer:
                 if not leases:
                     continue
                 t0 = time.perf_counter()
-                results = worker.run(target, leases, before_commit=self.hooks.before_commit)
+                if target is None:
+                    results = worker.run(target, leases, before_commit=self.hooks.before_commit)
+                else:
+                    results = worker.run(target, leases, before_commit=self.hooks.before_commit,
+                                         after_step=self.hooks.after_generation_step)
                 if target is None:  # committed by the actor: time the whole remote call
                     self.clock.add("commit_group" if self.config.generation.commit == "group" else "commit_sample",
                                    time.perf_counter() - t0)
@@ -659,9 +665,19 @@ class GRPOTrainer:
                 "kvckpt_share_train": train_kv / wall if wall else 0.0,
                 "kvckpt_share_rollout": roll_kv / wall if wall else 0.0,
                 "kvckpt_seconds_by_op": dict(self.clock.by_op),
+                "progress": self._progress_stats(),
                 "reward_first": sum(rewards[:k]) / k if rewards else None,
                 "reward_last": sum(rewards[-k:]) / k if rewards else None,
                 "metrics_path": self.config.metrics_path}
+
+    def _progress_stats(self) -> dict[str, int]:
+        """The in-process workers' token counts (tokens generated, resumed from durable progress,
+        appends, append calls), summed."""
+        total: dict[str, int] = {}
+        for worker in self.workers:
+            for key, value in getattr(worker, "progress_stats", {}).items():
+                total[key] = total.get(key, 0) + value
+        return total
 
     def _init_ray(self) -> None:
         import ray

@@ -21,11 +21,34 @@ from kvckpt.tables.records import ABORTED, CONSUMED, EVICTED
 
 # -- reading the stores ---------------------------------------------------------------------------
 def store_view(path: str) -> dict[str, Any]:
-    """A store's group records, ledger, state and dataloader cursor, read-only."""
+    """A store's group records, ledger, state, dataloader cursor and the durable token progress
+    of every prompt in flight (``progress_tokens``: samples with progress, and their tokens), read-only."""
     with ReplayBuffer.open(path, readonly=True) as buf:
         dl = buf.dataloader_state()
-        return {"groups": buf.groups(), "ledger": buf.ledger(), "state": buf.state(),
-                "cursor": json.loads(dl)["cursor"] if dl else 0}
+        ledger = buf.ledger()
+        prefixes = [p for e in ledger for p in buf.progress(e.group_id).values()]
+        return {"groups": buf.groups(), "ledger": ledger, "state": buf.state(),
+                "cursor": json.loads(dl)["cursor"] if dl else 0,
+                "progress_tokens": {"samples": len(prefixes), "tokens": sum(p.length for p in prefixes)}}
+
+
+def token_account(crash_point: dict[str, Any], source: dict[str, Any], resumed_run: dict[str, Any],
+                  every_tokens: int) -> dict[str, Any]:
+    """The generation work in flight at the kill, in tokens: ``inflight_at_kill`` (generated for
+    uncommitted completions, as the workers last reported them before the SIGKILL), ``durable_at_kill``
+    (their durable progress in the store the run resumed from), ``resumed`` (what the resumed run's
+    workers continued from instead of regenerating), ``regenerated`` (in flight but lost: generated
+    again), ``completion_level_regenerated`` (what recovering whole completions would regenerate:
+    everything in flight), and whether ``regenerated`` stays within one progress interval
+    (``every_tokens``) per in-flight sequence."""
+    inflight = int(crash_point.get("inflight_tokens", 0))
+    sequences = int(crash_point.get("inflight_sequences", 0))
+    resumed = int(resumed_run.get("tokens_resumed", 0))
+    regenerated = max(0, inflight - resumed)
+    return {"inflight_at_kill": inflight, "inflight_sequences": sequences,
+            "durable_at_kill": source["progress_tokens"]["tokens"], "resumed": resumed,
+            "regenerated": regenerated, "completion_level_regenerated": inflight,
+            "progress_every_tokens": every_tokens, "within_bound": regenerated <= every_tokens * sequences}
 
 
 def work_after_checkpoint(live: dict[str, Any], ckpt: dict[str, Any] | None) -> dict[str, Any]:
@@ -183,6 +206,7 @@ def render(doc: dict[str, Any]) -> list[str]:
                             f"consumed at steps >= {rec['resume_step']} returned to ready)"),
         ("prompts redispatched", f"{len(ids)}" + (f": prompt_idx {', '.join(ids)}" if ids else "")),
         ("siblings reused", f"{rec['siblings_reused']} rows ({rec['siblings_rerun']} left to generate)"),
+        *(_token_lines(rec["tokens"]) if rec.get("tokens") else []),
         ("generation work lost", lost[0]), ("", lost[1]),
         ("time to first batch", first_text),
         ("finished", f"to step {fin['final_step']} ({fin['steps_trained']} steps after the resume)"),
@@ -204,6 +228,18 @@ def render(doc: dict[str, Any]) -> list[str]:
         lines.append(f"  files kept in {doc['out']}" + ("" if doc.get("kept", "all") == "all"
                                                        else f" ({doc['kept']}; --out DIR keeps them all)"))
     return lines
+
+
+def _token_lines(tokens: dict[str, Any]) -> list[tuple[str, str]]:
+    """The report's lines on the tokens in flight at the kill (see :func:`token_account`)."""
+    bound = tokens["progress_every_tokens"] * tokens["inflight_sequences"]
+    return [("tokens in flight", f"{tokens['inflight_at_kill']} generated for {tokens['inflight_sequences']} "
+                                 f"uncommitted completions at the kill, {tokens['durable_at_kill']} of them durable"),
+            ("tokens resumed", f"{tokens['resumed']} (continued from durable progress, not regenerated)"),
+            ("tokens regenerated", f"{tokens['regenerated']} (bound: {tokens['progress_every_tokens']} per in-flight "
+                                   f"sequence = {bound}; {'within' if tokens['within_bound'] else 'OVER'} it); "
+                                   f"a completion-level recovery would regenerate "
+                                   f"{tokens['completion_level_regenerated']}")]
 
 
 def _learning_lines(curve: dict[str, Any]) -> list[tuple[str, str]]:

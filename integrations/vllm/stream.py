@@ -10,7 +10,9 @@ its last durable append and records every sequence that is due (``every_tokens``
 ``every_seconds`` seconds since its last append) in ONE ``record_progress_many`` call per engine
 step, so a fleet's appends of one step share one durable transaction. A lease whose append is
 refused (fenced by a recovery: ``StaleAttempt``; aborted: ``UnknownGroup``) stops generating; the
-worker reports the refusal and commits nothing for it.
+worker reports the refusal and commits nothing for it. ``FutureVersion`` is not a refusal: a trainer
+syncs new weights to the workers just before ``finish_step`` records their version, so a chunk
+stamped with them can arrive first; it stays pending and goes with the sequence's next append.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvckpt.errors import KvckptError
+from kvckpt.errors import FutureVersion, KvckptError
 from kvckpt.tables.records import Lease
 
 #: ``(sequence number, new token ids, their logprobs)`` for one sequence in one engine step.
@@ -130,6 +132,10 @@ class ProgressRecorder:
         self.calls += 1
         for i, result in zip(due, results, strict=True):
             s = self.states[i]
+            if isinstance(result, FutureVersion):
+                # The worker got new weights a moment before the trainer's finish_step made
+                # their version durable: the chunk stays pending and goes with the next append.
+                continue
             if isinstance(result, KvckptError):
                 self.refused.setdefault(s.lease.group_id, result)
                 continue

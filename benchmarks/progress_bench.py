@@ -1,0 +1,308 @@
+"""Token progress from the workers (issue 25): the fleet's append stream, generation with it on
+and off, and the tokens a crash loses, side by side in one run.
+
+    python -m benchmarks.progress_bench                 # a few minutes on 2 shared cores
+    python -m benchmarks.progress_bench --quick         # under a minute: proves it runs
+    python -m benchmarks.progress_bench --json benchmarks/results/progress-DATE.json
+
+(a) **The fleet's progress stream on one store.** The issue's fleet: 1,024 engines x 256
+sequences, one append per 256 tokens, so about 6,400 appends/s of 2 KB chunks. ``engines``
+producer threads each own a share of the in-flight sequences and call ``record_progress_many``
+once per engine step with ``per_step`` chunks of :data:`CHUNK_TOKENS` tokens (int64 ids +
+float32 logprobs = 2,040 bytes), closed loop (as fast as the store takes them). Reported:
+appends/s, the owner's CPU per append (in-process: ``time.thread_time`` inside the calls, summed
+over threads; through the Ray actor: the actor process's CPU from ``/proc``), fsyncs per append
+(the group committer's durable transactions per transition), and the owner's share of one core
+at the target rate (CPU per append x 6,400/s). Baseline in the same run: a bare LMDB loop
+(:class:`benchmarks.baselines.BareLmdb`, one durable transaction per engine step, one thread)
+writing the same bytes.
+
+(b) **Generation with progress on vs off.** The rollout worker on the tiny model, the same
+leases, streaming every ``every`` tokens against not streaming (one engine call, commit at the
+end); throughput in tokens/s, interleaved repetitions, ratio of medians.
+
+(c) **Tokens lost per crash.** The worker generates with progress every ``every`` tokens and
+stops dead at a random token (an exception from the step hook: no further append, nothing
+flushed); a fresh handle then reads the durable prefixes. Lost = generated - durable, per
+in-flight sequence, against the bound of one interval.
+
+The machine is shared (7 engineers on 2 cores): absolute rates move with the load; the ratios
+(against the bare loop, on against off) are the figures to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from benchmarks import baselines
+from benchmarks.ingest_bench import cpu_seconds, remove_store, run_threads
+from kvckpt import BufferConfig, ReplayBuffer
+from kvckpt.storage import codec
+
+#: Tokens per chunk: int64 ids + float32 logprobs = 12 bytes a token, 2,040 bytes a chunk.
+CHUNK_TOKENS = 170
+TARGET_APPENDS_PER_S = 6400
+GROUP = 8
+SCHEMA = {"input_ids": ("int64", "token"), "generation_logprobs": ("float32", "token"),
+          "token_mask": ("int64", "token")}
+
+
+def _config() -> BufferConfig:
+    return BufferConfig(group_size=GROUP, schema=SCHEMA, max_buffered_rollouts=1 << 24,
+                        sampler={"name": "windowed", "max_staleness_versions": 1 << 20})
+
+
+def _chunk(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 150_000, (CHUNK_TOKENS,), generator=g, dtype=torch.int64),
+            -torch.rand(CHUNK_TOKENS, generator=g, dtype=torch.float32))
+
+
+def _plan(engines: int, per_step: int, steps: int) -> list[list[list[tuple[int, int]]]]:
+    """Per engine, per step, the ``(sequence, chunk number)`` it appends: each engine owns
+    ``per_step`` x 4 sequences and appends to a quarter of them each step (staggered intervals)."""
+    owned = per_step * 4
+    out = []
+    for e in range(engines):
+        seqs = [e * owned + i for i in range(owned)]
+        out.append([[(seqs[(s * per_step + j) % owned], (s * per_step + j) // owned) for j in range(per_step)]
+                    for s in range(steps)])
+    return out
+
+
+def stream_in_process(path: str, engines: int, per_step: int, steps: int) -> dict[str, Any]:
+    """(a) in-process: ``engines`` threads, one ``record_progress_many`` of ``per_step`` chunks per step."""
+    buf = ReplayBuffer.create(path, _config())
+    plan = _plan(engines, per_step, steps)
+    sequences = engines * per_step * 4
+    leases = buf.admit(list(range(sequences // GROUP)))
+    tokens, logprobs = _chunk(0)
+    before = dict(buf.committer.stats)
+
+    def work(e: int) -> dict[str, float]:
+        cpu = 0.0
+        for step in plan[e]:
+            items = [{"lease": leases[seq // GROUP], "index": seq % GROUP, "start": n * CHUNK_TOKENS,
+                      "tokens": tokens, "logprobs": logprobs, "weight_version": 0} for seq, n in step]
+            c0 = time.thread_time()
+            results = buf.record_progress_many(items)
+            cpu += time.thread_time() - c0
+            assert all(isinstance(r, int) for r in results), results
+        return {"cpu": cpu}
+
+    wall, parts = run_threads(engines, work)
+    stats = {k: buf.committer.stats[k] - before[k] for k in before}
+    buf.close()
+    remove_store(path)
+    appends = engines * per_step * steps
+    return _stream_result(appends, wall, sum(p["cpu"] for p in parts), stats["transactions"], stats["transitions"])
+
+
+def _stream_result(appends: int, wall: float, cpu: float, transactions: int, transitions: int) -> dict[str, Any]:
+    per_append = cpu / appends
+    return {"appends": appends, "wall_s": wall, "appends_per_s": appends / wall, "owner_cpu_us": 1e6 * per_append,
+            "owner_core_share_at_target": per_append * TARGET_APPENDS_PER_S,
+            "fsyncs_per_append": transactions / max(1, transitions)}
+
+
+def stream_bare(path: str, engines: int, per_step: int, steps: int) -> dict[str, Any]:
+    """(a) baseline: the same chunks' bytes (encoded as kvckpt stores them) put by a bare LMDB loop,
+    one durable transaction per engine step, one thread."""
+    tokens, logprobs = _chunk(0)
+    value = codec.encode({"tokens": tokens.numpy(), "logprobs": logprobs.numpy()})
+    plan = _plan(engines, per_step, steps)
+    bare = baselines.BareLmdb(path)
+    c0, t0 = time.thread_time(), time.perf_counter()
+    for s in range(steps):
+        for e in range(engines):
+            bare.put_group([(f"p/{seq:08d}/{n:06d}".encode(), value) for seq, n in plan[e][s]])
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    bare.close()
+    remove_store(path)
+    appends = engines * per_step * steps
+    out = _stream_result(appends, wall, cpu, engines * steps, appends)
+    out["value_bytes"] = len(value)
+    return out
+
+
+def stream_ray(path: str, engines: int, per_step: int, steps: int) -> dict[str, Any]:
+    """(a) through the buffer actor: ``engines`` producer actors, one ``BufferClient.record_progress_many``
+    actor call per engine step; the owner's CPU is the actor process's."""
+    import ray
+    from kvckpt.integrations.ray import BufferClient, init_local_ray, start_buffer_actor
+
+    @ray.remote(num_cpus=0)
+    class Engine:
+        """A rollout engine stand-in: appends pre-made chunks, one actor call per step."""
+
+        def __init__(self, actor: Any) -> None:
+            self.client = BufferClient(actor)
+
+        def ready(self) -> bool:
+            return True
+
+        def run(self, leases: list[Any], plan: list[list[tuple[int, int]]]) -> int:
+            tokens, logprobs = _chunk(0)
+            for step in plan:
+                items = [{"lease": leases[seq // GROUP], "index": seq % GROUP, "start": n * CHUNK_TOKENS,
+                          "tokens": tokens, "logprobs": logprobs, "weight_version": 0} for seq, n in step]
+                results = self.client.record_progress_many(items)
+                assert all(isinstance(r, int) for r in results), results
+            return len(plan)
+
+    init_local_ray(num_cpus=engines + 1, object_store_memory=1 << 29)
+    try:
+        actor = start_buffer_actor(path, _config().to_dict(), name="progress-bench")
+        pid = ray.get(actor.info.remote())["pid"]
+        plan = _plan(engines, per_step, steps)
+        leases = ray.get(actor.admit.remote(list(range(engines * per_step * 4 // GROUP))))
+        workers = [Engine.remote(actor) for _ in range(engines)]
+        ray.get([w.ready.remote() for w in workers])  # started before the clock
+        before = ray.get(actor.stats.remote())
+        cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+        ray.get([w.run.remote(leases, plan[e]) for e, w in enumerate(workers)])
+        wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
+        after = ray.get(actor.stats.remote())
+        ray.get(actor.close.remote())
+    finally:
+        ray.shutdown()
+    remove_store(path)
+    appends = engines * per_step * steps
+    return _stream_result(appends, wall, cpu, after["commit_transactions"] - before["commit_transactions"],
+                          after["commit_transitions"] - before["commit_transitions"])
+
+
+def generation(directory: str, max_tokens: int, every: int, prompts: int, reps: int) -> dict[str, Any]:
+    """(b) tokens/s of the rollout worker with progress every ``every`` tokens and without."""
+    from kvckpt.integrations.vllm import DEFAULT_SCHEMA, RolloutWorker, ensure_tiny_model
+
+    model = ensure_tiny_model(os.path.join(directory, "tiny-model"))
+    workers = {"off": RolloutWorker(model, max_tokens=max_tokens, progress_every_tokens=0, seed=1),
+               "on": RolloutWorker(model, max_tokens=max_tokens, progress_every_tokens=every, seed=1,
+                                   backend_options={"step_tokens": max_tokens})}
+    # the transformers backend re-prompts at each engine step: with "step_tokens" = the budget both
+    # sides run the same single engine call per batch, and "on" records its progress at the end of
+    # every engine step that crossed an interval (a vLLM engine step is one token: see docs)
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    appends = 0
+    for rep in range(reps):
+        for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
+            path = os.path.join(directory, f"gen-{mode}-{rep}.kv")
+            with ReplayBuffer.create(path, BufferConfig(group_size=GROUP, schema=DEFAULT_SCHEMA,
+                                                        max_buffered_rollouts=prompts)) as buf:
+                leases = buf.admit(list(range(prompts)))
+                t0 = time.perf_counter()
+                workers[mode].run(buf, leases)
+                wall = time.perf_counter() - t0
+                rows = buf.read_batch([lease.group_id for lease in leases], layout="list").rows
+            generated = sum(int(r["token_mask"].sum()) for r in rows)
+            rates[mode].append(generated / wall)
+            remove_store(path)
+    appends = workers["on"].progress_stats["appends"]
+    off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
+    return {"max_tokens": max_tokens, "every": every, "prompts": prompts, "group": GROUP, "reps": reps,
+            "tokens_per_s_off": off, "tokens_per_s_on": on, "on_over_off": on / off, "rates": rates,
+            "appends_on": appends}
+
+
+class _Crash(Exception):
+    """The stand-in for the worker's process dying at this step (no append after it)."""
+
+
+def crashes(directory: str, max_tokens: int, every: int, kills: int, seed: int) -> dict[str, Any]:
+    """(c) tokens lost per in-flight sequence when the worker dies at a random token."""
+    from kvckpt.integrations.vllm import DEFAULT_SCHEMA, RolloutWorker, ensure_tiny_model
+
+    model = ensure_tiny_model(os.path.join(directory, "tiny-model"))
+    worker = RolloutWorker(model, max_tokens=max_tokens, temperature=0.0, progress_every_tokens=every,
+                           backend_options={"step_tokens": 1})
+    rng = random.Random(seed)
+    runs = []
+    for k in range(kills):
+        kill_at = rng.randrange(1, max_tokens)
+        path = os.path.join(directory, f"crash-{k}.kv")
+        seen: dict[tuple[str, int], int] = {}
+
+        def step(states: Any, kill_at: int = kill_at, seen: dict[tuple[str, int], int] = seen) -> None:
+            for s in states:
+                seen[(s.lease.group_id, s.index)] = s.generated
+            if states[0].generated >= kill_at:
+                raise _Crash
+
+        config = BufferConfig(group_size=GROUP, schema=DEFAULT_SCHEMA, max_buffered_rollouts=4)
+        with ReplayBuffer.create(path, config) as buf, contextlib.suppress(_Crash):
+            worker.run(buf, buf.admit([10, 26]), after_step=step)
+        with ReplayBuffer.open(path) as buf:
+            durable = {(e.group_id, i): p.length for e in buf.ledger() for i, p in buf.progress(e.group_id).items()}
+        lost = [generated - durable.get(key, 0) for key, generated in seen.items()]
+        runs.append({"kill_at": kill_at, "sequences": len(lost), "generated": sum(seen.values()),
+                     "durable": sum(durable.values()), "lost": sum(lost), "lost_max_per_sequence": max(lost)})
+        remove_store(path)
+    worst = max(r["lost_max_per_sequence"] for r in runs)
+    return {"max_tokens": max_tokens, "every": every, "runs": runs, "lost_max_per_sequence": worst,
+            "lost_per_sequence_over_interval": worst / every,
+            "lost_over_inflight": sum(r["lost"] for r in runs) / max(1, sum(r["generated"] for r in runs))}
+
+
+def run(quick: bool, directory: str, log: Any = print) -> dict[str, Any]:
+    """Every part, in order; returns the results document."""
+    engines, per_step, steps = (4, 8, 20) if quick else (16, 8, 100)
+    result: dict[str, Any] = {"argv": " ".join(shlex.quote(a) for a in sys.argv), "quick": quick,
+                              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                          "loadavg_start": os.getloadavg()[0]},
+                              "stream": {"engines": engines, "per_step": per_step, "steps": steps,
+                                         "chunk_tokens": CHUNK_TOKENS, "target_appends_per_s": TARGET_APPENDS_PER_S}}
+    for name, fn in (("bare", stream_bare), ("in_process", stream_in_process), ("ray", stream_ray)):
+        doc = fn(os.path.join(directory, f"stream-{name}.kv"), engines, per_step, steps)
+        result["stream"][name] = doc
+        log(f"(a) {name}: {doc['appends_per_s']:.0f} appends/s, owner CPU {doc['owner_cpu_us']:.0f} us/append "
+            f"({100 * doc['owner_core_share_at_target']:.0f}% of a core at {TARGET_APPENDS_PER_S}/s), "
+            f"{doc['fsyncs_per_append']:.3f} fsyncs/append")
+    s = result["stream"]
+    s["ratios"] = {f"{k}_over_bare": {"appends_per_s": s[k]["appends_per_s"] / s["bare"]["appends_per_s"],
+                                      "owner_cpu": s[k]["owner_cpu_us"] / s["bare"]["owner_cpu_us"]}
+                   for k in ("in_process", "ray")}
+    gen = generation(directory, 32 if quick else 128, 16 if quick else 32, 2 if quick else 4, 2 if quick else 5)
+    result["generation"] = gen
+    log(f"(b) generation: {gen['tokens_per_s_on']:.0f} tokens/s with progress every {gen['every']} tokens, "
+        f"{gen['tokens_per_s_off']:.0f} without: {100 * gen['on_over_off']:.1f}%")
+    crash = crashes(directory, 24 if quick else 48, 8 if quick else 16, 2 if quick else 6, seed=0)
+    result["crashes"] = crash
+    log(f"(c) crashes: at most {crash['lost_max_per_sequence']} tokens lost per sequence with progress every "
+        f"{crash['every']} ({crash['lost_per_sequence_over_interval']:.2f} of an interval); "
+        f"{100 * crash['lost_over_inflight']:.0f}% of the in-flight tokens lost")
+    result["machine"]["loadavg_end"] = os.getloadavg()[0]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.progress_bench [--quick] [--json PATH] [--work DIR]``."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.progress_bench")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json")
+    parser.add_argument("--work", help="scratch directory (default: a new one under /var/tmp)")
+    args = parser.parse_args(argv)
+    work = args.work or tempfile.mkdtemp(prefix="kvckpt-progress-bench-", dir="/var/tmp")
+    os.makedirs(work, exist_ok=True)
+    result = run(args.quick, work)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1, sort_keys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
