@@ -242,8 +242,8 @@ class MirrorRef:
     """A run's mirror, carried to every process that joins TransferQueue (see the module docstring).
 
     Unpickling it installs a :class:`Mirror` with the run token it was made with, unless this process
-    already mirrors a run (a worker keeps the run it joined, so after a restart its writes are refused). It makes no Ray call while being unpickled (the actor is looked up on
-    first use).
+    already mirrors a run (a worker keeps the run it joined, so after a restart its writes are
+    refused). It makes no Ray call while being unpickled (the actor is looked up on first use).
     """
 
     __slots__ = ("actor_name", "token")
