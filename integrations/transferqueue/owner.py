@@ -84,11 +84,19 @@ class ValueStore:
     # -- data path (called by KvckptStorageClient) ----------------------------------------------------
     def put(self, keys: list[str], values: list[bytes]) -> None:
         """Store encoded records under TransferQueue keys, all in one durable transaction."""
+        self.write(keys, values, [])
+
+    def write(self, keys: list[str], values: list[bytes], deletes: list[str]) -> None:
+        """Store ``values`` under ``keys`` and delete ``deletes`` (absent ones skipped), in one durable
+        transaction: a caller whose one change both writes and removes records never leaves half of it."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         pairs = [(store_key(k), v) for k, v in zip(keys, values, strict=True)]
+        gone = [store_key(k) for k in deletes]
 
         def txn_fn(txn: Txn) -> None:
+            for key in gone:
+                txn.delete("rows", key)
             for key, value in pairs:
                 txn.put("rows", key, value)
         self._store.write(txn_fn)
@@ -119,6 +127,16 @@ class ValueStore:
                 deleted += txn.delete("rows", skey)
             return deleted
         return self._store.write(txn_fn)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """The TransferQueue keys stored under ``prefix``, in key order, from one snapshot."""
+        start = store_key(prefix) if prefix else KEY_PREFIX
+        return self._store.read(lambda txn: [k[len(KEY_PREFIX):].decode() for k in txn.iter_keys("rows", start)])
+
+    def stamp_id(self) -> str | None:
+        """The ``checkpoint_id`` of the last checkpoint copied from this store (``None`` if none was)."""
+        stamp = self._store.read(lambda txn: txn.get_json("meta", STAMP_KEY))
+        return None if stamp is None else stamp.get("checkpoint_id")
 
     def count(self) -> int:
         """How many values the store holds."""

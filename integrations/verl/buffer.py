@@ -1,0 +1,110 @@
+"""verl's V1 replay buffers over the kvckpt verl ledger: ``KvckptReplayBuffer`` (sync) and
+``KvckptReplayBufferAsync`` (colocate_async / separate_async).
+
+They are verl's own classes (``verl.trainer.ppo.v1.replay_buffer.ReplayBuffer`` and
+``ReplayBufferAsync``), so every public call, return type and sampling decision is verl's. What
+they add is where the state lives. Constructing one
+
+1. starts (or finds) the ledger actor for ``sampler_kwargs.kvckpt.path`` and opens a new run in
+   it, which fences every process of the previous run;
+2. installs the mirror in this process and publishes it to every process that joins
+   TransferQueue afterwards (verl's agent-loop workers), so each TransferQueue put or clear of
+   verl's is one ledger transaction first;
+3. async modes: refills TransferQueue from the live ledger (every trajectory finished before a
+   crash, every in-flight prompt, which ``_reissue_inflight_prompts`` then re-issues once), and
+   restores the trainer's dataloader position of the last dispatch on the trainer's first
+   ``kv_list``. Sync mode keeps nothing across a restart, as verl's sync trainer (it saves no
+   buffer state): the ledger is pruned to what TransferQueue holds (after a restart, nothing).
+
+A group the trainer samples is marked consumed by that step, not deleted: a crash before a
+checkpoint covers the step gives it back, since the weights that trained on it are lost too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from kvckpt.integrations.verl.config import LedgerSettings
+from kvckpt.integrations.verl.ledger import ledger_actor
+from kvckpt.integrations.verl.mirror import NAMESPACE, RAW, Mirror, MirrorRef, install, publish
+from omegaconf import DictConfig
+from transfer_queue import KVBatchMeta
+from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
+
+
+class _LedgerBacked:
+    """What both buffers add to verl's: the ledger, the mirror, the resume (see the module docstring)."""
+
+    trainer_mode: str
+    refill_fn: Any
+
+    def _attach(self, sampler_kwargs: DictConfig | dict | None) -> None:
+        settings = LedgerSettings.from_sampler_kwargs(sampler_kwargs)
+        self.ledger = ledger_actor(settings.path, settings.actor_name, NAMESPACE)
+        run = ray.get(self.ledger.open_run.remote())
+        self.run = run["run"]
+        trainer = getattr(self.refill_fn, "__self__", None)
+        self.mirror = install(Mirror(settings.actor_name, run["token"], cursor=lambda: _dataloader_state(trainer),
+                                     restore_cursor=lambda state: _restore_dataloader(trainer, state)))
+        publish(MirrorRef(settings.actor_name, run["token"]))
+        self._sampling_step: int | None = None
+        if self.trainer_mode == "sync":
+            listing = RAW["kv_list"]() or {}
+            ray.get(self.ledger.retain.remote(run["token"], {p: list(items) for p, items in listing.items()}))
+            self.restored = 0
+        else:
+            self.restored = self.mirror.refill(ray.get(self.ledger.resume.remote()))
+
+    def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
+        """verl's ``sample``; the groups it hands out are marked consumed by ``global_steps``."""
+        self._sampling_step = None if partition_id == "val" else global_steps
+        try:
+            return super().sample(global_steps, partition_id, batch_size)  # type: ignore[misc]
+        finally:
+            self._sampling_step = None
+
+    def _materialize_batch(self, partition_id: str, selected_prompt_uids: list[str],
+                           partition_snapshot: dict[str, dict]) -> KVBatchMeta:
+        with self.mirror.consuming(self._sampling_step):
+            return super()._materialize_batch(partition_id, selected_prompt_uids, partition_snapshot)  # type: ignore[misc]
+
+
+def _dataloader_state(trainer: Any) -> Any:
+    loader = getattr(trainer, "train_dataloader", None)
+    return None if loader is None or not hasattr(loader, "state_dict") else loader.state_dict()
+
+
+def _restore_dataloader(trainer: Any, state: Any) -> None:
+    loader = getattr(trainer, "train_dataloader", None)
+    if loader is not None and hasattr(loader, "load_state_dict"):
+        loader.load_state_dict(state)
+        trainer.train_dataloader_it = None  # the next fetch starts a fresh iterator from that state
+
+
+class KvckptReplayBuffer(_LedgerBacked, ReplayBuffer):
+    """verl's sync ``ReplayBuffer`` with its state in a kvckpt ledger (``trainer_mode: sync``).
+
+    Takes verl's constructor arguments; ``sampler_kwargs.kvckpt`` configures the ledger
+    (:class:`~.config.LedgerSettings`).
+    """
+
+    def __init__(self, trainer_mode: str, trainer_config: DictConfig, max_off_policy_threshold: int | None,
+                 max_off_policy_strategy: str, sampler_kwargs: DictConfig, **kwargs: Any) -> None:
+        super().__init__(trainer_mode, trainer_config, max_off_policy_threshold, max_off_policy_strategy,
+                         sampler_kwargs, **kwargs)
+        self._attach(sampler_kwargs)
+
+
+class KvckptReplayBufferAsync(_LedgerBacked, ReplayBufferAsync):
+    """verl's ``ReplayBufferAsync`` with its state in a kvckpt ledger (``colocate_async`` / ``separate_async``).
+
+    Takes verl's constructor arguments; ``sampler_kwargs.kvckpt`` configures the ledger
+    (:class:`~.config.LedgerSettings`).
+    """
+
+    def __init__(self, trainer_mode: str, trainer_config: DictConfig, max_off_policy_threshold: int | None,
+                 max_off_policy_strategy: str, sampler_kwargs: DictConfig, **kwargs: Any) -> None:
+        super().__init__(trainer_mode, trainer_config, max_off_policy_threshold, max_off_policy_strategy,
+                         sampler_kwargs, **kwargs)
+        self._attach(sampler_kwargs)

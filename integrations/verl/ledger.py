@@ -1,0 +1,267 @@
+"""The verl ledger: one kvckpt file holding everything verl's V1 replay buffer keeps in TransferQueue.
+
+:class:`VerlLedger` owns the file (a TransferQueue value store, :class:`ValueStore`, with the key
+layout of :mod:`.records`) and runs as one named Ray actor (:data:`VerlLedgerActor`), so every
+process of a verl job (the trainer, each agent-loop worker) writes through one writer, one call at
+a time. Each call that changes state is one durable write transaction:
+
+* :meth:`open_run`: a new run token (the restart's fence);
+* :meth:`put` / :meth:`clear`: one TransferQueue put or clear of verl's, refused with
+  :class:`~.errors.StaleRun` when the caller's run token is not the current one;
+* :meth:`resume`: drops what a checkpoint covers (groups consumed at or before its step) and
+  returns groups consumed after it to the buffer;
+* :meth:`checkpoint`: a one-file snapshot (the value store's stamp-and-copy recipe), then the
+  checkpoint's step and the purge of the groups it covers;
+* :meth:`load`: the checkpoint file replaces the live store, unless the live store descends from
+  it (then what was finished after the checkpoint is kept); the current run's token is written back.
+
+The fence check reads the run record and the write follows in the same actor call; the actor is the
+file's only writer and runs one call at a time, so nothing can change the run in between.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import Any
+
+import ray
+from kvckpt.integrations.transferqueue.owner import ValueStore
+from kvckpt.integrations.transferqueue.values import decode_value, encode_value, new_write_id, write_id_of
+from kvckpt.integrations.verl.errors import StaleRun
+from kvckpt.integrations.verl.records import (
+    CHECKPOINT_KEY,
+    CONSUMED,
+    CURSOR_KEY,
+    ITEMS,
+    RUN_KEY,
+    TAG,
+    item_prefix,
+    record_key,
+    split,
+)
+
+from kvckpt.errors import CheckpointError
+
+#: zstd level of the records the ledger itself encodes (run, checkpoint step, consumed marks).
+_LEVEL = 1
+
+
+class VerlLedger:
+    """The single writer of a verl ledger file (see the module docstring).
+
+    Args:
+        path: the live ledger file; created if missing. Keep it on a local disk.
+
+    Raises:
+        FormatError: the file is a kvckpt store of another kind.
+        StoreLocked: another process holds the file for writing.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._values = ValueStore(path)
+        self.path = self._values.path
+
+    def info(self) -> dict[str, Any]:
+        """The live file's path, its run number and the step of its last checkpoint."""
+        run = self._get(RUN_KEY) or {}
+        return {"path": self.path, "run": run.get("run", 0), "checkpoint_step": self._checkpoint_step()}
+
+    # -- the run -----------------------------------------------------------------------------------
+    def open_run(self) -> dict[str, Any]:
+        """Start a new run (one transaction): every token handed out before is fenced from now on.
+
+        Returns ``{"token": ..., "run": n}``.
+        """
+        number = int((self._get(RUN_KEY) or {}).get("run", 0)) + 1
+        token = new_write_id()
+        self._values.put([RUN_KEY], [encode_value(RUN_KEY, {"run": number}, token, _LEVEL)])
+        return {"token": token, "run": number}
+
+    def _check(self, token: str) -> None:
+        raw = self._values.get([RUN_KEY])[0]
+        current = None if raw is None else write_id_of(raw, RUN_KEY)
+        if current != token:
+            raise StaleRun(self.path, token, current)
+
+    # -- verl's TransferQueue calls -----------------------------------------------------------------
+    def put(self, token: str, keys: list[str], values: list[bytes]) -> None:
+        """One TransferQueue put of a process of run ``token``: its encoded records, one transaction.
+
+        Raises:
+            StaleRun: ``token`` is not the current run's.
+        """
+        self._check(token)
+        self._values.put(keys, values)
+
+    def clear(self, token: str, partition_id: str, keys: list[str], consumed_step: int | None = None) -> int:
+        """One TransferQueue clear of run ``token`` (one transaction); returns how many keys it removed.
+
+        With ``consumed_step`` the keys were taken by that training step: they are marked consumed and
+        kept (a crash before a checkpoint covers the step returns them). A trajectory whose prompt is
+        marked consumed is marked with the prompt's step. Any other key's records are deleted.
+
+        Raises:
+            StaleRun: ``token`` is not the current run's.
+        """
+        self._check(token)
+        marks = self._consumed_marks(partition_id)
+        write_keys, values, deletes = [], [], []
+        for key in keys:
+            step = consumed_step if consumed_step is not None else marks.get(key.split("_", 1)[0])
+            if step is None:
+                deletes.extend(self._values.keys(item_prefix(partition_id, key)))
+            else:
+                mark = record_key(partition_id, key, CONSUMED)
+                write_keys.append(mark)
+                values.append(encode_value(mark, {"step": int(step)}, new_write_id(), _LEVEL))
+        self._values.write(write_keys, values, deletes)
+        return len(keys)
+
+    def set_cursor(self, token: str, state: Any, keys: list[str], values: list[bytes]) -> None:
+        """A dispatch: the prompts' records and the dataloader state after fetching them, one transaction."""
+        self._check(token)
+        cursor = encode_value(CURSOR_KEY, state, new_write_id(), _LEVEL)
+        self._values.put([*keys, CURSOR_KEY], [*values, cursor])
+
+    def retain(self, token: str, listing: dict[str, list[str]]) -> int:
+        """Keep only the items TransferQueue lists (``{partition: [key, ...]}``), in one transaction, and
+        drop the dispatch cursor: a sync run keeps nothing across a restart, as verl's sync trainer.
+        Returns how many records were deleted.
+
+        Raises:
+            StaleRun: ``token`` is not the current run's.
+        """
+        self._check(token)
+        listed = {(p, k) for p, keys in listing.items() for k in keys}
+        doomed = [k for k in self._values.keys(ITEMS) if split(k)[:2] not in listed]
+        doomed += self._values.keys(CURSOR_KEY)
+        self._values.write([], [], doomed)
+        return len(doomed)
+
+    # -- restart -----------------------------------------------------------------------------------
+    def resume(self, step: int | None = None) -> dict[str, Any]:
+        """Settle consumed groups against the checkpoint at ``step`` (the ledger's last one by default),
+        in one transaction, and return what TransferQueue must hold.
+
+        Groups consumed at or before ``step`` are deleted (the checkpoint's weights trained on them);
+        groups consumed after it are finished again (those weights were lost). Returns
+        ``{"items": {partition: {key: {"tags": {...}, "fields": {...}}}}, "cursor": state or None,
+        "step": step}``.
+        """
+        step = self._checkpoint_step() if step is None else int(step)
+        items, marks = self._items()
+        deletes: list[str] = []
+        for (partition_id, key), mark_step in marks.items():
+            if mark_step <= step:
+                deletes.extend(self._values.keys(item_prefix(partition_id, key)))
+                items[partition_id].pop(key, None)
+            else:
+                deletes.append(record_key(partition_id, key, CONSUMED))
+        self._values.write([], [], deletes)
+        return {"items": {p: dict(v) for p, v in items.items()}, "cursor": self._get(CURSOR_KEY), "step": step}
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the ledger holds, read-only: ``{"items": {partition: {key: {"tags", "fields"}}}, "consumed":
+        {partition: {key: step}}, "cursor": state or None}``; consumed keys are not in ``items``."""
+        items, marks = self._items()
+        consumed: dict[str, dict[str, int]] = defaultdict(dict)
+        for (partition_id, key), step in marks.items():
+            items[partition_id].pop(key, None)
+            consumed[partition_id][key] = step
+        return {"items": {p: dict(v) for p, v in items.items()}, "consumed": dict(consumed),
+                "cursor": self._get(CURSOR_KEY)}
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def checkpoint(self, dest: str, step: int) -> dict[str, Any]:
+        """Copy the ledger to ``dest`` as one file (stamp, snapshot copy, fsync, rename), then record
+        ``step`` as the last checkpoint and delete the groups consumed at or before it (one transaction).
+
+        Returns the stamp (``checkpoint_id``, ``created``, ``values``, ``file_bytes``).
+        """
+        stamp = self._values.checkpoint(dest)
+        _, marks = self._items()
+        deletes = [k for (p, key), s in marks.items() if s <= step for k in self._values.keys(item_prefix(p, key))]
+        self._values.write([CHECKPOINT_KEY], [encode_value(CHECKPOINT_KEY, {"step": int(step)}, new_write_id(),
+                                                           _LEVEL)], deletes)
+        return stamp
+
+    def load(self, source: str, checkpoint_id: str, token: str) -> bool:
+        """Make the ledger the checkpoint ``source`` (stamp ``checkpoint_id``), for the run ``token``.
+
+        If the live store's last stamp is ``checkpoint_id``, nothing after it was checkpointed: the
+        live store is kept, with every trajectory finished since. Otherwise the file (validated
+        first) replaces it. Either way the run record is then the current run's (one transaction).
+        Returns whether the file was copied in.
+
+        Raises:
+            CheckpointError: the file's stamp is not ``checkpoint_id``.
+            FormatError / CorruptRecord / RecoveryError: the file is not a valid ledger checkpoint.
+        """
+        run = self._get(RUN_KEY) or {}
+        copied = self._values.stamp_id() != checkpoint_id
+        if copied:
+            stamp = self._values.load(source)
+            if stamp.get("checkpoint_id") != checkpoint_id:
+                raise CheckpointError(f"verl ledger checkpoint {source!r} holds stamp {stamp.get('checkpoint_id')!r}, "
+                                      f"but its manifest names {checkpoint_id!r}")
+        self._values.put([RUN_KEY], [encode_value(RUN_KEY, {"run": run.get("run", 0)}, token, _LEVEL)])
+        return copied
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        self._values.close()
+
+    # -- reading -----------------------------------------------------------------------------------
+    def _get(self, key: str) -> Any:
+        raw = self._values.get([key])[0]
+        return None if raw is None else decode_value(key, raw, write_id_of(raw, key))
+
+    def _checkpoint_step(self) -> int:
+        return int((self._get(CHECKPOINT_KEY) or {}).get("step", 0))
+
+    def _consumed_marks(self, partition_id: str) -> dict[str, int]:
+        prefix = item_prefix(partition_id)
+        return {split(k)[1]: int(self._get(k)["step"]) for k in self._values.keys(prefix) if k.endswith("/" + CONSUMED)}
+
+    def _items(self) -> tuple[dict[str, dict[str, dict[str, dict[str, Any]]]], dict[tuple[str, str], int]]:
+        keys = self._values.keys(ITEMS)
+        items: dict[str, dict[str, dict[str, dict[str, Any]]]] = defaultdict(dict)
+        marks: dict[tuple[str, str], int] = {}
+        for ledger_key, raw in zip(keys, self._values.get(keys), strict=True):
+            if raw is None:
+                continue
+            partition_id, key, kind, name = split(ledger_key)
+            value = decode_value(ledger_key, raw, write_id_of(raw, ledger_key))
+            if kind == CONSUMED:
+                marks[(partition_id, key)] = int(value["step"])
+                continue
+            item = items[partition_id].setdefault(key, {"tags": {}, "fields": {}})
+            item["tags" if kind == TAG else "fields"][name] = value
+        return items, marks
+
+
+#: :class:`VerlLedger` as a Ray actor; one call at a time, the file's only writer.
+VerlLedgerActor = ray.remote(num_cpus=0)(VerlLedger)
+
+
+def ledger_actor(path: str, name: str, namespace: str) -> Any:
+    """The named ledger actor serving ``path``, started on this node if none runs.
+
+    Raises:
+        BadArgument: an actor of that name serves another file.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from kvckpt.errors import BadArgument
+
+    path = os.path.abspath(path)
+    node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    # Detached: verl's workers and a restarted trainer reach it by name whoever started it; it ends
+    # with the Ray cluster (a killed job's local cluster takes it along) or by ray.kill.
+    actor = VerlLedgerActor.options(name=name, namespace=namespace, get_if_exists=True, lifetime="detached",
+                                    scheduling_strategy=node).remote(path)
+    served = ray.get(actor.info.remote())["path"]
+    if served != path:
+        raise BadArgument(f"the Ray actor {name!r} already serves the verl ledger {served!r}, not {path!r}")
+    return actor
