@@ -4,7 +4,8 @@ Each run is a fresh process (tests/trl_run.py) training a tiny random-weight Qwe
 CPU (the two GPU-only calls stood in as tests/trl_cpu.py lists). Run 1 checkpoints at step 4 and
 is SIGKILLed at the end of step 5 with a prompt in flight; run 2 is `trainer.train(
 resume_from_checkpoint="checkpoint-4")`. The same crash with TRL's own resume logic
-(`rollout_state.json`, a default-like worker) runs beside it and its regeneration is reported.
+(`rollout_state.json`, a default-like worker) runs beside it (marked slow) and its regeneration
+is reported.
 TRL is in the test extra (Python >= 3.11); skipped where it is not installed.
 """
 
@@ -108,8 +109,12 @@ def test_kvckpt_resume_trains_each_group_once_and_regenerates_nothing(tmp_path, 
         "doubled": len(effective) - len(set(effective)), "stale_dropped": len(evicted)}))
 
 
+@pytest.mark.slow
 def test_trl_default_resume_regenerates_what_kvckpt_keeps(tmp_path, model_path):
-    """The same crash under TRL's own resume logic (rollout_state.json): what it regenerates."""
+    """The same crash under TRL's own resume logic (rollout_state.json): what it regenerates.
+
+    A comparison for the docs, not a kvckpt guarantee, so it runs with the slow tests (about 100 s).
+    """
     first = _run("default", tmp_path, model_path, 1, kill_at=KILL_AT)
     assert first.returncode == -9, first.stderr[-3000:]
     checkpoint = tmp_path / "out" / f"checkpoint-{SAVE_STEPS}"

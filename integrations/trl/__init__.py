@@ -10,12 +10,13 @@
   recovers the live store (or restores that file) at step N.
 
 TRL itself is imported only where its own types are needed; a missing TRL raises
-:class:`kvckpt.integrations.trl.worker.TrlMissing` naming the install.
+:class:`kvckpt.integrations.trl.peer.TrlMissing` naming the install.
 """
 
 from kvckpt.integrations.trl.callback import BUFFER_FILE, KvckptCallback
+from kvckpt.integrations.trl.peer import TrlMissing
 from kvckpt.integrations.trl.queue import BufferQueue
-from kvckpt.integrations.trl.worker import InProcessWeightTransfer, KvckptRolloutWorker, TrlMissing, trl_schema
+from kvckpt.integrations.trl.worker import InProcessWeightTransfer, KvckptRolloutWorker, trl_schema
 
 __all__ = ["BUFFER_FILE", "BufferQueue", "InProcessWeightTransfer", "KvckptCallback", "KvckptRolloutWorker",
            "TrlMissing", "trl_schema"]

@@ -19,10 +19,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from transformers import TrainerCallback
+from kvckpt.integrations.trl.peer import peer_attr
 
 from kvckpt import RecoveryPlan, ReplayBuffer, restore
 from kvckpt.errors import BadArgument, RecoveryError
+
+TrainerCallback = peer_attr("transformers", "TrainerCallback")
 
 BUFFER_FILE = "kvckpt_buffer.kvckpt"
 

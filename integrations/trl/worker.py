@@ -27,17 +27,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from kvckpt.integrations.trl.peer import peer_attr
 from kvckpt.integrations.trl.queue import BufferQueue, VersionClock
 from kvckpt.integrations.vllm import create_backend
 
 from kvckpt import BufferConfig, GateTimeout, KvckptError, Lease, Prompt, ReplayBuffer
 from kvckpt.errors import BadArgument, InvariantViolation
-
-INSTALL = "pip install 'kvckpt[trl]' (TRL 1.16.0, Python >= 3.11)"
-
-
-class TrlMissing(KvckptError):
-    """TRL (``trl.experimental.async_grpo``) is not importable here."""
 
 
 def rollout_sample_class() -> type:
@@ -46,11 +41,7 @@ def rollout_sample_class() -> type:
     Raises:
         TrlMissing: TRL is not installed; the message names the install.
     """
-    try:
-        from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
-    except ImportError as exc:
-        raise TrlMissing(f"the TRL integration needs TRL's AsyncGRPOTrainer: {INSTALL} ({exc})") from exc
-    return RolloutSample
+    return peer_attr("trl.experimental.async_grpo.async_rollout_worker", "RolloutSample")
 
 
 def trl_schema() -> dict[str, tuple[str, str]]:
