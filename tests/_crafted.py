@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lmdb
+import numpy as np
 import zstandard
 
 from kvckpt.storage.layout import split, stored_key
@@ -224,6 +225,35 @@ def _stale_digest(e: _Edit) -> None:
     e.put("rows", row_key, codec.encode(arrays, record.meta))
 
 
+def _wrong_dtype_row(gid: str, index: int) -> bytes:
+    """The row's logprobs as float64 (the schema says float32): a valid record of the wrong type."""
+    from kvckpt.storage import codec
+
+    rng = np.random.default_rng(index)
+    return codec.encode({"input_ids": rng.integers(0, 9, 4, dtype=np.int64), "logprobs": rng.random(4),
+                         "reward": np.float32(0.5)}, {"group_id": gid, "index": index})
+
+
+def _deep_header_row(gid: str, index: int) -> bytes:
+    """A row whose header nests 100,000 JSON arrays (a recursion bomb for a JSON parser)."""
+    meta = json.dumps({"group_id": gid, "index": index}, separators=(",", ":")).encode()
+    header = b'{"z":0,"raw":0,"meta":' + meta + b',"fields":[],"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    tail = struct.pack("<I", len(header)) + header
+    return struct.pack("<4sI", b"KVR1", zlib.crc32(tail)) + tail
+
+
+def _long_header_row(gid: str, index: int) -> bytes:
+    """A row whose header is 2 MiB of JSON (the codec's limit is 1 MiB)."""
+    meta = json.dumps({"group_id": gid, "index": index, "pad": "x" * (2 << 20)}, separators=(",", ":")).encode()
+    return raw_json_record(meta)
+
+
+def _durable_object(e: _Edit) -> None:
+    doc = e.doc("meta", b"state")
+    doc["durable"] = {str(v): v for v in doc["durable"]} or {"0": 0}
+    e.put("meta", b"state", json_record(doc))
+
+
 def _dataloader_bomb(e: _Edit) -> None:
     e.put("meta", b"dataloader", zero_bomb_record({}, "state", "uint8", 2 ** 31, 1))
 
@@ -319,6 +349,14 @@ CASES: tuple[Case, ...] = (
          _edited(_dataloader_bomb)),
     Case("stale-group-digest", "wrong data: row changed, checksum fixed", _ROWS, "small",
          _edited(_stale_digest)),
+    Case("row-wrong-dtype", "wrong data: float64 row where the schema says float32", _ROWS, "small",
+         _edited(lambda e: _row(e, _wrong_dtype_row))),
+    Case("row-header-100k-deep", "hostile value: JSON nested 100,000 deep in a row header", _ROWS, "small",
+         _edited(lambda e: _row(e, _deep_header_row))),
+    Case("row-header-2MiB", "hostile value: a row header over the codec's 1 MiB limit", _ROWS, "small",
+         _edited(lambda e: _row(e, _long_header_row))),
+    Case("state-durable-object", "hostile value: meta/state durable is an object", _META, "small",
+         _edited(_durable_object)),
     Case("bigdata-node-1.5GiB", "edited page: SIGBUS", ENTRIES, "large", _bigdata_node),
     Case("sparse-tail-3GiB", "sparse file: truncate -s +3G", (), "small", _sparse_tail),
     Case("meta-claims-1M-pages", "sparse file: meta claims 1M pages", ENTRIES, "small", _million_pages),
@@ -346,39 +384,68 @@ def build_all(directory: str) -> dict[str, str]:
 
 
 # -- running one in-process entry point ----------------------------------------------------------
-def _read_everything(buf: Any) -> int:
+def _read_each(buf: Any) -> tuple[int, list[tuple[str, BaseException]]]:
+    """Read every group with rows, one ``read_batch`` each, going on past a group that fails (a
+    trainer keeps using the others); then the ledger and the dataloader state. Returns the rows
+    read and each failing group with its error."""
     gids = [g.group_id for g in buf.groups() if g.rows_stored and g.state not in ("evicted", "aborted")]
-    rows = 0
+    rows, failed = 0, []
     for gid in gids:
-        rows += len(buf.read_batch([gid], layout="list").rows)
+        try:
+            rows += len(buf.read_batch([gid], layout="list").rows)
+        except Exception as exc:  # judged by the caller: a specific kvckpt error or not
+            failed.append((gid, exc))
     buf.ledger()
     buf.dataloader_state()
+    return rows, failed
+
+
+def _read_everything(buf: Any) -> int:
+    rows, failed = _read_each(buf)
+    if failed:
+        raise failed[0][1]
     return rows
 
 
-def run_entry(entry: str, path: str, workdir: str) -> dict[str, Any]:
-    """Run one entry point on ``path``; never raises (the outcome is the return value)."""
-    from kvckpt import ReplayBuffer, restore
+def _error(exc: BaseException) -> dict[str, Any]:
     from kvckpt.errors import KvckptError
+
+    return {"outcome": "error", "type": type(exc).__name__, "message": str(exc)[:400],
+            "generic": not isinstance(exc, KvckptError) or type(exc) is KvckptError}
+
+
+def run_entry(entry: str, path: str, workdir: str) -> dict[str, Any]:
+    """Run one entry point on ``path``; never raises (the outcome is the return value).
+
+    ``at`` says where a refusal came from: ``open`` (``restore()`` or the read-only open itself)
+    or ``read`` (a ``read_batch`` after it; ``failed_groups`` then names every group whose read
+    failed and ``rows`` counts the rows the other groups gave).
+    """
+    from kvckpt import ReplayBuffer, restore
 
     try:
         if entry == "restore":
             buf, plan = restore(path, os.path.join(workdir, "live.kv"))
-            try:
-                rows = _read_everything(buf)
-                live_bytes = os.path.getsize(buf.path)
-            finally:
-                buf.close()
-            return {"outcome": "ok", "rows": rows, "redispatch": len(plan.leases), "live_bytes": live_bytes}
-        if entry == "readonly":
-            with ReplayBuffer.open(path, readonly=True) as buf:
-                return {"outcome": "ok", "rows": _read_everything(buf)}
-        raise ValueError(f"unknown entry point {entry!r}")
-    except KvckptError as exc:
-        return {"outcome": "error", "type": type(exc).__name__, "message": str(exc)[:400],
-                "generic": type(exc) is KvckptError}
-    except BaseException as exc:  # the point: report any other exception
-        return {"outcome": "error", "type": type(exc).__name__, "message": str(exc)[:400], "generic": True}
+            extra = {"redispatch": len(plan.leases)}
+        elif entry == "readonly":
+            buf, extra = ReplayBuffer.open(path, readonly=True), {}
+        else:
+            raise ValueError(f"unknown entry point {entry!r}")
+    except BaseException as exc:  # the point: report any exception
+        return {**_error(exc), "at": "open"}
+    try:
+        rows, failed = _read_each(buf)
+        if entry == "restore":
+            extra["live_bytes"] = os.path.getsize(buf.path)
+    except BaseException as exc:
+        return {**_error(exc), "at": "read"}
+    finally:
+        buf.close()
+    if failed:
+        return {**_error(failed[0][1]), "at": "read", "rows": rows,
+                "failed_groups": [gid for gid, _ in failed],
+                "generic": any(_error(exc)["generic"] for _, exc in failed)}
+    return {"outcome": "ok", "rows": rows, **extra}
 
 
 if __name__ == "__main__":

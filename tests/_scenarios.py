@@ -506,6 +506,24 @@ def zombie_commits(buf: ReplayBuffer, leases: Iterable[Mapping[str, Any]]) -> di
     return {"results": results, "unchanged": fingerprint(buf) == before}
 
 
+def read_each(buf: ReplayBuffer) -> dict[str, str]:
+    """``read_batch`` of every group with rows, one at a time: ``"ok"`` when its rows are exactly
+    what the workload wrote, else the error class and message."""
+    out = {}
+    for group in buf.groups():
+        if not group.rows_stored:
+            continue
+        gid = group.group_id
+        try:
+            batch = buf.read_batch([gid], layout="list")
+        except KvckptError as exc:
+            out[gid] = f"{type(exc).__name__}: {exc}"
+            continue
+        same = all(rows_equal(g, i, r) for g, i, r in zip(batch.group_ids, batch.row_indices, batch.rows, strict=True))
+        out[gid] = "ok" if same else "wrong data"
+    return out
+
+
 def probe_admission(buf: ReplayBuffer) -> Any:
     """The next admission's stamp (``target_step``), or the name of the error that refused it."""
     try:
@@ -524,6 +542,8 @@ def run_job(job: Mapping[str, Any]) -> dict[str, Any]:
         return {"error": type(exc).__name__, "message": str(exc), "live_exists": os.path.exists(job["live"]),
                 "live_sha256": file_sha256(job["live"])}
     with buf:
+        if job.get("read"):  # a file with damaged rows: what each group's read gives, nothing else
+            return {"read": read_each(buf)}
         out = observe(buf, plan)
         out["eligible_now"] = eligible_now(buf)
         if job.get("zombies"):

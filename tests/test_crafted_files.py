@@ -20,13 +20,13 @@ import sys
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import _crafted
 import pytest
 
 from kvckpt.storage.store import DEFAULT_MAP_SIZE
+from kvckpt.testing.workload import GROUP_SIZE
 
 #: Address space each reader may reserve (torch alone maps about 3 GiB of it); ``restore`` also
 #: maps the writable live store it opens (64 GiB of address space, untouched).
@@ -120,7 +120,10 @@ def _judge(case: _crafted.Case | None, result: dict[str, Any]) -> str | None:
     return None
 
 
-def test_every_crafted_file_at_every_entry_point_fails_closed(crafted: dict[str, str], tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def results(crafted: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, dict[str, Any]]]:
+    """Every crafted file and both bases through every entry point: (file name, result) pairs."""
+    tmp_path = tmp_path_factory.mktemp("runs")
     cases = {c.name: c for c in _crafted.CASES}
     names = [*cases, "base-small", "base-large"]
     jobs: list[tuple[str, str]] = [(name, entry) for name in names for entry in ("python", *ENTRIES[2:])]
@@ -134,7 +137,11 @@ def test_every_crafted_file_at_every_entry_point_fails_closed(crafted: dict[str,
         return [(name, run_cli(entry, crafted[name], crafted["base-large" if large else "base-small"], work))]
 
     with ThreadPoolExecutor(2) as pool:
-        results = [r for batch in pool.map(job, jobs) for r in batch]
+        return [r for batch in pool.map(job, jobs) for r in batch]
+
+
+def test_every_crafted_file_at_every_entry_point_fails_closed(results: list[tuple[str, dict[str, Any]]]) -> None:
+    cases = {c.name: c for c in _crafted.CASES}
     violations, verdicts, peak = [], Counter(), 0
     for name, result in results:
         verdicts[result["verdict"]] += 1
@@ -152,6 +159,41 @@ def test_every_crafted_file_at_every_entry_point_fails_closed(crafted: dict[str,
     for name, result in results:
         if name in cases:
             shown = result.get("type") or (result["stderr"].strip().splitlines() or [""])[-1][:150]
-            print(f"  {name:32} {result['entry']:14} {result['verdict']:8} {shown}")
+            print(f"  {name:32} {result['entry']:14} {result['verdict']:8} {result.get('at') or '':5} {shown}")
     print("\n".join(violations))
     assert violations == []
+
+
+def test_verify_agrees_with_restore_and_reads_on_every_crafted_file(results: list[tuple[str, dict[str, Any]]]) -> None:
+    """An operator verifies a checkpoint, then restores it and trains on it:
+
+    * whatever ``restore()`` refuses, the default ``kvckpt verify`` refuses too;
+    * whatever ``restore()`` or a later ``read_batch`` refuses, ``verify --deep`` refuses, naming
+      the group whose read failed; a file ``verify --deep`` refuses is never restored and read
+      without an error (and the default verify refuses nothing a restore and its reads accept);
+    * a group whose rows fail to read never stops the others: every other group reads, its rows
+      exactly as many as the same groups give in the undamaged base.
+    """
+    by = {(name, r["entry"]): r for name, r in results}
+    bases = {c.name: c.base for c in _crafted.CASES} | {"base-small": "small", "base-large": "large"}
+    disagreements = []
+    for name, base in bases.items():
+        restored, shallow, deep = by[name, "restore"], by[name, "verify"], by[name, "verify --deep"]
+        said = deep["stdout"]
+        problems = []
+        if restored.get("at") == "open" and shallow["verdict"] != "refused":
+            problems.append("restore() refused it, the default verify did not")
+        if restored["verdict"] == "refused" and deep["verdict"] != "refused":
+            problems.append(f"restore/read refused it ({restored.get('at')}), verify --deep did not")
+        if "refused" in (deep["verdict"], shallow["verdict"]) and restored["verdict"] == "ok":
+            problems.append("verify refused it, restore() and every read accepted it")
+        for gid in restored.get("failed_groups", []):
+            if gid not in said:
+                problems.append(f"read_batch of {gid} failed, verify --deep does not name it: {said[-300:]}")
+        if restored.get("at") == "read":
+            whole = by[f"base-{base}", "restore"]["rows"]
+            if restored["rows"] != whole - GROUP_SIZE * len(restored["failed_groups"]):
+                problems.append(f"the other groups gave {restored['rows']} rows, the base {whole} "
+                                f"less {len(restored['failed_groups'])} groups of {GROUP_SIZE}")
+        disagreements += [f"{name}: {p}" for p in problems]
+    assert disagreements == []

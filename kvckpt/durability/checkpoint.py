@@ -297,16 +297,19 @@ def restore_file(checkpoint_file: str, live_path: str, *, sampler: Any = None,
     temporary name (mode 0600) next to ``live_path``. The copy is what gets validated (so nothing can change between
     the check and the use): a pure-Python structure check before liblmdb maps it (see
     :mod:`kvckpt.durability.safe_open`), then, in the recovery transaction at the stamped version, every
-    kvckpt invariant and every stored value's checksum (claims made after the stamp are undone,
-    in-flight prompts are fenced and planned for redispatch). The copy is fsynced meanwhile in a
+    kvckpt invariant of the metadata: the checksum and fields of every group record, ledger entry,
+    cursor and ``meta`` record, the indexes, the row keys of every group (claims made after the
+    stamp are undone, in-flight prompts are fenced and planned for redispatch). The copy is fsynced meanwhile in a
     background thread; only when it is durable and recovered does it take the name
     ``live_path`` (then the directory is fsynced); the caller opens it through a fresh handle.
 
-    Row payloads are checksummed here but not decompressed: each row is decoded, checked against
-    the schema and against its own group and index when it is read (``read_batch``), which fails
-    with :class:`~kvckpt.errors.CorruptRecord` or :class:`~kvckpt.errors.InvariantViolation`
-    rather than return wrong data. ``deep=True`` decodes every row up front (about 3 s per GB of
-    raw rows here).
+    Row payloads are not read here, so the cost follows the metadata, not the rows: each row is
+    checked when it is read (``read_batch``: its checksum, its group's digest, the group and index
+    it names, its schema, dtypes, shapes and decoded size), which fails with
+    :class:`~kvckpt.errors.CorruptRecord` or :class:`~kvckpt.errors.InvariantViolation` naming the
+    row rather than return wrong data; the other groups stay readable. ``kvckpt verify --deep``
+    checks every row of a file up front, and ``deep=True`` does it here (about 3 s per GB of raw
+    rows).
 
     Args:
         checkpoint_file: a file written by :func:`kvckpt.checkpoint`.
@@ -314,7 +317,7 @@ def restore_file(checkpoint_file: str, live_path: str, *, sampler: Any = None,
         sampler, max_buffered_rollouts: restore under another sampler or capacity (reported in
             ``plan.changes``).
         overwrite: replace an existing live store (it must not be open for writing).
-        trusted: skip the structure check and the row checksums (only for files this process's
+        trusted: skip the structure check (only for files this process's
             own :func:`kvckpt.checkpoint` wrote and nothing else touched: a damaged file can then crash
             the process). Defaults to False.
         deep: also decode every row payload before returning. Defaults to False.
@@ -351,7 +354,7 @@ def restore_file(checkpoint_file: str, live_path: str, *, sampler: Any = None,
         if not trusted:
             check_structure(tmp, name=checkpoint_file)
         timings["structure"] = time.perf_counter() - t0 - timings["copy"]
-        plan = _recover_copy(tmp, checkpoint_file, sampler, max_buffered_rollouts, not trusted, deep)
+        plan = _recover_copy(tmp, checkpoint_file, sampler, max_buffered_rollouts, deep)
         t1 = time.perf_counter()
         flush.join()
         timings["fsync_wait"] = time.perf_counter() - t1
@@ -375,7 +378,7 @@ def restore_file(checkpoint_file: str, live_path: str, *, sampler: Any = None,
 
 
 def _recover_copy(tmp: str, checkpoint_file: str, sampler: Any, max_buffered_rollouts: int | None,
-                  checksums: bool, deep: bool) -> RecoveryPlan:
+                  deep: bool) -> RecoveryPlan:
     """Open the private copy, read its stamp and recover it at the stamped version."""
     store = Store(tmp)
     try:
@@ -392,7 +395,7 @@ def _recover_copy(tmp: str, checkpoint_file: str, sampler: Any, max_buffered_rol
             raise FormatError(f"{checkpoint_file!r}: meta/checkpoint passes its checksum but its trainer_version "
                               f"is {str(version)[:40]!r}, not a step number: the file is damaged or crafted")
         plan, _ = recover_store(store, config, version, sampler=sampler, max_buffered_rollouts=max_buffered_rollouts,
-                                checksums=checksums, deep=deep)
+                                deep=deep)
         return plan
     except VerificationFailed as exc:
         raise VerificationFailed(f"checkpoint {checkpoint_file!r}", exc.problems) from None

@@ -86,12 +86,24 @@ class Problem:
         return f"[{self.code}] {self.key}: {self.message}"
 
 
+#: What each depth of :func:`check` leaves unchecked, in one line (``kvckpt verify`` prints it).
+NOT_CHECKED = {
+    "metadata": "row payloads: their checksums, their group digests and the group and index they name are "
+                "checked when each row is read (read_batch, export), their fields too",
+    "checksums": "row fields are not decoded (schema, dtypes, shapes, decompressed sizes): read_batch checks "
+                 "them when it reads a row; --deep decodes every row now",
+    "deep": "nothing a restore or a read checks; a file whose every checksum and digest was recomputed by "
+            "someone else is indistinguishable from one kvckpt wrote",
+}
+
+
 @dataclass
 class Report:
-    """The verifier's findings and what it looked at."""
+    """The verifier's findings, what it looked at and (``not_checked``) what it did not check."""
 
     problems: list[Problem] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    not_checked: str = ""
 
     @property
     def ok(self) -> bool:
@@ -104,7 +116,7 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (``kvckpt verify --json``)."""
-        return {"ok": self.ok, "counts": self.counts,
+        return {"ok": self.ok, "counts": self.counts, "not_checked": self.not_checked,
                 "problems": [{"code": p.code, "key": p.key, "message": p.message} for p in self.problems]}
 
 
@@ -138,7 +150,7 @@ def check(txn: Any, *, deep: bool = False, checksums: bool = False,
             when it is read.
         progress: called with the number of rows checked so far (for progress bars).
     """
-    report = Report()
+    report = Report(not_checked=NOT_CHECKED["deep" if deep else "checksums" if checksums else "metadata"])
     _check_layout(txn, report)
     _check_lookups(txn, report)
     meta = _decode_meta_table(txn, report)
@@ -151,7 +163,8 @@ def check(txn: Any, *, deep: bool = False, checksums: bool = False,
         return report
     _check_ints(meta.get(STAMP_KEY), "meta/checkpoint", ("trainer_version", "dispatch_index"), report,
                 required=True)
-    _check_ints(state, "meta/state", _STATE_INTS, report, required=True)
+    if not _check_state(state, report):
+        return report
     _check_dataloader(txn, report)
     try:
         _check_snapshot(txn, report, config, state, meta.get(SHORTFALL_KEY) or {}, deep, checksums, progress)
@@ -162,7 +175,10 @@ def check(txn: Any, *, deep: bool = False, checksums: bool = False,
 
 
 #: Integer fields of ``meta/state``, group records and ledger entries (``None`` allowed where optional).
-_STATE_INTS = ("seq", "trainer_version", "dispatch_index", "inflight", "ready", "claimed")
+_STATE_INTS = ("seq", "trainer_version", "dispatch_index", "inflight", "ready", "claimed", "weight_version",
+               "admissions", "drop_floor")
+#: Counters of ``meta/state`` that the verifier and recovery read.
+_STATE_COUNTERS = ("admitted", "committed", "evicted", "aborted", "redispatched")
 _RECORD_INTS = ("seq", "group_size", "prompt_idx", "start_weight", "attempt", "raw_bytes", "stored_bytes")
 _OPTIONAL_INTS = ("end_weight", "target_step", "claimed_step", "consumed_step", "token_weight")
 _INT64 = 1 << 63
@@ -186,6 +202,51 @@ def _check_ints(doc: dict[str, Any] | None, key: str, names: tuple[str, ...], re
         if type(value) is not int or not -_INT64 <= value < _INT64:
             report.add("malformed", key, f"{name} is {str(value)[:40]!r}, not a 64-bit integer")
             return False
+    return True
+
+
+def _check_state(state: dict[str, Any], report: Report) -> bool:
+    """``meta/state`` has every field recovery reads, each of the type kvckpt writes (a list of
+    versions in ``durable``, a map of integers in ``counters``): a checksum-valid record that lacks
+    one is ``malformed`` here, not a ``TypeError`` in the middle of a restore."""
+    if not _check_ints(state, "meta/state", _STATE_INTS, report, required=True):
+        return False
+    durable, counters = state.get("durable"), state.get("counters")
+    if type(durable) is not list or not all(type(v) is int and -_INT64 <= v < _INT64 for v in durable):
+        report.add("malformed", "meta/state.durable", f"is {str(durable)[:60]!r}, not a list of versions")
+        return False
+    if type(counters) is not dict or not _check_ints(counters, "meta/state.counters", _STATE_COUNTERS, report,
+                                                     required=True):
+        report.add("malformed", "meta/state.counters", f"is {str(counters)[:60]!r}, not a map of integers")
+        return False
+    if not isinstance(state.get("timeline", ""), str):
+        report.add("malformed", "meta/state.timeline", "is not a string")
+        return False
+    return True
+
+
+def _check_record_types(doc: dict[str, Any], gid: str, ledger: bool, report: Report) -> bool:
+    """The non-integer fields recovery and leases read have the types kvckpt writes."""
+    texts = ("task_name", "admission_id") + (() if ledger else ("digest",))
+    for name in texts:
+        if not isinstance(doc.get(name), str):
+            report.add("malformed", gid, f"{name} is {str(doc.get(name))[:40]!r}, not a string")
+            return False
+    if not isinstance(doc.get("timeline", ""), str):
+        report.add("malformed", gid, "timeline is not a string")
+        return False
+    if not ledger:
+        if type(doc.get("rows_stored", True)) is not bool:
+            report.add("malformed", gid, "rows_stored is not true or false")
+            return False
+        return True
+    siblings, digests = doc.get("siblings", []), doc.get("digests", {})
+    if type(siblings) is not list or not all(type(i) is int and 0 <= i < _INT64 for i in siblings):
+        report.add("malformed", gid, f"siblings {str(siblings)[:60]!r} is not a list of row indexes")
+        return False
+    if type(digests) is not dict or not all(isinstance(v, str) for v in digests.values()):
+        report.add("malformed", gid, f"digests {str(digests)[:60]!r} is not a map of row digests")
+        return False
     return True
 
 
@@ -291,7 +352,8 @@ def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dic
     by_state = dict.fromkeys(GROUP_STATES, 0)
     max_target = -1
     for gid, doc in groups.items():
-        if not _check_ints(doc, gid, _RECORD_INTS, report, optional=_OPTIONAL_INTS):
+        if not (_check_ints(doc, gid, _RECORD_INTS, report, optional=_OPTIONAL_INTS)
+                and _check_record_types(doc, gid, False, report)):
             continue
         state_name = doc.get("state")
         if state_name not in GROUP_STATES:
@@ -317,7 +379,8 @@ def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dic
             max_target = max(max_target, doc["target_step"])
 
     for gid, doc in ledger.items():
-        if not _check_ints(doc, gid, _RECORD_INTS, report, optional=_OPTIONAL_INTS):
+        if not (_check_ints(doc, gid, _RECORD_INTS, report, optional=_OPTIONAL_INTS)
+                and _check_record_types(doc, gid, True, report)):
             continue
         _check_seq(doc, gid, seqs, state["seq"], report)
         if doc.get("group_size") != n:
