@@ -113,11 +113,12 @@ def test_unknown_weight_names_fail_closed(setup):
 
 
 def test_missing_trl_names_the_install(monkeypatch):
-    from kvckpt.integrations.trl import TrlMissing
-    from kvckpt.integrations.trl.worker import rollout_sample_class
+    from kvckpt.integrations.common import PeerMissing
+    from kvckpt.integrations.trl.peer import rollout_sample_class
 
     monkeypatch.setitem(sys.modules, "trl.experimental.async_grpo.async_rollout_worker", None)
-    with pytest.raises(TrlMissing, match=r"pip install 'kvckpt\[trl\]'"):
+    with pytest.raises(PeerMissing, match=r"^kvckpt.integrations.trl needs trl\.experimental\.async_grpo\."
+                                          r"async_rollout_worker: pip install 'kvckpt\[trl\]'$"):
         rollout_sample_class()
 
 

@@ -9,14 +9,13 @@
   writes the buffer's checkpoint into TRL's ``checkpoint-N/`` and, on ``resume_from_checkpoint``,
   recovers the live store (or restores that file) at step N.
 
-TRL itself is imported only where its own types are needed; a missing TRL raises
-:class:`kvckpt.integrations.trl.peer.TrlMissing` naming the install.
+TRL itself is imported only where its own types are needed; a missing TRL (or transformers) raises
+``PeerMissing`` (``kvckpt.integrations.common``) naming ``pip install 'kvckpt[trl]'``.
 """
 
 from kvckpt.integrations.trl.callback import BUFFER_FILE, KvckptCallback
-from kvckpt.integrations.trl.peer import TrlMissing
 from kvckpt.integrations.trl.queue import BufferQueue
 from kvckpt.integrations.trl.worker import InProcessWeightTransfer, KvckptRolloutWorker, trl_schema
 
 __all__ = ["BUFFER_FILE", "BufferQueue", "InProcessWeightTransfer", "KvckptCallback", "KvckptRolloutWorker",
-           "TrlMissing", "trl_schema"]
+           "trl_schema"]

@@ -19,12 +19,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvckpt.integrations.trl.peer import peer_attr
+from kvckpt.integrations.trl.peer import trainer_callback_class
 
 from kvckpt import RecoveryPlan, ReplayBuffer, restore
 from kvckpt.errors import BadArgument, RecoveryError
 
-TrainerCallback = peer_attr("transformers", "TrainerCallback")
+TrainerCallback = trainer_callback_class()
 
 BUFFER_FILE = "kvckpt_buffer.kvckpt"
 

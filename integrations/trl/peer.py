@@ -1,27 +1,28 @@
-"""Where TRL (and transformers' ``TrainerCallback``) come from, with a one-line kvckpt error naming the
-install when they are missing."""
+"""TRL's and transformers' classes this integration uses, imported through ``require_peer`` (a missing
+one is ``PeerMissing`` naming ``pip install 'kvckpt[trl]'``)."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kvckpt.integrations.common import require_peer
 
-from kvckpt import KvckptError
-
-INSTALL = "pip install 'kvckpt[trl]' (TRL 1.16.0, Python >= 3.11)"
+INTEGRATION = "kvckpt.integrations.trl"
+INSTALL = "pip install 'kvckpt[trl]'"
 
 
-class TrlMissing(KvckptError):
-    """TRL (``trl.experimental.async_grpo``) or transformers is not importable here."""
-
-
-def peer_attr(module: str, name: str) -> Any:
-    """``module.name``, imported now.
+def rollout_sample_class() -> type:
+    """TRL's ``RolloutSample`` dataclass.
 
     Raises:
-        TrlMissing: the module cannot be imported; the message names the install.
+        PeerMissing: TRL is not installed; the message names the install.
     """
-    try:
-        return getattr(importlib.import_module(module), name)
-    except ImportError as exc:
-        raise TrlMissing(f"the TRL integration needs {module}: {INSTALL} ({exc})") from exc
+    return require_peer("trl.experimental.async_grpo.async_rollout_worker", integration=INTEGRATION,
+                        install=INSTALL).RolloutSample
+
+
+def trainer_callback_class() -> type:
+    """transformers' ``TrainerCallback``.
+
+    Raises:
+        PeerMissing: transformers is not installed; the message names the install.
+    """
+    return require_peer("transformers", integration=INTEGRATION, install=INSTALL).TrainerCallback

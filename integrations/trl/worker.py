@@ -27,21 +27,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvckpt.integrations.trl.peer import peer_attr
+from kvckpt.integrations.trl.peer import rollout_sample_class
 from kvckpt.integrations.trl.queue import BufferQueue, VersionClock
 from kvckpt.integrations.vllm import create_backend
 
 from kvckpt import BufferConfig, GateTimeout, KvckptError, Lease, Prompt, ReplayBuffer
 from kvckpt.errors import BadArgument, InvariantViolation
-
-
-def rollout_sample_class() -> type:
-    """TRL's ``RolloutSample`` dataclass.
-
-    Raises:
-        TrlMissing: TRL is not installed; the message names the install.
-    """
-    return peer_attr("trl.experimental.async_grpo.async_rollout_worker", "RolloutSample")
 
 
 def trl_schema() -> dict[str, tuple[str, str]]:
