@@ -42,6 +42,7 @@ from kvckpt import (
     restore,
 )
 from kvckpt.storage import codec
+from kvckpt.storage.layout import ONE_TREE_TABLES
 from kvckpt.storage.store import TABLES, Store
 from kvckpt.testing.harness import CampaignRun, Findings
 from kvckpt.testing.workload import GROUP_SIZE, GROUPS_PER_STEP, SAMPLERS, make_row, workload_config
@@ -199,7 +200,7 @@ def dump(buf: ReplayBuffer, plan: Any) -> dict[str, str] | str:
     is missed by a lookup."""
     out = {}
     with buf.store.reader() as txn:
-        for table in TABLES:
+        for table in ONE_TREE_TABLES:
             for key, value in txn.iter_prefix(table, b""):
                 if not txn.has(table, key):
                     return f"lookup of {table}/{key!r} misses a key iteration finds"
