@@ -302,7 +302,7 @@ def test_a_child_that_dies_is_reported_with_its_own_last_words(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_the_vllm_demo_without_vllm_says_how_to_get_it_in_one_line(tmp_path):
-    with pytest.raises(BadArgument, match=r"setup_vllm_env\.sh.*\.venv-vllm/bin/kvckpt demo --backend vllm"):
+    with pytest.raises(BadArgument, match=r"setup_peer_env\.sh vllm.*\.venv-vllm/bin/kvckpt demo --backend vllm"):
         run_demo(str(tmp_path / "demo"), backend="vllm", log=lambda line: None)
     assert not (tmp_path / "demo").exists()  # refused before anything ran
     proc = subprocess.run([sys.executable, "-m", "kvckpt.tools.cli", "demo", "--backend", "vllm"],
@@ -314,7 +314,7 @@ def test_the_vllm_demo_without_vllm_says_how_to_get_it_in_one_line(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                    reason="vLLM not installed (run in .venv-vllm: scripts/setup_vllm_env.sh)")
+                    reason="vLLM not installed (run in .venv-vllm: scripts/setup_peer_env.sh vllm)")
 def test_kvckpt_demo_with_vllm_gives_the_recovery_report(tmp_path):
     """``kvckpt demo --backend vllm`` in the vLLM environment: trained, killed, resumed, audited, plotted."""
     out = tmp_path / "demo"

@@ -111,7 +111,7 @@ def test_nemo_config_keys_choose_the_sampler(make: Any, name: str) -> None:
 
 def test_config_refuses_typos_other_backends_and_deadlocking_capacity(tmp_path: Any) -> None:
     path = str(tmp_path / "r.kv")
-    with pytest.raises(BadArgument, match=r"unknown replay-buffer config keys \['max_bufferd_rollouts'\]"):
+    with pytest.raises(BadArgument, match=r"unknown config key\(s\) \['max_bufferd_rollouts'\] in the replay-buffer"):
         parse_config({**config(path, "in_order"), "max_bufferd_rollouts": 8})
     with pytest.raises(BadArgument, match="not 'tq'"):
         parse_config({**config(path, "in_order"), "backend": "tq"})
@@ -204,8 +204,8 @@ def test_ledger_lifecycle_reserve_admit_commit_discard(make: Any) -> None:
     assert buf.reserve(weight_version=0, target_step=0, group_id="batch-0-prompt-70") == "batch-0-prompt-70"
     assert len(buf) == 1
     meta = run(buf.commit("batch-0-prompt-70", make_group(2, 1), 0, 0))
-    assert meta.sample_ids == ("batch-0-prompt-70_g0", "batch-0-prompt-70_g1")
-    assert meta.tags[1] == {"weight_version": 0} and meta.sequence_lengths == (4, 5)
+    assert meta.sample_ids == ["batch-0-prompt-70_g0", "batch-0-prompt-70_g1"]
+    assert meta.tags[1] == {"weight_version": 0} and meta.sequence_lengths == [4, 5]
     group = buf.core.group("batch-0-prompt-70")
     assert (group.prompt_idx, group.task_name, group.target_step) == (70, "math", 0)
     assert [e.group_id for e in buf.ledger.entries()] == ["batch-0-prompt-71"]  # released by the commit
@@ -286,7 +286,7 @@ def _save_scenario(buf: TQReplayBuffer, dest: str) -> dict[str, Any]:
     """Step 0 trained; step 1's p2, p3 ready; step 2's p4 ready and p5 in flight; checkpoint at version 1."""
     produce(buf, ["p0", "p1"], 0)
     meta, _ = select(buf, 0, 2, 2)
-    assert meta.group_ids == ("p0", "p1")
+    assert meta.group_ids == ["p0", "p1"]
     buf.finish_train_step()
     produce(buf, ["p2", "p3"], 1)
     stamp = produce(buf, ["p4", "p5"], 1, leave=("p5",), dataloader_state=b"after-batch-2")

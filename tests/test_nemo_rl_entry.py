@@ -70,7 +70,7 @@ def test_the_master_config_is_built_as_nemo_rls_loader_builds_it(tmp_path: Path)
 @pytest.mark.parametrize(("overrides", "message"), [
     (["notanoverride"], "is not key=value"), (["~grpo.nothing"], "deletes a key the config does not have"),
     (["~async_rl.replay_buffer"], r"no async_rl\.replay_buffer section"),
-    (["async_rl.replay_buffer.backend=tq"], "not 'tq'"), (["async_rl.replay_buffer.typo=1"], "unknown replay-buffer")])
+    (["async_rl.replay_buffer.backend=tq"], "not 'tq'"), (["async_rl.replay_buffer.typo=1"], "unknown config key")])
 def test_a_bad_config_is_refused_before_nemo_rl_is_needed(tmp_path: Path, overrides: list[str], message: str) -> None:
     child = write_configs(tmp_path)
     with pytest.raises(BadArgument, match=message):
@@ -84,7 +84,8 @@ def test_without_nemo_rl_the_entry_point_says_what_to_install(tmp_path: Path, ca
     child = write_configs(tmp_path)
     assert main(["--config", str(child)]) == 2
     err = capsys.readouterr().err
-    assert "NeMo-RL is not importable" in err and "git clone https://github.com/NVIDIA-NeMo/RL" in err
+    assert "kvckpt.integrations.nemo_rl (inside NeMo-RL's SingleController) needs nemo_rl" in err
+    assert "git clone https://github.com/NVIDIA-NeMo/RL" in err
     assert "placeholder" in err and not (tmp_path / "replay.kv").exists()
 
 

@@ -380,7 +380,7 @@ class TestSelect:
         run(s.admit(trainer_version_fn=lambda: 0))
         gids = [add_group(buf, w).group_ids[0] for w in (1, 3, 2, 4)]
         meta, n = run(s.select(current_train_weight=3, min_prompt_groups=3, max_prompt_groups=3))
-        assert n == 3 and meta.group_ids == tuple(gids[:3]) and buf.start_weight_list == [4]
+        assert n == 3 and meta.group_ids == gids[:3] and buf.start_weight_list == [4]
 
     def test_ready_first_never_evicts_a_late_straggler(self, make: Any) -> None:
         buf = make(SAMPLERS["ready_first"])
@@ -389,7 +389,7 @@ class TestSelect:
         gid = add_group(buf, 0).group_ids[0]
         assert run(s.evict(current_train_weight=5)) == 0
         meta, n = run(s.select(current_train_weight=5, min_prompt_groups=1, max_prompt_groups=1))
-        assert (n, meta.sample_ids) == (1, (f"{gid}_g0", f"{gid}_g1"))
+        assert (n, meta.sample_ids) == (1, [f"{gid}_g0", f"{gid}_g1"])
 
     def test_in_order_matches_target_step_ignoring_weight_window(self, make: Any) -> None:
         buf = make(SAMPLERS["in_order"])
@@ -508,8 +508,8 @@ class TestReserveCommit:
         assert len(meta.sample_ids) == N_GENS and head == group_id and idx == "0"
         assert (buf.start_weight_list, buf.end_weight_list, buf.ready_list) == ([3], [4], [True])
         assert buf.meta_list[0].sample_ids == meta.sample_ids
-        assert list(meta.tags) == [{"weight_version": 3}] * N_GENS
-        assert list(meta.sequence_lengths) == [3, 3]
+        assert meta.tags == [{"weight_version": 3}] * N_GENS  # a list, as KVBatchMeta's (TQRB l.259)
+        assert meta.sequence_lengths == [3, 3]
         rows = buf.get_samples(meta, ["input_ids"]).tensors["input_ids"]
         assert rows.tolist() == [[1, 1, 1], [1, 1, 1]]
 
@@ -519,7 +519,7 @@ class TestReserveCommit:
         with buf:
             gid = buf.reserve(weight_version=0, prompt_idx=41, task_name="math")
             meta = run(buf.commit(gid, grpo_record(41), start_weight_version=0, end_weight_version=1))
-            assert list(meta.sequence_lengths) == [4, 5]
+            assert meta.sequence_lengths == [4, 5]
             got = buf.get_samples(meta)
             assert got.tensors["input_ids"].tolist() == [[1, 2, 7, 8, 99], [1, 2, 7, 8, 9]]
             assert got.tensors["token_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
@@ -643,7 +643,7 @@ class TestRemove:
                                config=store_config(str(tmp_path / "replay0.kv"), SAMPLERS["windowed"]))
         with fresh:
             create_sampler(fresh, SAMPLERS["windowed"]).set_dispatch_index(0)
-            assert fresh.ready_list == [True] and fresh._group_ids == list(meta.group_ids)
+            assert fresh.ready_list == [True] and fresh._group_ids == meta.group_ids
 
     def test_remove_group_without_dp_refuses_a_committed_group(self, make: Any) -> None:
         """Deviation: the rollout manager's call for a failed attempt does not claim a committed

@@ -237,7 +237,7 @@ def test_ray_hosted_buffer_and_workers(tmp_path, cache_dir):
 
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                    reason="vLLM not installed (run in .venv-vllm: scripts/setup_vllm_env.sh)")
+                    reason="vLLM not installed (run in .venv-vllm: scripts/setup_peer_env.sh vllm)")
 def test_vllm_generation_backend(tmp_path, cache_dir):
     cfg = _config(tmp_path, cache_dir, generation={"backend": "vllm", "group_size": N, "max_tokens": 3},
                   train={"steps": 2})

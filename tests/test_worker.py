@@ -2,7 +2,7 @@
 
 Real generation on the tiny model (built at run time, no hub), real LMDB stores. The
 transformers backend runs in the main environment; the vLLM tests (marker ``vllm``) run inside
-``.venv-vllm`` (``scripts/setup_vllm_env.sh``) and skip where vLLM is not importable.
+``.venv-vllm`` (``scripts/setup_peer_env.sh vllm``) and skip where vLLM is not importable.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed (run in .venv-vllm: scripts/setup_vllm_env.sh)")
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed (run in .venv-vllm: scripts/setup_peer_env.sh vllm)")
 def test_vllm_worker_commits_engine_logprobs_and_takes_weights(tmp_path, model_path):
     worker = RolloutWorker(model_path, backend="vllm", max_tokens=5, seed=1)
     with _buffer(tmp_path) as buf:

@@ -134,8 +134,10 @@ class TQReplayBuffer:
           it is; without them the entry is task :data:`UNIDENTIFIED_TASK`, prompt 0.
 
         Raises:
-            BadArgument: the group is already reserved, its stamp differs from ``target_step``, or
-                a gated sampler has no admission for ``target_step``.
+            BadArgument: the group is already reserved, its stamp differs from ``target_step``, a
+                ``target_step`` under a sampler that stamps none (the store could not record it), or
+                a gated sampler has no admission for ``target_step`` (NeMo-RL's buffer appends the
+                slot; here it would slip past the store's gate and ledger, so the message says why).
             GateTimeout: no capacity left (``max_buffered_rollouts``).
         """
         lease = self.handle.take_idle(group_id)
@@ -146,6 +148,10 @@ class TQReplayBuffer:
                 if lease.start_weight != weight_version:
                     lease = self.core.redispatch(lease.group_id, start_weight=weight_version)
             else:
+                if target_step is not None and not self.core.sampler.stamps_target_step:
+                    raise BadArgument(f"target_step={target_step}, but {self.core.sampler.name} stamps no admission "
+                                      "with a step (in_order does), so the store has nowhere to record it: pass "
+                                      "what sampler.admit returned (None)")
                 prompt = Prompt(0 if prompt_idx is None else prompt_idx,
                                 task_name or (UNIDENTIFIED_TASK if prompt_idx is None else "default"),
                                 group_id or str(uuid.uuid4()))

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvckpt.integrations.common import check_keys
+
 from kvckpt import BufferConfig
 from kvckpt.errors import BadArgument
 from kvckpt.storage import codec
@@ -115,9 +117,7 @@ def parse_config(config: Mapping[str, Any]) -> AdapterConfig:
             ``sampler.required_buffer_capacity(num_prompts_per_step)`` (NeMo-RL refuses it too:
             the rollout pump would deadlock).
     """
-    unknown = sorted(set(config) - KNOWN_KEYS)
-    if unknown:
-        raise BadArgument(f"unknown replay-buffer config keys {unknown}; known: {sorted(KNOWN_KEYS)}")
+    check_keys(config, KNOWN_KEYS, "the replay-buffer config")
     if config.get("backend", "kvckpt") != "kvckpt":
         raise BadArgument(f"this adapter is the kvckpt backend, not {config['backend']!r}")
     if not config.get("path"):

@@ -210,9 +210,9 @@ class KvckptDataPlane:
                 row = self._derived.setdefault(gid, {}).setdefault(index, {})
                 row.update((name, values[name][i]) for name in names)
                 self._cleared.get(gid, set()).discard(index)
-        group_ids = tuple(dict.fromkeys(gid for gid, _ in ids))
-        meta = ReplayMeta(partition_id, group_ids, tuple(sample_ids), tuple(names), (),
-                          tuple(dict(t) for t in tags) if tags is not None else ())
+        group_ids = list(dict.fromkeys(gid for gid, _ in ids))
+        meta = ReplayMeta(partition_id, group_ids, list(sample_ids), list(names), [],
+                          [dict(t) for t in tags] if tags is not None else [])
         return self._forward(meta, "put_samples", sample_ids=list(sample_ids), partition_id=partition_id,
                              fields=fields, tags=None if tags is None else [dict(t) for t in tags])
 

@@ -89,9 +89,10 @@ def nemo_rl_script(explicit: str | None) -> str:
     source checkout NeMo-RL is installed from.
 
     Raises:
-        NeMoRLMissing: NeMo-RL is not importable. BadArgument: no launcher there (pass ``--nemo-rl-script``).
+        PeerMissing: NeMo-RL is not importable. BadArgument: no launcher there (pass ``--nemo-rl-script``).
     """
-    from kvckpt.integrations.nemo_rl.hooks import INSTALL_HINT, NeMoRLMissing
+    from kvckpt.integrations.common import peer_missing
+    from kvckpt.integrations.nemo_rl.hooks import INSTALL_HINT, INTEGRATION
 
     if explicit is not None:
         if not os.path.isfile(explicit):
@@ -99,7 +100,7 @@ def nemo_rl_script(explicit: str | None) -> str:
         return explicit
     spec = importlib.util.find_spec("nemo_rl")
     if spec is None or spec.origin is None:
-        raise NeMoRLMissing(f"NeMo-RL is not importable; install {INSTALL_HINT}")
+        raise peer_missing("nemo_rl", integration=INTEGRATION, install=INSTALL_HINT)
     script = Path(spec.origin).parent.parent / SCRIPT
     if not script.is_file():
         raise BadArgument(f"NeMo-RL at {str(Path(spec.origin).parent)!r} has no {str(SCRIPT)!r} beside it (not a "
@@ -121,7 +122,7 @@ def prepare(argv: Sequence[str]) -> tuple[AdapterConfig, str, list[str]]:
     checked first, so a bad one is reported even without NeMo-RL.
 
     Raises:
-        BadArgument: a bad config or override. NeMoRLMissing: NeMo-RL is not importable.
+        BadArgument: a bad config or override. PeerMissing: NeMo-RL is not importable.
     """
     args, overrides = parse_args(argv)
     master = build_master_config(args.config, overrides)

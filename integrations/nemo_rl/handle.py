@@ -210,7 +210,13 @@ class BufferHandle:
         for record in [*self.core.ledger(), *self.core.groups()]:
             if record.target_step == target_step:
                 return Admission(record.admission_id, self.core.state()["dispatch_index"], target_step)
-        raise BadArgument(f"no admission is stamped for target_step {target_step}: await sampler.admit first")
+        sampler = self.core.sampler.name
+        raise BadArgument(
+            f"no admission is stamped for target_step {target_step}: await sampler.admit first (it returns the stamp "
+            f"to pass). Under {sampler} the store's gate admits batches and its ledger records each in-flight prompt "
+            "with its admission (what a restart redispatches, which batch is short); a slot without one would slip "
+            "past the gate" + (", and a step no admission stamped would be stamped again when the cursor reaches it"
+                               if target_step is not None else ""))
 
     # -- ready slots ------------------------------------------------------------------------------
     def row_length(self, row: Mapping[str, Any]) -> int:
@@ -221,8 +227,8 @@ class BufferHandle:
         return len(row[token[0]]) if token else 0
 
     def meta_of(self, group: GroupInfo) -> ReplayMeta:
-        """A committed group's metadata (for a group committed before this handle existed, the
-        lengths are read from its rows)."""
+        """A committed group's metadata, a copy the caller may change (for a group committed before
+        this handle existed, the lengths are read from its rows)."""
         with self._lock:
             meta = self._meta.get(group.group_id)
         if meta is None:
@@ -231,7 +237,7 @@ class BufferHandle:
                                        list(self.core.schema.fields), [self.row_length(r) for r in batch.rows])
             with self._lock:
                 self._meta[group.group_id] = meta
-        return meta
+        return meta.with_fields(())
 
     def drop_meta(self, group_ids: Iterable[str]) -> None:
         """These groups left the slots (trained or evicted)."""

@@ -12,37 +12,28 @@ import importlib
 from types import ModuleType
 from typing import Any
 
+from kvckpt.integrations.common import require_peer
 from kvckpt.integrations.nemo_rl.sampler import create_sampler
 from kvckpt.integrations.nemo_rl.steps import StepDriver
 
-from kvckpt.errors import KvckptError
-
 SETUP_MODULE = "nemo_rl.algorithms.single_controller_utils.setup"
 CONTROLLER_MODULE = "nemo_rl.algorithms.single_controller"
+INTEGRATION = "kvckpt.integrations.nemo_rl (inside NeMo-RL's SingleController)"
 #: What to install when NeMo-RL is missing (the PyPI ``nemo-rl`` is a name placeholder).
 INSTALL_HINT = ("NVIDIA NeMo-RL with its SingleController (main, 2026-11 or later) from source: "
                 "`git clone https://github.com/NVIDIA-NeMo/RL && uv pip install -e ./RL` "
                 "(the PyPI package `nemo-rl` is a placeholder and does not provide it)")
 
 
-class NeMoRLMissing(KvckptError, ImportError):
-    """NeMo-RL (or its SingleController modules) cannot be imported; the message says what to install."""
-
-
 def nemo_rl_modules() -> tuple[ModuleType, ModuleType]:
     """NeMo-RL's setup and controller modules.
 
     Raises:
-        NeMoRLMissing: either cannot be imported (naming which, and what to install).
+        PeerMissing: either cannot be imported (naming which, and what to install).
     """
-    modules = []
-    for name in (SETUP_MODULE, CONTROLLER_MODULE):
-        try:
-            modules.append(importlib.import_module(name))
-        except ImportError as exc:
-            raise NeMoRLMissing(f"cannot import {name} ({exc}); the kvckpt backend runs inside NeMo-RL's "
-                                f"SingleController: install {INSTALL_HINT}") from None
-    return modules[0], modules[1]
+    setup, controller = (require_peer(name, integration=INTEGRATION, install=INSTALL_HINT)
+                         for name in (SETUP_MODULE, CONTROLLER_MODULE))
+    return setup, controller
 
 
 def is_kvckpt_buffer(buffer: Any) -> bool:

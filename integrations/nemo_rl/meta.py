@@ -24,15 +24,16 @@ class ReplayMeta:
 
     ``tags[i]`` is NeMo-RL's row tag of ``sample_ids[i]``: ``{"weight_version": start_weight}``
     (the group's dispatch-time weight, as ``pack_payload`` tags it). ``sequence_lengths[i]`` is the
-    row's ``input_lengths``. ``group_ids`` lists the groups, one per group, in order.
+    row's ``input_lengths``. ``group_ids`` lists the groups, one per group, in order. The
+    sequences are lists, as ``KVBatchMeta``'s, so NeMo-RL's ``meta.sample_ids == [...]`` holds.
     """
 
     partition_id: str
-    group_ids: tuple[str, ...]
-    sample_ids: tuple[str, ...]
-    fields: tuple[str, ...]
-    sequence_lengths: tuple[int, ...]
-    tags: tuple[dict[str, Any], ...]
+    group_ids: list[str]
+    sample_ids: list[str]
+    fields: list[str]
+    sequence_lengths: list[int]
+    tags: list[dict[str, Any]]
     task_name: str = "train"
     extra_info: dict[str, Any] = field(default_factory=dict)
 
@@ -49,15 +50,15 @@ class ReplayMeta:
                  lengths: Sequence[int]) -> ReplayMeta:
         """The metadata of one group's rows (``len(lengths)`` of them)."""
         n = len(lengths)
-        return cls(partition_id, (group_id,), tuple(keys.row_id(group_id, i) for i in range(n)), tuple(fields),
-                   tuple(int(x) for x in lengths), tuple({"weight_version": int(start_weight)} for _ in range(n)))
+        return cls(partition_id, [group_id], [keys.row_id(group_id, i) for i in range(n)], list(fields),
+                   [int(x) for x in lengths], [{"weight_version": int(start_weight)} for _ in range(n)])
 
     def with_fields(self, field_names: Sequence[str]) -> ReplayMeta:
         """A copy with ``field_names`` appended to ``fields`` (deduplicated, order kept), as
         ``KVBatchMeta.with_fields``: the controller names the ``advantages`` it put this way."""
-        return ReplayMeta(self.partition_id, self.group_ids, self.sample_ids,
-                          tuple(dict.fromkeys((*self.fields, *field_names))), self.sequence_lengths,
-                          tuple(dict(t) for t in self.tags), self.task_name, dict(self.extra_info))
+        return ReplayMeta(self.partition_id, list(self.group_ids), list(self.sample_ids),
+                          list(dict.fromkeys((*self.fields, *field_names))), list(self.sequence_lengths),
+                          [dict(t) for t in self.tags], self.task_name, dict(self.extra_info))
 
     def concat(self, *others: ReplayMeta) -> ReplayMeta:
         """This metadata followed by ``others`` (same partition and fields only, as ``KVBatchMeta.concat``).
@@ -70,7 +71,7 @@ class ReplayMeta:
                 raise BadArgument(f"cannot concat metadata of partition {meta.partition_id!r} fields {meta.fields} "
                                   f"with partition {self.partition_id!r} fields {self.fields}")
         metas = (self, *others)
-        return ReplayMeta(self.partition_id, sum((m.group_ids for m in metas), ()),
-                          sum((m.sample_ids for m in metas), ()), self.fields,
-                          sum((m.sequence_lengths for m in metas), ()), sum((m.tags for m in metas), ()),
+        return ReplayMeta(self.partition_id, [g for m in metas for g in m.group_ids],
+                          [s for m in metas for s in m.sample_ids], list(self.fields),
+                          [n for m in metas for n in m.sequence_lengths], [t for m in metas for t in m.tags],
                           self.task_name)

@@ -3,9 +3,10 @@
 :func:`create_sampler` is NeMo-RL's ``create_sampler(buffer, cfg)``: it returns the class NeMo-RL
 would (:class:`InOrderSampler`, :class:`WeightFifoSampler`, :class:`WindowedSampler`,
 :class:`ReadyFirstSampler`), with the same keyword-only, awaited ``admit`` / ``select`` /
-``evict`` and the same attributes. The eligibility, eviction and gate rules are kvckpt's samplers
-(NeMo-RL's four, same config keys) applied inside one transaction each; the dispatch cursor is the
-store's, so it is checkpointed with everything else.
+``evict`` and the same attributes; the classes also build directly, as NeMo-RL's tests build
+them (``InOrderSampler(buffer, max_lookahead_versions=1)``). The eligibility, eviction and gate
+rules are kvckpt's samplers (NeMo-RL's four, same config keys) applied inside one transaction
+each; the dispatch cursor is the store's, so it is checkpointed with everything else.
 
 The gate wait is an :class:`asyncio.Event` per waiter, set (thread-safely, from whichever thread
 or loop) by every call that tells the buffer the trainer's version (``select``, ``evict``,
@@ -49,14 +50,27 @@ class SampledBuffer(Protocol):
 
 
 class KvckptSampler:
-    """The sampler over a :class:`~.adapter.TQReplayBuffer`'s :class:`~.steps.StepDriver`;
-    build it with :func:`create_sampler`."""
+    """The sampler over a :class:`~.adapter.TQReplayBuffer`'s store (its :class:`~.steps.StepDriver`).
+
+    Build it with :func:`create_sampler`, or directly as NeMo-RL's tests do,
+    ``InOrderSampler(buffer, max_lookahead_versions=1)``. The store was created with its sampler,
+    so the class and keywords must be the store's (a keyword left out is the store's value).
+
+    Raises:
+        BadArgument: another class or other keywords than the store's sampler (a ``ValueError``, as
+            NeMo-RL raises for a negative window).
+    """
 
     #: Every kvckpt sampler's state (stamps and cursor) is in the store, so it checkpoints.
     supports_buffer_checkpoint = True
 
-    def __init__(self, steps: StepDriver) -> None:
-        self._steps = steps
+    def __init__(self, buffer: SampledBuffer, **keys: Any) -> None:
+        if type(self) is not KvckptSampler and adapter_class(buffer.core.sampler) is not type(self):
+            raise BadArgument(f"the store {buffer.core.path!r} is configured with sampler "
+                              f"{buffer.core.sampler.config()}, not a {type(self).__name__}: build the store's "
+                              "(create_sampler(buffer, cfg)), or switch samplers through restore_replay_buffer")
+        require_stored_sampler(buffer, {**buffer.core.sampler.config(), **keys})
+        self._steps = buffer.steps
 
     @property
     def _core(self) -> Any:
@@ -213,6 +227,9 @@ class InOrderSampler(KvckptSampler):
     takes the batch stamped with the trainer's version; ``evict`` drops ready groups stamped for a
     past step."""
 
+    def __init__(self, buffer: SampledBuffer, *, max_lookahead_versions: int | None = None) -> None:
+        super().__init__(buffer, **given(max_lookahead_versions=max_lookahead_versions))
+
     @property
     def max_lookahead_versions(self) -> int:
         """How many batches generation may run ahead of the trainer."""
@@ -220,6 +237,9 @@ class InOrderSampler(KvckptSampler):
 
 
 class _StalenessWindow(KvckptSampler):
+    def __init__(self, buffer: SampledBuffer, *, max_staleness_versions: int | None = None) -> None:
+        super().__init__(buffer, **given(max_staleness_versions=max_staleness_versions))
+
     @property
     def max_staleness_versions(self) -> int:
         """The sampler's weight-version window (and, gated, its lookahead)."""
@@ -239,6 +259,11 @@ class ReadyFirstSampler(_StalenessWindow):
 class WindowedSampler(_StalenessWindow):
     """``windowed``: never gates; ``select`` takes ready groups within the window (optionally
     freshest first); ``evict`` and ``should_abort_inflight`` drop what fell below it."""
+
+    def __init__(self, buffer: SampledBuffer, *, max_staleness_versions: int | None = None,
+                 sample_freshest_first: bool | None = None) -> None:
+        KvckptSampler.__init__(self, buffer, **given(max_staleness_versions=max_staleness_versions,
+                                                     sample_freshest_first=sample_freshest_first))
 
     @property
     def sample_freshest_first(self) -> bool:
@@ -260,14 +285,28 @@ def create_sampler(buffer: SampledBuffer, cfg: Any) -> KvckptSampler:
         BadArgument: ``cfg`` differs from the store's sampler, names no known sampler, or a custom
             target that cannot be imported or is not a kvckpt ``Sampler``.
     """
+    require_stored_sampler(buffer, sampler_config_dict(cfg))
+    return adapter_class(buffer.core.sampler)(buffer)
+
+
+def given(**keys: Any) -> dict[str, Any]:
+    """The keywords a sampler constructor was given (``None``: left out, the store's value)."""
+    return {key: value for key, value in keys.items() if value is not None}
+
+
+def require_stored_sampler(buffer: SampledBuffer, cfg: dict[str, Any]) -> None:
+    """Refuse a sampler config other than the one the store was created with.
+
+    Raises:
+        BadArgument: ``cfg`` names no known sampler, has a bad value, or differs from the store's.
+    """
     from kvckpt.samplers import create_sampler as core_sampler
 
-    wanted = core_sampler(sampler_config_dict(cfg)).config()
+    wanted = core_sampler(cfg).config()
     stored = buffer.core.sampler.config()
     if wanted != stored:
         raise BadArgument(f"the store {buffer.core.path!r} is configured with sampler {stored}, the config asks "
                           f"for {wanted}: switch samplers through restore_replay_buffer or recover")
-    return adapter_class(buffer.core.sampler)(buffer.steps)
 
 
 def adapter_class(core: Any) -> type[KvckptSampler]:

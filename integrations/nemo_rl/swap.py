@@ -25,7 +25,7 @@ def install(config: Any) -> AdapterConfig:
     parsed store config. Idempotent.
 
     Raises:
-        BadArgument: ``config`` has no valid ``async_rl.replay_buffer`` section. NeMoRLMissing:
+        BadArgument: ``config`` has no valid ``async_rl.replay_buffer`` section. PeerMissing:
             NeMo-RL is not importable.
     """
     cfg = configure(config)

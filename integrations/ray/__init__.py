@@ -11,11 +11,9 @@ effect in this process too (:func:`init_local_ray` applies it either way).
 * :func:`batch_from_dict`, :func:`plan_from_dict`: rebuild kvckpt objects from actor replies.
 """
 
-import importlib.util
 import os
 
-if importlib.util.find_spec("ray") is None:
-    raise ModuleNotFoundError("kvckpt.integrations.ray needs Ray: pip install 'kvckpt[ray]'", name="ray")
+from kvckpt.integrations.common import require_peer
 
 #: Environment every Ray process of a kvckpt deployment gets unless already set: Ray on loopback
 #: only (ray reads the first one once, when it is imported) and no usage reporting.
@@ -23,7 +21,9 @@ LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABL
 for _key, _value in LOOPBACK_ENV.items():
     os.environ.setdefault(_key, _value)
 
-from kvckpt.integrations.ray.actor import (  # noqa: E402  (after the environment is set, before ray is imported)
+require_peer("ray", integration="kvckpt.integrations.ray", install="pip install 'kvckpt[ray]'")
+
+from kvckpt.integrations.ray.actor import (  # noqa: E402  (after the environment is set)
     DEFAULT_NAME,
     DEFAULT_NAMESPACE,
     BufferActor,

@@ -1,7 +1,9 @@
 """The reference trainer's configuration: nested dataclasses built from a dict or a YAML file.
 
-Every section and key is checked: an unknown key is an error naming the valid ones (a typo never
-silently falls back to a default). Paths left empty are placed under ``output_dir``.
+Every section and key is checked (by the integrations' shared loader,
+:func:`kvckpt.integrations.common.load_config`): an unknown key is an error naming it, its section,
+the file and the valid ones (a typo never silently falls back to a default). Paths left empty are
+placed under ``output_dir``.
 
 Example (YAML)::
 
@@ -23,6 +25,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvckpt.integrations.common import load_config
 
 from kvckpt.errors import BadArgument
 
@@ -218,33 +222,8 @@ class TrainerConfig:
         """
         if isinstance(source, TrainerConfig):
             return source
-        if isinstance(source, (str, os.PathLike)):
-            import yaml
-
-            with open(source) as fh:
-                source = yaml.safe_load(fh) or {}
-        return _build(cls, dict(source), "")
+        return load_config(cls, source)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able form (paths resolved)."""
         return dataclasses.asdict(self)
-
-
-def _build(cls: type, doc: dict[str, Any], where: str) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(doc) - set(fields)
-    if unknown:
-        raise BadArgument(f"unknown config key(s) {sorted(unknown)} in {where or 'the top level'}; "
-                          f"valid: {sorted(fields)}")
-    kwargs = {}
-    for name, value in doc.items():
-        sub = _SECTIONS.get(name) if not where else None
-        kwargs[name] = _build(sub, dict(value or {}), name) if sub is not None else value
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:
-        raise BadArgument(f"bad config in {where or 'the top level'}: {exc}") from None
-
-
-_SECTIONS = {"model": ModelConfig, "task": TaskConfig, "generation": GenerationConfig, "train": TrainConfig,
-             "replay_buffer": ReplayBufferConfig, "checkpoint": CheckpointConfig, "metrics": MetricsConfig}

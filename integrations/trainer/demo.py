@@ -316,7 +316,7 @@ def run_demo(out: str | None = None, *, fast: bool = False, steps: int | None = 
     has_vllm = importlib.util.find_spec("vllm") is not None
     if backend == "vllm" and not has_vllm:
         raise BadArgument("--backend vllm needs vLLM, which this Python environment lacks: run "
-                          "`bash scripts/setup_vllm_env.sh`, then `.venv-vllm/bin/kvckpt demo --backend vllm`")
+                          "`bash scripts/setup_peer_env.sh vllm`, then `.venv-vllm/bin/kvckpt demo --backend vllm`")
     backend = backend or ("vllm" if has_vllm else "transformers")
     preset = demo_preset(fast, steps)
     keep = out is not None

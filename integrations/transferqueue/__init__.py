@@ -20,22 +20,20 @@ Examples:
 See ``docs/integrations.md`` for what the backend makes crash-consistent and what it does not.
 """
 
-import importlib.util
+from kvckpt.integrations.common import require_peer
 
-if importlib.util.find_spec("transfer_queue") is None:
-    raise ModuleNotFoundError("kvckpt.integrations.transferqueue needs TransferQueue: pip install 'kvckpt[tq]'",
-                              name="transfer_queue")
+require_peer("transfer_queue", integration="kvckpt.integrations.transferqueue", install="pip install 'kvckpt[tq]'")
 
-from kvckpt.integrations.transferqueue.backend import (
+from kvckpt.integrations.transferqueue.backend import (  # noqa: E402  (after the peer check)
     BACKEND_NAME,
     KvckptStorageManager,
     PluginRef,
     start_value_store,
     stop_value_store,
 )
-from kvckpt.integrations.transferqueue.client import CLIENT_NAME, BackendSettings, KvckptStorageClient
-from kvckpt.integrations.transferqueue.errors import ValueMissing, WriteIdentityMismatch
-from kvckpt.integrations.transferqueue.owner import CHECKPOINT_FILE, ValueStore, ValueStoreActor
+from kvckpt.integrations.transferqueue.client import CLIENT_NAME, BackendSettings, KvckptStorageClient  # noqa: E402
+from kvckpt.integrations.transferqueue.errors import ValueMissing, WriteIdentityMismatch  # noqa: E402
+from kvckpt.integrations.transferqueue.owner import CHECKPOINT_FILE, ValueStore, ValueStoreActor  # noqa: E402
 
 __all__ = [
     "BACKEND_NAME", "CHECKPOINT_FILE", "CLIENT_NAME", "BackendSettings", "KvckptStorageClient",

