@@ -256,3 +256,40 @@ def test_custom_sampler_gets_verls_constructor_contract(buffer: Any) -> None:
     assert type(sampler) is KvckptReplayBufferAsync
     assert sampler.filter_groups_metric is None and sampler.train_batch_size is None
     assert sampler.refill_fn == trainer._add_prompts_to_generate
+
+
+def _documented_configuration() -> dict:
+    """The YAML block under docs/integrations.md's verl "The configuration"."""
+    import re
+
+    import yaml
+
+    text = (Path(__file__).parents[1] / "docs" / "integrations.md").read_text()
+    section = text[text.index("## verl V1 replay buffer"):]
+    section = section[section.index("### The configuration"):]
+    return yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
+
+
+def test_the_documented_configuration_builds_the_buffer(buffer: Any) -> None:
+    """The configuration a verl user writes (docs/integrations.md), through verl's ``_build_replay_buffer``."""
+
+    class Trainer(PPOTrainer):
+        def on_step_end(self) -> None:
+            pass
+
+        def on_sample_end(self) -> None:
+            pass
+
+    documented = _documented_configuration()
+    sampler = documented["trainer"]["v1"]["sampler"]
+    sampler["sampler_kwargs"]["kvckpt"] = {"path": ray.get(buffer.ledger.info.remote())["path"], "actor_name": ACTOR}
+    trainer = Trainer.__new__(Trainer)
+    trainer.trainer_mode = documented["trainer"]["v1"]["trainer_mode"]
+    trainer.config = OmegaConf.merge(OmegaConf.create({
+        "algorithm": {"filter_groups": {"enable": False}}, "data": {"train_batch_size": 8},
+        "trainer": {"v1": {trainer.trainer_mode: {}, "sampler": {"max_off_policy_threshold": 2,
+                                                                  "max_off_policy_strategy": "drop"}}}}),
+        documented)
+    rb = trainer._build_replay_buffer()
+    assert type(rb) is KvckptReplayBufferAsync and rb.trainer_mode == "separate_async"
+    assert ray.get(rb.ledger.info.remote())["run"] >= 2  # it opened a run of its own
