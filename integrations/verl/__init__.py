@@ -17,9 +17,21 @@ import importlib
 import importlib.util
 from typing import Any
 
-if importlib.util.find_spec("verl") is None or importlib.util.find_spec("transfer_queue") is None:
-    raise ModuleNotFoundError("kvckpt.integrations.verl needs verl 0.9.1 with TransferQueue: "
-                              "pip install 'verl[verl-core]==0.9.1' 'transferqueue==0.1.11'", name="verl")
+from kvckpt.integrations.common.peer import peer_missing
+
+
+def _absent(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except ValueError:  # sys.modules holds None for it: blocked
+        return True
+
+
+for _peer in ("verl", "transfer_queue"):  # looked up, not imported: verl's import takes tens of seconds
+    if _absent(_peer):
+        raise peer_missing(_peer, integration="kvckpt.integrations.verl",
+                           install="pip install 'kvckpt[verl]' (verl 0.9.1 with TransferQueue 0.1.11; "
+                                   "its own venv: bash scripts/setup_peer_env.sh verl)")
 
 _WHERE = {
     "KvckptReplayBuffer": "buffer", "KvckptReplayBufferAsync": "buffer", "LedgerSettings": "config",
