@@ -56,7 +56,8 @@ def main() -> None:
 
     class Probe(TrainerCallback):
         """Logs what each step trained; at ``kill_at`` holds the engine until a prompt is in flight, then
-        SIGKILLs this process (so the kill always finds committed, ready and in-flight work)."""
+        SIGKILLs this process (so the kill always finds committed, ready and in-flight work: the
+        dataloader has read the next step's groups, still ready in the store, before a step ends)."""
 
         def on_step_end(self, args, state, control, **kwargs):
             if cfg["mode"] == "kvckpt":
@@ -66,6 +67,11 @@ def main() -> None:
             else:
                 log({"step": state.global_step, "trained_ids": sorted(trainer._trained_groups),
                      "start": worker._loop_kwargs["dataset_start_index"]})
+            if cfg["mode"] == "kvckpt" and cfg["run"] == 1 and state.global_step == 2:
+                # Let generation fill the store's capacity once, so some groups wait past
+                # max_staleness whatever the machine's speed (the stale-drop path always runs).
+                while worker.buffer.admissible():
+                    worker.buffer.wait_for_change(0.1)
             if state.global_step != cfg["kill_at"]:
                 return
             if cfg["mode"] == "kvckpt":
