@@ -256,13 +256,15 @@ def test_verify_catches_a_flipped_byte_in_a_row(tmp_path) -> None:
     data[offset + 800] ^= 0xFF
     bad = tmp_path / "bad.kvckpt"
     bad.write_bytes(bytes(data))
-    assert kv_json("verify", bad)["ok"] is True  # rows are only decoded with --deep
-    doc = kv_json("verify", "--deep", bad, check=1)
-    problems = [(p["code"], p["key"], p["message"]) for p in doc["problems"]]
-    assert ("corrupt-record", "rows/a1-p0_g0", "checksum mismatch") in problems
-    assert all("a1-p0" in key for _, key, _ in problems)  # only the damaged group is reported
-    text = kv("verify", "--deep", bad, check=1).stdout
-    assert "problem(s)" in text.splitlines()[0] and "  [corrupt-record] rows/a1-p0_g0: checksum mismatch" in text
+    for flags in ([], ["--deep"]):  # the default verify checksums every row; --deep also decodes them
+        doc = kv_json("verify", *flags, bad, check=1)
+        problems = [(p["code"], p["key"], p["message"]) for p in doc["problems"]]
+        assert ("corrupt-record", "rows/a1-p0_g0", "checksum mismatch") in problems
+        assert all("a1-p0" in key for _, key, _ in problems)  # only the damaged group is reported
+        assert doc["not_checked"]
+        text = kv("verify", *flags, bad, check=1).stdout
+        assert "problem(s)" in text.splitlines()[0] and "  [corrupt-record] rows/a1-p0_g0: checksum mismatch" in text
+        assert text.splitlines()[-1].startswith("  not checked: ")
     proc = kv("export", bad, tmp_path / "x.jsonl", "--format", "jsonl", check=1)
     assert "corrupt record 'rows/a1-p0_g0'" in proc.stderr and not (tmp_path / "x.jsonl").exists()
 

@@ -16,7 +16,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvckpt import FormatError, KvckptError, Prompt, RecoveryError, ReplayBuffer, VerificationFailed, check, restore
+from kvckpt import (
+    CorruptRecord,
+    FormatError,
+    KvckptError,
+    Prompt,
+    RecoveryError,
+    ReplayBuffer,
+    VerificationFailed,
+    check,
+    restore,
+)
 from kvckpt.durability.safe_open import check_structure, verify_path, verify_untrusted
 from kvckpt.storage import codec, keys
 from kvckpt.storage.layout import split, stored_key
@@ -34,7 +44,9 @@ def test_fuzz_campaign_1000_cases_end_in_an_error_or_identical_data(tmp_path: Pa
     assert result.violations == []
     assert result.cases == 1000
     assert result.detected + result.harmless == 1000
-    assert set(result.errors) <= {"FormatError", "VerificationFailed", "RecoveryError", "CorruptRecord"}
+    # rows are checked where they are read: damage to a row is detected by the read of its group
+    assert set(result.errors) <= {"FormatError", "VerificationFailed", "RecoveryError", "CorruptRecord",
+                                  "CorruptRecord (at read)", "InvariantViolation (at read)"}
     # Damage that always breaks the file is always detected; appended bytes never matter.
     for kind in ("foreign", "random", "random-body", "truncate", "zero-page"):
         assert set(result.by_kind[kind]) == {"detected"}, (kind, result.by_kind[kind])
@@ -129,7 +141,9 @@ def test_verifier_flags_each_inconsistency(store: ReplayBuffer, name: str) -> No
         assert store.store.read(lambda t: check(t, deep=False)).ok
 
 
-def test_a_damaged_row_fails_an_untrusted_restore(store: ReplayBuffer, tmp_path: Path) -> None:
+def test_a_damaged_row_fails_where_it_is_read(store: ReplayBuffer, tmp_path: Path) -> None:
+    """restore() reads no row: a flipped byte in one is refused by the read of its group (the
+    other groups read), and by ``restore(deep=True)`` up front."""
     def damage(txn: Txn) -> None:
         value = bytearray(txn.get("rows", keys.row_key("a0-p3", 1)))
         value[len(value) // 2] ^= 0x10
@@ -138,11 +152,13 @@ def test_a_damaged_row_fails_an_untrusted_restore(store: ReplayBuffer, tmp_path:
     store.store.write(damage)
     store.checkpoint(str(tmp_path / "ckpt.kvckpt"), background=False).wait()
     with pytest.raises(RecoveryError, match=r"corrupt-record\] rows/a0-p3_g1: checksum mismatch"):
-        restore(str(tmp_path / "ckpt.kvckpt"), str(tmp_path / "restored.kv"))
+        restore(str(tmp_path / "ckpt.kvckpt"), str(tmp_path / "restored.kv"), deep=True)
     assert not (tmp_path / "restored.kv").exists()
-    # trusted=True skips the row pass: the damage surfaces only when the rows are read.
-    restored, _ = restore(str(tmp_path / "ckpt.kvckpt"), str(tmp_path / "restored.kv"), trusted=True)
-    restored.close()
+    restored, _ = restore(str(tmp_path / "ckpt.kvckpt"), str(tmp_path / "restored.kv"))
+    with restored:
+        with pytest.raises(CorruptRecord, match="rows/a0-p3_g1"):
+            restored.read_batch(["a0-p3"])
+        assert len(restored.read_batch(["a0-p2"], layout="list").rows) == 4
 
 
 def test_a_row_that_passes_its_checksum_but_not_the_schema(store: ReplayBuffer, tmp_path: Path) -> None:

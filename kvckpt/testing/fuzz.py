@@ -41,9 +41,11 @@ from kvckpt import (
     ReplayBuffer,
     restore,
 )
-from kvckpt.storage import codec
+from kvckpt.storage import codec, keys
 from kvckpt.storage.layout import ONE_TREE_TABLES
 from kvckpt.storage.store import TABLES, Store
+from kvckpt.tables.access import Tables
+from kvckpt.tables.digest import row_digest
 from kvckpt.testing.harness import CampaignRun, Findings
 from kvckpt.testing.workload import GROUP_SIZE, GROUPS_PER_STEP, SAMPLERS, make_row, workload_config
 
@@ -214,9 +216,11 @@ def dump(buf: ReplayBuffer, plan: Any) -> dict[str, str] | str:
 
 
 def refused_reads(buf: ReplayBuffer) -> tuple[set[str], str | None]:
-    """``read_batch`` every group with rows, one at a time: the groups whose read raised a
-    :data:`DAMAGE_ERRORS` error or :class:`~kvckpt.errors.InvariantViolation` (rows are checked
-    where they are read), and the name of the first error, if any."""
+    """The groups a trainer's reads would refuse (rows are checked where they are read), and the
+    name of the first error: every group with rows whose ``read_batch`` raises a
+    :data:`DAMAGE_ERRORS` error or :class:`~kvckpt.errors.InvariantViolation`, and every ledger
+    entry whose stored siblings differ from the digests it recorded (the group it completes into
+    carries a digest built from those, so its first ``read_batch`` refuses it)."""
     refused, first = set(), None
     for group in buf.groups():
         if group.rows_stored and group.state not in ("evicted", "aborted"):
@@ -225,6 +229,12 @@ def refused_reads(buf: ReplayBuffer) -> tuple[set[str], str | None]:
             except (*DAMAGE_ERRORS, InvariantViolation) as exc:
                 refused.add(group.group_id)
                 first = first or type(exc).__name__
+    with buf.store.reader() as txn:
+        for entry in Tables(txn).entries():
+            stored = {str(i): txn.get("rows", keys.row_key(entry.group_id, i)) for i in entry.siblings}
+            if any(v is None or row_digest(v) != entry.digests.get(i) for i, v in stored.items()):
+                refused.add(entry.group_id)
+                first = first or "CorruptRecord"
     return refused, first
 
 

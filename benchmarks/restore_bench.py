@@ -1,0 +1,129 @@
+"""Issue 28's restore and copy figures at one size, side by side in one run:
+
+    python -m benchmarks.restore_bench --size 1 --json restore.json   # about 10 minutes at 1 GB
+
+1. restore to the first batch (figure 3's :func:`benchmarks.measure.restore_first_batch`: each run
+   a fresh process, the file's page cache dropped): ``restore()``, ``restore(trusted=True)``, the
+   crash path (``ReplayBuffer.open`` + ``recover()``) and ``torch.load`` of the same rows;
+2. the CPU of each pass on the checkpoint file, cache warm: the structure pass, the metadata
+   verification ``restore()`` runs, ``kvckpt verify`` (row checksums), ``kvckpt verify --deep``;
+3. the copies: a plain sequential copy of the checkpoint file with one fsync, restore's copy
+   (``copy_used`` + fsync), and the checkpoint copy of the live store in the background (nice 19)
+   and in the foreground, each with the source's page cache dropped.
+
+Stores are built under ``--work`` (on the disk to measure; deleted afterwards).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from lmdb import verify as lmdb_verify
+
+from benchmarks import measure
+from kvckpt import ReplayBuffer
+from kvckpt.durability.safe_open import check_header, copy_used, open_readonly
+from kvckpt.durability.verify import check
+from kvckpt.storage.store import fsync_file
+
+
+def _best(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def pass_costs(ckpt: str, repeats: int = 2) -> dict[str, float]:
+    """Seconds of each check on ``ckpt`` (best of ``repeats``; deep once), page cache warm."""
+    out = {"structure": _best(lambda: lmdb_verify.verify(ckpt, subdir=False), repeats)}
+    with open_readonly(ckpt) as store:
+        for name, kwargs in (("metadata", {}), ("checksums", {"checksums": True}), ("deep", {"deep": True})):
+            runs = 1 if name == "deep" else repeats
+            out[name] = _best(lambda kw=kwargs: store.read(lambda txn: check(txn, **kw)), runs)
+    return out
+
+
+def copies(ckpt: str, live: str, out: str, repeats: int = 2) -> list[dict[str, float]]:
+    """Seconds and MB/s of each copy (see the module doc), ``repeats`` rounds interleaved."""
+    def plain() -> None:
+        with open(ckpt, "rb") as src, open(out, "wb") as dst:
+            while block := src.read(1 << 20):
+                dst.write(block)
+            dst.flush()
+            os.fsync(dst.fileno())
+
+    def restore_copy() -> None:
+        copy_used(ckpt, out, check_header(ckpt))
+        fsync_file(out)
+
+    rounds = []
+    for _ in range(repeats):
+        result = {}
+        for name, fn, source in (("plain", plain, ckpt), ("restore_copy", restore_copy, ckpt)):
+            if os.path.exists(out):
+                os.unlink(out)
+            measure.evict_cache([source], "fadvise")
+            result[name] = _best(fn, 1)
+        with ReplayBuffer.open(live) as buf:
+            for name, background in (("checkpoint_background", True), ("checkpoint_foreground", False)):
+                if os.path.exists(out):
+                    os.unlink(out)
+                measure.evict_cache([live], "fadvise")
+                t0 = time.perf_counter()
+                buf.checkpoint(out, background=background).wait()
+                result[name] = time.perf_counter() - t0
+        size = os.path.getsize(ckpt)
+        rounds.append({**result, **{f"{k}_mb_s": size / v / 1e6 for k, v in result.items()}})
+    os.unlink(out)
+    return rounds
+
+
+def main() -> None:
+    """Build one size, print and optionally save the three measurements."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=float, default=1.0, help="GB of raw rows (default 1)")
+    parser.add_argument("--repeats", type=int, default=3, help="restore runs per mode (default 3)")
+    parser.add_argument("--work", default=None, help="directory on the disk to measure (default /var/tmp)")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    work = tempfile.mkdtemp(prefix="kvckpt-restore-", dir=args.work or "/var/tmp")
+    settings = replace(measure.Settings(), restore_repeats=args.repeats)
+    try:
+        built, ingested = measure.ingest(args.size, work, settings)
+        ckpt, pt = os.path.join(work, "first.kvckpt"), os.path.join(work, "first.pt")
+        built.buffer.checkpoint(ckpt, {"step": 0}).wait()
+        built.baseline.checkpoint(pt)
+        live = built.buffer.path
+        built.buffer.close()
+        result = {"size_gb": args.size, "groups": ingested["groups"], "file_bytes": os.path.getsize(ckpt),
+                  "loadavg_start": os.getloadavg(),
+                  "restore": measure.restore_first_batch(ckpt, pt, work, settings),
+                  "passes": pass_costs(ckpt), "copies": copies(ckpt, live, os.path.join(work, "copy.out")),
+                  "loadavg_end": os.getloadavg()}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    torch_s = result["restore"]["torch"]["seconds"]["p50"]
+    for mode, doc in result["restore"].items():
+        p50 = doc["seconds"]["p50"]
+        print(f"{mode:16} {p50:8.3f} s  {torch_s / p50:5.1f}x torch.load  {doc['breakdown']}")
+    print("passes (s):", {k: round(v, 3) for k, v in result["passes"].items()})
+    for done in result["copies"]:
+        print("copies (s):", {k: round(v, 3) for k, v in done.items()})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
