@@ -42,6 +42,8 @@ def test_200_kills_break_no_promise(tmp_path: Path) -> None:
     assert 100 < result.recoveries < 200  # the parent recovers after about 70% of the kills
     assert result.checkpoints_restored > 0 and result.checkpoints_verified >= result.checkpoints_restored
     assert all(result.commit_paths.get(path, 0) > 0 for path in (*COMMIT_PATHS, "refused")), result.commit_paths
+    kinds = result.operation_kinds
+    assert min(kinds.get(k, 0) for k in ("admit", "commit", "progress", "select", "finish")) > 0, kinds
 
 
 def test_the_history_check_catches_every_kind_of_lie(tmp_path: Path) -> None:
@@ -49,14 +51,20 @@ def test_the_history_check_catches_every_kind_of_lie(tmp_path: Path) -> None:
         leases = buf.admit([Prompt(0), Prompt(1)], dataloader_state=b"2")
         buf.commit_group(leases[0], [make_row(leases[0].group_id, i) for i in range(4)])
         buf.commit_sample(leases[1], 0, make_row(leases[1].group_id, 0))
+        row = make_row(leases[1].group_id, 1)
+        buf.record_progress(leases[1], 1, start=0, tokens=row["input_ids"][:2], logprobs=row["logprobs"][:2],
+                            weight_version=0)
         digest = buf.group("a0-p0").digest
         truth = [{"op": "admit", "gids": ["a0-p0", "a0-p1"], "idx": [0, 1], "cursor": 2},
                  {"op": "commit", "gid": "a0-p0", "index": None, "ready": True, "digest": digest},
-                 {"op": "commit", "gid": "a0-p1", "index": 0, "ready": False, "digest": None}]
+                 {"op": "commit", "gid": "a0-p1", "index": 0, "ready": False, "digest": None},
+                 {"op": "progress", "gid": "a0-p1", "index": 1, "end": 2, "via": "one"}]
         assert check_history(truth, holdings(buf)) == []
         lies = [{"op": "admit", "gids": ["a9-p0"], "idx": [9], "cursor": 10},
                 {"op": "commit", "gid": "a0-p0", "index": None, "ready": True, "digest": "0" * 16},
                 {"op": "commit", "gid": "a0-p1", "index": 1, "ready": False, "digest": None},
+                {"op": "progress", "gid": "a0-p1", "index": 1, "end": 3, "via": "many"},
+                {"op": "progress", "gid": "a9-p0", "index": 0, "end": 1, "via": "many"},
                 {"op": "evict", "gids": ["a0-p0"]},
                 {"op": "abort", "gid": "a0-p1"},
                 {"op": "finish", "version": 1},
@@ -64,7 +72,8 @@ def test_the_history_check_catches_every_kind_of_lie(tmp_path: Path) -> None:
         found = check_history(lies, holdings(buf))
     assert [f.split(" ")[0:3] for f in found] == [
         ["admitted", "prompt", "9"], ["dataloader", "cursor", "2"], ["acknowledged", "commit", "of"],
-        ["acknowledged", "sample", "a0-p1_g1"], ["acknowledged", "eviction", "of"], ["acknowledged", "abort", "of"],
+        ["acknowledged", "sample", "a0-p1_g1"], ["acknowledged", "progress", "of"], ["acknowledged", "progress", "of"],
+        ["acknowledged", "eviction", "of"], ["acknowledged", "abort", "of"],
         ["trainer_version", "0", "is"], ["the", "workload", "reported:"]]
 
 

@@ -206,6 +206,7 @@ def test_powercut_campaign_keeps_every_promise():
     assert set(result.starts) == {"create", "recover", "open", "restore"}
     assert set(result.modes) == {"strict", "random"}
     assert all(result.commit_paths.get(path, 0) > 0 for path in (*COMMIT_PATHS, "refused")), result.commit_paths
+    assert result.operation_kinds.get("progress", 0) > 0, result.operation_kinds
 
 
 @needs_fuse

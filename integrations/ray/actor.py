@@ -296,12 +296,7 @@ class BufferActor:
             calls["running"] -= 1
 
     async def _commit_items(self, items: Sequence[Mapping[str, Any]]) -> list[dict[str, Any] | BaseException]:
-        parsed: list[Any] = []
-        for item in items:
-            try:
-                parsed.append({**item, "lease": Lease.from_dict(dict(item["lease"]))})
-            except (KvckptError, KeyError, TypeError) as exc:
-                parsed.append(exc if isinstance(exc, KvckptError) else BadArgument(f"malformed commit item: {exc!r}"))
+        parsed = _with_leases(items, "commit")
         good = [p for p in parsed if not isinstance(p, BaseException)]
         results = iter(await self._abuf.commit_many(good))
         out: list[dict[str, Any] | BaseException] = []
@@ -316,12 +311,7 @@ class BufferActor:
         holds ``record_progress``'s keyword arguments plus ``lease`` (a dict) and ``index``; the
         result list holds, in item order, each durable prefix length or the exception that refused
         the item (nothing of it was written). One call per engine step carries all its sequences."""
-        parsed: list[Any] = []
-        for item in items:
-            try:
-                parsed.append({**item, "lease": Lease.from_dict(dict(item["lease"]))})
-            except (KvckptError, KeyError, TypeError) as exc:
-                parsed.append(exc if isinstance(exc, KvckptError) else BadArgument(f"malformed progress item: {exc!r}"))
+        parsed = _with_leases(items, "progress")
         good = [p for p in parsed if not isinstance(p, BaseException)]
         results = iter(await self._abuf.record_progress_many(good))
         return [p if isinstance(p, BaseException) else next(results) for p in parsed]
@@ -463,6 +453,18 @@ class BufferActor:
         call before ``ray.kill`` for a clean shutdown (a kill is safe too: every acknowledged
         call is durable)."""
         await self._abuf.close()
+
+
+def _with_leases(items: Sequence[Mapping[str, Any]], what: str) -> list[Any]:
+    """Each item with its ``lease`` dict rebuilt as a :class:`~kvckpt.Lease`, or the error that
+    refuses a malformed item (in item order)."""
+    parsed: list[Any] = []
+    for item in items:
+        try:
+            parsed.append({**item, "lease": Lease.from_dict(dict(item["lease"]))})
+        except (KvckptError, KeyError, TypeError) as exc:
+            parsed.append(exc if isinstance(exc, KvckptError) else BadArgument(f"malformed {what} item: {exc!r}"))
+    return parsed
 
 
 def start_buffer_actor(path: str, config: BufferConfig | Mapping[str, Any] | None = None, *,

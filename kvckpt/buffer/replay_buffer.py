@@ -357,19 +357,8 @@ class ReplayBuffer:
         returns.
         """
         t0 = time.perf_counter()
-        jobs: list[_Job] = []
-        out: list[Any] = []
-        for item in items:
-            try:
-                jobs.append(self._job(item))
-                out.append(None)
-            except KvckptError as exc:
-                out.append(exc)
-            except (KeyError, TypeError) as exc:
-                out.append(BadArgument(f"a commit_many item needs lease and rows (and optionally end_weight, "
-                                       f"index): {exc!r}"))
-        results = iter(self._commit_all(jobs, t0))
-        return [next(results) if slot is None else slot for slot in out]
+        jobs, out = _prepare_each(items, self._job, "commit_many", "lease and rows (and optionally end_weight, index)")
+        return _merge(out, self._commit_all(jobs, t0))
 
     def _job(self, item: Mapping[str, Any]) -> _Job:
         """One ``commit_many`` item, checked and encoded (or its encoded rows checked)."""
@@ -447,26 +436,17 @@ class ReplayBuffer:
         ``index`` per item) in one durable transaction, each its own transition: a refused item
         writes nothing and does not stop the others. Returns, in item order, each durable prefix
         length or the error that refused the item. Every result is durable when this returns."""
-        chunks: list[progress.Chunk] = []
-        out: list[Any] = []
-        for item in items:
-            try:
-                check_lease(item["lease"], self.config.group_size)
-                chunks.append(progress.encode_chunk(
-                    self.schema, item["lease"], item["index"], item["start"], item["tokens"], item["logprobs"],
-                    item["weight_version"], item.get("fields")))
-                out.append(None)
-            except KvckptError as exc:
-                out.append(exc)
-            except (KeyError, TypeError) as exc:
-                out.append(BadArgument(f"a record_progress_many item needs lease, index, start, tokens, logprobs "
-                                       f"and weight_version (and optionally fields): {exc!r}"))
+        def prepare(item: Mapping[str, Any]) -> progress.Chunk:
+            check_lease(item["lease"], self.config.group_size)
+            return progress.encode_chunk(self.schema, item["lease"], item["index"], item["start"], item["tokens"],
+                                         item["logprobs"], item["weight_version"], item.get("fields"))
 
         def transition(txn: Txn, chunk: progress.Chunk) -> int:
             return progress.record(Tables(txn), self.store.store_id, chunk)
 
-        results = iter(self.committer.submit_many([functools.partial(transition, chunk=c) for c in chunks]))
-        return [next(results) if slot is None else slot for slot in out]
+        needs = "lease, index, start, tokens, logprobs and weight_version (and optionally fields)"
+        chunks, out = _prepare_each(items, prepare, "record_progress_many", needs)
+        return _merge(out, self.committer.submit_many([functools.partial(transition, chunk=c) for c in chunks]))
 
     def progress(self, lease_or_group_id: Lease | str) -> dict[int, Progress]:
         """The durable token prefix of every sample of a group that has one (``{}`` when none):
@@ -699,6 +679,29 @@ class ReplayBuffer:
         :func:`kvckpt.durability.checkpoint.checkpoint_store`."""
         return checkpoint_store(self.store, dest, trainer_state, durable_checkpoints=self.config.durable_checkpoints,
                                 overwrite=overwrite, background=background)
+
+
+def _prepare_each(items: Sequence[Mapping[str, Any]], prepare: Callable[[Mapping[str, Any]], Any], call: str,
+                  needs: str) -> tuple[list[Any], list[Any]]:
+    """Prepare every item of a ``*_many`` call outside the transaction: the prepared ones in order,
+    and per item ``None`` (prepared) or the error that refused it (then nothing of it is written)."""
+    prepared: list[Any] = []
+    out: list[Any] = []
+    for item in items:
+        try:
+            prepared.append(prepare(item))
+            out.append(None)
+        except KvckptError as exc:
+            out.append(exc)
+        except (KeyError, TypeError) as exc:
+            out.append(BadArgument(f"a {call} item needs {needs}: {exc!r}"))
+    return prepared, out
+
+
+def _merge(out: list[Any], results: Sequence[Any]) -> list[Any]:
+    """The results of the prepared items put back into the slots ``_prepare_each`` left ``None``."""
+    found = iter(results)
+    return [next(found) if slot is None else slot for slot in out]
 
 
 def _as_prompt(value: Any) -> Prompt:

@@ -31,6 +31,7 @@ import lmdb
 
 from kvckpt import CorruptRecord, FormatError, KvckptError, Prompt, RecoveryError, ReplayBuffer, restore
 from kvckpt.storage import codec
+from kvckpt.storage.layout import ONE_TREE_TABLES
 from kvckpt.storage.store import TABLES, Store
 from kvckpt.testing.harness import CampaignRun, Findings
 from kvckpt.testing.workload import GROUP_SIZE, GROUPS_PER_STEP, SAMPLERS, make_row, workload_config
@@ -187,7 +188,7 @@ def dump(buf: ReplayBuffer, plan: Any) -> str:
     each key is found by lookup, not only by iteration), the redispatch plan and its states."""
     h = hashlib.sha256()
     with buf.store.reader() as txn:
-        for table in TABLES:
+        for table in ONE_TREE_TABLES:
             for key, value in txn.iter_prefix(table, b""):
                 if not txn.has(table, key):
                     return f"lookup of {table}/{key!r} misses a key iteration finds"

@@ -109,8 +109,10 @@ def fork_server() -> Any:
     global _FORK_SERVER
     if _FORK_SERVER is None:
         _FORK_SERVER = multiprocessing.get_context("forkserver")
+        # mfusepy: kvckpt.testing.powerfs (skipped if absent); torch: ReplayBuffer.progress returns
+        # tensors, and a child importing it itself spends seconds of its short life doing so.
         _FORK_SERVER.set_forkserver_preload(["__main__", "kvckpt.testing.kill", "kvckpt.testing.powercut",
-                                             "mfusepy"])  # mfusepy: kvckpt.testing.powerfs (skipped if absent)
+                                             "mfusepy", "torch"])
     return _FORK_SERVER
 
 

@@ -6,8 +6,10 @@ restored checkpoint agrees with the live store.
   ``0 .. cursor-1``, each once (a committed group or a ledger entry, never both), and every stored
   row is byte-for-byte the row its producer generated (:func:`~kvckpt.testing.workload.make_row`);
 * :func:`check_history`: every acknowledged admission, commit (by any of the
-  :data:`~kvckpt.testing.workload.COMMIT_PATHS`), selection, finished step, eviction and abort is
-  reflected by the store;
+  :data:`~kvckpt.testing.workload.COMMIT_PATHS`), token-progress chunk (present after the cut: the
+  sample's durable prefix is at least as long, unless the sample was committed or its group
+  aborted since), selection, finished step, eviction and abort is reflected by the store; every
+  durable prefix is its row's own first tokens and logprobs (:func:`check_buffer`);
 * :func:`compare_checkpoint`: what a checkpoint holds as committed is committed live.
 """
 
@@ -32,18 +34,22 @@ COMMITTED = (READY, CLAIMED, CONSUMED, EVICTED)
 
 @dataclass
 class Holdings:
-    """What a store holds, by group id: group records, ledger entries, its state and cursor."""
+    """What a store holds, by group id: group records, ledger entries, its state and cursor, and
+    the durable token prefix of every sample in flight (``(group id, row index) -> Progress``)."""
 
     groups: dict[str, Any]
     ledger: dict[str, Any]
     state: dict[str, Any]
     cursor: int
+    progress: dict[tuple[str, int], Any] = field(default_factory=dict)
 
 
 def holdings(buf: ReplayBuffer) -> Holdings:
     """Every group, ledger entry, the state and the dataloader cursor of ``buf`` (its prompts)."""
-    return Holdings({g.group_id: g for g in buf.groups()}, {e.group_id: e for e in buf.ledger()}, buf.state(),
-                     int(buf.dataloader_state() or b"0"))
+    ledger = {e.group_id: e for e in buf.ledger()}
+    progress = {(gid, i): p for gid in ledger for i, p in buf.progress(gid).items()}
+    return Holdings({g.group_id: g for g in buf.groups()}, ledger, buf.state(), int(buf.dataloader_state() or b"0"),
+                    progress)
 
 
 def check_buffer(buf: ReplayBuffer, where: str, bad: Callable[[str], None], seen: set[bytes],
@@ -69,6 +75,11 @@ def check_buffer(buf: ReplayBuffer, where: str, bad: Callable[[str], None], seen
         want = make_row(gid, index)
         if set(record.arrays) != set(want) or not all(np.array_equal(record.arrays[k], v) for k, v in want.items()):
             bad(f"{where}: row {gid}_g{index} is not the row its producer generated")
+    for (gid, index), got in snap.progress.items():
+        want = make_row(gid, index)
+        if not (np.array_equal(got.tokens.numpy(), want["input_ids"][:got.length])
+                and np.array_equal(got.logprobs.numpy(), want["logprobs"][:got.length])):
+            bad(f"{where}: the durable prefix of {gid}_g{index} is not its producer's first {got.length} tokens")
     return snap
 
 
@@ -98,6 +109,15 @@ def check_history(ops: list[dict[str, Any]], snap: Holdings) -> list[str]:
             elif not ((group is not None and group.state in (*COMMITTED, ABORTED))
                       or (entry is not None and op["index"] in entry.siblings)):
                 bad(f"acknowledged sample {op['gid']}_g{op['index']} is lost")
+        elif kind == "progress":
+            group, entry = snap.groups.get(op["gid"]), snap.ledger.get(op["gid"])
+            held = snap.progress.get((op["gid"], op["index"]))
+            if entry is not None and op["index"] not in entry.siblings and (held is None or held.length < op["end"]):
+                bad(f"acknowledged progress of {op['gid']}_g{op['index']} up to token {op['end']} is lost (the durable "
+                    f"prefix holds {0 if held is None else held.length})")
+            elif entry is None and (group is None or group.state not in (*COMMITTED, ABORTED)):
+                bad(f"acknowledged progress of {op['gid']}_g{op['index']}: the prompt is neither in flight nor "
+                    "committed")
         elif kind == "select":
             selected[op["step"]] = op["gids"]
             for gid in op["gids"]:
@@ -139,17 +159,22 @@ def compare_checkpoint(snap: Holdings, live: Holdings, name: str, bad: Callable[
 
 @dataclass
 class WorkloadFindings(Findings):
-    """The findings of a campaign that checks a workload's log: how many operations it checked,
-    and how many acknowledged commits each commit path made (``group``, ``sample``, ``encoded``,
-    ``many``) with the ``commit_many`` items refused as they had to be (``refused``), so a test
-    can assert every path ran."""
+    """The findings of a campaign that checks a workload's log: how many operations it checked
+    (``operation_kinds``: how many of each kind: admit, commit, progress, select, ...), and how
+    many acknowledged commits each commit path made (``group``, ``sample``, ``encoded``, ``many``)
+    with the ``commit_many`` items refused as they had to be (``refused``), so a test can assert
+    every path ran."""
 
     operations_checked: int = 0
     commit_paths: dict[str, int] = field(default_factory=dict)
+    operation_kinds: dict[str, int] = field(default_factory=dict)
 
     def count(self, ops: list[dict[str, Any]]) -> None:
         """Add the checked operations ``ops`` (each counted once) to the figures."""
         self.operations_checked += len(ops)
+        kinds = Counter(self.operation_kinds)
+        kinds.update(op["op"] for op in ops)
+        self.operation_kinds = dict(kinds)
         counts = Counter(self.commit_paths)
         counts.update(op.get("via", "group") for op in ops if op["op"] == "commit")
         counts["refused"] += sum(op["op"] == "refused" for op in ops)

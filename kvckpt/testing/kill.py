@@ -59,6 +59,7 @@ class CampaignResult(WorkloadFindings):
         return (f"crash campaign: kills {self.kills}, operations checked {self.operations_checked}, "
                 f"checkpoints verified {self.checkpoints_verified} (restored {self.checkpoints_restored}), "
                 f"recoveries {self.recoveries}, commits ({tally(self.commit_paths)}), "
+                f"operations ({tally(self.operation_kinds)}), "
                 f"violations found {len(self.violations)}, {self.seconds:.0f}s")
 
 

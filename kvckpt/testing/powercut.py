@@ -73,6 +73,7 @@ class PowercutResult(WorkloadFindings):
                 f"{self.operations_checked}, checkpoints restored {self.checkpoints_restored}, starts "
                 f"({tally(self.starts)}), unsynced pages / directory operations kept by random cuts "
                 f"{self.pages_kept} / {self.ops_kept}, commits ({tally(self.commit_paths)}), "
+                f"operations ({tally(self.operation_kinds)}), "
                 f"violations found {len(self.violations)}, {self.seconds:.0f}s")
 
 

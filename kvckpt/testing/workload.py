@@ -8,8 +8,13 @@ acknowledgement), ``sample`` (:meth:`~kvckpt.ReplayBuffer.commit_sample`, one ro
 with a :class:`~kvckpt.storage.encoding.RowEncoder` built from the config, as a remote producer
 does) and ``many`` (:meth:`~kvckpt.ReplayBuffer.commit_many`: several groups, raw or edge-encoded,
 in one durable transaction, with one item among them that must be refused inside it: a copy of a
-lease from another store, or other content for a group of the same batch). The trainer admits,
-selects, finishes steps, evicts, aborts and checkpoints in the background to numbered files.
+lease from another store, or other content for a group of the same batch). Before a ``group``,
+``sample`` or ``encoded`` commit, a producer streams its samples' token progress as an engine
+does: one :meth:`~kvckpt.ReplayBuffer.record_progress_many` per "engine step" (sometimes one
+:meth:`~kvckpt.ReplayBuffer.record_progress` per sample), each acknowledged chunk logged as
+``progress`` with the durable length, resuming a redispatched sample from its durable prefix (which
+must be the row's own first tokens). The trainer admits, selects, finishes steps, evicts, aborts
+and checkpoints in the background to numbered files.
 
 Every row is :func:`make_row` of its group and index, so a checker can regenerate any stored row.
 """
@@ -37,6 +42,7 @@ from kvckpt import (
     BufferConfig,
     DuplicateCommit,
     ForeignLease,
+    FutureVersion,
     GateTimeout,
     KvckptError,
     Lease,
@@ -159,8 +165,50 @@ class Workload:
     def _rows(self, lease: Lease, salt: str = "") -> dict[int, dict[str, np.ndarray]]:
         return {i: make_row(lease.group_id + salt, i) for i in lease.missing}
 
+    def stream(self, lease: Lease, rng: random.Random) -> None:
+        """Record the token progress of ``lease``'s missing samples in chunks of 1-6 tokens, one
+        batched call per step, from each sample's durable prefix, and stop at a random step (the
+        rest of the row is "generated" without progress, as after a short interval)."""
+        done = {}
+        for index, got in self.buf.progress(lease).items():
+            want = make_row(lease.group_id, index)["input_ids"][:got.length]
+            if not np.array_equal(got.tokens.numpy(), want):
+                self.log.append(op="violation", what=f"the durable prefix of {lease.group_id}_g{index} is not the "
+                                                     f"row's first {got.length} tokens")
+            done[index] = got.length
+        rows = {i: make_row(lease.group_id, i) for i in lease.missing}
+        for _ in range(rng.randrange(1, 6)):
+            items = []
+            for i, row in rows.items():
+                start = done.get(i, 0)
+                n = min(rng.randrange(1, 7), len(row["input_ids"]) - start)
+                if n > 0:
+                    chunk = slice(start, start + n)
+                    items.append({"lease": lease, "index": i, "start": start, "weight_version": lease.start_weight,
+                                  "tokens": row["input_ids"][chunk], "logprobs": row["logprobs"][chunk]})
+            if not items:
+                return
+            many = rng.random() < 0.7
+            results = self.buf.record_progress_many(items) if many else [self._one(item) for item in items]
+            for item, result in zip(items, results, strict=True):
+                if isinstance(result, (UnknownGroup, FutureVersion)):
+                    return  # aborted meanwhile / a restore went back past this lease's weights
+                if isinstance(result, BaseException):
+                    raise result
+                done[item["index"]] = result
+                self.log.append(op="progress", gid=lease.group_id, index=item["index"], end=result,
+                                via="many" if many else "one")
+
+    def _one(self, item: dict[str, Any]) -> Any:
+        try:
+            return self.buf.record_progress(item["lease"], item["index"], **{
+                k: v for k, v in item.items() if k not in ("lease", "index")})
+        except KvckptError as exc:
+            return exc
+
     def _generate(self, lease: Lease, path: str, rng: random.Random) -> None:
         gid = lease.group_id
+        self.stream(lease, rng)
         if path == "group":
             rows = self._rows(lease)
             self._acknowledge(gid, None, self.buf.commit_group(lease, rows), path)
