@@ -39,6 +39,7 @@ import os
 import platform
 import random
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -293,11 +294,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.progress_bench")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
-    parser.add_argument("--work", help="scratch directory (default: a new one under /var/tmp)")
+    parser.add_argument("--work", help="scratch directory, kept (default: a new one under /var/tmp, removed)")
     args = parser.parse_args(argv)
     work = args.work or tempfile.mkdtemp(prefix="kvckpt-progress-bench-", dir="/var/tmp")
     os.makedirs(work, exist_ok=True)
-    result = run(args.quick, work)
+    try:
+        result = run(args.quick, work)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1, sort_keys=True)

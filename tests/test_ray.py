@@ -162,6 +162,33 @@ def test_a_rollout_worker_commits_one_engine_call_in_one_actor_call(ray_local, t
     ray.kill(actor)
 
 
+def test_a_streaming_worker_records_progress_through_the_actor_and_resumes_from_it(ray_local, tmp_path):
+    """Progress every token, through the actor (one record_progress_many call per engine step);
+    the group is then redispatched and a second worker resumes its samples from their prefixes."""
+    from kvckpt.integrations.vllm import DEFAULT_SCHEMA, RolloutWorker, ensure_tiny_model
+
+    from kvckpt import Lease
+
+    model = ensure_tiny_model(str(tmp_path / "model"))
+    config = {"group_size": 2, "schema": DEFAULT_SCHEMA, "sampler": "ready_first", "max_buffered_rollouts": 8}
+    actor = kray.start_buffer_actor(str(tmp_path / "live.kv"), config, name="streaming")
+    [lease] = [Lease.from_dict(d) for d in ray.get(actor.admit.remote([1]))]
+    client = kray.BufferClient(actor)
+    tokens = [7, 8]
+    for i in range(2):  # an earlier attempt's durable prefix (it then died)
+        assert client.record_progress(lease, i, start=0, tokens=tokens, logprobs=[-0.5, -0.5], weight_version=0) == 2
+    again = Lease.from_dict(ray.get(actor.redispatch.remote(lease.group_id)))
+    worker = RolloutWorker(model, max_tokens=4, temperature=0.0, progress_every_tokens=1,
+                           backend_options={"step_tokens": 1})
+    [result] = worker.run(actor, [again])
+    assert result.ready and worker.progress_stats["tokens_resumed"] == 4
+    assert worker.progress_stats["appends"] >= 1 and worker.progress_stats["append_calls"] >= 1
+    rows = kray.batch_from_dict(ray.get(actor.read_batch.remote([again.group_id], layout="list"))).rows
+    assert all(r["input_ids"][r["token_mask"] == 1][:2].tolist() == tokens for r in rows)
+    assert client.progress(again) == {} and verify_path(str(tmp_path / "live.kv"), deep=True).ok
+    ray.kill(actor)
+
+
 def test_one_engine_steps_progress_is_one_actor_call_and_one_transaction(ray_local, tmp_path):
     from kvckpt import FutureVersion
 
