@@ -279,6 +279,6 @@ def test_transformers_resume_from_durable_progress_is_bit_exact(tmp_path, model_
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed (run in .venv-vllm: scripts/setup_vllm_env.sh)")
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed (run in .venv-vllm: bash scripts/setup_peer_env.sh vllm)")
 def test_vllm_resume_from_durable_progress_is_bit_exact(tmp_path, model_path):
     _check_bit_exact_resume(tmp_path, model_path, "vllm")
