@@ -31,6 +31,7 @@ pytest.importorskip("transfer_queue")
 import ray
 import torch
 import transfer_queue as tq
+from _verl_support import transferqueue
 from kvckpt.integrations.verl import KvckptReplayBuffer, KvckptReplayBufferAsync
 from kvckpt.integrations.verl.mirror import RAW, active
 
@@ -43,21 +44,10 @@ ACTOR = f"kvckpt_verl_test_{uuid.uuid4().hex[:8]}"
 @pytest.fixture(scope="module")
 def ledger_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """verl's module-scoped ``tq_init`` (line 38), on loopback Ray, plus one ledger for the module."""
-    from kvckpt.integrations.ray import init_local_ray
-
-    init_local_ray(num_cpus=8, object_store_memory=256 << 20, namespace="kvckpt-verl-rb")
-    tq.init()
-    path = str(tmp_path_factory.mktemp("verl_rb") / "ledger.kv")
-    _make_rb(path)  # installs the mirror before the first test writes anything
-    try:
+    with transferqueue("kvckpt-verl-rb", ACTOR):
+        path = str(tmp_path_factory.mktemp("verl_rb") / "ledger.kv")
+        _make_rb(path)  # installs the mirror before the first test writes anything
         yield path
-    finally:
-        from kvckpt.integrations.verl.mirror import uninstall
-
-        uninstall()
-        ray.kill(ray.get_actor(ACTOR, namespace="kvckpt"))
-        tq.close()
-        ray.shutdown()
 
 
 @pytest.fixture

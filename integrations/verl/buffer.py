@@ -39,6 +39,12 @@ class _LedgerBacked:
     trainer_mode: str
     refill_fn: Any
 
+    def __init__(self, trainer_mode: str, trainer_config: DictConfig, max_off_policy_threshold: int | None,
+                 max_off_policy_strategy: str, sampler_kwargs: DictConfig, **kwargs: Any) -> None:
+        super().__init__(trainer_mode, trainer_config, max_off_policy_threshold,  # type: ignore[call-arg]
+                         max_off_policy_strategy, sampler_kwargs, **kwargs)
+        self._attach(sampler_kwargs)
+
     def _attach(self, sampler_kwargs: DictConfig | dict | None) -> None:
         settings = LedgerSettings.from_sampler_kwargs(sampler_kwargs)
         self.ledger = ledger_actor(settings.path, settings.actor_name, NAMESPACE)
@@ -89,12 +95,6 @@ class KvckptReplayBuffer(_LedgerBacked, ReplayBuffer):
     (:class:`~.config.LedgerSettings`).
     """
 
-    def __init__(self, trainer_mode: str, trainer_config: DictConfig, max_off_policy_threshold: int | None,
-                 max_off_policy_strategy: str, sampler_kwargs: DictConfig, **kwargs: Any) -> None:
-        super().__init__(trainer_mode, trainer_config, max_off_policy_threshold, max_off_policy_strategy,
-                         sampler_kwargs, **kwargs)
-        self._attach(sampler_kwargs)
-
 
 class KvckptReplayBufferAsync(_LedgerBacked, ReplayBufferAsync):
     """verl's ``ReplayBufferAsync`` with its state in a kvckpt ledger (``colocate_async`` / ``separate_async``).
@@ -102,9 +102,3 @@ class KvckptReplayBufferAsync(_LedgerBacked, ReplayBufferAsync):
     Takes verl's constructor arguments; ``sampler_kwargs.kvckpt`` configures the ledger
     (:class:`~.config.LedgerSettings`).
     """
-
-    def __init__(self, trainer_mode: str, trainer_config: DictConfig, max_off_policy_threshold: int | None,
-                 max_off_policy_strategy: str, sampler_kwargs: DictConfig, **kwargs: Any) -> None:
-        super().__init__(trainer_mode, trainer_config, max_off_policy_threshold, max_off_policy_strategy,
-                         sampler_kwargs, **kwargs)
-        self._attach(sampler_kwargs)
