@@ -16,8 +16,10 @@ they add is where the state lives. Constructing one
    ``kv_list``. Sync mode keeps nothing across a restart, as verl's sync trainer (it saves no
    buffer state): the ledger is pruned to what TransferQueue holds (after a restart, nothing).
 
-A group the trainer samples is marked consumed by that step, not deleted: a crash before a
-checkpoint covers the step gives it back, since the weights that trained on it are lost too.
+In async modes a group the trainer samples is marked consumed by that step, not deleted: a crash
+before a checkpoint covers the step gives it back, since the weights that trained on it are lost
+too. The marks are dropped by the checkpoint that covers them (``tq.save_checkpoint``); a run that
+never checkpoints keeps them in the file until its next restart settles them.
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ class _LedgerBacked:
             self.restored = self.mirror.refill(ray.get(self.ledger.resume.remote()))
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
-        """verl's ``sample``; the groups it hands out are marked consumed by ``global_steps``."""
-        self._sampling_step = None if partition_id == "val" else global_steps
+        """verl's ``sample``; in async modes the groups it hands out are marked consumed by ``global_steps``
+        (sync mode and validation delete them: nothing of theirs is restored after a restart)."""
+        self._sampling_step = None if partition_id == "val" or self.trainer_mode == "sync" else global_steps
         try:
             return super().sample(global_steps, partition_id, batch_size)  # type: ignore[misc]
         finally:
