@@ -53,10 +53,10 @@ def main() -> None:
     import ray
     import torch
     import transfer_queue as tq
+    from _verl_support import StubTrainer
     from omegaconf import OmegaConf
     from tensordict import TensorDict
     from torchdata.stateful_dataloader import StatefulDataLoader
-    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
     from verl.utils.dataset.rl_dataset import collate_fn
 
     tq.init()
@@ -115,14 +115,7 @@ def main() -> None:
         def on_save(self, **kwargs: object) -> None:
             pass
 
-    class Trainer(PPOTrainer):  # verl's trainer-base test's _StubTrainer: the two abstract hooks, nothing else
-        def on_step_end(self) -> None:
-            pass
-
-        def on_sample_end(self) -> None:
-            pass
-
-    trainer = Trainer.__new__(Trainer)
+    trainer = StubTrainer.__new__(StubTrainer)
     trainer.trainer_mode = "colocate_async"
     trainer.config = OmegaConf.create({
         "algorithm": {"filter_groups": {"enable": False}},

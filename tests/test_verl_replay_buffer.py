@@ -31,6 +31,7 @@ pytest.importorskip("transfer_queue")
 import ray
 import torch
 import transfer_queue as tq
+from _verl_support import transferqueue
 from kvckpt.integrations.verl import KvckptReplayBuffer, KvckptReplayBufferAsync
 from kvckpt.integrations.verl.mirror import RAW, active
 
@@ -43,21 +44,10 @@ ACTOR = f"kvckpt_verl_test_{uuid.uuid4().hex[:8]}"
 @pytest.fixture(scope="module")
 def ledger_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """verl's module-scoped ``tq_init`` (line 38), on loopback Ray, plus one ledger for the module."""
-    from kvckpt.integrations.ray import init_local_ray
-
-    init_local_ray(num_cpus=8, object_store_memory=256 << 20, namespace="kvckpt-verl-rb")
-    tq.init()
-    path = str(tmp_path_factory.mktemp("verl_rb") / "ledger.kv")
-    _make_rb(path)  # installs the mirror before the first test writes anything
-    try:
+    with transferqueue("kvckpt-verl-rb", ACTOR):
+        path = str(tmp_path_factory.mktemp("verl_rb") / "ledger.kv")
+        _make_rb(path)  # installs the mirror before the first test writes anything
         yield path
-    finally:
-        from kvckpt.integrations.verl.mirror import uninstall
-
-        uninstall()
-        ray.kill(ray.get_actor(ACTOR, namespace="kvckpt"))
-        tq.close()
-        ray.shutdown()
 
 
 @pytest.fixture
@@ -215,7 +205,7 @@ def test_sync_metadata_unknown_status_raises(partition_id: str, ledger_path: str
 
 # -- sample --------------------------------------------------------------------------------------
 def test_sample_returns_finished_and_failure_trajectories(partition_id: str, ledger_path: str) -> None:
-    """verl line 373; the sampled prompts are also consumed marks of step 0 in the ledger."""
+    """verl line 373; sync mode keeps nothing across a restart, so the sampled prompts leave the ledger too."""
     finished, f_keys = _group(partition_id, "finished", sessions=2)
     failure, x_keys = _group(partition_id, "failure")
     running, _ = _group(partition_id, "running")
@@ -225,8 +215,7 @@ def test_sample_returns_finished_and_failure_trajectories(partition_id: str, led
     assert len(batch.tags) == len(batch.keys)
     remaining = _listed(partition_id)
     assert finished not in remaining and failure not in remaining and running in remaining
-    consumed = ray.get(rb.ledger.snapshot.remote())["consumed"][partition_id]
-    assert consumed == {finished: 0, failure: 0}
+    assert partition_id not in ray.get(rb.ledger.snapshot.remote())["consumed"]
 
 
 def test_sample_prioritizes_smallest_global_steps(partition_id: str, ledger_path: str) -> None:
@@ -311,12 +300,13 @@ def test_wait_blocks_until_stale_inflight_finishes(partition_id: str, ledger_pat
 
 
 def test_wait_keeps_stale_terminal_trajectories(partition_id: str, ledger_path: str) -> None:
-    """verl line 670."""
-    _, keys = _group(partition_id, "finished", global_steps=0)
+    """verl line 670; async mode: the sampled prompt is a consumed mark of step 100 in the ledger."""
+    uid, keys = _group(partition_id, "finished", global_steps=0)
     rb = _make_rb(ledger_path, trainer_mode="colocate_async", max_off_policy_strategy="wait",
                   max_off_policy_threshold=2)
     batch, metrics = rb.sample(global_steps=100, partition_id=partition_id, batch_size=1)
     assert set(batch.keys) == set(keys) and metrics == {}
+    assert ray.get(rb.ledger.snapshot.remote())["consumed"][partition_id] == {uid: 100}
 
 
 def test_async_failure_refills_exact_missing_count(partition_id: str, ledger_path: str) -> None:

@@ -30,8 +30,9 @@ pytest.importorskip("transfer_queue")
 import ray
 import torch
 import transfer_queue as tq
+from _verl_support import StubTrainer, transferqueue
 from kvckpt.integrations.verl import KvckptReplayBufferAsync
-from kvckpt.integrations.verl.mirror import LEDGER_FILE, MANIFEST_FILE, RAW, uninstall
+from kvckpt.integrations.verl.mirror import LEDGER_FILE, MANIFEST_FILE, RAW
 from omegaconf import OmegaConf
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.utils import tensordict_utils as tu
@@ -43,21 +44,11 @@ ACTOR = f"kvckpt_verl_resume_{uuid.uuid4().hex[:8]}"
 @pytest.fixture(scope="module")
 def buffer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """verl's module ``tq_init`` (line 59) on loopback Ray, and the kvckpt buffer a trainer would build."""
-    from kvckpt.integrations.ray import init_local_ray
-
-    init_local_ray(num_cpus=8, object_store_memory=256 << 20, namespace="kvckpt-verl-resume")
-    tq.init()
-    path = str(tmp_path_factory.mktemp("verl_resume") / "ledger.kv")
-    rb = KvckptReplayBufferAsync(trainer_mode="separate_async", trainer_config={}, max_off_policy_threshold=2,
-                                 max_off_policy_strategy="drop",
-                                 sampler_kwargs={"kvckpt": {"path": path, "actor_name": ACTOR}})
-    try:
-        yield rb
-    finally:
-        uninstall()
-        ray.kill(rb.ledger)
-        tq.close()
-        ray.shutdown()
+    with transferqueue("kvckpt-verl-resume", ACTOR):
+        path = str(tmp_path_factory.mktemp("verl_resume") / "ledger.kv")
+        yield KvckptReplayBufferAsync(trainer_mode="separate_async", trainer_config={}, max_off_policy_threshold=2,
+                                      max_off_policy_strategy="drop",
+                                      sampler_kwargs={"kvckpt": {"path": path, "actor_name": ACTOR}})
 
 
 @pytest.fixture
@@ -231,16 +222,10 @@ def test_load_of_an_older_checkpoint_replaces_the_live_ledger(partition_id: str,
 
 def test_custom_sampler_gets_verls_constructor_contract(buffer: Any) -> None:
     """verl ``test_trainer_base_on_cpu.py`` line 74, with the real kvckpt class behind ``custom_sampler``
-    (``pkg://`` path, no ``load_extern_type`` patch): built with the six contract arguments only."""
+    (``pkg://`` path, no ``load_extern_type`` patch) and verl's ``_StubTrainer`` (line 23): built with the six
+    contract arguments only."""
 
-    class Trainer(PPOTrainer):  # verl's _StubTrainer (line 23)
-        def on_step_end(self) -> None:
-            pass
-
-        def on_sample_end(self) -> None:
-            pass
-
-    trainer = Trainer.__new__(Trainer)
+    trainer = StubTrainer.__new__(StubTrainer)
     trainer.trainer_mode = "separate_async"
     trainer.config = OmegaConf.create({
         "algorithm": {"filter_groups": {"enable": True, "metric": "acc"}},
@@ -273,17 +258,10 @@ def _documented_configuration() -> dict:
 def test_the_documented_configuration_builds_the_buffer(buffer: Any) -> None:
     """The configuration a verl user writes (docs/integrations.md), through verl's ``_build_replay_buffer``."""
 
-    class Trainer(PPOTrainer):
-        def on_step_end(self) -> None:
-            pass
-
-        def on_sample_end(self) -> None:
-            pass
-
     documented = _documented_configuration()
     sampler = documented["trainer"]["v1"]["sampler"]
     sampler["sampler_kwargs"]["kvckpt"] = {"path": ray.get(buffer.ledger.info.remote())["path"], "actor_name": ACTOR}
-    trainer = Trainer.__new__(Trainer)
+    trainer = StubTrainer.__new__(StubTrainer)
     trainer.trainer_mode = documented["trainer"]["v1"]["trainer_mode"]
     trainer.config = OmegaConf.merge(OmegaConf.create({
         "algorithm": {"filter_groups": {"enable": False}}, "data": {"train_batch_size": 8},

@@ -16,8 +16,10 @@ they add is where the state lives. Constructing one
    ``kv_list``. Sync mode keeps nothing across a restart, as verl's sync trainer (it saves no
    buffer state): the ledger is pruned to what TransferQueue holds (after a restart, nothing).
 
-A group the trainer samples is marked consumed by that step, not deleted: a crash before a
-checkpoint covers the step gives it back, since the weights that trained on it are lost too.
+In async modes a group the trainer samples is marked consumed by that step, not deleted: a crash
+before a checkpoint covers the step gives it back, since the weights that trained on it are lost
+too. The marks are dropped by the checkpoint that covers them (``tq.save_checkpoint``); a run that
+never checkpoints keeps them in the file until its next restart settles them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ class _LedgerBacked:
     trainer_mode: str
     refill_fn: Any
 
+    def __init__(self, trainer_mode: str, trainer_config: DictConfig, max_off_policy_threshold: int | None,
+                 max_off_policy_strategy: str, sampler_kwargs: DictConfig, **kwargs: Any) -> None:
+        super().__init__(trainer_mode, trainer_config, max_off_policy_threshold,  # type: ignore[call-arg]
+                         max_off_policy_strategy, sampler_kwargs, **kwargs)
+        self._attach(sampler_kwargs)
+
     def _attach(self, sampler_kwargs: DictConfig | dict | None) -> None:
         settings = LedgerSettings.from_sampler_kwargs(sampler_kwargs)
         self.ledger = ledger_actor(settings.path, settings.actor_name, NAMESPACE)
@@ -57,8 +65,9 @@ class _LedgerBacked:
             self.restored = self.mirror.refill(ray.get(self.ledger.resume.remote()))
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
-        """verl's ``sample``; the groups it hands out are marked consumed by ``global_steps``."""
-        self._sampling_step = None if partition_id == "val" else global_steps
+        """verl's ``sample``; in async modes the groups it hands out are marked consumed by ``global_steps``
+        (sync mode and validation delete them: nothing of theirs is restored after a restart)."""
+        self._sampling_step = None if partition_id == "val" or self.trainer_mode == "sync" else global_steps
         try:
             return super().sample(global_steps, partition_id, batch_size)  # type: ignore[misc]
         finally:
@@ -89,12 +98,6 @@ class KvckptReplayBuffer(_LedgerBacked, ReplayBuffer):
     (:class:`~.config.LedgerSettings`).
     """
 
-    def __init__(self, trainer_mode: str, trainer_config: DictConfig, max_off_policy_threshold: int | None,
-                 max_off_policy_strategy: str, sampler_kwargs: DictConfig, **kwargs: Any) -> None:
-        super().__init__(trainer_mode, trainer_config, max_off_policy_threshold, max_off_policy_strategy,
-                         sampler_kwargs, **kwargs)
-        self._attach(sampler_kwargs)
-
 
 class KvckptReplayBufferAsync(_LedgerBacked, ReplayBufferAsync):
     """verl's ``ReplayBufferAsync`` with its state in a kvckpt ledger (``colocate_async`` / ``separate_async``).
@@ -102,9 +105,3 @@ class KvckptReplayBufferAsync(_LedgerBacked, ReplayBufferAsync):
     Takes verl's constructor arguments; ``sampler_kwargs.kvckpt`` configures the ledger
     (:class:`~.config.LedgerSettings`).
     """
-
-    def __init__(self, trainer_mode: str, trainer_config: DictConfig, max_off_policy_threshold: int | None,
-                 max_off_policy_strategy: str, sampler_kwargs: DictConfig, **kwargs: Any) -> None:
-        super().__init__(trainer_mode, trainer_config, max_off_policy_threshold, max_off_policy_strategy,
-                         sampler_kwargs, **kwargs)
-        self._attach(sampler_kwargs)

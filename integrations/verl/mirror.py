@@ -111,36 +111,43 @@ class Mirror:
     # -- the wrappers ------------------------------------------------------------------------------
     def kv_put(self, key: str, partition_id: str, fields: Any = None, tag: dict | None = None,
                data_parser: Any = None) -> Any:
+        """``tq.kv_put``: the ledger first (one transaction), then TransferQueue."""
         ray.get(self._put_call([key], partition_id, fields, None if tag is None else [tag], single=True))
         return RAW["kv_put"](key=key, partition_id=partition_id, fields=fields, tag=tag, data_parser=data_parser)
 
     def kv_batch_put(self, keys: list[str], partition_id: str, fields: Any = None, tags: list[dict] | None = None,
                      data_parser: Any = None) -> Any:
+        """``tq.kv_batch_put``: the ledger first (one transaction), then TransferQueue."""
         ray.get(self._put_call(list(keys), partition_id, fields, tags, single=False))
         return RAW["kv_batch_put"](keys=keys, partition_id=partition_id, fields=fields, tags=tags,
                                    data_parser=data_parser)
 
     def kv_clear(self, keys: list[str] | str, partition_id: str) -> Any:
+        """``tq.kv_clear``: the ledger first (one transaction), then TransferQueue."""
         ray.get(self._clear_call(keys, partition_id))
         return RAW["kv_clear"](keys=keys, partition_id=partition_id)
 
     async def async_kv_put(self, key: str, partition_id: str, fields: Any = None, tag: dict | None = None,
                            data_parser: Any = None) -> Any:
+        """``tq.async_kv_put``: the ledger first (one transaction), then TransferQueue."""
         await self._put_call([key], partition_id, fields, None if tag is None else [tag], single=True)
         return await RAW["async_kv_put"](key=key, partition_id=partition_id, fields=fields, tag=tag,
                                          data_parser=data_parser)
 
     async def async_kv_batch_put(self, keys: list[str], partition_id: str, fields: Any = None,
                                  tags: list[dict] | None = None, data_parser: Any = None) -> Any:
+        """``tq.async_kv_batch_put``: the ledger first (one transaction), then TransferQueue."""
         await self._put_call(list(keys), partition_id, fields, tags, single=False)
         return await RAW["async_kv_batch_put"](keys=keys, partition_id=partition_id, fields=fields, tags=tags,
                                                data_parser=data_parser)
 
     async def async_kv_clear(self, keys: list[str] | str, partition_id: str) -> Any:
+        """``tq.async_kv_clear``: the ledger first (one transaction), then TransferQueue."""
         await self._clear_call(keys, partition_id)
         return await RAW["async_kv_clear"](keys=keys, partition_id=partition_id)
 
     def kv_list(self, partition_id: str | None = None) -> Any:
+        """``tq.kv_list``; the first call after a resume first restores the dataloader position."""
         if self.pending_cursor is not None and self.restore_cursor is not None:
             state, self.pending_cursor = self.pending_cursor, None
             self.restore_cursor(state_from_json(state))
