@@ -400,13 +400,6 @@ def _read_each(buf: Any) -> tuple[int, list[tuple[str, BaseException]]]:
     return rows, failed
 
 
-def _read_everything(buf: Any) -> int:
-    rows, failed = _read_each(buf)
-    if failed:
-        raise failed[0][1]
-    return rows
-
-
 def _error(exc: BaseException) -> dict[str, Any]:
     from kvckpt.errors import KvckptError
 

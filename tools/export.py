@@ -57,7 +57,7 @@ from kvckpt.tools.inspect import Progress
 
 from kvckpt.durability.checkpoint import PARTIAL_SUFFIX
 from kvckpt.durability.safe_open import open_readonly
-from kvckpt.errors import BadArgument, InvariantViolation
+from kvckpt.errors import BadArgument, CorruptRecord, InvariantViolation, SchemaMismatch
 from kvckpt.storage import codec, keys
 from kvckpt.storage.schema import RowSchema
 from kvckpt.storage.store import fsync_dir, fsync_file
@@ -223,7 +223,7 @@ def export(path: str, out: str, *, fmt: str = "parquet", states: Sequence[str] |
                         result.groups_without_rows += 1
                         continue
                     result.groups += 1
-                    _add_group(txn, doc, names, batch, layout)
+                    _add_group(txn, doc, schema, names, batch, layout)
                     if batch.raw_bytes >= batch_bytes:
                         result.rows += len(batch.meta)
                         result.raw_bytes += batch.raw_bytes
@@ -312,15 +312,21 @@ def _check_fields(schema: RowSchema, fields: Sequence[str] | None, decode: bool)
     return names
 
 
-def _add_group(txn: Any, doc: dict[str, Any], names: list[str], batch: _Batch, layout: _Layout) -> None:
+def _add_group(txn: Any, doc: dict[str, Any], schema: RowSchema, names: list[str], batch: _Batch,
+               layout: _Layout) -> None:
     gid = doc["group_id"]
     check_group_digest(gid, doc.get("digest"), [v for _, v in txn.iter_prefix("rows", keys.row_prefix(gid))])
     for key, value in txn.iter_prefix("rows", keys.row_prefix(gid)):
         index = int.from_bytes(key[-4:], "big")
-        record = codec.decode(value, f"rows/{keys.row_id(gid, index)}")
+        where = f"rows/{keys.row_id(gid, index)}"
+        record = codec.decode(value, where)
         if record.meta.get("group_id") != gid or record.meta.get("index") != index:
             raise InvariantViolation(f"row {keys.row_id(gid, index)} holds the payload of "
                                      f"{record.meta.get('group_id')!r} row {record.meta.get('index')!r}")
+        try:  # what read_batch checks too: a row of another dtype or shape than the schema is damage
+            schema.check_record(record, where)
+        except SchemaMismatch as exc:
+            raise CorruptRecord(where, str(exc)) from None
         batch.meta.append((gid, index, doc["prompt_idx"], doc["task_name"], doc["state"], doc["start_weight"],
                            doc["end_weight"], doc.get("target_step"), doc.get("claimed_step"),
                            doc.get("consumed_step"), doc["seq"]))
