@@ -145,6 +145,7 @@ def _said(result: dict[str, Any], paths: dict[str, str]) -> str:
     text = re.sub(r"\S*/(base-\w+|[\w.*-]+)\.kvckpt", r"<\1>", text)
     for name in paths:
         text = text.replace(f"<{name}>", "<file>")
+    text = re.sub(r"\b[0-9a-f]{8}(?=\.partial)", "<random>", text)  # restore's private copy
     text = re.sub(r"[+-]?\d[\d,]*", "#", text)  # sizes, page numbers, times, the format version
     return re.sub(r"\s+", " ", text)[-600:]  # columns aligned to the numbers' widths
 
