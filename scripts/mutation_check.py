@@ -130,8 +130,8 @@ MUTATIONS += (
              ("tests/test_group_commit.py::"
               "test_inside_a_batch_nothing_acknowledged_is_missing_from_another_process_snapshot",)),
     Mutation("format3-suffixes-swapped", "kvckpt/storage/layout.py",
-             'SUFFIXES = {"groups": b"\\x00", "ledger": b"\\x01"}',
-             'SUFFIXES = {"groups": b"\\x01", "ledger": b"\\x00"}', ("tests/test_format_pinned.py",)),
+             'SUFFIXES = {"groups": b"\\x00", "ledger": b"\\x01",',
+             'SUFFIXES = {"groups": b"\\x01", "ledger": b"\\x00",', ("tests/test_format_pinned.py",)),
     Mutation("sparse-check-disabled", "kvckpt/durability/safe_open.py",
              "    if holes > max(MAX_HOLE_BYTES, used // 4):", "    if False:",
              ("tests/test_sparse_refusal.py",)),
