@@ -32,9 +32,11 @@ import lmdb
 import pytest
 from _old_format import rewrite_as_named_tables
 
-from kvckpt.storage.store import MAX_DBS
+from kvckpt.storage.store import FORMAT_VERSION, MAX_DBS
 
-VERSIONS = (3, 1, 2)
+#: The current format (one tree; format 4 since token progress, written exactly as format 3 when a
+#: file holds no progress) first, then the two named-table formats every entry point still reads.
+VERSIONS = (FORMAT_VERSION, 1, 2)
 
 
 def as_old_format(path: str, version: int) -> None:
@@ -69,7 +71,7 @@ def build_all(directory: str, version: int, bases: dict[str, str]) -> dict[str, 
     for kind, path in bases.items():
         old[kind] = os.path.join(directory, f"base-{kind}-v{version}.kvckpt")
         shutil.copyfile(path, old[kind])
-        if version != 3:
+        if version != FORMAT_VERSION:
             as_old_format(old[kind], version)
     out = {f"base-{kind}": path for kind, path in old.items()}
     for case in _crafted.CASES:
@@ -77,7 +79,7 @@ def build_all(directory: str, version: int, bases: dict[str, str]) -> dict[str, 
         if _crafted.edits_records(case):
             shutil.copyfile(bases[case.base], path)
             case.build(path)
-            if version != 3:
+            if version != FORMAT_VERSION:
                 as_old_format(path, version)
         else:
             shutil.copyfile(old[case.base], path)
@@ -120,9 +122,9 @@ def test_restore_and_readonly_fail_closed_in_formats_1_and_2_exactly_as_in_forma
         found = dict(zip(VERSIONS, pool.map(lambda v: _in_process(crafted[v], str(tmp_path / f"v{v}")), VERSIONS),
                          strict=True))
     cases = {c.name: c for c in _crafted.CASES}
-    assert set(found[3]) == {(n, e) for n in crafted[3] for e in ("restore", "readonly")}
+    assert set(found[FORMAT_VERSION]) == {(n, e) for n in crafted[FORMAT_VERSION] for e in ("restore", "readonly")}
     differ = []
-    for (name, entry), twin in sorted(found[3].items()):
+    for (name, entry), twin in sorted(found[FORMAT_VERSION].items()):
         for version in (1, 2):
             got = found[version][(name, entry)]
             want = twin["outcome"], OTHER_ERROR.get((version, name, entry), (twin.get("type"),))[0]
@@ -174,19 +176,19 @@ def test_every_crafted_file_in_formats_1_and_2_at_every_entry_point_fails_closed
         why = _judge(cases.get(name), result)
         if why:
             violations.append(f"format {version} {name} / {entry}: {why}")
-        twin = results[(3, name, entry)]
-        if version == 3:
+        twin = results[(FORMAT_VERSION, name, entry)]
+        if version == FORMAT_VERSION:
             continue
         other = OTHER_ERROR.get((version, name, entry))
         if other is not None and entry in ("restore", "readonly"):
             same = result["verdict"] == twin["verdict"] and result.get("type") == other[0]
         else:
             same = (result["verdict"], result["status"], _said(result, crafted[version])) == \
-                (twin["verdict"], twin["status"], _said(twin, crafted[3]))
+                (twin["verdict"], twin["status"], _said(twin, crafted[FORMAT_VERSION]))
         if not same:
             violations.append(f"format {version} {name} / {entry}: {result['verdict']} (exit {result['status']}) "
                               f"{_said(result, crafted[version])[-300:]!r}; format 3: {twin['verdict']} "
-                              f"(exit {twin['status']}) {_said(twin, crafted[3])[-300:]!r}")
+                              f"(exit {twin['status']}) {_said(twin, crafted[FORMAT_VERSION])[-300:]!r}")
     print(f"\n{len(results)} runs ({len(cases)} crafted cases + 2 bases x {len(ENTRIES)} entry points x formats "
           f"{VERSIONS}); violations {len(violations)}")
     assert not violations, "\n".join(violations)
