@@ -148,7 +148,8 @@ def run_race(directory: str) -> list[dict]:
     buf = new_buffer(os.path.join(directory, "race-src"), {"name": "windowed", "max_staleness_versions": 1},
                      capacity=4096)
     stop = threading.Event()
-    admitted = threading.Semaphore(0)
+    progress = threading.Condition()
+    done = [0]  # admissions whose admit() has returned
     errors: list[BaseException] = []
 
     def producer() -> None:
@@ -159,7 +160,9 @@ def run_race(directory: str) -> list[dict]:
                     return
                 [lease] = buf.admit([Prompt(prompt_idx=i, group_id=f"r{i:05d}")],
                                     dataloader_state=f"r:{i + 1}".encode())
-                admitted.release()
+                with progress:
+                    done[0] += 1
+                    progress.notify_all()
                 if i % 3 == 0:
                     buf.commit_group(lease, [make_row(lease.group_id, k) for k in range(N)])
                 else:
@@ -174,12 +177,20 @@ def run_race(directory: str) -> list[dict]:
     thread = threading.Thread(target=producer)
     thread.start()
     checkpoints = []
+    floor = 0  # admissions the last checkpoint may hold: the returned ones plus the one under way
     try:
         for k in range(8):
-            for _ in range(5):  # the producer admits at least five prompts between checkpoints
-                admitted.acquire()
+            # At least five admissions return after the last checkpoint's stamp before the next one
+            # (counted, not a semaphore's tokens: those could be left over from before the stamp,
+            # so two checkpoints could hold the same prompts).
+            with progress:
+                moved_on = progress.wait_for(lambda floor=floor: done[0] >= floor + 5 or errors, timeout=300)
+            assert moved_on, "the producer stopped admitting"
+            assert not errors, errors
             path = os.path.join(directory, f"race-{k}.kvckpt")
             checkpoints.append({"ckpt": path, "handle": buf.checkpoint(path, {"race": k})})
+            with progress:
+                floor = done[0] + 1
             buf.select(1, 3)
             buf.finish_step()
             buf.evict()
