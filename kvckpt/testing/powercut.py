@@ -182,7 +182,7 @@ def _collect(conn: Any, into: list[bytes]) -> None:
 
 
 def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: random.Random, max_delay: float,
-             breakage: str | None, modes: tuple[str, ...], result: PowercutResult,
+             min_ops: int, breakage: str | None, modes: tuple[str, ...], result: PowercutResult,
              bad: Callable[[str], None]) -> None:
     mnt, image = os.path.join(root, "mnt"), os.path.join(root, f"image-{k:06d}")
     if chain.timeline is None:
@@ -214,6 +214,9 @@ def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: rando
             deadline = time.monotonic() + 60
             while not any(m.startswith(b'{"op":"start"') for m in messages) and child.is_alive() \
                     and time.monotonic() < deadline:
+                time.sleep(0.01)
+            started = len(messages)
+            while len(messages) - started < min_ops and child.is_alive() and time.monotonic() < deadline:
                 time.sleep(0.01)
             time.sleep(rng.random() * max_delay)
         before_cut = len(messages)
@@ -273,8 +276,8 @@ def _tidy(image: str, timeline: str) -> None:
 
 
 def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = None, chain: int = 10,
-                          max_delay: float = 1.0, breakage: str | None = None, modes: tuple[str, ...] = CUT_MODES,
-                          existing_store: bool = False, minutes: float | None = None,
+                          max_delay: float = 1.0, min_ops: int = 0, breakage: str | None = None,
+                          modes: tuple[str, ...] = CUT_MODES, existing_store: bool = False, minutes: float | None = None,
                           progress: Callable[[PowercutResult], None] | None = None) -> PowercutResult:
     """Cut the power under a live workload ``cuts`` times and check every promise after each cut.
 
@@ -288,6 +291,9 @@ def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = N
         chain: cuts on one chain of images before starting from an empty disk again (the sampler
             rotates through all four built-ins per chain). Defaults to 10.
         max_delay: longest wait (seconds) between the workload's start and the cut. Defaults to 1.
+        min_ops: operations the workload logs after its start before the wait for the cut begins
+            (cuts during start-up excepted), so a slow machine still checks a known number of
+            operations per cut. Defaults to 0.
         breakage: one of :data:`BREAKAGES` to break durability on purpose (the campaign must then
             report violations). Defaults to None.
         modes: the cut modes drawn from, each cut at random (see :meth:`powerfs.PowerFS.cut`).
@@ -327,7 +333,7 @@ def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = N
                                     workload_config(sampler)).close()
             bad = run.reporter(f"cut {k}")
             run.guarded("cut cycle", functools.partial(_one_cut, k, run.root, current, sampler, rng, max_delay,
-                                                        breakage, modes, result, bad), bad)
+                                                        min_ops, breakage, modes, result, bad), bad)
             result.cuts += 1
     return result
 
@@ -341,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chain", type=int, default=10, help="cuts per chain of images before an empty disk")
     parser.add_argument("--max-delay", type=float, default=1.0, help="longest wait before a cut (seconds)")
+    parser.add_argument("--min-ops", type=int, default=0,
+                        help="operations the workload logs before the wait for a cut begins")
     parser.add_argument("--break", dest="breakage", choices=BREAKAGES, default=None,
                         help="break durability on purpose: the campaign must find violations")
     parser.add_argument("--existing-store", action="store_true",
@@ -355,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"power-cut campaign skipped: {why}", file=sys.stderr)
         return 2
     result = run_powercut_campaign(2000 if opts.soak else opts.cuts, seed=opts.seed, directory=opts.dir,
-                                   chain=opts.chain, max_delay=opts.max_delay, breakage=opts.breakage,
+                                   chain=opts.chain, max_delay=opts.max_delay, min_ops=opts.min_ops,
+                                   breakage=opts.breakage,
                                    modes=(opts.mode,) if opts.mode else CUT_MODES,
                                    existing_store=opts.existing_store, minutes=opts.minutes,
                                    progress=every(50, lambda r: r.cuts))
