@@ -79,6 +79,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     leases = buf.admit([Prompt(100 + j) for j in range(3)], dataloader_state=b"next=15")
     buf.commit_group(leases[0], [make_row(rng, 9), make_row(rng, 11)])
     buf.commit_sample(leases[1], 1, make_row(rng, 4))
+    for index, start, length in ((0, 0, 5), (0, 5, 3), (1, 0, 2)):  # two samples of leases[2] generating
+        buf.record_progress(leases[2], index, start=start, tokens=torch.arange(start, start + length),
+                            logprobs=-torch.rand(length), weight_version=4)
     buf.close()
     os.unlink(path + "-lock")
     before = {name: digest(str(d / name)) for name in os.listdir(d)}
@@ -188,6 +191,7 @@ def test_inspect_reports_counts_cursors_and_stamp(store: dict) -> None:
     assert doc["counts"] == {"inflight": 2, "ready": 1, "claimed": 0, "consumed": 12, "evicted": 0, "aborted": 0,
                              "groups": 13, "rows": 12 * 2 + 2 + 1}
     assert doc["ledger"]["count"] == 2 and doc["ledger"]["partial"] == 1
+    assert doc["progress"] == {"samples": 2, "chunks": 3, "tokens": 8 + 2}
     assert [(e["prompt_idx"], e["siblings"]) for e in doc["ledger"]["first"]] == [(101, [1]), (102, [])]
     assert doc["cursors"]["trainer_version"] == 4 and doc["cursors"]["dispatch_index"] == 4
     assert doc["checkpoint"]["trainer_version"] == 4 and doc["checkpoint"]["trainer_state"] == {"step": 4}
@@ -210,6 +214,8 @@ def test_inspect_terminal_report_is_aligned(store: dict) -> None:
     out = kv("inspect", store["ck2"]).stdout
     lines = out.splitlines()
     assert "ledger  0 in flight, 0 with finished siblings" in out
+    assert "progress  0 samples generating, 0 chunks, 0 durable tokens" in out
+    assert "progress  2 samples generating, 3 chunks, 10 durable tokens" in kv("inspect", store["live"]).stdout
     header = next(i for i, line in enumerate(lines) if line.split() == ["state", "count"])
     table = lines[header + 1:header + 9]
     assert len({len(line) for line in table}) == 1  # right-aligned counts end in one column

@@ -228,6 +228,9 @@ def _render_inspect(doc: dict[str, Any]) -> list[str]:
         out += _table(["group_id", "prompt_idx", "task", "target_step", "start_weight", "attempt", "siblings"],
                       [[e["group_id"], e["prompt_idx"], e["task_name"], e["target_step"], e["start_weight"],
                         e["attempt"], ",".join(map(str, e["siblings"])) or "-"] for e in ledger["first"]])
+    tokens = doc["progress"]
+    out += ["", f"progress  {tokens['samples']:,} samples generating, {tokens['chunks']:,} chunks, "
+                f"{tokens['tokens']:,} durable tokens"]
     cur, stamp = doc["cursors"] or {}, doc["checkpoint"]
     out += ["", "cursors"]
     out += _pairs([(k, _num(cur.get(k))) for k in ("dispatch_index", "trainer_version", "weight_version",

@@ -3,19 +3,21 @@
 :func:`inspect_path` opens the file read-only through :func:`kvckpt.durability.safe_open.open_readonly` (no
 lock file unless a writer holds it, in which case the writer's lock file is shared), reads
 **one snapshot** and returns a JSON-able dict:
-identity, config, group counts by state, the ledger (count and the first few entries), cursors,
-the last checkpoint stamp, bytes (raw, stored, file), the oldest and newest weight versions, and
+identity, config, group counts by state, the ledger (count and the first few entries), the token
+progress of samples still generating (samples, chunks, durable tokens), cursors, the last
+checkpoint stamp, bytes (raw, stored, file), the oldest and newest weight versions, and
 histograms by weight version and by training step. It never writes.
 
 Records that fail their checksum, and checksum-valid records kvckpt never writes (a config it
 cannot build a buffer from, a group record with a missing or mistyped field), are counted under
 ``problems`` instead of aborting the scan (``kvckpt verify`` lists them all).
-Cost: one JSON decode per group and ledger entry; row payloads
-are never read.
+Cost: one JSON decode per group and ledger entry and one header decode per sample with
+progress; row and chunk payloads are never read.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -68,6 +70,26 @@ def _well_formed(doc: dict[str, Any], table: str, problems: list[dict[str, str]]
                                                              f"(missing {missing}, mistyped {wrong})"})
         return False
     return True
+
+
+def _token_progress(txn: Txn, problems: list[dict[str, str]]) -> dict[str, int]:
+    """Samples with token progress, their chunks, and their durable tokens (each sample's last
+    chunk's start plus its length, from that chunk's header: the one record decoded per sample)."""
+    samples = chunks = tokens = 0
+    # a progress key is the row's key (group id, 0x00, index u32) then the chunk's start (u64)
+    for row, sample in itertools.groupby(txn.iter_prefix("progress", b""), key=lambda kv: kv[0][:-8]):
+        found = list(sample)
+        samples, chunks = samples + 1, chunks + len(found)
+        key, value = found[-1]
+        name = f"progress/{row[:-5].decode(errors='replace')}#{int.from_bytes(row[-4:], 'big')}"
+        try:
+            length = codec.decode_meta(value, name).get("length")
+        except CorruptRecord as exc:
+            problems.append({"key": name, "problem": exc.reason})
+            continue
+        if type(length) is int and length > 0:
+            tokens += int.from_bytes(key[-8:], "big") + length
+    return {"samples": samples, "chunks": chunks, "tokens": tokens}
 
 
 def _span(values: list[int]) -> dict[str, int | None]:
@@ -170,6 +192,7 @@ def _describe(txn: Txn, ledger_limit: int, progress: Progress | None) -> dict[st
         stored += doc.get("stored_bytes", 0)
     if progress is not None:
         progress(done[0], total)
+    out["progress"] = _token_progress(txn, problems)
     entries.sort(key=lambda e: e.get("seq", 0))
 
     out["counts"] = {name: counts.get(name, 0) for name in HISTOGRAM_STATES}

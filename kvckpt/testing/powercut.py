@@ -277,7 +277,8 @@ def _tidy(image: str, timeline: str) -> None:
 
 def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = None, chain: int = 10,
                           max_delay: float = 1.0, min_ops: int = 0, breakage: str | None = None,
-                          modes: tuple[str, ...] = CUT_MODES, existing_store: bool = False, minutes: float | None = None,
+                          modes: tuple[str, ...] = CUT_MODES, existing_store: bool = False,
+                          minutes: float | None = None,
                           progress: Callable[[PowercutResult], None] | None = None) -> PowercutResult:
     """Cut the power under a live workload ``cuts`` times and check every promise after each cut.
 
