@@ -34,22 +34,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from integrations.nemo_rl.config import GRPO_SCHEMA
 from kvckpt import RowSchema, split_padded
 
 VOCAB = 151_936
 PAD_ID = 151_643
 ZIPF_S = 1.05
-TOKEN_FIELDS = ("input_ids", "generation_logprobs", "token_mask")
-ROW_FIELDS = ("sample_mask", "total_reward", "input_lengths")
-#: The row schema of every realistic benchmark store.
-SCHEMA = RowSchema({
-    "input_ids": ("int64", "token"),
-    "generation_logprobs": ("float32", "token"),
-    "token_mask": ("int64", "token"),
-    "sample_mask": ("float32", "row"),
-    "total_reward": ("float32", "row"),
-    "input_lengths": ("int64", "row"),
-})
+TOKEN_FIELDS = tuple(name for name, (_, kind) in GRPO_SCHEMA.items() if kind == "token")
+ROW_FIELDS = tuple(name for name, (_, kind) in GRPO_SCHEMA.items() if kind == "row")
+#: The row schema of every realistic benchmark store: NeMo-RL's GRPO rollout rows.
+SCHEMA = RowSchema(GRPO_SCHEMA)
 #: The schema of the tiny rows used where only the number of groups matters (select latency).
 TINY_SCHEMA = RowSchema({"input_ids": ("int64", "token"), "total_reward": ("float32", "row")})
 
