@@ -13,7 +13,8 @@ with 8 logical CPUs (3 hang ``tq.init`` on a 2-core machine). The file is long b
 port of one verl file, test for test, sharing one Ray and TransferQueue per module.
 
 One deviation in every test: ``sampler_kwargs`` carries the ledger section (``{"kvckpt": {...}}``)
-where verl's pass ``{}``. Two tests differ further, each saying how in its docstring:
+where verl's pass ``{}``; and a call that must return gets :data:`HANG` seconds (verl: 2 to 10). Two tests
+differ further, each saying how in its docstring:
 ``test_clear_groups_updates_active_snapshot`` (verl's recording ``kv_clear`` swallows the call,
 here it forwards to the mirrored one) and ``test_accumulate_eviction_metrics_merges_filtered_reward_counts``
 (verl's pure function, then the same merge through the kvckpt buffer's ``sample``). One addition
@@ -46,6 +47,10 @@ from verl.trainer.ppo.v1.replay_buffer import DAPO_FILTERED_REWARD_COUNTS_KEY, _
 pytestmark = pytest.mark.verl
 
 POLL = 0.05  # verl's POLL_INTERVAL (line 35)
+#: How long a call that must return may take before the test calls it hung. verl waits 10 s (2 s and 5 s in
+#: two tests); a buffer that wrongly blocks never returns, so any bound finds it, and this one leaves room
+#: for a 2-core machine under load (every put is a ledger transaction here). Not a timing threshold.
+HANG = 60.0
 ACTOR = f"kvckpt_verl_test_{uuid.uuid4().hex[:8]}"
 
 
@@ -181,7 +186,7 @@ class _Background(threading.Thread):
         except Exception as exc:  # surfaced by value()
             self.error = exc
 
-    def value(self, timeout: float = 10.0) -> Any:
+    def value(self, timeout: float = HANG) -> Any:
         self.join(timeout)
         assert not self.is_alive(), "the blocking call did not return"
         if self.error is not None:
@@ -536,7 +541,8 @@ def test_sync_failure_refill_keeps_materializable_failed_groups(partition_id: st
 
 
 def test_sync_failure_refill_does_not_drain_unrelated_inflight(partition_id: str, ledger_path: str) -> None:
-    """verl line 856."""
+    """verl line 856 (verl gives ``sample`` 2 s, here :data:`HANG`: a buffer that drained the running prompt
+    would block until the ``finally`` finishes it, however long the bound)."""
     finished, _ = _group(partition_id, "finished")
     _group(partition_id, "failure", sessions=0)
     running, _ = _group(partition_id, "running", sessions=0)
@@ -545,14 +551,14 @@ def test_sync_failure_refill_does_not_drain_unrelated_inflight(partition_id: str
     consumer = _Background(rb.sample, global_steps=1, partition_id=partition_id, batch_size=1)
     try:
         consumer.start()
-        batch, metrics = consumer.value(timeout=2)
+        batch, metrics = consumer.value()
         assert _uids(batch.keys) == {finished}
         assert refiller.calls == [] and metrics["validation/rollout_failure/evicted_samples"] == 1
         assert running in _listed(partition_id)
     finally:
         if consumer.is_alive():
             _set_status(partition_id, running, "finished", global_steps=1)
-            consumer.join(timeout=2)
+            consumer.join(timeout=HANG)
 
 
 def test_async_dapo_refills_exact_missing_count(partition_id: str, ledger_path: str) -> None:
@@ -696,7 +702,8 @@ def test_sync_dapo_does_not_refill_when_filtered_surplus_leaves_a_full_batch(par
 
 
 def test_sync_dapo_streams_refill_credit_with_bounded_inflight(partition_id: str, ledger_path: str) -> None:
-    """verl line 1085."""
+    """verl line 1085 (verl waits up to 5 s for the two refill calls, here :data:`HANG`: once both are made no
+    third can follow, since the credit is spent, and the slow group keeps ``sample`` blocked until it finishes)."""
     all_same, _ = _group(partition_id, "finished", sessions=2, rewards=[0.0, 0.0])
     slow_valid, _ = _group(partition_id, "running", sessions=2, rewards=[0.0, 1.0])
     refiller = _Refiller(partition_id, 1, sessions=2, rewards=[0.0, 1.0])
@@ -704,7 +711,7 @@ def test_sync_dapo_streams_refill_credit_with_bounded_inflight(partition_id: str
                   max_inflight_gen_batches=1)
     consumer = _Background(rb.sample, global_steps=1, partition_id=partition_id, batch_size=2)
     consumer.start()
-    deadline = time.time() + 5
+    deadline = time.time() + HANG
     while len(refiller.calls) < 2 and consumer.is_alive() and time.time() < deadline:
         time.sleep(POLL)
     assert refiller.calls == [1, 1] and consumer.is_alive()
