@@ -1,7 +1,8 @@
-"""verl's V1 re-issue and custom-sampler tests, ported onto the kvckpt buffer.
+"""verl's V1 re-issue tests ported onto the kvckpt buffer, and the ledger's restart guarantees.
 
 Sources (verl-project/verl at 1dda039b9): ``tests/trainer/ppo/v1/test_reissue_inflight_on_cpu.py``
-and ``test_trainer_base_on_cpu.py``; each test names the verl test and line it ports. verl's own
+(11 of its 13 tests; lines 82 and 421 need ``trainer_base._tq_supports_checkpoint``, absent in verl
+0.9.1); each test names the verl test and line it ports. verl's own
 ``PPOTrainer._reissue_inflight_prompts`` is bound to a stub exactly as verl's ``_make_trainer_stub``
 (line 117) binds it; prompts are written as verl's ``_submit_prompt`` (line 127) and
 ``_add_trajectory`` (line 144) write them; ``tq.save_checkpoint`` / ``tq.load_checkpoint`` are
@@ -12,6 +13,12 @@ Deviation: where verl's save/load tests wipe the partition with ``kv_clear`` "to
 process", the port drops TransferQueue's copy only (TransferQueue's own ``kv_clear``): with kvckpt a
 ``kv_clear`` is a durable transition the next load keeps, while a process restart loses
 TransferQueue and keeps the ledger, which is the case verl's comment describes.
+
+The second half tests the ledger itself: a superseded run's checkpoint / load / resume refused,
+consumed marks bounded by the last checkpoint, ``clear`` and checkpoints reading only what they
+touch, and a restart (a SIGKILLed process, then a fresh actor) of a run that never checkpointed.
+It is one file, past 400 lines, because all of it shares the module's one Ray and TransferQueue
+(about 40 s to start here).
 """
 
 from __future__ import annotations
