@@ -13,8 +13,9 @@ Phase A trains steps 1-3, checkpoints after step 2 (and saves TransferQueue's ow
 same moment beside it, what verl's built-in buffer would restore), leaves every prompt with
 ``index % 3 == 2`` generating forever, waits until every other prompt finished, writes ``READY`` and
 sleeps until the test SIGKILLs its process group. Phase B resumes: first what verl's own buffer
-gets back from TransferQueue's checkpoint, then verl's resume path with the kvckpt buffer, a late
-write from a phase-A worker, and five training steps; it writes ``result.json``.
+gets back from TransferQueue's checkpoint, then verl's resume path with the kvckpt buffer, run A's
+checkpoint, load and resume calls with run A's token, a late write from a phase-A worker, and five
+training steps; it writes ``result.json``.
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ def main() -> None:
     from kvckpt.integrations.verl.mirror import RAW, Mirror, active
 
     trainer._load_checkpoint()
+    stale = stale_calls() if PHASE == "B" else None
     trainer.global_steps += 1
     trainer.agent_loop_manager = StandInManager()
     reissued = trainer._reissue_inflight_prompts()
@@ -192,8 +194,42 @@ def main() -> None:
         log("run_A.log", "READY")
         time.sleep(3600)
     with open(os.path.join(WORK, "result.json"), "w") as f:
-        json.dump({"own": own, "refused": refused, "reissued": reissued}, f)
+        json.dump({"own": own, "refused": refused, "reissued": reissued, "stale": stale}, f)
     ray.get(active().actor.close.remote())
+
+
+def stale_calls() -> dict[str, object]:
+    """Phase B, before any worker of B runs: run A's trainer calls ``tq.save_checkpoint``, ``tq.load_checkpoint``
+    and the ledger's ``resume`` with run A's token. Returns each outcome and whether anything changed (the
+    ledger, TransferQueue, the step-2 checkpoint directory; the step-9 directory must not appear)."""
+    import hashlib
+    from pathlib import Path
+
+    import ray
+    from kvckpt.integrations.verl import StaleRun
+    from kvckpt.integrations.verl.mirror import RAW, Mirror, active
+
+    token_a = next(ln[1] for ln in lines("run_A.log") if ln[0] == "token")
+    step2 = os.path.join(WORK, "ckpt", "global_step_2", "transfer_queue")
+    step9 = os.path.join(WORK, "ckpt", "global_step_9")
+
+    def state() -> object:  # nothing else writes now: the ledger file's bytes are its state
+        files = [Path(WORK, "ledger.kv"), *sorted(Path(step2).iterdir())]
+        return [{str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files},
+                ray.get(active().actor.info.remote()), RAW["kv_list"](partition_id="train"), os.path.exists(step9)]
+
+    before, outcomes, old = state(), {}, Mirror(ACTOR, token_a)
+    calls = {"save_checkpoint": lambda: old.save_checkpoint(os.path.join(step9, "transfer_queue"),
+                                                            metadata={"global_steps": 9}),
+             "load_checkpoint": lambda: old.load_checkpoint(step2),
+             "resume": lambda: ray.get(old.actor.resume.remote(token_a, 2))}
+    for name, call in calls.items():
+        try:
+            call()
+            outcomes[name] = "accepted"
+        except StaleRun:
+            outcomes[name] = "refused"
+    return {**outcomes, "unchanged": state() == before}
 
 
 if __name__ == "__main__":

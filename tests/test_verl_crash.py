@@ -10,7 +10,9 @@ Asserted: every trajectory finished before the kill that the step-2 checkpoint's
 trained on (the finished-but-untrained groups, and step 3's groups, whose training the kill lost)
 is trained in B exactly once and never generated again; each in-flight prompt is re-issued once;
 the dataloader resumes after the last prompt A dispatched (none is dispatched twice); a write from
-a phase-A worker is refused. The same kill against verl's own buffer (TransferQueue's own
+a phase-A worker is refused, and so are run A's ``tq.save_checkpoint``, ``tq.load_checkpoint`` and
+the ledger's ``resume`` made with run A's token (nothing changes: ledger, TransferQueue, the
+checkpoint directories). The same kill against verl's own buffer (TransferQueue's own
 checkpoint of step 2, restored in B before the kvckpt resume) is measured beside it.
 """
 
@@ -89,6 +91,9 @@ def test_kill_between_checkpoints_reuses_every_finished_trajectory(tmp_path: Pat
     # the late write of a phase-A worker is refused and changes nothing
     assert "refused" in (result["refused"]["error"] or ""), result["refused"]
     assert result["refused"]["victim_status"] != "failure" and result["refused"]["ledger_status"] != "failure"
+    # run A's checkpoint, load and resume calls, made with its token after B opened its run: refused, no trace
+    assert result["stale"] == {"save_checkpoint": "refused", "load_checkpoint": "refused", "resume": "refused",
+                               "unchanged": True}
 
     own_reused = needed & set(result["own"]["trajectories"])
     print(json.dumps({"finished_before_kill": len(finished_a), "needed_after_restart": len(needed),

@@ -10,16 +10,19 @@ they add is where the state lives. Constructing one
 2. installs the mirror in this process and publishes it to every process that joins
    TransferQueue afterwards (verl's agent-loop workers), so each TransferQueue put or clear of
    verl's is one ledger transaction first;
-3. async modes: refills TransferQueue from the live ledger (every trajectory finished before a
-   crash, every in-flight prompt, which ``_reissue_inflight_prompts`` then re-issues once), and
-   restores the trainer's dataloader position of the last dispatch on the trainer's first
-   ``kv_list``. Sync mode keeps nothing across a restart, as verl's sync trainer (it saves no
-   buffer state): the ledger is pruned to what TransferQueue holds (after a restart, nothing).
+3. async modes, once the ledger has a checkpoint: refills TransferQueue from the live ledger (every
+   trajectory finished before a crash, every in-flight prompt, which ``_reissue_inflight_prompts``
+   then re-issues once), and restores the trainer's dataloader position of the last dispatch on
+   the trainer's first ``kv_list``. Sync mode, and an async run with no checkpoint yet, keep
+   nothing across a restart, as verl's trainer (sync saves no buffer state; with no
+   ``global_step_N`` verl trains from scratch): the ledger is pruned to what TransferQueue holds
+   (after a restart, nothing).
 
-In async modes a group the trainer samples is marked consumed by that step, not deleted: a crash
-before a checkpoint covers the step gives it back, since the weights that trained on it are lost
-too. The marks are dropped by the checkpoint that covers them (``tq.save_checkpoint``); a run that
-never checkpoints keeps them in the file until its next restart settles them.
+In async modes, once the ledger has a checkpoint, a group the trainer samples is marked consumed by
+that step, not deleted: a crash before a checkpoint covers the step gives it back, since the weights
+that trained on it are lost too. The marks are dropped by the checkpoint that covers them
+(``tq.save_checkpoint``), so the ledger holds at most the groups sampled since the last one. Before
+the first checkpoint a sampled group is deleted: a restart then starts from scratch and needs none.
 """
 
 from __future__ import annotations
@@ -57,16 +60,17 @@ class _LedgerBacked:
                                      restore_cursor=lambda state: _restore_dataloader(trainer, state)))
         publish(MirrorRef(settings.actor_name, run["token"]))
         self._sampling_step: int | None = None
-        if self.trainer_mode == "sync":
+        if self.trainer_mode == "sync" or ray.get(self.ledger.info.remote())["checkpoint_step"] is None:
             listing = RAW["kv_list"]() or {}
             ray.get(self.ledger.retain.remote(run["token"], {p: list(items) for p, items in listing.items()}))
             self.restored = 0
         else:
-            self.restored = self.mirror.refill(ray.get(self.ledger.resume.remote()))
+            self.restored = self.mirror.refill(ray.get(self.ledger.resume.remote(run["token"])))
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
-        """verl's ``sample``; in async modes the groups it hands out are marked consumed by ``global_steps``
-        (sync mode and validation delete them: nothing of theirs is restored after a restart)."""
+        """verl's ``sample``; in async modes (once the ledger has a checkpoint) the groups it hands out are marked
+        consumed by ``global_steps`` (sync mode and validation delete them: nothing of theirs is restored after a
+        restart)."""
         self._sampling_step = None if partition_id == "val" or self.trainer_mode == "sync" else global_steps
         try:
             return super().sample(global_steps, partition_id, batch_size)  # type: ignore[misc]

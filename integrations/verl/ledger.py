@@ -6,8 +6,7 @@ process of a verl job (the trainer, each agent-loop worker) writes through one w
 a time. Each call that changes state is one durable write transaction:
 
 * :meth:`open_run`: a new run token (the restart's fence);
-* :meth:`put` / :meth:`clear`: one TransferQueue put or clear of verl's, refused with
-  :class:`~.errors.StaleRun` when the caller's run token is not the current one;
+* :meth:`put` / :meth:`clear`: one TransferQueue put or clear of verl's;
 * :meth:`resume`: drops what a checkpoint covers (groups consumed at or before its step) and
   returns groups consumed after it to the buffer;
 * :meth:`checkpoint`: a one-file snapshot (the value store's stamp-and-copy recipe), then the
@@ -15,8 +14,16 @@ a time. Each call that changes state is one durable write transaction:
 * :meth:`load`: the checkpoint file replaces the live store, unless the live store descends from
   it (then what was finished after the checkpoint is kept); the current run's token is written back.
 
-The fence check reads the run record and the write follows in the same actor call; the actor is the
-file's only writer and runs one call at a time, so nothing can change the run in between.
+Every call that changes state carries the caller's run token and is refused with
+:class:`~.errors.StaleRun`, before anything changes, when it is not the current run's. The fence
+check reads the run record and the write follows in the same actor call; the actor is the file's
+only writer and runs one call at a time, so nothing can change the run in between.
+
+Consumed marks are bounded: a mark is only kept while a checkpoint exists that a restart could
+resume from with the mark's step after it. Before the ledger's first checkpoint a restart trains from
+scratch, as verl's (``_load_checkpoint``: no ``global_step_N``, step 0, the initial weights, the
+dataloader from its start), so a sampled group is deleted, not marked; after it, each checkpoint
+deletes the marks it covers, so at most the groups sampled since the last checkpoint are marked.
 """
 
 from __future__ import annotations
@@ -34,14 +41,18 @@ from kvckpt.integrations.verl.records import (
     CONSUMED,
     CURSOR_KEY,
     ITEMS,
+    MARKS,
     RUN_KEY,
     TAG,
     item_prefix,
+    mark_index_key,
     record_key,
     split,
+    split_mark_index,
 )
 
 from kvckpt.errors import CheckpointError
+from kvckpt.storage.store import makedirs_durable
 
 #: zstd level of the records the ledger itself encodes (run, checkpoint step, consumed marks).
 _LEVEL = 1
@@ -63,9 +74,13 @@ class VerlLedger:
         self.path = self._values.path
 
     def info(self) -> dict[str, Any]:
-        """The live file's path, its run number and the step of its last checkpoint."""
+        """The live file's path, its run number, the step of its last checkpoint (``None`` before the first)
+        and how many consumed marks it holds."""
         run = self._get(RUN_KEY) or {}
-        return {"path": self.path, "run": run.get("run", 0), "checkpoint_step": self._checkpoint_step()}
+        checkpoint = self._get(CHECKPOINT_KEY)
+        return {"path": self.path, "run": run.get("run", 0),
+                "checkpoint_step": None if checkpoint is None else int(checkpoint["step"]),
+                "consumed_marks": len(self._values.keys(MARKS))}
 
     # -- the run -----------------------------------------------------------------------------------
     def open_run(self) -> dict[str, Any]:
@@ -97,24 +112,33 @@ class VerlLedger:
     def clear(self, token: str, partition_id: str, keys: list[str], consumed_step: int | None = None) -> int:
         """One TransferQueue clear of run ``token`` (one transaction); returns how many keys it removed.
 
-        With ``consumed_step`` the keys were taken by that training step: they are marked consumed and
-        kept (a crash before a checkpoint covers the step returns them). A trajectory whose prompt is
-        marked consumed is marked with the prompt's step. Any other key's records are deleted.
+        With ``consumed_step`` the keys were taken by that training step: once the ledger has a
+        checkpoint they are marked consumed and kept (a crash before a checkpoint covers the step
+        returns them); before its first checkpoint they are deleted (a restart then trains from
+        scratch). A trajectory whose prompt is marked consumed is marked with the prompt's step. Any
+        other key's records are deleted. Reads the marks of the cleared keys and their prompts only.
 
         Raises:
             StaleRun: ``token`` is not the current run's.
         """
         self._check(token)
-        marks = self._consumed_marks(partition_id)
+        if consumed_step is not None and self._get(CHECKPOINT_KEY) is None:
+            consumed_step = None
+        marks = self._marks_of(partition_id, {k for key in keys for k in (key, key.split("_", 1)[0])})
         write_keys, values, deletes = [], [], []
         for key in keys:
             step = consumed_step if consumed_step is not None else marks.get(key.split("_", 1)[0])
+            old = marks.get(key)
+            if old is not None and old != step:
+                deletes.append(mark_index_key(old, partition_id, key))
             if step is None:
                 deletes.extend(self._values.keys(item_prefix(partition_id, key)))
             else:
                 mark = record_key(partition_id, key, CONSUMED)
-                write_keys.append(mark)
-                values.append(encode_value(mark, {"step": int(step)}, new_write_id(), _LEVEL))
+                index = mark_index_key(int(step), partition_id, key)
+                write_keys += [mark, index]
+                values += [encode_value(mark, {"step": int(step)}, new_write_id(), _LEVEL),
+                           encode_value(index, {}, new_write_id(), _LEVEL)]
         self._values.write(write_keys, values, deletes)
         return len(keys)
 
@@ -126,8 +150,9 @@ class VerlLedger:
 
     def retain(self, token: str, listing: dict[str, list[str]]) -> int:
         """Keep only the items TransferQueue lists (``{partition: [key, ...]}``), in one transaction, and
-        drop the dispatch cursor: a sync run keeps nothing across a restart, as verl's sync trainer.
-        Returns how many records were deleted.
+        drop the dispatch cursor: a restart that resumes nothing (sync mode, as verl's sync trainer; an
+        async run before its first checkpoint, as verl's ``_load_checkpoint`` finding none) keeps nothing
+        a fresh TransferQueue does not hold. Returns how many records were deleted.
 
         Raises:
             StaleRun: ``token`` is not the current run's.
@@ -135,30 +160,40 @@ class VerlLedger:
         self._check(token)
         listed = {(p, k) for p, keys in listing.items() for k in keys}
         doomed = [k for k in self._values.keys(ITEMS) if split(k)[:2] not in listed]
+        doomed += [i for i in self._values.keys(MARKS) if split_mark_index(i)[1:] not in listed]
         doomed += self._values.keys(CURSOR_KEY)
         self._values.write([], [], doomed)
         return len(doomed)
 
     # -- restart -----------------------------------------------------------------------------------
-    def resume(self, step: int | None = None) -> dict[str, Any]:
+    def resume(self, token: str, step: int | None = None) -> dict[str, Any]:
         """Settle consumed groups against the checkpoint at ``step`` (the ledger's last one by default),
         in one transaction, and return what TransferQueue must hold.
 
         Groups consumed at or before ``step`` are deleted (the checkpoint's weights trained on them);
-        groups consumed after it are finished again (those weights were lost). Returns
+        groups consumed after it are finished again (those weights were lost). An explicit ``step`` (a
+        checkpoint just loaded) is recorded as the ledger's last checkpoint. Returns
         ``{"items": {partition: {key: {"tags": {...}, "fields": {...}}}}, "cursor": state or None,
         "step": step}``.
+
+        Raises:
+            StaleRun: ``token`` is not the current run's.
         """
+        self._check(token)
+        # An explicit step is the checkpoint just loaded: it becomes the ledger's last one (a copied-in file
+        # holds the step of the checkpoint before it, or none, since its record is written after the copy).
+        record = [] if step is None else [encode_value(CHECKPOINT_KEY, {"step": int(step)}, new_write_id(), _LEVEL)]
         step = self._checkpoint_step() if step is None else int(step)
         items, marks = self._items()
         deletes: list[str] = []
         for (partition_id, key), mark_step in marks.items():
+            deletes.append(mark_index_key(mark_step, partition_id, key))
             if mark_step <= step:
                 deletes.extend(self._values.keys(item_prefix(partition_id, key)))
                 items[partition_id].pop(key, None)
             else:
                 deletes.append(record_key(partition_id, key, CONSUMED))
-        self._values.write([], [], deletes)
+        self._values.write([CHECKPOINT_KEY] if record else [], record, deletes)
         return {"items": {p: dict(v) for p, v in items.items()}, "cursor": self._get(CURSOR_KEY), "step": step}
 
     def snapshot(self) -> dict[str, Any]:
@@ -173,15 +208,25 @@ class VerlLedger:
                 "cursor": self._get(CURSOR_KEY)}
 
     # -- checkpoints -------------------------------------------------------------------------------
-    def checkpoint(self, dest: str, step: int) -> dict[str, Any]:
+    def checkpoint(self, token: str, dest: str, step: int) -> dict[str, Any]:
         """Copy the ledger to ``dest`` as one file (stamp, snapshot copy, fsync, rename), then record
-        ``step`` as the last checkpoint and delete the groups consumed at or before it (one transaction).
+        ``step`` as the last checkpoint and delete the groups consumed at or before it (one transaction;
+        it reads the consumed-mark index, not the ledger). ``dest``'s directory is created if missing.
 
         Returns the stamp (``checkpoint_id``, ``created``, ``values``, ``file_bytes``).
+
+        Raises:
+            StaleRun: ``token`` is not the current run's; nothing is written, ``dest`` included.
         """
+        self._check(token)
+        makedirs_durable(os.path.dirname(os.path.abspath(dest)))
         stamp = self._values.checkpoint(dest)
-        _, marks = self._items()
-        deletes = [k for (p, key), s in marks.items() if s <= step for k in self._values.keys(item_prefix(p, key))]
+        deletes = []
+        for index in self._values.keys(MARKS):
+            mark_step, partition_id, key = split_mark_index(index)
+            if mark_step > step:
+                break  # the index is in step order
+            deletes += [index, *self._values.keys(item_prefix(partition_id, key))]
         self._values.write([CHECKPOINT_KEY], [encode_value(CHECKPOINT_KEY, {"step": int(step)}, new_write_id(),
                                                            _LEVEL)], deletes)
         return stamp
@@ -195,9 +240,11 @@ class VerlLedger:
         Returns whether the file was copied in.
 
         Raises:
+            StaleRun: ``token`` is not the current run's; nothing changes.
             CheckpointError: the file's stamp is not ``checkpoint_id``.
             FormatError / CorruptRecord / RecoveryError: the file is not a valid ledger checkpoint.
         """
+        self._check(token)
         run = self._get(RUN_KEY) or {}
         copied = self._values.stamp_id() != checkpoint_id
         if copied:
@@ -220,9 +267,12 @@ class VerlLedger:
     def _checkpoint_step(self) -> int:
         return int((self._get(CHECKPOINT_KEY) or {}).get("step", 0))
 
-    def _consumed_marks(self, partition_id: str) -> dict[str, int]:
-        prefix = item_prefix(partition_id)
-        return {split(k)[1]: int(self._get(k)["step"]) for k in self._values.keys(prefix) if k.endswith("/" + CONSUMED)}
+    def _marks_of(self, partition_id: str, keys: set[str]) -> dict[str, int]:
+        """The consumed marks of ``keys`` (point reads: one per key)."""
+        names = sorted(keys)
+        mark_keys = [record_key(partition_id, key, CONSUMED) for key in names]
+        return {key: int(decode_value(mk, raw, write_id_of(raw, mk))["step"])
+                for key, mk, raw in zip(names, mark_keys, self._values.get(mark_keys), strict=True) if raw is not None}
 
     def _items(self) -> tuple[dict[str, dict[str, dict[str, dict[str, Any]]]], dict[tuple[str, str], int]]:
         keys = self._values.keys(ITEMS)

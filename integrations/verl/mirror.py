@@ -155,11 +155,15 @@ class Mirror:
 
     def save_checkpoint(self, checkpoint_dir: str | os.PathLike[str], *, include_storage: bool = True,
                         metadata: dict[str, Any] | None = None) -> None:
-        """verl's ``tq.save_checkpoint``: the ledger as one file plus its manifest (``include_storage`` is moot)."""
+        """verl's ``tq.save_checkpoint``: the ledger as one file plus its manifest (``include_storage`` is moot).
+
+        Raises:
+            StaleRun: this process's run was replaced; nothing is written, the directory included.
+        """
         step = int((metadata or {}).get("global_steps", 0))
         checkpoint_dir = os.fspath(checkpoint_dir)
-        os.makedirs(checkpoint_dir, exist_ok=True)
-        stamp = ray.get(self.actor.checkpoint.remote(os.path.join(checkpoint_dir, LEDGER_FILE), step))
+        # the actor creates the directory once the run token passed: a stale run's call leaves no trace
+        stamp = ray.get(self.actor.checkpoint.remote(self.token, os.path.join(checkpoint_dir, LEDGER_FILE), step))
         manifest = {"checkpoint_id": stamp["checkpoint_id"], "global_steps": step, "metadata": metadata or {}}
         tmp = os.path.join(checkpoint_dir, f".{MANIFEST_FILE}.{uuid.uuid4().hex[:8]}")
         with open(tmp, "w") as f:
@@ -169,12 +173,16 @@ class Mirror:
         fsync_dir(checkpoint_dir)
 
     def load_checkpoint(self, checkpoint_dir: str | os.PathLike[str]) -> None:
-        """verl's ``tq.load_checkpoint``: the ledger becomes that checkpoint, TransferQueue is refilled."""
+        """verl's ``tq.load_checkpoint``: the ledger becomes that checkpoint, TransferQueue is refilled.
+
+        Raises:
+            StaleRun: this process's run was replaced; neither the ledger nor TransferQueue changes.
+        """
         checkpoint_dir = os.fspath(checkpoint_dir)
         manifest = read_manifest(checkpoint_dir)
         ray.get(self.actor.load.remote(os.path.join(checkpoint_dir, LEDGER_FILE), manifest["checkpoint_id"],
                                        self.token))
-        self.refill(ray.get(self.actor.resume.remote(manifest["global_steps"])))
+        self.refill(ray.get(self.actor.resume.remote(self.token, manifest["global_steps"])))
 
     # -- restart -----------------------------------------------------------------------------------
     def refill(self, view: dict[str, Any]) -> int:

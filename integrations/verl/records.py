@@ -13,7 +13,9 @@ ledger stores each tag entry and each field of each key as its own TransferQueue
 
 plus three records of the run: ``verl/run`` (its write identity is the current run's token),
 ``verl/cursor`` (the trainer's dataloader state at the last dispatch) and ``verl/checkpoint`` (the
-step of the last checkpoint the ledger was copied into).
+step of the last checkpoint the ledger was copied into), and an index of the consumed marks by step,
+``verl/consumed/{step:012d}/{partition}/{key}``, written and deleted in the same transaction as the
+mark it indexes: a checkpoint finds the marks it covers without reading the rest of the ledger.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ CURSOR_KEY = "verl/cursor"
 CHECKPOINT_KEY = "verl/checkpoint"
 ITEMS = "p/"
 TAG, FIELD, CONSUMED = "t", "f", "c"
+MARKS = "verl/consumed/"
 
 
 def item_prefix(partition_id: str, key: str = "") -> str:
@@ -52,6 +55,22 @@ def split(ledger_key: str) -> tuple[str, str, str, str]:
     if not ledger_key.startswith(ITEMS) or len(parts) < 3 or parts[2] not in (TAG, FIELD, CONSUMED):
         raise BadArgument(f"verl ledger: {ledger_key!r} is not an item record key")
     return parts[0], parts[1], parts[2], parts[3] if len(parts) == 4 else ""
+
+
+def mark_index_key(step: int, partition_id: str, key: str) -> str:
+    """The index entry of ``key``'s consumed mark of training step ``step`` (ordered by step)."""
+    item_prefix(partition_id, key)  # the same refusal of a '/' in either name
+    if type(step) is not int or not 0 <= step < 10**12:
+        raise BadArgument(f"verl ledger: a training step is an integer in [0, 10**12), got {step!r}")
+    return f"{MARKS}{step:012d}/{partition_id}/{key}"
+
+
+def split_mark_index(index_key: str) -> tuple[int, str, str]:
+    """``(step, partition_id, key)`` of a consumed-mark index entry."""
+    parts = index_key[len(MARKS):].split("/")
+    if not index_key.startswith(MARKS) or len(parts) != 3 or not parts[0].isdigit():
+        raise BadArgument(f"verl ledger: {index_key!r} is not a consumed-mark index key")
+    return int(parts[0]), parts[1], parts[2]
 
 
 def rows_of(fields: TensorDict | Mapping[str, Any] | None, count: int, *, single: bool) -> list[dict[str, Any]]:
