@@ -138,11 +138,14 @@ PLOTS: tuple[tuple[str, str, str, bool, str, Callable[[dict[str, Any], Any], Non
 )
 
 
-def plot_all(results: dict[str, Any], directory: str) -> list[str]:
-    """Write every figure's PNG into ``directory`` (created if needed); returns the paths."""
+def plot_all(results: dict[str, Any], directory: str, only: set[str] | None = None) -> list[str]:
+    """Write every figure's PNG (or only those numbered in ``only``) into ``directory`` (created if
+    needed); returns the paths."""
     os.makedirs(directory, exist_ok=True)
     paths = []
     for name, title, ylabel, log, xlabel, draw in PLOTS:
+        if only is not None and name[3] not in only:
+            continue
         fig, ax = _axes(title, ylabel, log, xlabel) if xlabel else _axes(title, ylabel, log)
         draw(results, ax)
         if not xlabel:  # a curve over buffer sizes: log axis, ticks at the measured sizes

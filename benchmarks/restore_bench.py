@@ -7,9 +7,13 @@
    crash path (``ReplayBuffer.open`` + ``recover()``) and ``torch.load`` of the same rows;
 2. the CPU of each pass on the checkpoint file, cache warm: the structure pass, the metadata
    verification ``restore()`` runs, ``kvckpt verify`` (row checksums), ``kvckpt verify --deep``;
-3. the copies: a plain sequential copy of the checkpoint file with one fsync, restore's copy
-   (``copy_used`` + fsync), and the checkpoint copy of the live store in the background (nice 19)
-   and in the foreground, each with the source's page cache dropped.
+3. the copies, interleaved in rounds, each with the source's page cache dropped: the disk's
+   sequential fsync'd write rate (fresh bytes, as figure 4), a plain sequential copy of the
+   checkpoint file with one fsync, restore's copy (``copy_used`` + fsync), and the checkpoint of
+   the live store in the background and in the foreground (stamp to renamed, fsynced file; how
+   the snapshot was written is kept: ``clone``, ``copy`` or ``compact``), with the load average.
+
+Only the copies (seconds, on an existing store): ``--copies-only``.
 
 Stores are built under ``--work`` (on the disk to measure; deleted afterwards).
 """
@@ -28,7 +32,7 @@ from typing import Any
 
 from lmdb import verify as lmdb_verify
 
-from benchmarks import measure
+from benchmarks import baselines, measure
 from kvckpt import ReplayBuffer
 from kvckpt.durability.safe_open import check_header, copy_used, open_readonly
 from kvckpt.durability.verify import check
@@ -68,8 +72,10 @@ def copies(ckpt: str, live: str, out: str, repeats: int = 2) -> list[dict[str, f
         fsync_file(out)
 
     rounds = []
+    size = os.path.getsize(ckpt)
     for _ in range(repeats):
-        result = {}
+        result: dict[str, Any] = {"loadavg": os.getloadavg()[0],
+                                  "disk_mb_s": baselines.sequential_write(out + ".disk", size)}
         for name, fn, source in (("plain", plain, ckpt), ("restore_copy", restore_copy, ckpt)):
             if os.path.exists(out):
                 os.unlink(out)
@@ -81,10 +87,12 @@ def copies(ckpt: str, live: str, out: str, repeats: int = 2) -> list[dict[str, f
                     os.unlink(out)
                 measure.evict_cache([live], "fadvise")
                 t0 = time.perf_counter()
-                buf.checkpoint(out, background=background).wait()
+                done = buf.checkpoint(out, background=background).wait()
                 result[name] = time.perf_counter() - t0
-        size = os.path.getsize(ckpt)
-        rounds.append({**result, **{f"{k}_mb_s": size / v / 1e6 for k, v in result.items()}})
+                result[f"{name}_how"] = done.how
+        result.update({f"{k}_mb_s": size / result[k] / 1e6
+                       for k in ("plain", "restore_copy", "checkpoint_background", "checkpoint_foreground")})
+        rounds.append(result)
     os.unlink(out)
     return rounds
 
@@ -96,9 +104,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="restore runs per mode (default 3)")
     parser.add_argument("--work", default=None, help="directory on the disk to measure (default /var/tmp)")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--copies-only", action="store_true", help="measure only the copies (step 3)")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="kvckpt-restore-", dir=args.work or "/var/tmp")
     settings = replace(measure.Settings(), restore_repeats=args.repeats)
+    if args.copies_only:
+        try:
+            built, _ = measure.ingest(args.size, work, settings)
+            ckpt = os.path.join(work, "first.kvckpt")
+            built.buffer.checkpoint(ckpt, {"step": 0}).wait()
+            built.buffer.close()
+            rounds = copies(ckpt, built.buffer.path, os.path.join(work, "copy.out"), args.repeats)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        for done in rounds:
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in done.items()}))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"size_gb": args.size, "copies": rounds}, f, indent=1)
+        return
     try:
         built, ingested = measure.ingest(args.size, work, settings)
         ckpt, pt = os.path.join(work, "first.kvckpt"), os.path.join(work, "first.pt")
@@ -119,7 +143,7 @@ def main() -> None:
         print(f"{mode:16} {p50:8.3f} s  {torch_s / p50:5.1f}x torch.load  {doc['breakdown']}")
     print("passes (s):", {k: round(v, 3) for k, v in result["passes"].items()})
     for done in result["copies"]:
-        print("copies (s):", {k: round(v, 3) for k, v in done.items()})
+        print("copies:", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in done.items()}))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -3,6 +3,7 @@
     python -m benchmarks.run                  # 0.25, 1 and 4 GB of raw rows (about 20 minutes)
     python -m benchmarks.run --quick          # seconds: proves the benchmarks run (CI)
     python -m benchmarks.run --sizes 0.25,1   # choose the buffer sizes (GB of raw padded rows)
+    python -m benchmarks.run --figures 1,2,3  # only these figures' tables and plots (6 and 7 not measured)
     python -m benchmarks.run --from-json r.json --plots DIR   # report and plots of an earlier run
 
 Prints the machine, the exact command, one Markdown table per figure and the targets; writes the
@@ -66,11 +67,11 @@ def describe(info: dict[str, Any]) -> str:
         f"(the machine is shared: compare ratios measured side by side, not absolute times)"])
 
 
-def report(results: dict[str, Any]) -> str:
-    """The whole report: machine, command, one table per figure, targets."""
+def report(results: dict[str, Any], only: set[str] | None = None) -> str:
+    """The whole report: machine, command, one table per figure (those numbered in ``only``), targets."""
     parts = [f"## Run of `{results['command']}`", "", describe(results["machine"]), ""]
-    parts += [fig(results).markdown() for fig in figures.FIGURES]
-    parts.append(figures.targets(results).markdown())
+    parts += [fig(results).markdown() for fig in figures.FIGURES if only is None or figures.number(fig) in only]
+    parts.append(figures.targets(results, only).markdown())
     return "\n".join(parts)
 
 
@@ -84,15 +85,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold", choices=("fadvise", "drop_caches"), default="fadvise",
                         help="how to drop the page cache before a restore (drop_caches needs root)")
     parser.add_argument("--rate", type=float, help="producer groups/s during the latency phases")
+    parser.add_argument("--figures", help="comma-separated figure numbers to measure and report (default: all); "
+                                          "1-5 share one pass per size, 6 and 7 are measured only when asked")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--from-json", metavar="PATH", help="measure nothing: print the report and redraw the "
                                                              "plots of an earlier run's JSON")
     args = parser.parse_args(argv)
+    only = {f.strip() for f in args.figures.split(",") if f.strip()} if args.figures else None
     if args.from_json:
         with open(args.from_json) as f:
             results = json.load(f)
-        paths = plots.plot_all(results, args.plots or os.path.join(ROOT, "docs", "img"))
-        print(report(results))
+        only = only or results.get("figures")
+        only = set(only) if only else None
+        paths = plots.plot_all(results, args.plots or os.path.join(ROOT, "docs", "img"), only)
+        print(report(results, only))
         print(f"plots: {', '.join(paths)}", file=sys.stderr)
         return 0
 
@@ -115,23 +121,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - start:6.1f} s] {line}", file=sys.stderr, flush=True)
 
     results: dict[str, Any] = {"command": command.strip(), "machine": machine(work), "settings": asdict(settings),
-                               "sizes": []}
+                               "sizes": [], "figures": sorted(only) if only else None}
     try:
         for size in settings.sizes_gb:
             log(f"buffer of {size:g} GB raw")
             results["sizes"].append(measure.measure_size(size, work, settings, log))
-        log("select latency")
-        results["select"] = measure.measure_select(work, settings, log)
-        log("crash recovery")
-        results["crashes"] = measure.measure_crashes(work, settings, log)
+        if only is None or "6" in only:
+            log("select latency")
+            results["select"] = measure.measure_select(work, settings, log)
+        if only is None or "7" in only:
+            log("crash recovery")
+            results["crashes"] = measure.measure_crashes(work, settings, log)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results["machine"]["loadavg_end"] = os.getloadavg()
     results["seconds"] = time.perf_counter() - start
     with open(json_path, "w") as f:
         json.dump(results, f, indent=1)
-    paths = plots.plot_all(results, plot_dir)
-    print(report(results))
+    paths = plots.plot_all(results, plot_dir, only)
+    print(report(results, only))
     log(f"results: {json_path}; plots: {', '.join(paths)}; {results['seconds']:.0f} s")
     return 0
 

@@ -21,6 +21,7 @@ from conftest import SCHEMA, make_group
 
 from kvckpt import Lease, Prompt, ReplayBuffer, StaleAttempt
 from kvckpt.buffer import restore
+from kvckpt.durability import checkpoint
 from kvckpt.storage import keys
 
 GROUP_SIZE = 2
@@ -106,7 +107,12 @@ def test_operations_on_a_group_leave_groups_whose_ids_extend_its_id_untouched(bu
 # without ``txn=``), so a commit landing between the stamp and the copy leaks into the checkpoint:
 # the file then holds a state its own stamp (step, trainer state, dataloader position) does not
 # describe.
-def test_a_commit_after_the_stamp_stays_out_of_the_checkpoint(buffer_factory, tmp_path, monkeypatch):
+# Both ways a checkpoint writes its snapshot are held to it: the page copy and, with many free
+# pages, the compacting copy (the threshold moved so that each runs on the same small buffer).
+@pytest.mark.parametrize(("how", "compact_when_free"), [("copy", 1.0), ("compact", -1.0)])
+def test_a_commit_after_the_stamp_stays_out_of_the_checkpoint(buffer_factory, tmp_path, monkeypatch, how,
+                                                              compact_when_free):
+    monkeypatch.setattr(checkpoint, "COMPACT_WHEN_FREE", compact_when_free)
     buf = buffer_factory({"name": "windowed", "max_staleness_versions": 8}, group_size=GROUP_SIZE, capacity=16)
     early, late = admit(buf, "early", "late")
     buf.commit_group(early, make_group(GROUP_SIZE, 1))
@@ -120,7 +126,7 @@ def test_a_commit_after_the_stamp_stays_out_of_the_checkpoint(buffer_factory, tm
 
     monkeypatch.setattr(buf.store, "write_then_snapshot", commit_right_after_the_stamp)
     dest = str(tmp_path / "ckpt.kv")
-    buf.checkpoint(dest).wait()
+    assert buf.checkpoint(dest).wait().how == how
     assert landed == ["late"], "the checkpoint did not stamp through Store.write_then_snapshot"
     assert buf.group("late").state == "ready" and buf.ledger() == []
 

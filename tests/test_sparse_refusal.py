@@ -5,7 +5,7 @@ is refused by the structure check too, but only after ``restore`` has copied the
 entry point that opens a file (``restore``, ``ReplayBuffer.open(readonly=True)``, each ``kvckpt``
 verb that opens one) runs on it in one fresh process whose files may not grow past
 :data:`FSIZE_LIMIT`, and must refuse it with the error that names the holes, having written
-(``/proc/self/io`` ``wchar``, which counts ``sendfile`` too), created and mapped nothing: evidence
+(``/proc/self/io`` ``wchar``, which counts ``copy_file_range`` too), created and mapped nothing: evidence
 that does not depend on timing.
 """
 

@@ -14,10 +14,11 @@ import lmdb
 import numpy as np
 import pytest
 
+from kvckpt.durability.safe_open import check_structure
 from kvckpt.errors import FormatError, KvckptError, ReadOnlyStore, StoreLocked, StoreNotFound
 from kvckpt.storage import codec
 from kvckpt.storage.layout import stored_key
-from kvckpt.storage.store import FORMAT_VERSION, Store
+from kvckpt.storage.store import FORMAT_VERSION, Snapshot, Store
 
 CHILD_ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
 
@@ -432,6 +433,38 @@ def test_copy_snapshot_is_a_consistent_point_in_time(tmp_path):
     with Store(tmp_path / "snap.db", readonly=True) as snap:
         assert snap.read(lambda txn: txn.get_json("meta", b"cursor")) == {"dispatch_index": 3}
         assert not list(snap.read(lambda txn: list(txn.stray_keys())))
+
+
+def test_copy_pinned_is_the_pinned_state_page_for_page_whatever_commits_after_it(tmp_path):
+    path = make_store(tmp_path / "s.db", rows=40)
+    with Store(path) as store:
+        _, snapshot = store.write_then_snapshot(lambda txn: txn.put_json("meta", b"cursor", {"dispatch_index": 41}))
+        try:
+            def churn(txn, i):  # frees pages the snapshot still sees, reuses the ones it does not
+                txn.delete("rows", b"g_%d" % i)
+                txn.put("rows", b"n_%d" % i, codec.encode({"ids": np.arange(5000)}, {"i": i}))
+                txn.put_json("meta", b"cursor", {"dispatch_index": 100 + i})
+            for i in range(40):
+                store.write(lambda txn, i=i: churn(txn, i))
+            fd = os.open(tmp_path / "snap.db", os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                assert store.copy_pinned(fd, snapshot) == "copy"  # ext4/tmpfs here: no clone
+            finally:
+                os.close(fd)
+        finally:
+            snapshot.close()
+        plain = Snapshot(store)  # a read transaction without the meta pages of its commit
+        try:
+            with pytest.raises(KvckptError, match="pinned by write_then_snapshot"):
+                store.copy_pinned(-1, plain)
+        finally:
+            plain.close()
+    check_structure(tmp_path / "snap.db")  # every page parsed, free and live pages cover the file
+    with Store(tmp_path / "snap.db", readonly=True) as snap:
+        assert snap.read(lambda txn: txn.get_json("meta", b"cursor")) == {"dispatch_index": 41}
+        rows = read_all(snap)
+        assert sorted(rows) == sorted(b"g_%d" % i for i in range(40))
+        assert np.array_equal(rows[b"g_39"].arrays["ids"], np.arange(4000))
 
 
 def test_missing_store_is_store_not_found(tmp_path):

@@ -1,11 +1,16 @@
 """Checkpoints: one stamp transaction, one background copy to one file; restore via a fresh handle.
 
 :func:`checkpoint_store` blocks the caller only for the stamp transaction (step, trainer state,
-checkpoint id). It pins a read snapshot of exactly that state before releasing the writer lock,
-then a background thread copies the snapshot with LMDB's compacting copy (which releases the
-GIL and never blocks writers; on Linux it runs at nice 19 so that it only takes CPU the
-producers and the trainer leave idle), fsyncs the copy, renames it to its final name and fsyncs the
-directory. A file under the final name is therefore always complete; a failed or interrupted
+checkpoint id). It pins a read snapshot of exactly that state (and captures the file's two meta
+pages) before releasing the writer lock, then a background thread writes the snapshot to the
+reserved file: page for page (:meth:`~kvckpt.storage.store.Store.copy_pinned`: a clone where the
+filesystem has reflinks, else an in-kernel copy paced by ``sync_file_range``; IO-bound, at the
+disk's rate, never blocking writers; it runs at normal CPU priority because it needs little,
+about 0.7 CPU-seconds per GB of file in bursts of one 8 MB chunk, and at nice 19 a saturated
+machine starved it 10-20x), or, when more than :data:`COMPACT_WHEN_FREE` of the
+snapshot's pages are free, with LMDB's compacting copy at nice 19 (CPU-bound; keeps the file
+small). It fsyncs the copy, renames it to its final name and fsyncs the directory. A file under
+the final name is therefore always complete; a failed or interrupted
 copy leaves only a ``.partial`` file, never a half-written checkpoint. The destination is reserved
 when :func:`checkpoint_store` is called: ``dest + ".partial"`` is created (mode 0600) and ``flock``-ed
 for the whole copy, so a second checkpoint to the same name while the first copies is refused at
@@ -51,6 +56,10 @@ from kvckpt.tables.access import Tables
 
 #: A checkpoint (or restore) being written carries this suffix until it is complete.
 PARTIAL_SUFFIX = ".partial"
+#: A checkpoint copies its snapshot page for page (IO-bound, at the disk's rate) unless more than
+#: this share of the snapshot's pages are free; then it compacts them away with LMDB's compacting
+#: copy (a CPU-bound tree walk, at nice 19) so that the file stays small.
+COMPACT_WHEN_FREE = 0.25
 
 
 @dataclass
@@ -62,6 +71,8 @@ class CheckpointResult:
     trainer_version: int
     file_bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    #: How the snapshot was written: "clone", "copy" or "compact" (see Store.copy_pinned).
+    how: str = ""
 
 
 class CheckpointHandle:
@@ -189,10 +200,14 @@ def _stamp_and_copy(store: Store, dest: str, doc: dict[str, Any], partial: str, 
         renamed = False
         try:
             t1 = time.perf_counter()
-            if background:
-                _at_lowest_cpu_priority(lambda: store.copy_snapshot(fd, snapshot.txn))
+            if store.free_share(snapshot) > COMPACT_WHEN_FREE:
+                result.how = "compact"
+                if background:
+                    _at_lowest_cpu_priority(lambda: store.copy_snapshot(fd, snapshot.txn))
+                else:
+                    store.copy_snapshot(fd, snapshot.txn)
             else:
-                store.copy_snapshot(fd, snapshot.txn)
+                result.how = store.copy_pinned(fd, snapshot)
             snapshot.close()
             t2 = time.perf_counter()
             os.fsync(fd)
@@ -234,12 +249,13 @@ def _stamp_and_copy(store: Store, dest: str, doc: dict[str, Any], partial: str, 
 def _at_lowest_cpu_priority(fn: Callable[[], None]) -> None:
     """Run ``fn`` on a fresh thread at nice 19 and wait for it; re-raise what it raised.
 
-    The compact copy is CPU-bound C code that releases the GIL: at normal priority it takes a
+    The compacting copy is CPU-bound C code that releases the GIL: at normal priority it takes a
     whole core from the producers and the trainer for seconds per GB (on 2 cores, producer commit
-    p99 grew 2-5x during a copy). At nice 19 it gets the CPU nobody else wants. Only the copy runs
-    there: the writes that follow (marking the checkpoint durable) take the writer lock, and a
-    low-priority thread holding it would stall everyone. Linux only (a thread has its own nice
-    value there); elsewhere ``fn`` runs at normal priority.
+    p99 grew 2-5x during a copy). At nice 19 it gets the CPU nobody else wants (on a saturated
+    machine, little: it then takes many times longer). Only the copy runs there: the writes that
+    follow (marking the checkpoint durable) take the writer lock, and a low-priority thread
+    holding it would stall everyone. Linux only (a thread has its own nice value there);
+    elsewhere ``fn`` runs at normal priority.
     """
     errors: list[BaseException] = []
 

@@ -41,6 +41,7 @@ from lmdb import verify as lmdb_verify
 
 from kvckpt.durability.verify import Report, check
 from kvckpt.errors import FormatError, KvckptError, ResourceLimit, StoreNotFound
+from kvckpt.storage.filecopy import copy_range
 from kvckpt.storage.store import FILE_MODE, Store, check_lmdb_header, fd_limit, writer_active
 
 #: At most this many structural findings are quoted in an error message.
@@ -129,9 +130,11 @@ def hole_bytes(path: str, limit: int) -> int:
         os.close(fd)
 
 
-def copy_used(src: str, dest: str, used: int) -> None:
+def copy_used(src: str, dest: str, used: int) -> str:
     """Copy the first ``used`` bytes of ``src`` (what its meta page says is in use: bytes past it
-    are never read) to ``dest``, a new file of mode 0600.
+    are never read) to ``dest``, a new file of mode 0600, and return how: ``"clone"`` where the
+    filesystem shares extents (XFS with reflink, btrfs: nothing is copied), else ``"copy"`` (in the
+    kernel, :func:`kvckpt.storage.filecopy.copy_range`). Nothing is fsynced.
 
     Raises:
         FormatError: ``src`` shrank below ``used`` meanwhile. FileExistsError / OSError: as ``open``.
@@ -139,12 +142,9 @@ def copy_used(src: str, dest: str, used: int) -> None:
     with open(src, "rb") as fin:
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         try:
-            done = 0
-            while done < used:
-                sent = os.sendfile(fd, fin.fileno(), done, used - done)
-                if sent == 0:
-                    raise FormatError(f"{src!r} shrank to {done} bytes while being copied; it needs {used}")
-                done += sent
+            return copy_range(fin.fileno(), fd, 0, used)
+        except EOFError as exc:
+            raise FormatError(f"{src!r} shrank while being copied: {exc}") from None
         finally:
             os.close(fd)
 

@@ -56,6 +56,7 @@ from kvckpt.errors import (
     StoreLocked,
     StoreNotFound,
 )
+from kvckpt.storage.filecopy import copy_range
 from kvckpt.storage.layout import TABLES, Layout, NamedTables, OneTree, partial_copy_key
 from kvckpt.storage.txn import Txn
 
@@ -475,7 +476,81 @@ class Store:
         """
         with self._write_lock:
             result = self.write(fn)
-            return result, Snapshot(self)
+            snapshot = Snapshot(self)
+            try:
+                # Both meta pages exactly as this commit left them (no write can land while the
+                # lock is held): what a plain copy of the snapshot starts with (copy_pinned).
+                snapshot.metas = os.pread(self._data_fd(), 2 * self.env.stat()["psize"], 0)
+            except BaseException:
+                snapshot.close()
+                raise
+            return result, snapshot
+
+    def copy_pinned(self, fd: int, snapshot: Snapshot, *, pace: bool = True) -> str:
+        """Write the snapshot pinned by :meth:`write_then_snapshot` into the empty file ``fd`` page
+        for page and return how: ``"clone"`` or ``"copy"``.
+
+        The copy is the file as the snapshot's commit left it, as LMDB's own non-compacting copy
+        makes one: the two meta pages captured under the writer lock, then every page up to the
+        snapshot's last, cloned or copied in the kernel (:func:`kvckpt.storage.filecopy.copy_range`,
+        paced when ``pace``). Every page the snapshot can reach stays untouched while it is pinned
+        (LMDB reuses a page only once no reader can see it); a page that is free in the snapshot
+        may be rewritten by a later commit meanwhile, and the copy's free list says it is free. So
+        the copy is IO-bound: no tree walk, no user-space buffer, but the snapshot's free pages
+        are copied too (:meth:`free_share`; :meth:`copy_snapshot` compacts). Nothing is fsynced.
+
+        Raises:
+            KvckptError: ``snapshot`` was not pinned by :meth:`write_then_snapshot`, or the file
+                is shorter than the snapshot's pages.
+            DiskFull: the destination's filesystem is full. OSError: reading or writing failed.
+        """
+        psize, pages = self._pinned_pages(snapshot)
+        try:
+            os.pwrite(fd, snapshot.metas, 0)
+            return copy_range(self._data_fd(), fd, 2 * psize, pages * psize, pace=pace)
+        except EOFError as exc:
+            raise KvckptError(f"{self.path!r} is shorter than its committed pages: {exc}") from None
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFull(errno.ENOSPC, f"copying {self.path!r}: the disk is full") from None
+            raise
+
+    def free_share(self, snapshot: Snapshot) -> float:
+        """The share of the pinned snapshot's pages that are free (what :meth:`copy_pinned` copies
+        and a compacting copy leaves out)."""
+        _, pages = self._pinned_pages(snapshot)
+        return max(0, pages - 2 - self._tree_pages(snapshot.txn)) / pages
+
+    def _data_fd(self) -> int:
+        """The writer's descriptor of its data file (its lock descriptor): the file this handle
+        writes even after its path was renamed or deleted."""
+        fd = (self._owner or self)._flock_fd
+        if fd is None:
+            raise KvckptError(f"{self.path!r} is not open for writing by this handle")
+        return fd
+
+    def _pinned_pages(self, snapshot: Snapshot) -> tuple[int, int]:
+        """Page size and page count of the snapshot, from the meta pages captured with it."""
+        metas = snapshot.metas
+        if metas is None:
+            raise KvckptError("a page copy needs a snapshot pinned by write_then_snapshot (its meta pages)")
+        psize = len(metas) // 2
+        last_pg, txnid = max((_META.unpack_from(metas, i * psize + _META_OFFSET)[3:] for i in (0, 1)),
+                             key=lambda meta: meta[1])
+        if txnid != snapshot.txn.raw.id():
+            raise KvckptError(f"{self.path!r}: the captured meta page is transaction {txnid}, the snapshot "
+                              f"{snapshot.txn.raw.id()}; refusing a copy that would mix two states")
+        return psize, last_pg + 1
+
+    def _tree_pages(self, txn: Txn) -> int:
+        """Branch, leaf and overflow pages of the trees ``txn`` sees (everything but free pages)."""
+        layout = txn.layout
+        handles = [layout.main] if isinstance(layout, OneTree) else list(layout.dbs.values())
+        total = 0
+        for db in handles:
+            st = txn.raw.stat(db)
+            total += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        return total
 
     def copy_snapshot(self, dest: str | int, txn: Txn) -> None:
         """Write a compacted copy of ``txn``'s snapshot to ``dest``: a path that must not exist
@@ -661,6 +736,8 @@ class Snapshot:
     def __init__(self, store: Store) -> None:
         self._ctx = store.reader()
         self.txn = self._ctx.__enter__()
+        #: The file's two meta pages as the snapshot's commit left them (set by write_then_snapshot).
+        self.metas: bytes | None = None
 
     def close(self) -> None:
         """End the read transaction. Idempotent."""
