@@ -491,8 +491,8 @@ class Store:
         for page and return how: ``"clone"`` or ``"copy"``.
 
         The copy is the file as the snapshot's commit left it, as LMDB's own non-compacting copy
-        makes one: the two meta pages captured under the writer lock, then every page up to the
-        snapshot's last, cloned or copied in the kernel (:func:`kvckpt.storage.filecopy.copy_range`,
+        makes one: the meta page captured under the writer lock, twice (:func:`_twin_metas`), then
+        every page up to the snapshot's last, cloned or copied in the kernel (:func:`kvckpt.storage.filecopy.copy_range`,
         paced when ``pace``). Every page the snapshot can reach stays untouched while it is pinned
         (LMDB reuses a page only once no reader can see it); a page that is free in the snapshot
         may be rewritten by a later commit meanwhile, and the copy's free list says it is free. So
@@ -506,7 +506,7 @@ class Store:
         """
         psize, pages = self._pinned_pages(snapshot)
         try:
-            os.pwrite(fd, snapshot.metas, 0)
+            os.pwrite(fd, _twin_metas(snapshot.metas, psize), 0)
             return copy_range(self._data_fd(), fd, 2 * psize, pages * psize, pace=pace)
         except EOFError as exc:
             raise KvckptError(f"{self.path!r} is shorter than its committed pages: {exc}") from None
@@ -752,6 +752,26 @@ _LMDB_MAGIC = 0xBEEFC0DE
 # mm_last_pg, mm_txnid.
 _META = struct.Struct("<II8x8xI44x48xQQ")
 _META_OFFSET = 16
+_TXNID_OFFSET = _META_OFFSET + _META.size - 8
+
+
+def _twin_metas(metas: bytes, psize: int) -> bytes:
+    """Both meta pages of a page copy: the committed one as it is, and in the other slot the same
+    page under its own page number with the transaction id one lower (LMDB's slot parity).
+
+    The other slot of the live file describes the commit before the snapshot's, whose pages later
+    commits may have reused while the copy ran; and before a checkpoint's stamp, that commit holds
+    the previous checkpoint's stamp. Copied as it is, a damaged transaction id in the committed
+    page would make LMDB open that older state, a consistent but other checkpoint. With twins
+    any damage to either id opens the same tree, or is refused."""
+    newer = max((0, 1), key=lambda i: _META.unpack_from(metas, i * psize + _META_OFFSET)[4])
+    txnid = _META.unpack_from(metas, newer * psize + _META_OFFSET)[4]
+    page = bytearray(metas[newer * psize:(newer + 1) * psize])
+    struct.pack_into("<Q", page, 0, 1 - newer)  # mp_pgno
+    struct.pack_into("<Q", page, _TXNID_OFFSET, txnid - 1)
+    twin = bytes(page)
+    committed = metas[newer * psize:(newer + 1) * psize]
+    return committed + twin if newer == 0 else twin + committed
 
 
 def lock_or_close(fd: int) -> bool:
