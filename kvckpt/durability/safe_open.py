@@ -132,9 +132,11 @@ def hole_bytes(path: str, limit: int) -> int:
 
 def copy_used(src: str, dest: str, used: int) -> str:
     """Copy the first ``used`` bytes of ``src`` (what its meta page says is in use: bytes past it
-    are never read) to ``dest``, a new file of mode 0600, and return how: ``"clone"`` where the
-    filesystem shares extents (XFS with reflink, btrfs: nothing is copied), else ``"copy"`` (in the
-    kernel, :func:`kvckpt.storage.filecopy.copy_range`). Nothing is fsynced.
+    are never read; free pages past the end of a file that ends early are written as zeros, see
+    :func:`kvckpt.storage.store.check_lmdb_header`) to ``dest``, a new file of mode 0600, and
+    return how: ``"clone"`` where the filesystem shares extents (XFS with reflink, btrfs: nothing
+    is copied), else ``"copy"`` (in the kernel, :func:`kvckpt.storage.filecopy.copy_range`).
+    Nothing is fsynced.
 
     Raises:
         FormatError: ``src`` shrank below ``used`` meanwhile. FileExistsError / OSError: as ``open``.
@@ -142,7 +144,7 @@ def copy_used(src: str, dest: str, used: int) -> str:
     with open(src, "rb") as fin:
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         try:
-            return copy_range(fin.fileno(), fd, 0, used)
+            return copy_range(fin.fileno(), fd, 0, used, zeros_past_eof=True)
         except EOFError as exc:
             raise FormatError(f"{src!r} shrank while being copied: {exc}") from None
         finally:

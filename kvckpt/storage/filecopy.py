@@ -64,7 +64,8 @@ def clone_range(src_fd: int, dst_fd: int, start: int, end: int) -> bool:
     return True
 
 
-def copy_range(src_fd: int, dst_fd: int, start: int, end: int, *, clone: bool = True, pace: bool = False) -> str:
+def copy_range(src_fd: int, dst_fd: int, start: int, end: int, *, clone: bool = True, pace: bool = False,
+               zeros_past_eof: bool = False) -> str:
     """Make ``dst_fd``'s bytes ``[start, end)`` equal to ``src_fd``'s (same offsets) and return how:
     ``"clone"`` or ``"copy"``.
 
@@ -72,11 +73,21 @@ def copy_range(src_fd: int, dst_fd: int, start: int, end: int, *, clone: bool = 
         clone: try a clone first (default True).
         pace: bound the copy's dirty pages to two :data:`CHUNK`\\ s (see the module doc); for copies
             that run beside durable writers. Defaults to False.
+        zeros_past_eof: where ``src_fd`` ends before ``end`` (checked once, at the start), write
+            zeros for the rest instead of raising: an LMDB file may end before its last page,
+            since LMDB never writes a page it allocated and freed in one transaction. Defaults
+            to False.
 
     Raises:
         EOFError: ``src_fd`` ended before ``end`` (it shrank meanwhile); the caller names the file.
         OSError: reading or writing failed.
     """
+    if zeros_past_eof and os.fstat(src_fd).st_size < end:
+        available = max(start, os.fstat(src_fd).st_size)
+        how = copy_range(src_fd, dst_fd, start, available, clone=clone, pace=pace)
+        for pos in range(available, end, CHUNK):
+            os.pwrite(dst_fd, bytes(min(CHUNK, end - pos)), pos)
+        return how
     if clone and clone_range(src_fd, dst_fd, start, end):
         return "clone"
     in_kernel = hasattr(os, "copy_file_range")  # Linux

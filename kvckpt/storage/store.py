@@ -45,6 +45,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import lmdb
+from lmdb import verify as lmdb_verify
 
 from kvckpt.errors import (
     CheckpointError,
@@ -492,10 +493,12 @@ class Store:
 
         The copy is the file as the snapshot's commit left it, as LMDB's own non-compacting copy
         makes one: the meta page captured under the writer lock, twice (:func:`_twin_metas`), then
-        every page up to the snapshot's last, cloned or copied in the kernel (:func:`kvckpt.storage.filecopy.copy_range`,
-        paced when ``pace``). Every page the snapshot can reach stays untouched while it is pinned
-        (LMDB reuses a page only once no reader can see it); a page that is free in the snapshot
-        may be rewritten by a later commit meanwhile, and the copy's free list says it is free. So
+        every page up to the snapshot's last, cloned or copied in the kernel
+        (:func:`kvckpt.storage.filecopy.copy_range`, paced when ``pace``; pages past the end of a
+        file that ends early are free and written as zeros). Every page the snapshot can reach
+        stays untouched while it is pinned (LMDB reuses a page only once no reader can see it); a
+        page that is free in the snapshot may be rewritten by a later commit meanwhile, and the
+        copy's free list says it is free. So
         the copy is IO-bound: no tree walk, no user-space buffer, but the snapshot's free pages
         are copied too (:meth:`free_share`; :meth:`copy_snapshot` compacts). Nothing is fsynced.
 
@@ -507,7 +510,7 @@ class Store:
         psize, pages = self._pinned_pages(snapshot)
         try:
             os.pwrite(fd, _twin_metas(snapshot.metas, psize), 0)
-            return copy_range(self._data_fd(), fd, 2 * psize, pages * psize, pace=pace)
+            return copy_range(self._data_fd(), fd, 2 * psize, pages * psize, pace=pace, zeros_past_eof=True)
         except EOFError as exc:
             raise KvckptError(f"{self.path!r} is shorter than its committed pages: {exc}") from None
         except OSError as exc:
@@ -789,9 +792,12 @@ def check_lmdb_header(path: str, name: str | None = None) -> int:
     """Refuse files that are not complete LMDB v1 data files before the C engine maps them.
 
     Pages 0 and 1 are meta pages; LMDB uses the one with the larger transaction id, and that meta
-    names the last page in use. A file shorter than that is truncated: mapping it would crash the
-    process with SIGBUS on the first read past the end, so it is reported here instead. Returns
-    the bytes in use, ``(last page + 1) * page size`` (what a read-only map needs).
+    names the last page in use. A file shorter than that is truncated, unless every missing page
+    is free: LMDB never writes a page it allocated and freed in one transaction, so a committed file
+    can end early, and then py-lmdb's offline verifier (which reads with ``read``, never a map)
+    proves that no reachable page lies past the end. A truncated file would crash the process with
+    SIGBUS on the first read past the end, so it is reported here instead. Returns the bytes in use,
+    ``(last page + 1) * page size`` (what a read-only map needs).
     """
     shown = repr(name if name is not None else path)
     size = os.path.getsize(path)
@@ -815,7 +821,7 @@ def check_lmdb_header(path: str, name: str | None = None) -> int:
     if metas[1][0] != _LMDB_MAGIC or metas[1][1] != 1:
         raise FormatError(f"{shown} has a damaged second LMDB meta page")
     last_pg = max(metas, key=lambda m: m[4])[3]  # ties go to page 0, as in LMDB
-    if size < (last_pg + 1) * psize:
+    if size < (last_pg + 1) * psize and lmdb_verify.verify(path, subdir=False):
         raise FormatError(f"{shown} is {size} bytes but its last committed page ends at byte "
                           f"{(last_pg + 1) * psize}: the file is truncated (copied while being "
                           "written, or cut short); restore from a checkpoint")
