@@ -14,6 +14,12 @@ a phase-A worker is refused, and so are run A's ``tq.save_checkpoint``, ``tq.loa
 the ledger's ``resume`` made with run A's token (nothing changes: ledger, TransferQueue, the
 checkpoint directories). The same kill against verl's own buffer (TransferQueue's own
 checkpoint of step 2, restored in B before the kvckpt resume) is measured beside it.
+
+The window tests kill run A inside verl's ``_save_checkpoint`` of step 4 (``_verl_run.py``'s
+``KVCKPT_VERL_KILL``: before the ledger's checkpoint, after it, after verl's tracker; the process group
+SIGKILLs itself at that hook), or restart it with ``trainer.resume_mode=disable``, and assert that on the
+restarted timeline every dispatched prompt is in the loaded weights or held again, never both, and that
+no prompt is trained twice. One case runs in CI; the rest are marked ``slow`` (about 1.5 min each here).
 """
 
 from __future__ import annotations
