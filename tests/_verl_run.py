@@ -16,6 +16,14 @@ sleeps until the test SIGKILLs its process group. Phase B resumes: first what ve
 gets back from TransferQueue's checkpoint, then verl's resume path with the kvckpt buffer, run A's
 checkpoint, load and resume calls with run A's token, a late write from a phase-A worker, and five
 training steps; it writes ``result.json``.
+
+With ``KVCKPT_VERL_KILL`` set (``before_ledger``, ``after_ledger`` or ``after_tracker``: a point of verl's
+``_save_checkpoint``), phase A trains steps 1-4, checkpoints after step 2 and, once every prompt that
+does not hang finished, saves the step-4 checkpoint and SIGKILLs its own process group at that point
+(before ``tq.save_checkpoint``, after it, after ``latest_checkpointed_iteration.txt``). Phase B then runs
+verl's resume path with ``trainer.resume_mode`` from ``KVCKPT_VERL_RESUME`` (default ``auto``) and
+trains five steps; it writes ``result.json`` (what was re-issued and restored, the step it resumed from).
+``KVCKPT_VERL_FIRST=1`` skips the step-2 checkpoint: the killed one is the run's first.
 """
 
 from __future__ import annotations
@@ -30,6 +38,9 @@ WORK = sys.argv[2] if len(sys.argv) > 2 else "."
 PHASE = sys.argv[1] if len(sys.argv) > 1 else "A"
 ACTOR = "kvckpt_verl_crash"
 SESSIONS, BATCH, WARMUP = 2, 2, 3  # rollout.n, train_batch_size (= gen_batch_size), warmup batches
+KILL = os.environ.get("KVCKPT_VERL_KILL")  # a kill point of _save_checkpoint (the window tests)
+FIRST = os.environ.get("KVCKPT_VERL_FIRST") == "1"  # no step-2 checkpoint: step 4's is the first
+RESUME = os.environ.get("KVCKPT_VERL_RESUME", "auto")
 
 
 def log(name: str, line: str) -> None:
@@ -124,7 +135,7 @@ def main() -> None:
         "skip": {"rollout_tq": {"enable": False}},
         "actor_rollout_ref": {"actor": {"checkpoint": {}}},
         "trainer": {
-            "default_local_dir": os.path.join(WORK, "ckpt"), "default_hdfs_dir": None, "resume_mode": "auto",
+            "default_local_dir": os.path.join(WORK, "ckpt"), "default_hdfs_dir": None, "resume_mode": RESUME,
             "del_local_ckpt_after_load": False,
             "v1": {"trainer_mode": "colocate_async", "colocate_async": {}, "sampler": {
                 "custom_sampler": {"path": "pkg://kvckpt.integrations.verl", "name": "KvckptReplayBufferAsync"},
@@ -140,7 +151,7 @@ def main() -> None:
     trainer.train_dataloader_it = None
 
     own = None
-    if PHASE == "B":  # what verl's built-in buffer gets back: TransferQueue's own checkpoint of step 2
+    if PHASE == "B" and not KILL:  # what verl's built-in buffer gets back: TransferQueue's own checkpoint of step 2
         own_dir = os.path.join(WORK, "own_tq_checkpoint")
         tq.load_checkpoint(own_dir)
         listed = tq.kv_list("train").get("train", {})
@@ -153,14 +164,31 @@ def main() -> None:
     from kvckpt.integrations.verl.mirror import RAW, Mirror, active
 
     trainer._load_checkpoint()
-    stale = stale_calls() if PHASE == "B" else None
+    stale = stale_calls() if PHASE == "B" and not KILL else None
+    resumed_from, restored = trainer.global_steps, trainer.replay_buffer.restored
+    window = None
+    if PHASE == "B" and KILL:  # what the restart holds before the re-issue: index -> prompt status
+        # the mirrored kv_list, as _reissue_inflight_prompts' first call: it restores the dataloader position
+        listed = {k: t for k, t in tq.kv_list("train").get("train", {}).items() if t.get("is_prompt")}
+        indexes = tq.kv_batch_get(keys=list(listed), partition_id="train")["index"].tolist() if listed else []
+        window = {"prompts": {str(i): listed[k]["status"] for k, i in zip(listed, indexes, strict=True)},
+                "next_index": trainer.train_dataloader.state_dict()["_num_yielded"] * BATCH,
+                "ledger": ray.get(active().actor.info.remote())["checkpoint_step"]}
+        token_a = next(ln[1] for ln in lines("run_A.log") if ln[0] == "token")
+        from kvckpt.integrations.verl import StaleRun
+
+        try:  # a late write of a run-A worker
+            Mirror(ACTOR, token_a).kv_put(key="late", partition_id="train", tag={"status": "finished"})
+            window["late_write"] = "accepted"
+        except StaleRun:
+            window["late_write"] = "refused"
     trainer.global_steps += 1
     trainer.agent_loop_manager = StandInManager()
     reissued = trainer._reissue_inflight_prompts()
     log(f"run_{PHASE}.log", f"token {active().token} reissued {reissued} step {trainer.global_steps}")
 
     refused = None
-    if PHASE == "B":  # a rollout worker of run A writes late, with run A's token
+    if PHASE == "B" and not KILL:  # a rollout worker of run A writes late, with run A's token
         token_a = next(ln[1] for ln in lines("run_A.log") if ln[0] == "token")
         victim = sorted(own["inflight"])[0] if own["inflight"] else None
         from kvckpt.integrations.verl import StaleRun
@@ -173,29 +201,57 @@ def main() -> None:
         held = ray.get(active().actor.snapshot.remote())["items"]["train"].get(victim, {}).get("tags", {})
         refused = {"error": refused, "victim_status": listed.get(victim, {}).get("status"),
                    "ledger_status": held.get("status")}
-    else:
+    elif PHASE == "A":
         trainer._add_async_warmup_batches(WARMUP)
 
-    steps = range(1, 4) if PHASE == "A" else range(trainer.global_steps, trainer.global_steps + 5)
+    last = 4 if KILL else 3
+    steps = range(1, last + 1) if PHASE == "A" else range(trainer.global_steps, trainer.global_steps + 5)
     for step in steps:
         trainer.global_steps = step
         trainer._add_prompts_to_generate(BATCH)
         batch, _ = trainer.replay_buffer.sample(global_steps=step, partition_id="train", batch_size=BATCH)
         log(f"trained_{PHASE}.log", f"S {step} " + " ".join(sorted(batch.keys)))
         tq.kv_clear(keys=batch.keys, partition_id="train")  # fit's step 7
-        if PHASE == "A" and step == 2:
+        if PHASE == "A" and step == 2 and not FIRST:
             trainer._save_checkpoint()
-            RAW["save_checkpoint"](os.path.join(WORK, "own_tq_checkpoint"), metadata={"global_steps": step})
+            if not KILL:
+                RAW["save_checkpoint"](os.path.join(WORK, "own_tq_checkpoint"), metadata={"global_steps": step})
 
     if PHASE == "A":
-        dispatched = (WARMUP + 3) * BATCH
+        dispatched = (WARMUP + last) * BATCH
         while len([ln for ln in lines(gen_log) if ln[0] == "F"]) < dispatched - dispatched // 3:
             time.sleep(0.2)
+        if KILL:
+            kill_in_save_checkpoint(trainer, KILL)
         log("run_A.log", "READY")
         time.sleep(3600)
     with open(os.path.join(WORK, "result.json"), "w") as f:
-        json.dump({"own": own, "refused": refused, "reissued": reissued, "stale": stale}, f)
+        json.dump({"own": own, "refused": refused, "reissued": reissued, "stale": stale, "restored": restored,
+                   "resumed_from": resumed_from, "window": window}, f)
     ray.get(active().actor.close.remote())
+
+
+def kill_in_save_checkpoint(trainer: object, point: str) -> None:
+    """Run verl's ``_save_checkpoint`` of the current step and SIGKILL this process group (the trainer, Ray,
+    TransferQueue, the workers, the ledger actor) at ``point``: before the ledger's checkpoint
+    (``tq.save_checkpoint``), after it, or after verl's tracker file (``checkpoint_callback.on_save``)."""
+    import signal
+
+    import transfer_queue as tq
+
+    def kill(*args: object, **kwargs: object) -> None:
+        log("run_A.log", f"KILL {point}")
+        os.killpg(0, signal.SIGKILL)
+
+    saved = tq.save_checkpoint
+    if point == "before_ledger":
+        tq.save_checkpoint = kill
+    elif point == "after_ledger":
+        tq.save_checkpoint = lambda *args, **kwargs: (saved(*args, **kwargs), kill())
+    else:
+        trainer.checkpoint_callback.on_save = kill
+    trainer._save_checkpoint()
+    raise AssertionError(f"_save_checkpoint returned past the kill point {point}")
 
 
 def stale_calls() -> dict[str, object]:

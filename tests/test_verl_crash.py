@@ -14,6 +14,12 @@ a phase-A worker is refused, and so are run A's ``tq.save_checkpoint``, ``tq.loa
 the ledger's ``resume`` made with run A's token (nothing changes: ledger, TransferQueue, the
 checkpoint directories). The same kill against verl's own buffer (TransferQueue's own
 checkpoint of step 2, restored in B before the kvckpt resume) is measured beside it.
+
+The window tests kill run A inside verl's ``_save_checkpoint`` of step 4 (``_verl_run.py``'s
+``KVCKPT_VERL_KILL``: before the ledger's checkpoint, after it, after verl's tracker; the process group
+SIGKILLs itself at that hook), or restart it with ``trainer.resume_mode=disable``, and assert that on the
+restarted timeline every dispatched prompt is in the loaded weights or held again, never both, and that
+no prompt is trained twice. One case runs in CI; the rest are marked ``slow`` (about 1.5 min each here).
 """
 
 from __future__ import annotations
@@ -41,8 +47,10 @@ def _lines(work: Path, name: str) -> list[list[str]]:
     return [ln.split() for ln in path.read_text().splitlines()] if path.exists() else []
 
 
-def _phase(work: Path, phase: str, *, until_ready: bool) -> None:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _phase(work: Path, phase: str, *, until_ready: bool, env: dict[str, str] | None = None) -> None:
+    """Run one phase in a fresh process group; ``until_ready``: SIGKILL the group once run A logs ``READY``.
+    A phase that SIGKILLs its own group (a window test's kill point) must have logged ``KILL``."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(work / f"phase_{phase}.out", "w") as out:
         proc = subprocess.Popen([sys.executable, str(RUN), phase, str(work)], stdout=out, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
@@ -54,6 +62,8 @@ def _phase(work: Path, phase: str, *, until_ready: bool) -> None:
                 proc.wait()
                 return
             time.sleep(0.2)
+        if proc.poll() == -signal.SIGKILL and any(ln[0] == "KILL" for ln in _lines(work, "run_A.log")):
+            return
         assert proc.poll() == 0, (work / f"phase_{phase}.out").read_text()[-6000:]
     finally:
         if proc.poll() is None:
@@ -101,3 +111,85 @@ def test_kill_between_checkpoints_reuses_every_finished_trajectory(tmp_path: Pat
                       "verl_own_reused": len(own_reused), "verl_own_regenerated": len(needed - own_reused),
                       "reissued_prompts": result["reissued"]}))
     assert len(needed - own_reused) > 0  # verl's own buffer loses what finished after its checkpoint
+
+
+def _indexes(work: Path) -> dict[str, int]:
+    """Trajectory key -> dataset index, from both runs' generation logs."""
+    logs = [*_lines(work, "gen_A.log"), *_lines(work, "gen_B.log")]
+    return {key: int(idx) for kind, key, idx in logs if kind == "T"}
+
+
+def _window(work: Path, point: str, resume: str, *, first: bool = False) -> dict:
+    """Run A to ``point`` of its step-4 ``_save_checkpoint`` (SIGKILLed there; ``first``: no step-2 checkpoint
+    before it), restart it as B with ``resume_mode=resume``; check what every restarted timeline must hold and
+    return the measured figures."""
+    env = {"KVCKPT_VERL_KILL": point, "KVCKPT_VERL_RESUME": resume, "KVCKPT_VERL_FIRST": "1" if first else "0"}
+    _phase(work, "A", until_ready=False, env=env)
+    assert ["KILL", point] in _lines(work, "run_A.log")
+    _phase(work, "B", until_ready=False, env=env)
+    result = json.loads((work / "result.json").read_text())
+    held, index = result["window"], _indexes(work)
+    resumed = result["resumed_from"]
+    trained_a = {int(ln[1]): [index[k] for k in ln[2:]] for ln in _lines(work, "trained_A.log")}
+    kept = Counter(i for step, idx in trained_a.items() if step <= resumed for i in idx)  # in the loaded weights
+    trained_b = Counter(index[k] for ln in _lines(work, "trained_B.log") for k in ln[2:])
+    prompts = {int(i): status for i, status in held["prompts"].items()}
+
+    # nothing lost: every dispatched prompt is in the loaded weights or held again (finished or in flight) ...
+    assert set(kept) | set(prompts) == set(range(held["next_index"])), (sorted(kept), prompts, held)
+    # ... and nothing doubled: none is both, none is trained twice on the restarted timeline
+    assert not set(kept) & set(prompts)
+    assert all(n == SESSIONS for n in (kept + trained_b).values()), (kept, trained_b)
+    assert result["reissued"] == sum(s in ("pending", "running") for s in prompts.values())  # each in flight once
+    assert held["late_write"] == "refused"
+    consumed_after = {i for step, idx in trained_a.items() if step > resumed for i in idx}
+    return {"resumed_from": resumed, "next_index": held["next_index"], "reissued": result["reissued"],
+            "held_finished": sum(s == "finished" for s in prompts.values()),
+            "consumed_after_resume_point": len(consumed_after),
+            "of_those_finished_again": len({i for i in consumed_after if prompts.get(i) == "finished"}),
+            "of_those_reissued": len({i for i in consumed_after if prompts.get(i) in ("pending", "running")}),
+            "of_those_from_the_dataloader": len({i for i in consumed_after if i not in prompts}),
+            "ledger_checkpoint_step": held["ledger"]}
+
+
+SESSIONS = 2  # tests/_verl_run.py's rollout.n
+
+
+_SLOW = pytest.mark.slow  # each case is a killed run and its restart (about 1.5 min here); CI runs the first
+
+
+@pytest.mark.parametrize(("point", "first", "resumed"), [
+    ("after_ledger", True, 0),
+    pytest.param("after_ledger", False, 2, marks=_SLOW),
+    pytest.param("before_ledger", False, 2, marks=_SLOW),
+    pytest.param("after_tracker", False, 4, marks=_SLOW),
+])
+def test_a_kill_inside_save_checkpoint_trains_every_prompt_once(tmp_path: Path, point: str, first: bool,
+                                                                resumed: int) -> None:
+    """Window 1: verl's ``_save_checkpoint`` of step 4 is SIGKILLed before the ledger's checkpoint, after it (which
+    purged the consumed marks step 4 covers) but before verl's tracker, or after the tracker; with a step-2
+    checkpoint before it, or (``first``) none. The restart resumes from the tracker's step (none: from scratch); on
+    that timeline every prompt dispatched so far is in the loaded weights or held again (finished, in flight, or
+    ahead of the restored dataloader), never both, and the five steps trained after the restart train no prompt
+    twice. A run-A worker's late write is refused."""
+    figures = _window(tmp_path, point, "auto", first=first)
+    print(json.dumps({"kill": point, "first_checkpoint": first, **figures}))
+    assert figures["resumed_from"] == resumed
+    # what the lost weights had trained on is not lost with them: back finished, re-issued, or fetched again
+    assert figures["consumed_after_resume_point"] == 2 * (4 - resumed)  # two groups a step
+    if resumed == 0:  # verl trains from scratch: the ledger started over and keeps nothing of run A
+        assert figures["next_index"] == 0 and figures["ledger_checkpoint_step"] is None
+
+
+@_SLOW
+def test_resume_mode_disable_starts_over_and_fences_the_old_run(tmp_path: Path) -> None:
+    """Window 2: ``trainer.resume_mode=disable`` over a ledger with checkpoints (steps 2 and 4) and groups in it:
+    verl's ``_load_checkpoint`` returns at once (step 0, initial weights, the dataloader from its start, no
+    ``tq.load_checkpoint``). The ledger starts a new run that fences the old one and keeps nothing (no group, no
+    cursor, no checkpoint record): the restart dispatches from index 0 and trains no trajectory of run A."""
+    figures = _window(tmp_path, "after_tracker", "disable")
+    print(json.dumps({"kill": "after_tracker", "resume_mode": "disable", **figures}))
+    assert figures["resumed_from"] == 0 and figures["next_index"] == 0 and figures["reissued"] == 0
+    assert figures["ledger_checkpoint_step"] is None
+    generated_a = {key for kind, key, _ in _lines(tmp_path, "gen_A.log") if kind == "T"}
+    assert not generated_a & {k for ln in _lines(tmp_path, "trained_B.log") for k in ln[2:]}

@@ -16,7 +16,8 @@ TransferQueue and keeps the ledger, which is the case verl's comment describes.
 
 The second half tests the ledger itself: a superseded run's checkpoint / load / resume refused,
 consumed marks bounded by the last checkpoint, ``clear`` and checkpoints reading only what they
-touch, and a restart (a SIGKILLed process, then a fresh actor) of a run that never checkpointed.
+touch, a run that starts over no longer descending from its last checkpoint, and a restart (a
+SIGKILLed process, then a fresh actor) of a run that never checkpointed.
 It is one file, past 400 lines, because all of it shares the module's one Ray and TransferQueue
 (about 40 s to start here).
 """
@@ -440,6 +441,28 @@ def test_consumed_marks_never_outlive_the_next_checkpoint(tmp_path: Path) -> Non
                 assert ledger.snapshot()["items"].get("train", {}) == {}
         assert held == [0, 0, 0, 2, 4, 0, 2, 4, 0]
         assert ledger.snapshot()["items"].get("train", {}) == {} and ledger.snapshot()["consumed"] == {}
+    finally:
+        ledger.close()
+
+
+def test_a_run_that_starts_over_no_longer_descends_from_its_last_checkpoint(tmp_path: Path) -> None:
+    """Window 2's follow-up: after a start over (``retain``: verl loads no checkpoint, e.g. ``resume_mode=disable``)
+    the live store holds the new run's groups, not the checkpoint's; a later restart that loads that checkpoint
+    (``auto`` finding the old tracker) must copy its file in, although the live stamp is still its stamp."""
+    step2 = tmp_path / "global_step_2" / "transfer_queue" / LEDGER_FILE
+    ledger = VerlLedger(str(tmp_path / "live.kv"))
+    try:
+        token = ledger.open_run()["token"]
+        _finish(ledger, token, "train", "old", 2)
+        stamp = ledger.checkpoint(token, str(step2), 2)
+        assert not ledger.load(str(step2), stamp["checkpoint_id"], token)  # descends: the live store is kept
+        token = ledger.open_run()["token"]  # the start over
+        ledger.retain(token, {})
+        assert ledger.info()["checkpoint_step"] is None and ledger.snapshot()["items"] == {}
+        _finish(ledger, token, "train", "new", 1)
+        token = ledger.open_run()["token"]  # a later restart loads the old checkpoint
+        assert ledger.load(str(step2), stamp["checkpoint_id"], token)
+        assert set(ledger.resume(token, 2)["items"]["train"]) == {"old", "old_0_0"}
     finally:
         ledger.close()
 

@@ -10,13 +10,20 @@ they add is where the state lives. Constructing one
 2. installs the mirror in this process and publishes it to every process that joins
    TransferQueue afterwards (verl's agent-loop workers), so each TransferQueue put or clear of
    verl's is one ledger transaction first;
-3. async modes, once the ledger has a checkpoint: refills TransferQueue from the live ledger (every
-   trajectory finished before a crash, every in-flight prompt, which ``_reissue_inflight_prompts``
-   then re-issues once), and restores the trainer's dataloader position of the last dispatch on
-   the trainer's first ``kv_list``. Sync mode, and an async run with no checkpoint yet, keep
-   nothing across a restart, as verl's trainer (sync saves no buffer state; with no
-   ``global_step_N`` verl trains from scratch): the ledger is pruned to what TransferQueue holds
-   (after a restart, nothing).
+3. async modes, once the ledger has a checkpoint and verl's trainer will load one: refills
+   TransferQueue from the live ledger (every trajectory finished before a crash, every in-flight
+   prompt, which ``_reissue_inflight_prompts`` then re-issues once), and restores the trainer's
+   dataloader position of the last dispatch on the trainer's first ``kv_list``. Sync mode, an
+   async run with no checkpoint yet, and a trainer that will load none keep nothing across a
+   restart, as verl's trainer (sync saves no buffer state; with no ``global_step_N`` found through
+   ``latest_checkpointed_iteration.txt``, or with ``trainer.resume_mode=disable``, verl trains from
+   scratch): the ledger is pruned to what TransferQueue holds (after a restart, nothing) and
+   forgets its last checkpoint, so a later ``tq.load_checkpoint`` of any older checkpoint copies
+   that file in. Whether the trainer will load one is decided as verl's ``_load_checkpoint``
+   decides it, from the trainer's config (the trainer is ``refill_fn``'s owner; a buffer built
+   without one resumes the live ledger). This closes the window between the ledger's checkpoint
+   of step N and verl's tracker: a restart then resumes from the previous ``global_step_M`` (its
+   file is copied in) or, with none, from scratch.
 
 In async modes, once the ledger has a checkpoint, a group the trainer samples is marked consumed by
 that step, not deleted: a crash before a checkpoint covers the step gives it back, since the weights
@@ -27,6 +34,7 @@ the first checkpoint a sampled group is deleted: a restart then starts from scra
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import ray
@@ -36,6 +44,7 @@ from kvckpt.integrations.verl.mirror import NAMESPACE, RAW, Mirror, MirrorRef, i
 from omegaconf import DictConfig
 from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
+from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
 
 class _LedgerBacked:
@@ -60,7 +69,8 @@ class _LedgerBacked:
                                      restore_cursor=lambda state: _restore_dataloader(trainer, state)))
         publish(MirrorRef(settings.actor_name, run["token"]))
         self._sampling_step: int | None = None
-        if self.trainer_mode == "sync" or ray.get(self.ledger.info.remote())["checkpoint_step"] is None:
+        if (self.trainer_mode == "sync" or ray.get(self.ledger.info.remote())["checkpoint_step"] is None
+                or not _trainer_loads_a_checkpoint(trainer)):
             listing = RAW["kv_list"]() or {}
             ray.get(self.ledger.retain.remote(run["token"], {p: list(items) for p, items in listing.items()}))
             self.restored = 0
@@ -81,6 +91,26 @@ class _LedgerBacked:
                            partition_snapshot: dict[str, dict]) -> KVBatchMeta:
         with self.mirror.consuming(self._sampling_step):
             return super()._materialize_batch(partition_id, selected_prompt_uids, partition_snapshot)  # type: ignore[misc]
+
+
+def _trainer_loads_a_checkpoint(trainer: Any) -> bool:
+    """Whether verl's ``_load_checkpoint`` will call ``tq.load_checkpoint``, decided as it decides (its step 1 and
+    step 5: ``resume_mode``, the tracker file through verl's own ``find_latest_ckpt_path``, the folder's
+    ``transfer_queue``). Without a verl trainer (a buffer built by hand) it cannot tell and answers yes."""
+    config = getattr(trainer, "config", None)
+    if config is None or "trainer" not in config:
+        return True
+    settings = config.trainer
+    mode = settings.get("resume_mode", "auto")
+    if mode == "disable":
+        return False
+    if mode == "auto" and settings.get("default_local_dir") is not None:
+        folder = find_latest_ckpt_path(os.path.abspath(settings.default_local_dir))
+    elif mode == "resume_path" and settings.get("resume_from_path") is not None:
+        folder = os.path.abspath(str(settings.resume_from_path))
+    else:
+        return True  # verl fails on an unknown mode or a missing folder before it loads anything
+    return folder is not None and os.path.exists(os.path.join(folder, "transfer_queue"))
 
 
 def _dataloader_state(trainer: Any) -> Any:

@@ -150,9 +150,11 @@ class VerlLedger:
 
     def retain(self, token: str, listing: dict[str, list[str]]) -> int:
         """Keep only the items TransferQueue lists (``{partition: [key, ...]}``), in one transaction, and
-        drop the dispatch cursor: a restart that resumes nothing (sync mode, as verl's sync trainer; an
-        async run before its first checkpoint, as verl's ``_load_checkpoint`` finding none) keeps nothing
-        a fresh TransferQueue does not hold. Returns how many records were deleted.
+        drop the dispatch cursor and the last checkpoint's record: a restart that resumes nothing (sync
+        mode, as verl's sync trainer; an async run whose trainer loads no checkpoint, as verl's
+        ``_load_checkpoint`` finding none or ``resume_mode=disable``) keeps nothing a fresh TransferQueue
+        does not hold, and the live store no longer descends from any checkpoint (:meth:`load` then copies
+        the file in, even the last one). Returns how many records were deleted.
 
         Raises:
             StaleRun: ``token`` is not the current run's.
@@ -161,7 +163,7 @@ class VerlLedger:
         listed = {(p, k) for p, keys in listing.items() for k in keys}
         doomed = [k for k in self._values.keys(ITEMS) if split(k)[:2] not in listed]
         doomed += [i for i in self._values.keys(MARKS) if split_mark_index(i)[1:] not in listed]
-        doomed += self._values.keys(CURSOR_KEY)
+        doomed += self._values.keys(CURSOR_KEY) + self._values.keys(CHECKPOINT_KEY)
         self._values.write([], [], doomed)
         return len(doomed)
 
@@ -234,9 +236,10 @@ class VerlLedger:
     def load(self, source: str, checkpoint_id: str, token: str) -> bool:
         """Make the ledger the checkpoint ``source`` (stamp ``checkpoint_id``), for the run ``token``.
 
-        If the live store's last stamp is ``checkpoint_id``, nothing after it was checkpointed: the
-        live store is kept, with every trajectory finished since. Otherwise the file (validated
-        first) replaces it. Either way the run record is then the current run's (one transaction).
+        If the live store's last stamp is ``checkpoint_id`` and the live store still descends from it
+        (it has a checkpoint record: :meth:`retain` drops it when a run starts over), nothing after it
+        was checkpointed: the live store is kept, with every trajectory finished since. Otherwise the
+        file (validated first) replaces it. Either way the run record is then the current run's (one transaction).
         Returns whether the file was copied in.
 
         Raises:
@@ -246,7 +249,7 @@ class VerlLedger:
         """
         self._check(token)
         run = self._get(RUN_KEY) or {}
-        copied = self._values.stamp_id() != checkpoint_id
+        copied = self._values.stamp_id() != checkpoint_id or self._get(CHECKPOINT_KEY) is None
         if copied:
             stamp = self._values.load(source)
             if stamp.get("checkpoint_id") != checkpoint_id:
