@@ -5,8 +5,10 @@
 1. restore to the first batch (figure 3's :func:`benchmarks.measure.restore_first_batch`: each run
    a fresh process, the file's page cache dropped): ``restore()``, ``restore(trusted=True)``, the
    crash path (``ReplayBuffer.open`` + ``recover()``) and ``torch.load`` of the same rows;
-2. the CPU of each pass on the checkpoint file, cache warm: the structure pass, the metadata
-   verification ``restore()`` runs, ``kvckpt verify`` (row checksums), ``kvckpt verify --deep``;
+2. the CPU of each pass on the checkpoint file, cache warm: the structure pass ``restore()`` runs
+   (the fast proof) and py-lmdb's ``lmdb.verify`` it replaced, the metadata verification
+   ``restore()`` runs (no lookups: the proof covers them) and the one with lookups (the crash path's,
+   ``trusted=True``'s), ``kvckpt verify`` (row checksums), ``kvckpt verify --deep``;
 3. the copies: a plain sequential copy of the checkpoint file with one fsync, restore's copy
    (``copy_used`` + fsync), and the checkpoint copy of the live store in the background (nice 19)
    and in the foreground, each with the source's page cache dropped.
@@ -31,6 +33,7 @@ from lmdb import verify as lmdb_verify
 from benchmarks import measure
 from kvckpt import ReplayBuffer
 from kvckpt.durability.safe_open import check_header, copy_used, open_readonly
+from kvckpt.durability.structure import is_sound
 from kvckpt.durability.verify import check
 from kvckpt.storage.store import fsync_file
 
@@ -46,9 +49,11 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
 
 def pass_costs(ckpt: str, repeats: int = 2) -> dict[str, float]:
     """Seconds of each check on ``ckpt`` (best of ``repeats``; deep once), page cache warm."""
-    out = {"structure": _best(lambda: lmdb_verify.verify(ckpt, subdir=False), repeats)}
+    out = {"structure": _best(lambda: is_sound(ckpt), repeats),
+           "structure_lmdb_verify": _best(lambda: lmdb_verify.verify(ckpt, subdir=False), repeats)}
     with open_readonly(ckpt) as store:
-        for name, kwargs in (("metadata", {}), ("checksums", {"checksums": True}), ("deep", {"deep": True})):
+        for name, kwargs in (("metadata", {"lookups": False}), ("metadata_with_lookups", {}),
+                             ("checksums", {"checksums": True}), ("deep", {"deep": True})):
             runs = 1 if name == "deep" else repeats
             out[name] = _best(lambda kw=kwargs: store.read(lambda txn: check(txn, **kw)), runs)
     return out
@@ -96,6 +101,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="restore runs per mode (default 3)")
     parser.add_argument("--work", default=None, help="directory on the disk to measure (default /var/tmp)")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--skip-copies", action="store_true", help="leave out the copies (part 3)")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="kvckpt-restore-", dir=args.work or "/var/tmp")
     settings = replace(measure.Settings(), restore_repeats=args.repeats)
@@ -109,7 +115,8 @@ def main() -> None:
         result = {"size_gb": args.size, "groups": ingested["groups"], "file_bytes": os.path.getsize(ckpt),
                   "loadavg_start": os.getloadavg(),
                   "restore": measure.restore_first_batch(ckpt, pt, work, settings),
-                  "passes": pass_costs(ckpt), "copies": copies(ckpt, live, os.path.join(work, "copy.out")),
+                  "passes": pass_costs(ckpt),
+                  "copies": [] if args.skip_copies else copies(ckpt, live, os.path.join(work, "copy.out")),
                   "loadavg_end": os.getloadavg()}
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -123,6 +123,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("structure-skips-separator-bounds", "kvckpt/durability/structure.py",
              "                _need(not n or ((low is None", "                bool(not n or ((low is None",
              ("tests/test_corruption_fuzz.py::test_a_damaged_branch_separator_is_refused",)),
+    Mutation("restore-names-private-copy", "kvckpt/durability/checkpoint.py",
+             "            _name_user_file(exc, tmp, checkpoint_file)\n", "            pass\n",
+             (f"{STRUCTURE}::test_restore_refuses_a_bad_page_before_liblmdb_maps_it_naming_the_file_passed"
+              "[foreign-lmdb]",)),
 )
 
 #: The mechanisms issue 29 found no test aimed at (each killed by one deterministic test).

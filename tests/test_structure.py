@@ -17,7 +17,9 @@ import _crafted
 import pytest
 from lmdb import verify as lmdb_verify
 
+from kvckpt import restore
 from kvckpt.durability.structure import is_sound
+from kvckpt.errors import FormatError
 from kvckpt.testing.fuzz import build_base
 
 PAGE = _crafted.PAGE
@@ -100,3 +102,18 @@ def test_no_damaged_page_is_proven_sound_unless_lmdb_verify_accepts_it(tmp_path)
     assert wrong == []
     assert outcomes[False, None] > len(edits) // 2  # most edits are not proven sound
     assert outcomes[True, True] > 0  # some are harmless (a key byte that keeps the order)
+
+
+@pytest.mark.parametrize("name", ["overflow-header-pages", "branch-child-twice", "foreign-lmdb"])
+def test_restore_refuses_a_bad_page_before_liblmdb_maps_it_naming_the_file_passed(crafted, name, tmp_path) -> None:
+    """The two page cases are refused by the structure check (lmdb.verify names the page), the
+    foreign file when its tables are missing; each error names the file the caller passed, not
+    restore's private ``.partial`` copy, and nothing is left at the live path."""
+    live = tmp_path / "live.kv"
+    with pytest.raises(FormatError) as caught:
+        restore(crafted[name], str(live))
+    message = str(caught.value)
+    assert repr(crafted[name]) in message and ".partial" not in message, message
+    if name != "foreign-lmdb":
+        assert "failed LMDB structural verification" in message
+    assert os.listdir(tmp_path) == []
