@@ -37,6 +37,7 @@ import operator
 import os
 import struct
 import sys
+from array import array
 
 import numpy as np
 
@@ -54,6 +55,8 @@ _META = struct.Struct("<Q2xH")  # mp_pgno, mp_flags
 _DB = struct.Struct("<IHHQQQQQ")  # pad, flags, depth, branch, leaf, overflow, entries, root
 _NODE = struct.Struct("<HHHH")  # lo, hi, flags, ksize
 _U16 = struct.Struct("<H")
+#: Leaf pages held at once (4 MiB at 4 KiB pages): memory stays bounded whatever the file holds.
+LEAF_BATCH = 1024
 
 
 class _NotProven(Exception):
@@ -86,7 +89,7 @@ def _need(condition: bool) -> None:
 class _Check:
     def __init__(self, fd: int, size: int) -> None:
         self.fd, self.size = fd, size
-        self.tree_pages: list[int] = []
+        self.tree_pages = array("q")
         self.runs: list[np.ndarray] = []  # (start, length) of overflow runs, one array per tree
         self.free_pages: list[np.ndarray] = []
 
@@ -148,11 +151,22 @@ class _Check:
         _need(depth <= _CURSOR_STACK and _NUM_METAS <= root < self.next_pgno)
         leaves: list[bytes] = []
         ranges: list[tuple[bytes | None, bytes | None]] = []  # the key range a lookup routes to each leaf
-        counts = {"branch": 0, "depth": 0}
+        counts: dict = {"branch": 0, "depth": 0, "leaf": 0, "entries": 0, "overflow": 0, "last": None}
         self.walk(root, 1, seen, (leaves, ranges, counts), is_free, None, None)
-        nodes, overflow = self.leaf_nodes(leaves, ranges, is_free)
-        _need(counts["branch"] == branch_pages and len(leaves) == leaf_pages and counts["depth"] == depth)
-        _need(nodes == entries and overflow == overflow_pages)
+        self.flush((leaves, ranges, counts), is_free)
+        _need(counts["branch"] == branch_pages and counts["leaf"] == leaf_pages and counts["depth"] == depth)
+        _need(counts["entries"] == entries and counts["overflow"] == overflow_pages)
+
+    def flush(self, out: tuple[list, list, dict], is_free: bool) -> None:
+        """Check the leaves held so far (in walk order) and let them go."""
+        leaves, ranges, counts = out
+        if leaves:
+            nodes, overflow, counts["last"] = self.leaf_nodes(leaves, ranges, is_free, counts["last"])
+            counts["leaf"] += len(leaves)
+            counts["entries"] += nodes
+            counts["overflow"] += overflow
+            leaves.clear()
+            ranges.clear()
 
     def walk(self, pgno: int, depth: int, seen: bytearray, out: tuple[list, list, dict], is_free: bool,
              low: bytes | None, high: bytes | None) -> None:
@@ -170,6 +184,8 @@ class _Check:
         if flags == _P_LEAF:
             leaves.append(page)
             ranges.append((low, high))
+            if len(leaves) >= LEAF_BATCH:
+                self.flush(out, is_free)
             return
         _need(flags == _P_BRANCH and depth < _CURSOR_STACK)
         upper, numkeys = self.bounds(page)
@@ -202,10 +218,9 @@ class _Check:
 
     # -- every node of every leaf at once ----------------------------------------------------------
     def leaf_nodes(self, leaves: list[bytes], ranges: list[tuple[bytes | None, bytes | None]],
-                   is_free: bool) -> tuple[int, int]:
-        """Check every node of ``leaves`` (in walk order); returns (entries, overflow pages)."""
-        if not leaves:
-            return 0, 0
+                   is_free: bool, last: bytes | int | None) -> tuple[int, int, bytes | int | None]:
+        """Check every node of ``leaves`` (in walk order, after a leaf whose last key was ``last``);
+        returns (entries, overflow pages, the last key)."""
         psize = self.psize
         blob = b"".join(leaves)
         flat = np.frombuffer(blob, np.uint8)
@@ -235,10 +250,16 @@ class _Check:
             keys = _gather(flat, key_at, 8)
             _need(bool(np.all((keys >= 1) & (keys <= self.txnid))))
             _need(bool(np.all(keys[1:] > keys[:-1])))
+            if len(keys):
+                _need(last is None or int(keys[0]) > last)
+                last = int(keys[-1])
         else:
             starts, ends = key_at.tolist(), (key_at + ksize).tolist()
             keys = [blob[s:e] for s, e in zip(starts, ends, strict=True)]
             _need(not any(map(operator.ge, keys[:-1], keys[1:])))
+            if keys:
+                _need(last is None or keys[0] > last)
+                last = keys[-1]
             ends_at = np.cumsum(numkeys).tolist()
             for (low, high), n, end in zip(ranges, numkeys.tolist(), ends_at, strict=True):
                 # keys are in order: the first and last key of each leaf bound all of them
@@ -252,7 +273,7 @@ class _Check:
         self.runs.append(np.stack([first, need]))
         if is_free:
             self.free_lists(blob, data_at, dsize, big, first, need)
-        return total, int(need.sum())
+        return total, int(need.sum()), last
 
     def overflow_headers(self, first: np.ndarray, need: np.ndarray) -> None:
         """The header of each run's first page: its own number, exactly ``P_OVERFLOW``, the run's length."""
