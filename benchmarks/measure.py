@@ -364,8 +364,7 @@ def settle(paths: list[str] = (), directory: str = "/var/tmp") -> float:
             os.unlink(path)
     os.sync()
     t0 = time.perf_counter()
-    # one probe per process: two benchmarks settling at once deleted each other's
-    probe = os.path.join(os.path.dirname(paths[0]) if paths else directory, f".settle-probe.{os.getpid()}")
+    probe = os.path.join(os.path.dirname(paths[0]) if paths else directory, f".settle-probe-{os.getpid()}")
     quiet = 0
     while quiet < QUIET_PROBES and time.perf_counter() - t0 < QUIET_MAX_SECONDS:
         quiet = quiet + 1 if baselines.fsync_latency(probe, 1)[0] < QUIET_FSYNC else 0

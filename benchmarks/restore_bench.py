@@ -5,10 +5,8 @@
 1. restore to the first batch (figure 3's :func:`benchmarks.measure.restore_first_batch`: each run
    a fresh process, the file's page cache dropped): ``restore()``, ``restore(trusted=True)``, the
    crash path (``ReplayBuffer.open`` + ``recover()``) and ``torch.load`` of the same rows;
-2. the CPU of each pass on the checkpoint file, cache warm: the structure pass ``restore()`` runs
-   (the fast proof) and py-lmdb's ``lmdb.verify`` it replaced, the metadata verification
-   ``restore()`` runs (no lookups: the proof covers them) and the one with lookups (the crash path's,
-   ``trusted=True``'s), ``kvckpt verify`` (row checksums), ``kvckpt verify --deep``;
+2. the CPU of each pass on the checkpoint file, cache warm: the structure pass, the metadata
+   verification ``restore()`` runs, ``kvckpt verify`` (row checksums), ``kvckpt verify --deep``;
 3. the copies: a plain sequential copy of the checkpoint file with one fsync, restore's copy
    (``copy_used`` + fsync), and the checkpoint copy of the live store in the background (nice 19)
    and in the foreground, each with the source's page cache dropped.
@@ -48,7 +46,10 @@ def _best(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def pass_costs(ckpt: str, repeats: int = 2) -> dict[str, float]:
-    """Seconds of each check on ``ckpt`` (best of ``repeats``; deep once), page cache warm."""
+    """Seconds of each check on ``ckpt`` (best of ``repeats``; deep once), page cache warm: the
+    structure proof ``restore()`` runs and ``lmdb.verify`` (which decides what the proof does not
+    prove), the metadata verification ``restore()`` runs (no lookups: the proof covers them) and the
+    one with lookups (the crash path's and ``trusted=True``'s), row checksums, deep."""
     out = {"structure": _best(lambda: is_sound(ckpt), repeats),
            "structure_lmdb_verify": _best(lambda: lmdb_verify.verify(ckpt, subdir=False), repeats)}
     with open_readonly(ckpt) as store:
@@ -98,10 +99,10 @@ def main() -> None:
     """Build one size, print and optionally save the three measurements."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=float, default=1.0, help="GB of raw rows (default 1)")
+    parser.add_argument("--skip-copies", action="store_true", help="leave out the copies (part 3)")
     parser.add_argument("--repeats", type=int, default=3, help="restore runs per mode (default 3)")
     parser.add_argument("--work", default=None, help="directory on the disk to measure (default /var/tmp)")
     parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--skip-copies", action="store_true", help="leave out the copies (part 3)")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="kvckpt-restore-", dir=args.work or "/var/tmp")
     settings = replace(measure.Settings(), restore_repeats=args.repeats)

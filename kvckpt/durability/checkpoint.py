@@ -353,7 +353,9 @@ def restore_file(checkpoint_file: str, live_path: str, *, sampler: Any = None,
         flush = _BackgroundFsync(tmp)  # the copy's write-back overlaps the checks below
         proven = not trusted and check_structure(tmp, name=checkpoint_file)
         timings["structure"] = time.perf_counter() - t0 - timings["copy"]
+        t1 = time.perf_counter()
         plan = _recover_copy(tmp, checkpoint_file, sampler, max_buffered_rollouts, deep, lookups=not proven)
+        timings["recovery"] = time.perf_counter() - t1  # opening the copy, its config and stamp, recover
         t1 = time.perf_counter()
         flush.join()
         timings["fsync_wait"] = time.perf_counter() - t1
