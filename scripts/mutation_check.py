@@ -47,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 NET = "tests/test_net.py"
 LAZY = "tests/test_lazy_rows.py"
+STRUCTURE = "tests/test_structure.py"
 #: Folders the build maps into the ``kvckpt`` package (pyproject's ``package-dir``).
 MAPPED = {"integrations": "kvckpt/integrations", "tools": "kvckpt/tools"}
 
@@ -121,6 +122,20 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("read-skips-schema-check", "kvckpt/buffer/batch.py", "            schema.check_record(record, where)\n",
              "            pass\n",
              (f"{LAZY}::test_a_crafted_row_fails_at_read_and_verify_deep_and_the_trainer_goes_on[wrong-dtype]",)),
+    # restore's structure check is the fast proof (issue 28): what it skips, liblmdb trusts
+    Mutation("structure-skips-overflow-length", "kvckpt/durability/structure.py",
+             "        _need(bool(np.all(_u16(h, 12) + (_u16(h, 14) << 16) == need)))\n", "",
+             (f"{STRUCTURE}::test_every_crafted_file_the_fast_proof_accepts_lmdb_verify_accepts",)),
+    Mutation("structure-skips-tiling", "kvckpt/durability/structure.py",
+             "        _need(bool(np.all(starts[1:] == ends[:-1])))\n", "",
+             (f"{STRUCTURE}::test_no_damaged_page_is_proven_sound_unless_lmdb_verify_accepts_it",)),
+    Mutation("structure-skips-separator-bounds", "kvckpt/durability/structure.py",
+             "                _need(not n or ((low is None", "                bool(not n or ((low is None",
+             ("tests/test_corruption_fuzz.py::test_a_damaged_branch_separator_is_refused",)),
+    Mutation("restore-names-private-copy", "kvckpt/durability/checkpoint.py",
+             "            _name_user_file(exc, tmp, checkpoint_file)\n", "            pass\n",
+             (f"{STRUCTURE}::test_restore_refuses_a_bad_page_before_liblmdb_maps_it_naming_the_file_passed"
+              "[foreign-lmdb]",)),
 )
 
 #: The mechanisms issue 29 found no test aimed at (each killed by one deterministic test).

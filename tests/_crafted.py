@@ -34,7 +34,7 @@ import zstandard
 from kvckpt.storage.layout import split, stored_key
 
 PAGE = 4096
-_LEAF, _OVERFLOW, _BIGDATA = 0x02, 0x04, 0x01
+_BRANCH, _LEAF, _OVERFLOW, _BIGDATA = 0x01, 0x02, 0x04, 0x01
 # MDB_meta: mm_last_pg sits after magic, version, address, mapsize and the two 48-byte MDB_db.
 _LAST_PG_OFFSET = 16 + 4 + 4 + 8 + 8 + 48 + 48
 
@@ -294,6 +294,46 @@ def _bigdata_node(path: str) -> None:
     raise AssertionError("no large value in the base")
 
 
+def _pages(path: str, want: int) -> tuple[bytearray, int]:
+    """The file's bytes and the number of its first page whose flags are exactly ``want``,
+    stepping over overflow runs (only a run's first page has a header)."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    page = 2
+    while page < len(data) // PAGE:
+        flags = struct.unpack_from("<H", data, page * PAGE + 10)[0]
+        if flags == want:
+            return data, page
+        page += struct.unpack_from("<I", data, page * PAGE + 12)[0] if flags & _OVERFLOW else 1
+    raise AssertionError(f"no page with flags {want:#x} in the base")
+
+
+def _write(path: str, data: bytearray) -> None:
+    with open(path, "r+b") as f:
+        f.write(data)
+
+
+def _overflow_header_pages(path: str) -> None:
+    """Make the first overflow run's header claim 5 pages more than its value needs: reads still
+    work (they follow the node's size), but freeing the value (an eviction) would free 5 pages of
+    other values."""
+    data, page = _pages(path, _OVERFLOW)
+    at = page * PAGE + 12
+    struct.pack_into("<I", data, at, struct.unpack_from("<I", data, at)[0] + 5)
+    _write(path, data)
+
+
+def _branch_child_twice(path: str) -> None:
+    """Point the second child of the first branch page at its first child (a page reachable twice:
+    a lookup lands in the wrong leaf, and a write frees the page while it is still in use)."""
+    data, page = _pages(path, _BRANCH)
+    at = page * PAGE
+    first, second = (struct.unpack_from("<H", data, at + 16 + 2 * i)[0] for i in (0, 1))
+    data[at + second:at + second + 2] = data[at + first:at + first + 2]  # child page number, low 32 bits
+    data[at + second + 4:at + second + 6] = data[at + first + 4:at + first + 6]  # and its high 16 bits
+    _write(path, data)
+
+
 def _sparse_tail(path: str) -> None:
     os.truncate(path, os.path.getsize(path) + (3 << 30))
 
@@ -358,6 +398,10 @@ CASES: tuple[Case, ...] = (
     Case("state-durable-object", "hostile value: meta/state durable is an object", _META, "small",
          _edited(_durable_object)),
     Case("bigdata-node-1.5GiB", "edited page: SIGBUS", ENTRIES, "large", _bigdata_node),
+    Case("overflow-header-pages", "edited page: an overflow header claiming 5 more pages", ENTRIES, "large",
+         _overflow_header_pages),
+    Case("branch-child-twice", "edited page: a branch page naming one child twice", ENTRIES, "large",
+         _branch_child_twice),
     Case("sparse-tail-3GiB", "sparse file: truncate -s +3G", (), "small", _sparse_tail),
     Case("meta-claims-1M-pages", "sparse file: meta claims 1M pages", ENTRIES, "small", _million_pages),
     Case("control-chars-in-id", "terminal escapes in a group id", (), "small", _edited(_control_chars)),

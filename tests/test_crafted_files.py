@@ -197,3 +197,15 @@ def test_verify_agrees_with_restore_and_reads_on_every_crafted_file(results: lis
                                 f"less {len(restored['failed_groups'])} groups of {GROUP_SIZE}")
         disagreements += [f"{name}: {p}" for p in problems]
     assert disagreements == []
+
+
+def test_every_restore_refusal_names_the_file_passed_not_the_private_copy(
+        results: list[tuple[str, dict[str, Any]]], crafted: dict[str, str]) -> None:
+    """restore() checks and opens a private ``live.kv.XXXXXXXX.partial`` copy, deleted when it
+    refuses: its errors name the checkpoint file the caller passed."""
+    refused = [(name, r["message"]) for name, r in results if r["entry"] == "restore" and r.get("at") == "open"]
+    assert [(name, message) for name, message in refused if ".partial" in message] == []
+    assert {"foreign-lmdb", "overflow-header-pages", "state-durable-object"} <= {name for name, _ in refused}
+    for name, message in refused:
+        if name in ("foreign-lmdb", "overflow-header-pages"):  # refused by the open and by the structure check
+            assert repr(crafted[name]) in message, message

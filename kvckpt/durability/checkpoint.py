@@ -367,10 +367,11 @@ def restore_file(checkpoint_file: str, live_path: str, *, sampler: Any = None,
         copy_used(checkpoint_file, tmp, used)
         timings["copy"] = time.perf_counter() - t0
         flush = _BackgroundFsync(tmp)  # the copy's write-back overlaps the checks below
-        if not trusted:
-            check_structure(tmp, name=checkpoint_file)
+        proven = not trusted and check_structure(tmp, name=checkpoint_file)
         timings["structure"] = time.perf_counter() - t0 - timings["copy"]
-        plan = _recover_copy(tmp, checkpoint_file, sampler, max_buffered_rollouts, deep)
+        t1 = time.perf_counter()
+        plan = _recover_copy(tmp, checkpoint_file, sampler, max_buffered_rollouts, deep, lookups=not proven)
+        timings["recovery"] = time.perf_counter() - t1  # opening the copy, its config and stamp, recover
         t1 = time.perf_counter()
         flush.join()
         timings["fsync_wait"] = time.perf_counter() - t1
@@ -385,6 +386,8 @@ def restore_file(checkpoint_file: str, live_path: str, *, sampler: Any = None,
             os.unlink(tmp)
         if isinstance(exc, OSError) and not isinstance(exc, KvckptError):
             raise RecoveryError(f"copying {checkpoint_file!r} to {live_path!r} failed: {exc}") from None
+        if isinstance(exc, KvckptError):
+            _name_user_file(exc, tmp, checkpoint_file)
         raise
     finally:
         with contextlib.suppress(OSError):
@@ -393,8 +396,19 @@ def restore_file(checkpoint_file: str, live_path: str, *, sampler: Any = None,
     return plan
 
 
+def _name_user_file(exc: KvckptError, tmp: str, checkpoint_file: str) -> None:
+    """Make ``exc`` name the file the user passed where it names restore's private copy of it (the
+    copy is what gets checked and opened, and it is deleted by the time the caller sees the error)."""
+    exc.args = tuple(a.replace(tmp, checkpoint_file) if isinstance(a, str) else a for a in exc.args)
+    if isinstance(exc, OSError):
+        if isinstance(exc.strerror, str):
+            exc.strerror = exc.strerror.replace(tmp, checkpoint_file)
+        if exc.filename == tmp:
+            exc.filename = checkpoint_file
+
+
 def _recover_copy(tmp: str, checkpoint_file: str, sampler: Any, max_buffered_rollouts: int | None,
-                  deep: bool) -> RecoveryPlan:
+                  deep: bool, *, lookups: bool) -> RecoveryPlan:
     """Open the private copy, read its stamp and recover it at the stamped version."""
     store = Store(tmp)
     try:
@@ -411,7 +425,7 @@ def _recover_copy(tmp: str, checkpoint_file: str, sampler: Any, max_buffered_rol
             raise FormatError(f"{checkpoint_file!r}: meta/checkpoint passes its checksum but its trainer_version "
                               f"is {str(version)[:40]!r}, not a step number: the file is damaged or crafted")
         plan, _ = recover_store(store, config, version, sampler=sampler, max_buffered_rollouts=max_buffered_rollouts,
-                                deep=deep)
+                                deep=deep, lookups=lookups)
         return plan
     except VerificationFailed as exc:
         raise VerificationFailed(f"checkpoint {checkpoint_file!r}", exc.problems) from None

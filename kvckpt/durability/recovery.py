@@ -93,7 +93,7 @@ class RecoveryPlan:
 
 def recover_store(store: Store, config: BufferConfig, resume_version: int | None = None, *, sampler: Any = None,
                   max_buffered_rollouts: int | None = None, checksums: bool = False,
-                  deep: bool = False) -> tuple[RecoveryPlan, BufferConfig]:
+                  deep: bool = False, lookups: bool = True) -> tuple[RecoveryPlan, BufferConfig]:
     """Reconcile ``store`` to ``resume_version`` in one transaction and plan the redispatch.
 
     Args:
@@ -108,6 +108,8 @@ def recover_store(store: Store, config: BufferConfig, resume_version: int | None
         checksums, deep: how much of the row payloads the verification reads first (see
             :func:`kvckpt.durability.verify.check`). Defaults to neither: a live store's rows were checksummed
             when written and are verified again whenever they are read.
+        lookups: look every key up (:func:`kvckpt.durability.verify.check`); False only for a file
+            :func:`kvckpt.durability.structure.is_sound` proved (restore's copy). Defaults to True.
 
     Returns:
         The plan, and the config now in force (``config`` itself unless switched).
@@ -128,7 +130,7 @@ def recover_store(store: Store, config: BufferConfig, resume_version: int | None
 
     def txn_fn(txn: Txn) -> RecoveryPlan:
         tv = time.perf_counter()
-        report = check(txn, checksums=checksums, deep=deep)
+        report = check(txn, checksums=checksums, deep=deep, lookups=lookups)
         timings["validate"] = time.perf_counter() - tv
         if not report.ok:
             raise VerificationFailed(repr(store.path), report.problems)

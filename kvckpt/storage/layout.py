@@ -70,6 +70,11 @@ class Layout:
         """Whether a key of the main database belongs to no table (damage, or another program's)."""
         raise NotImplementedError
 
+    def owning_prefix(self, stored: bytes) -> bytes | None:
+        """A prefix of ``stored`` such that every key of the main database starting with it belongs
+        to a table (a scan for stray keys skips them all), or ``None``."""
+        return None
+
 
 class OneTree(Layout):
     """Format 3: every table in the main database under its prefix (:data:`PREFIXES`)."""
@@ -97,6 +102,9 @@ class OneTree(Layout):
 
     def stray(self, stored: bytes) -> bool:
         return split(stored) is None
+
+    def owning_prefix(self, stored: bytes) -> bytes | None:
+        return stored[:1] if stored[:1] in _TABLE_OF_PREFIX else None
 
 
 class NamedTables(Layout):

@@ -129,10 +129,20 @@ class Txn:
         return None
 
     def stray_keys(self) -> Iterator[bytes]:
-        """Keys of the file's main database that belong to no table (damage, or another program's)."""
-        for stored in self.raw.cursor().iternext(keys=True, values=False):
+        """Keys of the file's main database that belong to no table (damage, or another program's).
+        A range every key of which belongs to a table (format 3's rows, say) is skipped, not read."""
+        cur = self.raw.cursor()
+        found = cur.first()
+        while found:
+            stored = cur.key()
+            owned = self.layout.owning_prefix(stored)
+            if owned is not None:
+                bound = _successor(owned)
+                found = bool(bound) and cur.set_range(bound)
+                continue
             if self.layout.stray(stored):
                 yield stored
+            found = cur.next()
 
 
 def _successor(prefix: bytes) -> bytes:
