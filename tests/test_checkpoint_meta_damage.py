@@ -5,7 +5,6 @@ the previous checkpoint's stamp): a specific error, or exactly the undamaged fil
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
 
 import pytest
@@ -62,9 +61,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 @pytest.mark.parametrize("slot", ["newer", "older"])
 @pytest.mark.parametrize("damage", ["minus-2", "zero-parity", "plus-2"])
 def test_damaged_meta_txnid_restores_the_same_state_or_refuses(checkpoints, slot, damage, tmp_path) -> None:
-    d, good = checkpoints
+    _, good = checkpoints
     want = _state(good, str(tmp_path / "want.kv"))
-    raw = bytearray(open(good, "rb").read())
+    with open(good, "rb") as f:
+        raw = bytearray(f.read())
     txnids = [struct.unpack_from("<Q", raw, i * PAGE + TXNID)[0] for i in (0, 1)]
     newer = int(txnids[1] > txnids[0])
     index = newer if slot == "newer" else 1 - newer
@@ -77,5 +77,5 @@ def test_damaged_meta_txnid_restores_the_same_state_or_refuses(checkpoints, slot
         got = _state(str(bad), str(tmp_path / "got.kv"))
     except KvckptError:
         return  # refused with a kvckpt error: allowed
-    diff = [(i, a, b) for i, (a, b) in enumerate(zip(got, want)) if a != b]
-    assert got == want, f"{str(diff)[:600]} txnids {txnids}, slot {index} set to {value}: restore handed back another state"
+    diff = [(i, a, b) for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+    assert got == want, f"txnids {txnids}, slot {index} set to {value}: another state restored: {str(diff)[:600]}"

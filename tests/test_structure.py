@@ -110,7 +110,9 @@ def test_no_damaged_page_is_proven_sound_unless_lmdb_verify_accepts_it(tmp_path)
         os.close(fd)
     print(f"\n{len(edits)} damaged files: (fast proof, lmdb.verify) -> count {dict(outcomes)}")
     assert wrong == []
-    assert outcomes[False, None] > len(edits) // 2  # most edits are not proven sound
+    # many edits are not proven sound; the rest hit a key byte that keeps the order, or one of the
+    # stale branch and leaf pages among the free pages a checkpoint's page copy carries
+    assert outcomes[False, None] > len(edits) // 4
     assert outcomes[True, True] > 0  # some are harmless (a key byte that keeps the order)
 
 
