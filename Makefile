@@ -29,6 +29,7 @@ NOT_PEERS    := $(foreach p,$(PEERS),and not $(call peer_field,$(p),marker))
 test: $(STAMP)
 	$(BIN)/ruff check kvckpt integrations tools tests benchmarks
 	bash scripts/setup_fuse.sh
+	bash scripts/setup_reflink.sh
 	( built=0; for p in $(PEERS); do bash scripts/setup_peer_env.sh $$p > $(VENV)/peer-$$p-setup.out 2>&1 || built=1; \
 	  done; exit $$built ) & setup=$$!; \
 	$(BIN)/python -m pytest -q -m "not slow $(NOT_PEERS)" $(PYTEST_ARGS); suite=$$?; \

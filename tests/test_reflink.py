@@ -3,8 +3,8 @@ and restore's copy share the source's blocks instead of copying them, and fall b
 where the clone is refused (another filesystem: ``EXDEV``).
 
 Each filesystem is made on a loop image of a sparse file (root, ``mkfs.xfs`` / ``mkfs.btrfs``,
-``losetup`` and ``mount`` needed; the test is skipped naming exactly what is missing). On Debian:
-``apt-get install -y xfsprogs btrfs-progs``.
+``losetup`` and ``mount`` needed; the test is skipped naming exactly what is missing).
+``scripts/setup_reflink.sh``, run by ``make test``, installs xfsprogs and btrfs-progs where it can.
 """
 
 from __future__ import annotations
