@@ -10,7 +10,9 @@ Both recovery modes end here:
 :func:`recover_store` is one write transaction that (the buffer's :meth:`~kvckpt.ReplayBuffer.recover`
 and :func:`kvckpt.recover` call it)
 
-1. verifies the store (:func:`kvckpt.durability.verify.check`) and refuses to go on if anything is wrong;
+1. verifies the store (:func:`kvckpt.durability.verify.check`) and refuses to go on if anything is
+   wrong; unless told otherwise it first proves the store's file with
+   :func:`kvckpt.durability.structure.is_sound` and looks every key up only when that fails;
 2. returns every group claimed or consumed at a step ``>= resume_version`` to ``ready`` (its
    stamps untouched), since the model that trained on it is lost;
 3. sets ``trainer_version`` (and the rollout weight version) to ``resume_version``;
@@ -34,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvckpt.durability.structure import is_sound
 from kvckpt.durability.verify import check
 from kvckpt.errors import RecoveryError, VerificationFailed
 from kvckpt.samplers import create_sampler
@@ -93,7 +96,7 @@ class RecoveryPlan:
 
 def recover_store(store: Store, config: BufferConfig, resume_version: int | None = None, *, sampler: Any = None,
                   max_buffered_rollouts: int | None = None, checksums: bool = False,
-                  deep: bool = False, lookups: bool = True) -> tuple[RecoveryPlan, BufferConfig]:
+                  deep: bool = False, lookups: bool | None = None) -> tuple[RecoveryPlan, BufferConfig]:
     """Reconcile ``store`` to ``resume_version`` in one transaction and plan the redispatch.
 
     Args:
@@ -108,8 +111,13 @@ def recover_store(store: Store, config: BufferConfig, resume_version: int | None
         checksums, deep: how much of the row payloads the verification reads first (see
             :func:`kvckpt.durability.verify.check`). Defaults to neither: a live store's rows were checksummed
             when written and are verified again whenever they are read.
-        lookups: look every key up (:func:`kvckpt.durability.verify.check`); False only for a file
-            :func:`kvckpt.durability.structure.is_sound` proved (restore's copy). Defaults to True.
+        lookups: look every key up (:func:`kvckpt.durability.verify.check`), which on a cold page
+            cache reads row pages. True: always. False: never, for a file the caller proved with
+            :func:`kvckpt.durability.structure.is_sound` (restore's copy) or trusts. Defaults to
+            None: prove the store's file with ``is_sound`` inside the recovery transaction (only
+            branch and leaf pages and the first page of each large value; ``plan.timings``'s
+            ``structure``) and look every key up only when that is not proven (a damaged page,
+            or a format-1/2 file of named tables).
 
     Returns:
         The plan, and the config now in force (``config`` itself unless switched).
@@ -129,8 +137,18 @@ def recover_store(store: Store, config: BufferConfig, resume_version: int | None
     timings: dict[str, float] = {}
 
     def txn_fn(txn: Txn) -> RecoveryPlan:
+        look = lookups
+        if look is None:
+            # The proof runs inside this write transaction, so with the store's writer lock held
+            # (kvckpt's flock keeps out every other writable handle, Store.write's lock every
+            # other thread, liblmdb's writer mutex the rest) and before this transaction writes
+            # anything: no commit can land between the proof and ``check``, so the pages it
+            # proves are exactly the committed snapshot that ``check`` and recovery read.
+            ts = time.perf_counter()
+            look = not is_sound(store.path)
+            timings["structure"] = time.perf_counter() - ts
         tv = time.perf_counter()
-        report = check(txn, checksums=checksums, deep=deep, lookups=lookups)
+        report = check(txn, checksums=checksums, deep=deep, lookups=look)
         timings["validate"] = time.perf_counter() - tv
         if not report.ok:
             raise VerificationFailed(repr(store.path), report.problems)

@@ -1,0 +1,99 @@
+"""The crash path (``ReplayBuffer.open`` + ``recover()``) proves the live file instead of looking
+every key up, and falls back to the lookups when the proof fails.
+
+Each recovery runs in a fresh interpreter (a restarted trainer) that counts, through two seams, how
+often the structure proof (``structure._Check.run``, behind ``is_sound``) and the key lookups
+(``verify._check_lookups``) run; nothing is mocked, both still do their work.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_corruption_fuzz import _raise_rows_separators
+
+from kvckpt import Prompt, ReplayBuffer
+from kvckpt.durability.structure import is_sound
+from kvckpt.testing.workload import make_row, workload_config
+
+_COUNTING = """
+import json, sys
+from kvckpt.durability import structure, verify
+calls = {"proof": 0, "lookups": 0}
+
+def counted(name, fn):
+    def wrapper(*args, **kwargs):
+        calls[name] += 1
+        return fn(*args, **kwargs)
+    return wrapper
+
+structure._Check.run = counted("proof", structure._Check.run)
+verify._check_lookups = counted("lookups", verify._check_lookups)
+"""
+
+
+def _fresh(code: str, **kwargs: Any) -> dict[str, Any]:
+    """Run ``code`` after the counting seams in a fresh interpreter (``ARGS`` holds ``kwargs``);
+    returns the JSON of its last stdout line, with ``calls`` added."""
+    script = _COUNTING + "ARGS = json.loads(sys.argv[1])\nout = {}\n" + textwrap.dedent(code) + \
+        "\nprint(json.dumps({**out, 'calls': calls}))\n"
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(kwargs)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Path:
+    """A closed live store as a crashed trainer leaves it: 280 groups committed, 20 in flight, and a
+    checkpoint file of it (``ckpt.kvckpt``) beside it."""
+    path = tmp_path / "live.kv"
+    buf = ReplayBuffer.create(str(path), workload_config({"name": "windowed"}, capacity=400))
+    try:
+        for lease in buf.admit([Prompt(i) for i in range(300)])[:280]:
+            buf.commit_group(lease, [make_row(lease.group_id, i) for i in range(lease.group_size)])
+        buf.checkpoint(str(tmp_path / "ckpt.kvckpt"), background=False).wait()
+    finally:
+        buf.close()
+    return path
+
+
+_RECOVER = """
+from kvckpt import ReplayBuffer, VerificationFailed
+buf = ReplayBuffer.open(ARGS["path"])
+try:
+    plan = buf.recover()
+    out.update(redispatched=plan.groups_redispatched, ready=plan.groups_complete_restored,
+               timings=sorted(plan.timings))
+except VerificationFailed as exc:
+    out.update(error=str(exc), codes=sorted({p.code for p in exc.problems}))
+finally:
+    buf.close()
+"""
+
+
+def test_the_crash_path_proves_the_live_file_and_skips_the_lookups(live: Path) -> None:
+    out = _fresh(_RECOVER, path=str(live))
+    assert out["calls"] == {"proof": 1, "lookups": 0}, out
+    assert (out["redispatched"], out["ready"]) == (20, 280)
+    assert {"structure", "validate", "recover"} <= set(out["timings"])
+
+
+def test_a_live_file_the_proof_refuses_is_looked_up_and_refused(live: Path) -> None:
+    """A raised separator key in the rows tree's branch pages: iteration still finds every row,
+    lookups miss some. The proof does not accept the file, so recovery looks every key up and
+    refuses the store, naming the rows, and writes nothing."""
+    _raise_rows_separators(live)
+    assert not is_sound(live)
+    before = live.read_bytes()
+    out = _fresh(_RECOVER, path=str(live))
+    assert out["calls"] == {"proof": 1, "lookups": 1}, out
+    assert out["codes"] == ["unreachable"] and "rows/" in out["error"], out
+    assert live.read_bytes() == before
+
