@@ -1,5 +1,6 @@
 """The crash path (``ReplayBuffer.open`` + ``recover()``) proves the live file instead of looking
-every key up, and falls back to the lookups when the proof fails.
+every key up, and falls back to the lookups when the proof fails; ``restore(trusted=True)`` runs
+neither.
 
 Each recovery runs in a fresh interpreter (a restarted trainer) that counts, through two seams, how
 often the structure proof (``structure._Check.run``, behind ``is_sound``) and the key lookups
@@ -97,3 +98,16 @@ def test_a_live_file_the_proof_refuses_is_looked_up_and_refused(live: Path) -> N
     assert out["codes"] == ["unreachable"] and "rows/" in out["error"], out
     assert live.read_bytes() == before
 
+
+@pytest.mark.parametrize(("trusted", "calls"), [(False, {"proof": 1, "lookups": 0}),
+                                                (True, {"proof": 0, "lookups": 0})])
+def test_restore_proves_its_copy_once_and_trusted_skips_proof_and_lookups(live: Path, trusted: bool,
+                                                                          calls: dict[str, int]) -> None:
+    out = _fresh("""
+        from kvckpt import restore
+        buf, plan = restore(ARGS["ckpt"], ARGS["dest"], trusted=ARGS["trusted"])
+        out.update(groups=len(buf.groups()), redispatched=plan.groups_redispatched)
+        buf.close()
+    """, ckpt=str(live.parent / "ckpt.kvckpt"), dest=str(live.parent / "restored.kv"), trusted=trusted)
+    assert out["calls"] == calls, out
+    assert (out["redispatched"], out["groups"]) == (20, 280)
