@@ -114,8 +114,8 @@ def recover_store(store: Store, config: BufferConfig, resume_version: int | None
         lookups: look every key up (:func:`kvckpt.durability.verify.check`), which on a cold page
             cache reads row pages. True: always. False: never, for a file the caller proved with
             :func:`kvckpt.durability.structure.is_sound` (restore's copy) or trusts. Defaults to
-            None: prove the store's file with ``is_sound`` inside the recovery transaction (only
-            branch and leaf pages and the first page of each large value; ``plan.timings``'s
+            None: prove the store's tree with ``is_sound(headers=False)`` inside the recovery
+            transaction (it reads the branch and leaf pages, no row's page; ``plan.timings``'s
             ``structure``) and look every key up only when that is not proven (a damaged page,
             or a format-1/2 file of named tables).
 
@@ -143,9 +143,12 @@ def recover_store(store: Store, config: BufferConfig, resume_version: int | None
             # (kvckpt's flock keeps out every other writable handle, Store.write's lock every
             # other thread, liblmdb's writer mutex the rest) and before this transaction writes
             # anything: no commit can land between the proof and ``check``, so the pages it
-            # proves are exactly the committed snapshot that ``check`` and recovery read.
+            # proves are exactly the committed snapshot that ``check`` and recovery read. It
+            # stands in for the lookups only, so it reads what they read, the tree pages, not
+            # the header of every row's first page (the live file was never structure-checked
+            # before liblmdb mapped it: it is the store's own, crash-consistent file).
             ts = time.perf_counter()
-            look = not is_sound(store.path)
+            look = not is_sound(store.path, headers=False)
             timings["structure"] = time.perf_counter() - ts
         tv = time.perf_counter()
         report = check(txn, checksums=checksums, deep=deep, lookups=look)

@@ -7,8 +7,8 @@ one unnamed tree with plain lexical keys, values inline or in overflow runs - do
 work with numpy over the pages it reads (``os.pread``, never ``mmap``: a short or shrinking file
 gives "not proven", never a signal). It reads what ``lmdb.verify`` reads and no more: both meta
 pages, every branch and leaf page reachable from the two roots, the header of the first page of
-every overflow run (never a row's data pages) and the freeDB's values. It checks what
-``lmdb.verify`` checks:
+every overflow run (never a row's data pages; ``headers=False`` leaves these out too) and the
+freeDB's values. It checks what ``lmdb.verify`` checks:
 
 * the meta pages (magic, format, page size, page numbers, commit parity), the committed one picked
   as liblmdb picks it, and a page count the file can hold;
@@ -55,6 +55,7 @@ _META = struct.Struct("<Q2xH")  # mp_pgno, mp_flags
 _DB = struct.Struct("<IHHQQQQQ")  # pad, flags, depth, branch, leaf, overflow, entries, root
 _NODE = struct.Struct("<HHHH")  # lo, hi, flags, ksize
 _U16 = struct.Struct("<H")
+_fadvise = getattr(os, "posix_fadvise", None)
 #: Leaf pages held at once (4 MiB at 4 KiB pages): memory stays bounded whatever the file holds.
 LEAF_BATCH = 1024
 
@@ -63,10 +64,17 @@ class _NotProven(Exception):
     """Raised inside the check at the first thing it cannot prove."""
 
 
-def is_sound(path: str | os.PathLike[str]) -> bool:
+def is_sound(path: str | os.PathLike[str], *, headers: bool = True) -> bool:
     """True when ``path`` is a sound LMDB 0.9 file of kvckpt's shape (so ``lmdb.verify`` finds nothing
     in it); False when that is not proven, including when it cannot be read (then ask ``lmdb.verify``,
-    which names the problem). Never raises."""
+    which names the problem). Never raises.
+
+    ``headers=False`` leaves out the one check that reads a page per large value, the header of
+    each overflow run's first page (what liblmdb trusts when it frees a run), and proves the rest:
+    everything a lookup or an iteration of keys reads. On a cold page cache that is the difference
+    between reading the tree pages (454 of a 134 MB file of 13,632 rows here) and one more page per
+    row (about 0.1 s). The crash path uses it to stand in for looking every key up
+    (:func:`kvckpt.durability.recovery.recover_store`)."""
     if sys.byteorder != "little":
         return False
     try:
@@ -74,7 +82,7 @@ def is_sound(path: str | os.PathLike[str]) -> bool:
     except OSError:
         return False
     try:
-        return _Check(fd, os.fstat(fd).st_size).run()
+        return _Check(fd, os.fstat(fd).st_size, headers).run()
     except (_NotProven, OSError, OverflowError, ValueError, IndexError, struct.error, MemoryError):
         return False
     finally:
@@ -87,8 +95,8 @@ def _need(condition: bool) -> None:
 
 
 class _Check:
-    def __init__(self, fd: int, size: int) -> None:
-        self.fd, self.size = fd, size
+    def __init__(self, fd: int, size: int, headers: bool = True) -> None:
+        self.fd, self.size, self.headers = fd, size, headers
         self.tree_pages = array("q")
         self.runs: list[np.ndarray] = []  # (start, length) of overflow runs, one array per tree
         self.free_pages: list[np.ndarray] = []
@@ -199,6 +207,7 @@ class _Check:
             _need(o + 8 + ksize <= self.psize)
             children.append(lo | hi << 16 | nflags << 32)
             separators.append(page[o + 8:o + 8 + ksize])
+        self.prefetch(children)
         if is_free:  # lmdb.verify's order check: node 0 and empty separators skipped, integer order
             values = [int.from_bytes(key, "little") for key in separators[1:] if key]
             _need(all(map(operator.lt, values[:-1], values[1:])))
@@ -210,6 +219,20 @@ class _Check:
             child_low = separators[i] if i and (low is None or separators[i] > low) else low
             child_high = separators[i + 1] if i + 1 < numkeys and (high is None or separators[i + 1] < high) else high
             self.walk(child, depth + 1, seen, out, is_free, child_low, child_high)
+
+    def prefetch(self, pages: list[int]) -> None:
+        """Ask the kernel to start reading ``pages`` (those in range) now, all at once: on a cold
+        page cache the walk then waits for about one round of reads per level of the tree instead
+        of one read per page (0.01 s instead of 0.05-0.08 s for the 454 tree pages of a 134 MB
+        file here). Only a hint: where it is refused, pages are read as the walk reaches them."""
+        if _fadvise is None:
+            return
+        try:
+            for pgno in pages:
+                if pgno < self.next_pgno:
+                    _fadvise(self.fd, pgno * self.psize, self.psize, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            return
 
     def bounds(self, page: bytes) -> tuple[int, int]:
         lower, upper = struct.unpack_from("<HH", page, _HDR - 4)
@@ -269,7 +292,8 @@ class _Check:
         _need(bool(np.all((first >= _NUM_METAS) & (first < self.next_pgno))))
         first = first.astype(np.int64)
         _need(bool(np.all(first + need <= self.next_pgno)) and bool(np.all((first + 1) * psize <= self.size)))
-        self.overflow_headers(first, need)
+        if self.headers:
+            self.overflow_headers(first, need)
         self.runs.append(np.stack([first, need]))
         if is_free:
             self.free_lists(blob, data_at, dsize, big, first, need)
