@@ -1,10 +1,12 @@
 """The crash path (``ReplayBuffer.open`` + ``recover()``) proves the live file instead of looking
-every key up, and falls back to the lookups when the proof fails; ``restore(trusted=True)`` runs
-neither.
+every key up, takes the row keys from the proof instead of iterating the rows, and falls back to
+the lookups and the iteration when the proof fails; ``restore(trusted=True)`` runs neither proof
+nor lookups.
 
-Each recovery runs in a fresh interpreter (a restarted trainer) that counts, through two seams, how
-often the structure proof (``structure._Check.run``, behind ``is_sound``) and the key lookups
-(``verify._check_lookups``) run; nothing is mocked, both still do their work.
+Each recovery runs in a fresh interpreter (a restarted trainer) that counts, through three seams,
+how often the structure proof (``structure._Check.run``, behind ``is_sound`` and ``proven_keys``),
+the key lookups (``verify._check_lookups``) and an iteration of the rows' keys
+(``Txn.iter_keys("rows", ...)``) run; nothing is mocked, each still does its work.
 """
 
 from __future__ import annotations
@@ -21,22 +23,26 @@ from _crafted import _overflow_header_pages
 from test_corruption_fuzz import _raise_rows_separators
 
 from kvckpt import Prompt, ReplayBuffer
-from kvckpt.durability.structure import is_sound
+from kvckpt.durability.structure import is_sound, proven_keys
+from kvckpt.storage import keys
+from kvckpt.storage.store import Store
 from kvckpt.testing.workload import make_row, workload_config
 
 _COUNTING = """
 import json, sys
 from kvckpt.durability import structure, verify
-calls = {"proof": 0, "lookups": 0}
+from kvckpt.storage.txn import Txn
+calls = {"proof": 0, "lookups": 0, "row_iterations": 0}
 
-def counted(name, fn):
+def counted(name, fn, when=lambda *args: True):
     def wrapper(*args, **kwargs):
-        calls[name] += 1
+        calls[name] += when(*args)
         return fn(*args, **kwargs)
     return wrapper
 
 structure._Check.run = counted("proof", structure._Check.run)
 verify._check_lookups = counted("lookups", verify._check_lookups)
+Txn.iter_keys = counted("row_iterations", Txn.iter_keys, lambda txn, table, prefix: table == "rows")
 """
 
 
@@ -83,7 +89,7 @@ finally:
 
 def test_the_crash_path_proves_the_live_file_and_skips_the_lookups(live: Path) -> None:
     out = _fresh(_RECOVER, path=str(live))
-    assert out["calls"] == {"proof": 1, "lookups": 0}, out
+    assert out["calls"] == {"proof": 1, "lookups": 0, "row_iterations": 0}, out
     assert (out["redispatched"], out["ready"]) == (20, 280)
     assert {"structure", "validate", "recover"} <= set(out["timings"])
 
@@ -96,13 +102,13 @@ def test_a_live_file_the_proof_refuses_is_looked_up_and_refused(live: Path) -> N
     assert not is_sound(live, headers=False)
     before = live.read_bytes()
     out = _fresh(_RECOVER, path=str(live))
-    assert out["calls"] == {"proof": 1, "lookups": 1}, out
+    assert out["calls"] == {"proof": 1, "lookups": 1, "row_iterations": 2}, out  # lookups' and check's
     assert out["codes"] == ["unreachable"] and "rows/" in out["error"], out
     assert live.read_bytes() == before
 
 
-@pytest.mark.parametrize(("trusted", "calls"), [(False, {"proof": 1, "lookups": 0}),
-                                                (True, {"proof": 0, "lookups": 0})])
+@pytest.mark.parametrize(("trusted", "calls"), [(False, {"proof": 1, "lookups": 0, "row_iterations": 1}),
+                                                (True, {"proof": 0, "lookups": 0, "row_iterations": 1})])
 def test_restore_proves_its_copy_once_and_trusted_skips_proof_and_lookups(live: Path, trusted: bool,
                                                                           calls: dict[str, int]) -> None:
     out = _fresh("""
@@ -123,3 +129,24 @@ def test_the_crash_paths_proof_reads_everything_but_the_overflow_headers(live: P
     _overflow_header_pages(str(ckpt))
     assert not is_sound(ckpt)
     assert is_sound(ckpt, headers=False)
+
+
+def test_the_proofs_row_keys_are_what_iteration_finds(live: Path) -> None:
+    with Store(str(live)) as store:
+        iterated = store.read(lambda txn: list(txn.iter_keys("rows", b"")))
+    proven = proven_keys(live, b"r", headers=False)
+    assert proven is not None and len(proven) == 280 * 4
+    assert [key[1:] for key in proven] == iterated
+    assert proven_keys(live, b"r") == proven
+    assert proven_keys(live, None) == [] and proven_keys(live.parent / "missing.kv", b"r") is None
+
+
+def test_a_row_missing_from_the_live_store_is_refused_through_the_proofs_keys(live: Path) -> None:
+    """A row deleted behind the buffer's back (the file stays sound, so the proof holds and its
+    keys are what the verifier checks): recovery refuses the store, naming the group."""
+    with Store(str(live)) as store:
+        group = store.read(lambda txn: next(iter(txn.iter_keys("groups", b""))))
+        store.write(lambda txn: txn.delete("rows", keys.row_key(group.decode(), 2)))
+    out = _fresh(_RECOVER, path=str(live))
+    assert out["calls"] == {"proof": 1, "lookups": 0, "row_iterations": 0}, out
+    assert out["codes"] == ["row-set"] and group.decode() in out["error"], out

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvckpt.durability.structure import is_sound
+from kvckpt.durability.structure import proven_keys
 from kvckpt.durability.verify import check
 from kvckpt.errors import RecoveryError, VerificationFailed
 from kvckpt.samplers import create_sampler
@@ -137,7 +137,7 @@ def recover_store(store: Store, config: BufferConfig, resume_version: int | None
     timings: dict[str, float] = {}
 
     def txn_fn(txn: Txn) -> RecoveryPlan:
-        look = lookups
+        look, row_keys = lookups, None
         if look is None:
             # The proof runs inside this write transaction, so with the store's writer lock held
             # (kvckpt's flock keeps out every other writable handle, Store.write's lock every
@@ -146,12 +146,17 @@ def recover_store(store: Store, config: BufferConfig, resume_version: int | None
             # proves are exactly the committed snapshot that ``check`` and recovery read. It
             # stands in for the lookups only, so it reads what they read, the tree pages, not
             # the header of every row's first page (the live file was never structure-checked
-            # before liblmdb mapped it: it is the store's own, crash-consistent file).
+            # before liblmdb mapped it: it is the store's own, crash-consistent file). The row
+            # keys it read are the snapshot's, so the verifier takes them instead of iterating
+            # the rows (which on a cold cache reads a page of every row).
             ts = time.perf_counter()
-            look = not is_sound(store.path, headers=False)
+            proven = proven_keys(store.path, txn.layout.region("rows", b"")[1], headers=False)
+            look = proven is None
+            if proven is not None:
+                row_keys = [txn.layout.logical("rows", key) for key in proven]
             timings["structure"] = time.perf_counter() - ts
         tv = time.perf_counter()
-        report = check(txn, checksums=checksums, deep=deep, lookups=look)
+        report = check(txn, checksums=checksums, deep=deep, lookups=look, row_keys=row_keys)
         timings["validate"] = time.perf_counter() - tv
         if not report.ok:
             raise VerificationFailed(repr(store.path), report.problems)

@@ -137,7 +137,7 @@ def _decode_table(txn: Any, table: str, report: Report) -> dict[str, dict[str, A
 
 
 def check(txn: Any, *, deep: bool = False, checksums: bool = False, lookups: bool = True,
-          progress: Callable[[int], None] | None = None) -> Report:
+          row_keys: list[bytes] | None = None, progress: Callable[[int], None] | None = None) -> Report:
     """Check every invariant on one snapshot (a :class:`kvckpt.storage.store.Txn`); see the module doc.
 
     Args:
@@ -151,6 +151,10 @@ def check(txn: Any, *, deep: bool = False, checksums: bool = False, lookups: boo
         lookups: look every key up (see ``_check_lookups``). Defaults to True; False only where
             :func:`kvckpt.durability.structure.is_sound` proved the file's tree, which proves
             the same (every separator bounds its subtree).
+        row_keys: the rows table's keys, in order, as a proof of this very snapshot read them
+            (:func:`kvckpt.durability.structure.proven_keys`), taken instead of iterating the table
+            where no row value is read (neither ``deep`` nor ``checksums``): on a cold page cache
+            that iteration reads a page of every row. Defaults to None: iterate.
         progress: called with the number of rows checked so far (for progress bars).
     """
     report = Report(not_checked=NOT_CHECKED["deep" if deep else "checksums" if checksums else "metadata"])
@@ -171,7 +175,8 @@ def check(txn: Any, *, deep: bool = False, checksums: bool = False, lookups: boo
         return report
     _check_dataloader(txn, report)
     try:
-        _check_snapshot(txn, report, config, state, meta.get(SHORTFALL_KEY) or {}, deep, checksums, progress)
+        _check_snapshot(txn, report, config, state, meta.get(SHORTFALL_KEY) or {}, deep, checksums, row_keys,
+                        progress)
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError) as exc:
         report.add("malformed", "?", f"a record passes its checksum but lacks a field or has a wrong type "
                                      f"({type(exc).__name__}: {exc}); the store was not written by kvckpt")
@@ -317,7 +322,7 @@ def _decode_meta_table(txn: Any, report: Report) -> dict[bytes, dict[str, Any]]:
 
 
 def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dict[str, Any],
-                    shortfall: dict[str, int], deep: bool, checksums: bool,
+                    shortfall: dict[str, int], deep: bool, checksums: bool, row_keys: list[bytes] | None,
                     progress: Callable[[int], None] | None) -> None:
     n = config["group_size"]
     schema = RowSchema.from_dict(config["schema"])
@@ -333,7 +338,10 @@ def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dic
     digests: dict[tuple[str, int], str] = {}
     row_count = 0
     read_values = deep or checksums
-    row_items = txn.iter_prefix("rows", b"") if read_values else ((k, b"") for k in txn.iter_keys("rows", b""))
+    if read_values:
+        row_items = txn.iter_prefix("rows", b"")
+    else:
+        row_items = ((k, b"") for k in (txn.iter_keys("rows", b"") if row_keys is None else row_keys))
     for key, value in row_items:
         gid, index = key[:-5].decode(errors="replace"), int.from_bytes(key[-4:], "big")
         row_count += 1
