@@ -107,10 +107,10 @@ def test_a_live_file_the_proof_refuses_is_looked_up_and_refused(live: Path) -> N
     assert live.read_bytes() == before
 
 
-@pytest.mark.parametrize(("trusted", "calls"), [(False, {"proof": 1, "lookups": 0, "row_iterations": 1}),
+@pytest.mark.parametrize(("trusted", "calls"), [(False, {"proof": 1, "lookups": 0, "row_iterations": 0}),
                                                 (True, {"proof": 0, "lookups": 0, "row_iterations": 1})])
-def test_restore_proves_its_copy_once_and_trusted_skips_proof_and_lookups(live: Path, trusted: bool,
-                                                                          calls: dict[str, int]) -> None:
+def test_restore_takes_the_row_keys_of_its_proof_and_trusted_skips_proof_and_lookups(
+        live: Path, trusted: bool, calls: dict[str, int]) -> None:
     out = _fresh("""
         from kvckpt import restore
         buf, plan = restore(ARGS["ckpt"], ARGS["dest"], trusted=ARGS["trusted"])

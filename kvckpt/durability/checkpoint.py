@@ -41,7 +41,7 @@ from typing import Any
 
 from kvckpt.durability.format import buffer_config
 from kvckpt.durability.recovery import RecoveryPlan, recover_store
-from kvckpt.durability.safe_open import check_header, check_structure, copy_used, open_readonly
+from kvckpt.durability.safe_open import check_header, copy_used, open_readonly, prove_structure
 from kvckpt.errors import (
     BadArgument,
     CheckpointError,
@@ -51,6 +51,7 @@ from kvckpt.errors import (
     StoreLocked,
     VerificationFailed,
 )
+from kvckpt.storage.layout import stored_key
 from kvckpt.storage.store import FILE_MODE, Store, Txn, fsync_dir, fsync_file, lock_or_close, writer_active
 from kvckpt.tables.access import Tables
 
@@ -370,11 +371,13 @@ def restore_file(checkpoint_file: str, live_path: str, *, sampler: Any = None,
         copy_used(checkpoint_file, tmp, used)
         timings["copy"] = time.perf_counter() - t0
         flush = _BackgroundFsync(tmp)  # the copy's write-back overlaps the checks below
-        # The fast proof covers the lookups; trusted needs neither (no page of its file is damaged).
-        sound = trusted or check_structure(tmp, name=checkpoint_file)
+        # The fast proof covers the lookups, and the rows' keys it read are the copy's (which
+        # nothing writes before recovery); trusted needs neither (no page of its file is damaged).
+        rows = None if trusted else prove_structure(tmp, stored_key("rows", b""), name=checkpoint_file)
         timings["structure"] = time.perf_counter() - t0 - timings["copy"]
         t1 = time.perf_counter()
-        plan = _recover_copy(tmp, checkpoint_file, sampler, max_buffered_rollouts, deep, lookups=not sound)
+        plan = _recover_copy(tmp, checkpoint_file, sampler, max_buffered_rollouts, deep,
+                             lookups=not trusted and rows is None, proven_rows=rows)
         timings["recovery"] = time.perf_counter() - t1  # opening the copy, its config and stamp, recover
         t1 = time.perf_counter()
         flush.join()
@@ -412,7 +415,7 @@ def _name_user_file(exc: KvckptError, tmp: str, checkpoint_file: str) -> None:
 
 
 def _recover_copy(tmp: str, checkpoint_file: str, sampler: Any, max_buffered_rollouts: int | None,
-                  deep: bool, *, lookups: bool) -> RecoveryPlan:
+                  deep: bool, *, lookups: bool, proven_rows: list[bytes] | None) -> RecoveryPlan:
     """Open the private copy, read its stamp and recover it at the stamped version."""
     store = Store(tmp)
     try:
@@ -429,7 +432,7 @@ def _recover_copy(tmp: str, checkpoint_file: str, sampler: Any, max_buffered_rol
             raise FormatError(f"{checkpoint_file!r}: meta/checkpoint passes its checksum but its trainer_version "
                               f"is {str(version)[:40]!r}, not a step number: the file is damaged or crafted")
         plan, _ = recover_store(store, config, version, sampler=sampler, max_buffered_rollouts=max_buffered_rollouts,
-                                deep=deep, lookups=lookups)
+                                deep=deep, lookups=lookups, proven_rows=proven_rows)
         return plan
     except VerificationFailed as exc:
         raise VerificationFailed(f"checkpoint {checkpoint_file!r}", exc.problems) from None

@@ -96,7 +96,8 @@ class RecoveryPlan:
 
 def recover_store(store: Store, config: BufferConfig, resume_version: int | None = None, *, sampler: Any = None,
                   max_buffered_rollouts: int | None = None, checksums: bool = False,
-                  deep: bool = False, lookups: bool | None = None) -> tuple[RecoveryPlan, BufferConfig]:
+                  deep: bool = False, lookups: bool | None = None,
+                  proven_rows: list[bytes] | None = None) -> tuple[RecoveryPlan, BufferConfig]:
     """Reconcile ``store`` to ``resume_version`` in one transaction and plan the redispatch.
 
     Args:
@@ -118,6 +119,10 @@ def recover_store(store: Store, config: BufferConfig, resume_version: int | None
             transaction (it reads the branch and leaf pages, no row's page; ``plan.timings``'s
             ``structure``) and look every key up only when that is not proven (a damaged page,
             or a format-1/2 file of named tables).
+        proven_rows: with ``lookups=False``, the stored keys of the rows range as the caller's proof
+            of this very file read them (restore's copy:
+            :func:`kvckpt.durability.safe_open.prove_structure`); the verification takes them
+            instead of iterating the rows (which on a cold page cache reads a page of every row).
 
     Returns:
         The plan, and the config now in force (``config`` itself unless switched).
@@ -137,7 +142,7 @@ def recover_store(store: Store, config: BufferConfig, resume_version: int | None
     timings: dict[str, float] = {}
 
     def txn_fn(txn: Txn) -> RecoveryPlan:
-        look, row_keys = lookups, None
+        look, stored_rows = lookups, proven_rows
         if look is None:
             # The proof runs inside this write transaction, so with the store's writer lock held
             # (kvckpt's flock keeps out every other writable handle, Store.write's lock every
@@ -150,11 +155,10 @@ def recover_store(store: Store, config: BufferConfig, resume_version: int | None
             # keys it read are the snapshot's, so the verifier takes them instead of iterating
             # the rows (which on a cold cache reads a page of every row).
             ts = time.perf_counter()
-            proven = proven_keys(store.path, txn.layout.region("rows", b"")[1], headers=False)
-            look = proven is None
-            if proven is not None:
-                row_keys = [txn.layout.logical("rows", key) for key in proven]
+            stored_rows = proven_keys(store.path, txn.layout.region("rows", b"")[1], headers=False)
+            look = stored_rows is None
             timings["structure"] = time.perf_counter() - ts
+        row_keys = None if stored_rows is None else [txn.layout.logical("rows", key) for key in stored_rows]
         tv = time.perf_counter()
         report = check(txn, checksums=checksums, deep=deep, lookups=look, row_keys=row_keys)
         timings["validate"] = time.perf_counter() - tv

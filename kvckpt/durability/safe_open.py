@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 from lmdb import verify as lmdb_verify
 
-from kvckpt.durability.structure import is_sound
+from kvckpt.durability.structure import proven_keys
 from kvckpt.durability.verify import Report, check
 from kvckpt.errors import FormatError, KvckptError, ResourceLimit, StoreNotFound
 from kvckpt.storage.filecopy import copy_range
@@ -55,6 +55,7 @@ def check_structure(path: str | os.PathLike[str], *, name: str | None = None) ->
     """Raise unless ``path`` is a structurally sound, complete LMDB format-1 data file. Returns
     whether the fast proof (:func:`kvckpt.durability.structure.is_sound`) accepted it, which also
     proves that a lookup finds every key iteration finds; False when ``lmdb.verify`` did.
+    (:func:`prove_structure` does the same and returns the keys the proof read.)
 
     Nothing in ``path`` can crash or hang the calling process (``pread``, never ``mmap``). Cost: one
     read of every branch and leaf page and of the first page of every large value (about 0.03 s
@@ -66,12 +67,21 @@ def check_structure(path: str | os.PathLike[str], *, name: str | None = None) ->
         FormatError: not a regular file, not an LMDB file, another data format, truncated, or
             damaged (the message quotes the verifier's first findings).
     """
+    return prove_structure(path, None, name=name) is not None
+
+
+def prove_structure(path: str | os.PathLike[str], prefix: bytes | None, *,
+                    name: str | None = None) -> list[bytes] | None:
+    """:func:`check_structure`, returning the main tree's keys under ``prefix`` in order where the
+    fast proof accepted the file (:func:`kvckpt.durability.structure.proven_keys`), None where
+    ``lmdb.verify`` did. Raises as :func:`check_structure`."""
     path = os.fspath(path)
     shown_as = repr(name if name is not None else path)
     with fd_limit(path):
         check_header(path, name=name)
-        if is_sound(path):  # the fast proof, for the shape kvckpt writes; anything else gets the full verifier
-            return True
+        keys = proven_keys(path, prefix)  # the fast proof, for the shape kvckpt writes; else the full verifier
+        if keys is not None:
+            return keys
     try:
         with fd_limit(path):
             problems = lmdb_verify.verify(path, subdir=False)
@@ -87,7 +97,7 @@ def check_structure(path: str | os.PathLike[str], *, name: str | None = None) ->
         more = f" (and {len(problems) - SHOWN_PROBLEMS} more)" if len(problems) > SHOWN_PROBLEMS else ""
         raise FormatError(f"{shown_as} failed LMDB structural verification: {shown}{more}. The file is damaged; "
                           "use another checkpoint")
-    return False
+    return None
 
 
 def check_header(path: str | os.PathLike[str], *, name: str | None = None) -> int:
