@@ -16,6 +16,20 @@
 Only the copies (seconds, on an existing store): ``--copies-only``.
 
 Stores are built under ``--work`` (on the disk to measure; deleted afterwards).
+
+Where the filesystem has reflinks (XFS with ``reflink=1``, btrfs), restore's copy and the
+checkpoint's page copy are clones. To measure that on a machine whose disk has none, as root
+(``bash scripts/setup_reflink.sh`` installs ``mkfs.xfs``), on a loop image whose reads bypass the
+image file's own page cache (``--direct-io=on``), so dropping a file's cache on the XFS mount
+really sends its next read to the disk:
+
+    truncate -s 20G /var/tmp/xfs.img && mkfs.xfs -q -f -m reflink=1 /var/tmp/xfs.img
+    dev=$(losetup --find --show --direct-io=on /var/tmp/xfs.img)
+    mkdir -p /mnt/xfs && mount -t xfs "$dev" /mnt/xfs
+    python -m benchmarks.restore_bench --size 1 --repeats 5 --skip-copies --work /mnt/xfs
+    umount /mnt/xfs && losetup --detach "$dev" && rm /var/tmp/xfs.img
+
+(20 GB is room for a 4 GB run: the ``torch.save`` file is about the raw size; the image is sparse.)
 """
 
 from __future__ import annotations
