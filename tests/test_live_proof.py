@@ -1,7 +1,7 @@
 """The crash path (``ReplayBuffer.open`` + ``recover()``) proves the live file instead of looking
 every key up, takes the row keys from the proof instead of iterating the rows, and falls back to
-the lookups and the iteration when the proof fails; ``restore(trusted=True)`` runs neither proof
-nor lookups.
+the lookups and the iteration when the proof fails; ``restore(trusted=True)`` checks its copy the
+same way (no structure check before liblmdb maps it), the default restore proves the copy first.
 
 Each recovery runs in a fresh interpreter (a restarted trainer) that counts, through three seams,
 how often the structure proof (``structure._Check.run``, behind ``is_sound`` and ``proven_keys``),
@@ -108,8 +108,8 @@ def test_a_live_file_the_proof_refuses_is_looked_up_and_refused(live: Path) -> N
 
 
 @pytest.mark.parametrize(("trusted", "calls"), [(False, {"proof": 1, "lookups": 0, "row_iterations": 0}),
-                                                (True, {"proof": 0, "lookups": 0, "row_iterations": 1})])
-def test_restore_takes_the_row_keys_of_its_proof_and_trusted_skips_proof_and_lookups(
+                                                (True, {"proof": 1, "lookups": 0, "row_iterations": 0})])
+def test_restore_takes_the_row_keys_of_its_proof_and_trusted_proves_only_inside_recovery(
         live: Path, trusted: bool, calls: dict[str, int]) -> None:
     out = _fresh("""
         from kvckpt import restore

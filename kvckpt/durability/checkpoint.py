@@ -335,11 +335,14 @@ def restore_file(checkpoint_file: str, live_path: str, *, sampler: Any = None,
             ``plan.changes``).
         overwrite: replace an existing live store (it must not be open for writing).
         trusted: the file is exactly what this process's own :func:`kvckpt.checkpoint` wrote and
-            nothing else touched it, so no page of it is damaged: skip the checks that guard
-            against damaged pages, the structure check and the key lookups that stand in for it
-            where it is not proven (a damaged file can then crash the process or lose records
-            silently). Every kvckpt invariant of the metadata is still checked, and every row
-            where it is read. The fastest safe mode for such a file. Defaults to False.
+            nothing else touched it: check it as the crash path checks the live store
+            (:func:`kvckpt.durability.recovery.recover_store` with ``lookups=None``), not as
+            untrusted input. No structure check before liblmdb maps it (a damaged file can then
+            crash the process); inside recovery the proof of its tree pages only
+            (``is_sound(headers=False)``, no page per row), which stands in for the key lookups
+            and hands the verifier the rows' keys, and the lookups where it fails. Every kvckpt
+            invariant of the metadata is still checked, and every row where it is read. The
+            fastest safe mode for such a file. Defaults to False.
         deep: also decode every row payload before returning. Defaults to False.
 
     Raises:
@@ -372,12 +375,15 @@ def restore_file(checkpoint_file: str, live_path: str, *, sampler: Any = None,
         timings["copy"] = time.perf_counter() - t0
         flush = _BackgroundFsync(tmp)  # the copy's write-back overlaps the checks below
         # The fast proof covers the lookups, and the rows' keys it read are the copy's (which
-        # nothing writes before recovery); trusted needs neither (no page of its file is damaged).
-        rows = None if trusted else prove_structure(tmp, stored_key("rows", b""), name=checkpoint_file)
-        timings["structure"] = time.perf_counter() - t0 - timings["copy"]
+        # nothing writes before recovery). A trusted file is proven as a live store is, inside
+        # recovery (lookups=None), and only its tree pages: no page per row.
+        rows = None
+        if not trusted:
+            rows = prove_structure(tmp, stored_key("rows", b""), name=checkpoint_file)
+            timings["structure"] = time.perf_counter() - t0 - timings["copy"]
         t1 = time.perf_counter()
         plan = _recover_copy(tmp, checkpoint_file, sampler, max_buffered_rollouts, deep,
-                             lookups=not trusted and rows is None, proven_rows=rows)
+                             lookups=None if trusted else rows is None, proven_rows=rows)
         timings["recovery"] = time.perf_counter() - t1  # opening the copy, its config and stamp, recover
         t1 = time.perf_counter()
         flush.join()
@@ -415,7 +421,7 @@ def _name_user_file(exc: KvckptError, tmp: str, checkpoint_file: str) -> None:
 
 
 def _recover_copy(tmp: str, checkpoint_file: str, sampler: Any, max_buffered_rollouts: int | None,
-                  deep: bool, *, lookups: bool, proven_rows: list[bytes] | None) -> RecoveryPlan:
+                  deep: bool, *, lookups: bool | None, proven_rows: list[bytes] | None) -> RecoveryPlan:
     """Open the private copy, read its stamp and recover it at the stamped version."""
     store = Store(tmp)
     try:

@@ -238,7 +238,9 @@ class _Check:
         """Ask the kernel to start reading ``pages`` (those in range) now, all at once: on a cold
         page cache the walk then waits for about one round of reads per level of the tree instead
         of one read per page (0.01 s instead of 0.05-0.08 s for the 454 tree pages of a 134 MB
-        file here). Only a hint: where it is refused, pages are read as the walk reaches them."""
+        file here), and the overflow headers for about one round too. Costs about 0.2 us a page
+        when the pages are cached already. Only a hint: where it is refused, pages are read as
+        they are reached."""
         if _fadvise is None:
             return
         try:
@@ -318,6 +320,7 @@ class _Check:
     def overflow_headers(self, first: np.ndarray, need: np.ndarray) -> None:
         """The header of each run's first page: its own number, exactly ``P_OVERFLOW``, the run's length."""
         psize, fd = self.psize, self.fd
+        self.prefetch(first.tolist())  # cold, as on a reflinked copy: 0.29 s -> 0.13 s at 13,632 runs
         headers = b"".join([os.pread(fd, _HDR, p * psize) for p in first.tolist()])
         _need(len(headers) == _HDR * len(first))
         h = np.frombuffer(headers, np.uint8).reshape(-1, _HDR)
