@@ -11,8 +11,9 @@ Both recovery modes end here:
 and :func:`kvckpt.recover` call it)
 
 1. verifies the store (:func:`kvckpt.durability.verify.check`) and refuses to go on if anything is
-   wrong; unless told otherwise it first proves the store's file with
-   :func:`kvckpt.durability.structure.is_sound` and looks every key up only when that fails;
+   wrong; unless told otherwise it first proves the tree pages of the store's file with
+   :func:`kvckpt.durability.structure.proven_keys`, takes the rows' keys from that proof, and
+   looks every key up only when the proof fails;
 2. returns every group claimed or consumed at a step ``>= resume_version`` to ``ready`` (its
    stamps untouched), since the model that trained on it is lost;
 3. sets ``trainer_version`` (and the rollout weight version) to ``resume_version``;
@@ -112,13 +113,13 @@ def recover_store(store: Store, config: BufferConfig, resume_version: int | None
         checksums, deep: how much of the row payloads the verification reads first (see
             :func:`kvckpt.durability.verify.check`). Defaults to neither: a live store's rows were checksummed
             when written and are verified again whenever they are read.
-        lookups: look every key up (:func:`kvckpt.durability.verify.check`), which on a cold page
-            cache reads row pages. True: always. False: never, for a file the caller proved with
-            :func:`kvckpt.durability.structure.is_sound` (restore's copy) or trusts. Defaults to
-            None: prove the store's tree with ``is_sound(headers=False)`` inside the recovery
-            transaction (it reads the branch and leaf pages, no row's page; ``plan.timings``'s
-            ``structure``) and look every key up only when that is not proven (a damaged page,
-            or a format-1/2 file of named tables).
+        lookups: look every key up (:func:`kvckpt.durability.verify.check`). True: always.
+            False: never, for a file the caller proved with
+            :func:`kvckpt.durability.structure.is_sound` (restore's copy). Defaults to None: prove
+            the store's tree with ``is_sound(headers=False)`` inside the recovery transaction (it
+            reads the branch and leaf pages, no row's page; ``plan.timings``'s ``structure``),
+            take the rows' keys from that proof, and look every key up and iterate the rows only
+            when it is not proven (a damaged page, or a format-1/2 file of named tables).
         proven_rows: with ``lookups=False``, the stored keys of the rows range as the caller's proof
             of this very file read them (restore's copy:
             :func:`kvckpt.durability.safe_open.prove_structure`); the verification takes them
