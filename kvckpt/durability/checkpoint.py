@@ -64,7 +64,15 @@ COMPACT_WHEN_FREE = 0.25
 
 @dataclass
 class CheckpointResult:
-    """A finished checkpoint: its file, id, stamped version, size and phase timings (seconds)."""
+    """A finished checkpoint: its file, id, stamped version, size and phase timings (seconds).
+
+    ``timings``: what the caller of :func:`checkpoint_store` was blocked for, ``blocked``, made of
+    ``reserve`` (the destination's checks and reservation), ``stamp`` (the stamp transaction and
+    the snapshot pin; within it ``lock_wait``, ``txn``, ``commit`` and ``snapshot`` as
+    :meth:`~kvckpt.storage.store.Store.write_then_snapshot` reports them) and ``start`` (handing
+    the copy to its thread); then the copy's ``copy``, ``fsync_rename`` and ``total`` (from the
+    stamp to the file under its name).
+    """
 
     path: str
     checkpoint_id: str
@@ -132,6 +140,7 @@ def checkpoint_store(store: Store, dest: str | os.PathLike[str], trainer_state: 
             is still being written, or its directory is missing or not writable; checked before
             anything is stamped.
     """
+    entered = time.perf_counter()
     dest = os.path.abspath(os.fspath(dest))
     directory = os.path.dirname(dest)
     if os.path.exists(dest) and not overwrite:
@@ -149,7 +158,7 @@ def checkpoint_store(store: Store, dest: str | os.PathLike[str], trainer_state: 
     partial = dest + PARTIAL_SUFFIX
     reservation = _reserve(partial, dest)
     try:
-        return _stamp_and_copy(store, dest, doc, partial, reservation, background, durable_checkpoints)
+        return _stamp_and_copy(store, dest, doc, partial, reservation, background, durable_checkpoints, entered)
     except BaseException:
         _release(partial, reservation)
         raise
@@ -178,8 +187,9 @@ def _release(partial: str, fd: int) -> None:
 
 
 def _stamp_and_copy(store: Store, dest: str, doc: dict[str, Any], partial: str, fd: int,
-                    background: bool, durable_checkpoints: int) -> CheckpointHandle:
-    """The stamp transaction, then the copy into the reserved ``fd`` (on a thread if ``background``)."""
+                    background: bool, durable_checkpoints: int, entered: float) -> CheckpointHandle:
+    """The stamp transaction, then the copy into the reserved ``fd`` (on a thread if ``background``);
+    ``entered`` is when the caller entered :func:`checkpoint_store` (``perf_counter``)."""
     directory = os.path.dirname(dest)
     checkpoint_id = uuid.uuid4().hex
     t0 = time.perf_counter()
@@ -192,8 +202,10 @@ def _stamp_and_copy(store: Store, dest: str, doc: dict[str, Any], partial: str, 
                      "file": os.path.basename(dest)})
         return st["trainer_version"]
 
-    version, snapshot = store.write_then_snapshot(stamp)
-    result = CheckpointResult(dest, checkpoint_id, version, timings={"stamp": time.perf_counter() - t0})
+    timings = {"reserve": t0 - entered}
+    version, snapshot = store.write_then_snapshot(stamp, timings)
+    timings["stamp"] = time.perf_counter() - t0
+    result = CheckpointResult(dest, checkpoint_id, version, timings=timings)
     handle = CheckpointHandle(result)
 
     def copy() -> None:
@@ -238,11 +250,14 @@ def _stamp_and_copy(store: Store, dest: str, doc: dict[str, Any], partial: str, 
             result.timings["total"] = time.perf_counter() - t0
             handle._done.set()
 
+    t1 = time.perf_counter()
     if background:
         handle.thread = threading.Thread(target=copy, name=f"kvckpt-checkpoint-{checkpoint_id[:8]}", daemon=True)
         handle.thread.start()
     else:
         copy()
+    t2 = time.perf_counter()
+    timings.update(start=t2 - t1, blocked=t2 - entered)
     return handle
 
 

@@ -468,15 +468,32 @@ class Store:
             finally:
                 txn.abort()
 
-    def write_then_snapshot(self, fn: Callable[[Txn], T]) -> tuple[T, Snapshot]:
+    def write_then_snapshot(self, fn: Callable[[Txn], T],
+                            timings: dict[str, float] | None = None) -> tuple[T, Snapshot]:
         """Run ``fn`` in a write transaction, then pin a read snapshot of exactly its result.
 
         The snapshot begins before the writer lock is released, so no other write lands between
         the two. The caller must :meth:`Snapshot.close` it (a held snapshot stops LMDB from reusing
         pages freed by later commits, so the file grows while it is open).
+
+        ``timings``, when given, receives the phases in seconds: ``lock_wait`` (for the writer
+        lock), ``txn`` (beginning the transaction and running ``fn``, replays included),
+        ``commit`` (the durable commit: LMDB's two fsync barriers, and the reader check every
+        :data:`READER_CHECK_COMMITS` commits) and ``snapshot`` (pinning the read snapshot and
+        reading the meta pages).
         """
+        t0 = time.perf_counter()
         with self._write_lock:
-            result = self.write(fn)
+            t1 = time.perf_counter()
+            ran = [t1]
+
+            def timed(txn: Txn) -> T:
+                out = fn(txn)
+                ran[0] = time.perf_counter()
+                return out
+
+            result = self.write(timed)
+            t2 = time.perf_counter()
             snapshot = Snapshot(self)
             try:
                 # Both meta pages exactly as this commit left them (no write can land while the
@@ -485,7 +502,10 @@ class Store:
             except BaseException:
                 snapshot.close()
                 raise
-            return result, snapshot
+        if timings is not None:
+            timings.update(lock_wait=t1 - t0, txn=ran[0] - t1, commit=t2 - ran[0],
+                           snapshot=time.perf_counter() - t2)
+        return result, snapshot
 
     def copy_pinned(self, fd: int, snapshot: Snapshot, *, pace: bool = True) -> str:
         """Write the snapshot pinned by :meth:`write_then_snapshot` into the empty file ``fd`` page
