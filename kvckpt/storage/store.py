@@ -11,7 +11,9 @@ A :class:`Store` is one LMDB environment in one file (``subdir=False``) holding 
   have no side effects outside the transaction.
 * **One writer.** A writable handle takes an exclusive ``flock`` on the data file; a second
   writable handle, in this process or another, gets :class:`~kvckpt.errors.StoreLocked`.
-  Writes from several threads of the owning process are serialised.
+  Writes from several threads of the owning process are serialised, in the order they asked
+  (:class:`~kvckpt.storage.fairlock.FairLock`: a checkpoint's stamp waits for at most the writes
+  queued before it).
 * **Identity.** A new store records a format version and a random store id; every open checks
   them and refuses foreign LMDB files, other formats and other versions with
   :class:`~kvckpt.errors.FormatError`.
@@ -57,6 +59,7 @@ from kvckpt.errors import (
     StoreLocked,
     StoreNotFound,
 )
+from kvckpt.storage.fairlock import FairLock
 from kvckpt.storage.filecopy import copy_range
 from kvckpt.storage.layout import TABLES, Layout, NamedTables, OneTree, partial_copy_key
 from kvckpt.storage.txn import Txn
@@ -153,7 +156,7 @@ class Store:
         self.path = os.fspath(path)
         self.readonly = readonly
         self._flock_fd: int | None = None
-        self._write_lock = threading.RLock()
+        self._write_lock = FairLock()
         self._gate = _ReadersGate()
         self._owner: Store | None = None
         self._commits = 0
