@@ -134,3 +134,20 @@ def test_load_processes_are_stopped_and_reaped(tmp_path):
     assert all(p.poll() is None for p in procs)
     blocked_bench.stop_load(procs)
     assert all(p.returncode is not None for p in procs)
+
+
+def test_checkpoint_does_not_wait_for_its_copy_thread_to_run(buffer_factory, tmp_path, monkeypatch):
+    # threading.Thread.start() returns only once the new thread has run; on a saturated machine
+    # that wait blocked the trainer for longer than the stamp itself.
+    buf = buffer_factory()
+    lease = buf.admit([Prompt(prompt_idx=0)])[0]
+    buf.commit_group(lease, make_group(2, 0))
+    caller, start = threading.get_ident(), threading.Thread.start
+
+    def no_waiting_start(self: threading.Thread) -> None:
+        assert threading.get_ident() != caller, "checkpoint() waited for a threading.Thread to start"
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", no_waiting_start)
+    handle = buf.checkpoint(tmp_path / "c.kvckpt")
+    assert handle.wait(60).path == str(tmp_path / "c.kvckpt")
