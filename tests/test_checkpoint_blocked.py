@@ -11,7 +11,7 @@ import pytest
 from conftest import make_group
 
 from benchmarks import blocked_bench
-from kvckpt import Prompt
+from kvckpt import CheckpointError, Prompt
 from kvckpt.storage.fairlock import FairLock
 from kvckpt.storage.store import Store
 
@@ -151,3 +151,11 @@ def test_checkpoint_does_not_wait_for_its_copy_thread_to_run(buffer_factory, tmp
     monkeypatch.setattr(threading.Thread, "start", no_waiting_start)
     handle = buf.checkpoint(tmp_path / "c.kvckpt")
     assert handle.wait(60).path == str(tmp_path / "c.kvckpt")
+
+
+def test_a_checkpoint_into_a_missing_directory_is_refused_before_anything_is_stamped(buffer_factory, tmp_path):
+    buf = buffer_factory()
+    with pytest.raises(CheckpointError, match="does not exist"):
+        buf.checkpoint(tmp_path / "missing" / "c.kvckpt")
+    assert buf.store.read(lambda t: t.get("meta", b"checkpoint")) is None  # nothing stamped
+    assert not (tmp_path / "missing").exists()

@@ -146,17 +146,22 @@ def checkpoint_store(store: Store, dest: str | os.PathLike[str], trainer_state: 
     if os.path.exists(dest) and not overwrite:
         raise CheckpointError(f"checkpoint destination {dest!r} already exists; pass overwrite=True or "
                               "choose a new name")
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"checkpoint directory {directory!r} does not exist")
-    if not os.access(directory, os.W_OK):
-        raise CheckpointError(f"checkpoint directory {directory!r} is not writable")
     try:
         doc = dict(trainer_state or {})
         json.dumps(doc, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise BadArgument(f"trainer_state must be JSON-serialisable: {exc}") from None
     partial = dest + PARTIAL_SUFFIX
-    reservation = _reserve(partial, dest)
+    try:
+        reservation = _reserve(partial, dest)
+    except CheckpointError:
+        # Diagnosed only when the reservation failed: each system call the caller waits for can
+        # cost it a GIL hand-off (milliseconds when producers keep the interpreter busy).
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"checkpoint directory {directory!r} does not exist") from None
+        if not os.access(directory, os.W_OK):
+            raise CheckpointError(f"checkpoint directory {directory!r} is not writable") from None
+        raise
     try:
         return _stamp_and_copy(store, dest, doc, partial, reservation, background, durable_checkpoints, entered)
     except BaseException:
