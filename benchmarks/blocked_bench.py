@@ -16,7 +16,9 @@ Python loop each), ``--io-load N`` runs N processes each writing 1 MB blocks int
 file in the work directory and fsyncing every 16 MB. The load averages at the start and end of
 the loaded phase are recorded with the figures. Each checkpoint's blocked time is broken down
 from :attr:`kvckpt.durability.checkpoint.CheckpointResult.timings` (``breakdown``: per phase
-over all checkpoints; ``worst``: the phases of the slowest ones).
+over all checkpoints; ``worst``: the phases of the slowest ones). ``--switch-interval`` sets this
+process's ``sys.setswitchinterval`` (a trainer's own choice: every system call and every LMDB put
+hands the GIL to a busy producer thread, which keeps it up to one interval).
 """
 
 from __future__ import annotations
@@ -129,7 +131,8 @@ def run(size_gb: float, producers: int, seconds: float, work: str, cpu_load: int
     buf.close()
     worst = sorted(phases, key=lambda p: p["blocked"], reverse=True)[:5]
     return {"size_gb": size_gb, "producers": producers, "seconds": seconds, "cpu_load": cpu_load,
-            "io_load": io_load, "blocked": measure.summary(blocked), "blocked_all": blocked,
+            "io_load": io_load, "switch_interval": sys.getswitchinterval(), "blocked": measure.summary(blocked),
+            "blocked_all": blocked,
             "breakdown": {k: measure.summary([p[k] for p in phases]) for k in PHASES}, "worst": worst,
             "commits": measure.summary(commits), "commits_per_s": len(commits) / seconds,
             "trainer_steps": steps, "copies": copies, "loadavg": load}
@@ -145,9 +148,13 @@ def main() -> None:
     parser.add_argument("--io-load", type=int, default=0, help="processes writing and fsyncing a file (default 0)")
     parser.add_argument("--load-head-start", type=float, default=10.0,
                         help="seconds the load runs before the loaded phase (default 10)")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval for this process, in seconds (default: Python's, 0.005)")
     parser.add_argument("--work", default=None, help="directory on the disk to measure (default /var/tmp)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     work = tempfile.mkdtemp(prefix="kvckpt-blocked-", dir=args.work or "/var/tmp")
     try:
         result = run(args.size, args.producers, args.seconds, work, args.cpu_load, args.io_load,
