@@ -11,7 +11,9 @@ A :class:`Store` is one LMDB environment in one file (``subdir=False``) holding 
   have no side effects outside the transaction.
 * **One writer.** A writable handle takes an exclusive ``flock`` on the data file; a second
   writable handle, in this process or another, gets :class:`~kvckpt.errors.StoreLocked`.
-  Writes from several threads of the owning process are serialised.
+  Writes from several threads of the owning process are serialised, in the order they asked
+  (:class:`~kvckpt.storage.fairlock.FairLock`: a checkpoint's stamp waits for at most the writes
+  queued before it).
 * **Identity.** A new store records a format version and a random store id; every open checks
   them and refuses foreign LMDB files, other formats and other versions with
   :class:`~kvckpt.errors.FormatError`.
@@ -57,6 +59,7 @@ from kvckpt.errors import (
     StoreLocked,
     StoreNotFound,
 )
+from kvckpt.storage.fairlock import FairLock
 from kvckpt.storage.filecopy import copy_range
 from kvckpt.storage.layout import TABLES, Layout, NamedTables, OneTree, partial_copy_key
 from kvckpt.storage.txn import Txn
@@ -153,7 +156,7 @@ class Store:
         self.path = os.fspath(path)
         self.readonly = readonly
         self._flock_fd: int | None = None
-        self._write_lock = threading.RLock()
+        self._write_lock = FairLock()
         self._gate = _ReadersGate()
         self._owner: Store | None = None
         self._commits = 0
@@ -468,15 +471,32 @@ class Store:
             finally:
                 txn.abort()
 
-    def write_then_snapshot(self, fn: Callable[[Txn], T]) -> tuple[T, Snapshot]:
+    def write_then_snapshot(self, fn: Callable[[Txn], T],
+                            timings: dict[str, float] | None = None) -> tuple[T, Snapshot]:
         """Run ``fn`` in a write transaction, then pin a read snapshot of exactly its result.
 
         The snapshot begins before the writer lock is released, so no other write lands between
         the two. The caller must :meth:`Snapshot.close` it (a held snapshot stops LMDB from reusing
         pages freed by later commits, so the file grows while it is open).
+
+        ``timings``, when given, receives the phases in seconds: ``lock_wait`` (for the writer
+        lock), ``txn`` (beginning the transaction and running ``fn``, replays included),
+        ``commit`` (the durable commit: LMDB's two fsync barriers, and the reader check every
+        :data:`READER_CHECK_COMMITS` commits) and ``snapshot`` (pinning the read snapshot and
+        reading the meta pages).
         """
+        t0 = time.perf_counter()
         with self._write_lock:
-            result = self.write(fn)
+            t1 = time.perf_counter()
+            ran = [t1]
+
+            def timed(txn: Txn) -> T:
+                out = fn(txn)
+                ran[0] = time.perf_counter()
+                return out
+
+            result = self.write(timed)
+            t2 = time.perf_counter()
             snapshot = Snapshot(self)
             try:
                 # Both meta pages exactly as this commit left them (no write can land while the
@@ -485,7 +505,10 @@ class Store:
             except BaseException:
                 snapshot.close()
                 raise
-            return result, snapshot
+        if timings is not None:
+            timings.update(lock_wait=t1 - t0, txn=ran[0] - t1, commit=t2 - ran[0],
+                           snapshot=time.perf_counter() - t2)
+        return result, snapshot
 
     def copy_pinned(self, fd: int, snapshot: Snapshot, *, pace: bool = True) -> str:
         """Write the snapshot pinned by :meth:`write_then_snapshot` into the empty file ``fd`` page
