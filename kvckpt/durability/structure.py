@@ -67,18 +67,48 @@ def is_sound(path: str | os.PathLike[str]) -> bool:
     """True when ``path`` is a sound LMDB 0.9 file of kvckpt's shape (so ``lmdb.verify`` finds nothing
     in it); False when that is not proven, including when it cannot be read (then ask ``lmdb.verify``,
     which names the problem). Never raises."""
-    if sys.byteorder != "little":
-        return False
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return False
     try:
-        return _Check(fd, os.fstat(fd).st_size).run()
-    except (_NotProven, OSError, OverflowError, ValueError, IndexError, struct.error, MemoryError):
-        return False
+        return _proven(_Check(fd)) is not None
     finally:
         os.close(fd)
+
+
+def unused_ranges(fd: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The byte ranges of the LMDB file open as ``fd`` that hold nothing of its committed state, as
+    (offsets, lengths), when :func:`is_sound` would prove the file; None when that is not proven.
+
+    They are: every page the freeDB lists as free, the unused middle (between ``mp_lower`` and
+    ``mp_upper``) of every reachable branch and leaf page, and the rest of every overflow run's
+    last page after its value. LMDB writes its pages from reused buffers without clearing them, so
+    these bytes can hold anything the writing process held before (deleted records, older
+    versions); liblmdb never reads them, and neither check reads them. Reads what
+    :func:`is_sound` reads; never raises.
+    """
+    check = _proven(_Check(fd, unused=True))
+    if check is None:
+        return None
+    psize = check.psize
+    free = np.concatenate([np.zeros(0, np.int64), *check.free_pages]) * psize
+    offsets = np.concatenate([free, *(u[0] for u in check.unused)])
+    lengths = np.concatenate([np.full(len(free), psize, np.int64), *(u[1] for u in check.unused)])
+    keep = lengths > 0
+    return offsets[keep], lengths[keep]
+
+
+def _proven(check: _Check) -> _Check | None:
+    """``check`` after a successful run, or None when its file is not proven sound."""
+    if sys.byteorder != "little":
+        return None
+    try:
+        check.size = os.fstat(check.fd).st_size
+        check.run()
+    except (_NotProven, OSError, OverflowError, ValueError, IndexError, struct.error, MemoryError):
+        return None
+    return check
 
 
 def _need(condition: bool) -> None:
@@ -87,11 +117,13 @@ def _need(condition: bool) -> None:
 
 
 class _Check:
-    def __init__(self, fd: int, size: int) -> None:
-        self.fd, self.size = fd, size
+    def __init__(self, fd: int, *, unused: bool = False) -> None:
+        self.fd, self.size = fd, 0
         self.tree_pages = array("q")
         self.runs: list[np.ndarray] = []  # (start, length) of overflow runs, one array per tree
         self.free_pages: list[np.ndarray] = []
+        #: With ``unused``: (byte offsets, lengths) of the unused parts of tree pages and overflow runs.
+        self.unused: list[np.ndarray] | None = [] if unused else None
 
     def read(self, offset: int, length: int) -> bytes:
         _need(offset + length <= self.size)
@@ -191,6 +223,9 @@ class _Check:
         upper, numkeys = self.bounds(page)
         _need(numkeys >= 1)
         counts["branch"] += 1
+        if self.unused is not None:
+            lower = _HDR + 2 * numkeys
+            self.unused.append(np.array([[pgno * self.psize + lower], [upper - lower]], np.int64))
         children, separators = [], []
         for i in range(numkeys):
             o = _U16.unpack_from(page, _HDR + 2 * i)[0]
@@ -271,6 +306,11 @@ class _Check:
         _need(bool(np.all(first + need <= self.next_pgno)) and bool(np.all((first + 1) * psize <= self.size)))
         self.overflow_headers(first, need)
         self.runs.append(np.stack([first, need]))
+        if self.unused is not None:
+            pgnos = _u64(pages, 0).astype(np.int64)
+            value_end = first * psize + _HDR + dsize[big]
+            self.unused.append(np.stack([np.concatenate([pgnos * psize + lower, value_end]),
+                                         np.concatenate([upper - lower, (first + need) * psize - value_end])]))
         if is_free:
             self.free_lists(blob, data_at, dsize, big, first, need)
         return total, int(need.sum()), last
