@@ -103,6 +103,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("checkpoint-page-copy-keeps-the-older-meta", "kvckpt/storage/store.py",
              "os.pwrite(fd, _twin_metas(snapshot.metas, psize), 0)", "os.pwrite(fd, snapshot.metas, 0)",
              ("tests/test_checkpoint_meta_damage.py",)),
+    Mutation("checkpoint-keeps-unused-bytes", "kvckpt/durability/checkpoint.py",
+             "    found = unused_ranges(fd)\n", "    found = None\n",
+             ("tests/test_checkpoint_free_pages.py",)),
     Mutation("finish-step-two-transactions", "kvckpt/buffer/replay_buffer.py",
              "        return self._write(lambda t: training.finish_step(t, self.config, weight_version))\n",
              "        version = self._write(lambda t: training.finish_step(t, self.config, weight_version))\n"

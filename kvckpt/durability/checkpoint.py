@@ -31,6 +31,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import json
+import logging
 import os
 import sys
 import threading
@@ -43,6 +44,7 @@ from typing import Any
 from kvckpt.durability.format import buffer_config
 from kvckpt.durability.recovery import RecoveryPlan, recover_store
 from kvckpt.durability.safe_open import check_header, copy_used, open_readonly, prove_structure
+from kvckpt.durability.structure import unused_ranges
 from kvckpt.errors import (
     BadArgument,
     CheckpointError,
@@ -56,12 +58,16 @@ from kvckpt.storage.layout import stored_key
 from kvckpt.storage.store import FILE_MODE, Store, Txn, fsync_dir, fsync_file, lock_or_close, writer_active
 from kvckpt.tables.access import Tables
 
+log = logging.getLogger("kvckpt.checkpoint")
+
 #: A checkpoint (or restore) being written carries this suffix until it is complete.
 PARTIAL_SUFFIX = ".partial"
 #: A checkpoint copies its snapshot page for page (IO-bound, at the disk's rate) unless more than
 #: this share of the snapshot's pages are free; then it compacts them away with LMDB's compacting
 #: copy (a CPU-bound tree walk, at nice 19) so that the file stays small.
 COMPACT_WHEN_FREE = 0.25
+#: Bytes of zeros written per call when a page copy's unused bytes are cleared.
+ZERO_CHUNK = 8 << 20
 
 
 @dataclass
@@ -83,6 +89,8 @@ class CheckpointResult:
     timings: dict[str, float] = field(default_factory=dict)
     #: How the snapshot was written: "clone", "copy" or "compact" (see Store.copy_pinned).
     how: str = ""
+    #: Bytes a page copy overwrote with zeros because they held nothing of the snapshot (:func:`_zero_unused`).
+    zeroed_bytes: int = 0
 
 
 class CheckpointHandle:
@@ -226,6 +234,10 @@ def _stamp_and_copy(store: Store, dest: str, doc: dict[str, Any], partial: str, 
                     store.copy_snapshot(fd, snapshot.txn)
             else:
                 result.how = store.copy_pinned(fd, snapshot)
+                snapshot.close()  # what follows reads only the copy
+                t_zero = time.perf_counter()
+                result.zeroed_bytes = _zero_unused(fd)
+                result.timings["zero_unused"] = time.perf_counter() - t_zero
             snapshot.close()
             t2 = time.perf_counter()
             os.fsync(fd)
@@ -271,6 +283,29 @@ def _stamp_and_copy(store: Store, dest: str, doc: dict[str, Any], partial: str, 
     t2 = time.perf_counter()
     timings.update(start=t2 - t1, blocked=t2 - entered)
     return handle
+
+
+def _zero_unused(fd: int) -> int:
+    """Overwrite with zeros every byte of the page copy open as ``fd`` that holds nothing of its
+    snapshot (:func:`kvckpt.durability.structure.unused_ranges`: free pages, the unused middle of
+    tree pages, the rest of overflow runs' last pages) and return how many were written.
+
+    A page copy takes the live file's pages as they are, and LMDB fills those bytes from reused
+    buffers: older versions of records, rows dropped since, an earlier stamp's trainer_state. A
+    checkpoint is a file users hand on, so it must carry its snapshot and nothing else (LMDB's
+    compacting copy carries none either). A copy the structure proof cannot read (an older format's
+    shape) keeps them, and a warning says so.
+    """
+    found = unused_ranges(fd)
+    if found is None:
+        log.warning("checkpoint copy: its unused bytes were not cleared (the copy's shape is not one the "
+                    "structure proof reads); run `kvckpt compact` on it before handing it on")
+        return 0
+    zeroed = 0
+    for offset, length in zip(*(a.tolist() for a in found), strict=True):
+        for pos in range(offset, offset + length, ZERO_CHUNK):
+            zeroed += os.pwrite(fd, bytes(min(ZERO_CHUNK, offset + length - pos)), pos)
+    return zeroed
 
 
 def _at_lowest_cpu_priority(fn: Callable[[], None]) -> None:

@@ -87,19 +87,48 @@ def proven_keys(path: str | os.PathLike[str], prefix: bytes | None, *, headers: 
     further read. Iterating them through liblmdb instead touches the first page of every large
     value (py-lmdb reads into each value it steps over, keys-only or not): on a cold page cache, one
     page per row, a read of about the whole file. Memory: the keys in the range."""
-    if sys.byteorder != "little":
-        return None
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        check = _Check(fd, os.fstat(fd).st_size, headers, prefix)
-        return check.keys if check.run() else None
-    except (_NotProven, OSError, OverflowError, ValueError, IndexError, struct.error, MemoryError):
-        return None
+        check = _Check(fd, 0, headers, prefix)
+        return check.keys if _proven(check) else None
     finally:
         os.close(fd)
+
+
+def unused_ranges(fd: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The byte ranges of the LMDB file open as ``fd`` that hold nothing of its committed state, as
+    (offsets, lengths), when :func:`is_sound` would prove the file; None when that is not proven.
+
+    They are: every page the freeDB lists as free, the unused middle (between ``mp_lower`` and
+    ``mp_upper``) of every reachable branch and leaf page, and the rest of every overflow run's
+    last page after its value. LMDB writes its pages from reused buffers without clearing them, so
+    these bytes can hold anything the writing process held before (deleted records, older
+    versions); liblmdb never reads them, and neither check reads them. Reads what
+    :func:`is_sound` reads; never raises.
+    """
+    check = _Check(fd, 0, unused=True)
+    if not _proven(check):
+        return None
+    psize = check.psize
+    free = np.concatenate([np.zeros(0, np.int64), *check.free_pages]) * psize
+    offsets = np.concatenate([free, *(u[0] for u in check.unused)])
+    lengths = np.concatenate([np.full(len(free), psize, np.int64), *(u[1] for u in check.unused)])
+    keep = lengths > 0
+    return offsets[keep], lengths[keep]
+
+
+def _proven(check: _Check) -> bool:
+    """Run ``check`` on its whole file: True when the file is proven sound. Never raises."""
+    if sys.byteorder != "little":
+        return False
+    try:
+        check.size = os.fstat(check.fd).st_size
+        return check.run()
+    except (_NotProven, OSError, OverflowError, ValueError, IndexError, struct.error, MemoryError):
+        return False
 
 
 def _need(condition: bool) -> None:
@@ -108,12 +137,15 @@ def _need(condition: bool) -> None:
 
 
 class _Check:
-    def __init__(self, fd: int, size: int, headers: bool = True, prefix: bytes | None = None) -> None:
+    def __init__(self, fd: int, size: int, headers: bool = True, prefix: bytes | None = None, *,
+                 unused: bool = False) -> None:
         self.fd, self.size, self.headers, self.prefix = fd, size, headers, prefix
         self.keys: list[bytes] = []  # the main tree's keys starting with ``prefix``
         self.tree_pages = array("q")
         self.runs: list[np.ndarray] = []  # (start, length) of overflow runs, one array per tree
         self.free_pages: list[np.ndarray] = []
+        #: With ``unused``: (byte offsets, lengths) of the unused parts of tree pages and overflow runs.
+        self.unused: list[np.ndarray] | None = [] if unused else None
 
     def read(self, offset: int, length: int) -> bytes:
         _need(offset + length <= self.size)
@@ -213,6 +245,9 @@ class _Check:
         upper, numkeys = self.bounds(page)
         _need(numkeys >= 1)
         counts["branch"] += 1
+        if self.unused is not None:
+            lower = _HDR + 2 * numkeys
+            self.unused.append(np.array([[pgno * self.psize + lower], [upper - lower]], np.int64))
         children, separators = [], []
         for i in range(numkeys):
             o = _U16.unpack_from(page, _HDR + 2 * i)[0]
@@ -313,6 +348,11 @@ class _Check:
         if self.headers:
             self.overflow_headers(first, need)
         self.runs.append(np.stack([first, need]))
+        if self.unused is not None:
+            pgnos = _u64(pages, 0).astype(np.int64)
+            value_end = first * psize + _HDR + dsize[big]
+            self.unused.append(np.stack([np.concatenate([pgnos * psize + lower, value_end]),
+                                         np.concatenate([upper - lower, (first + need) * psize - value_end])]))
         if is_free:
             self.free_lists(blob, data_at, dsize, big, first, need)
         return total, int(need.sum()), last
