@@ -119,8 +119,8 @@ def test_a_commit_after_the_stamp_stays_out_of_the_checkpoint(buffer_factory, tm
     stamp_then_snapshot = buf.store.write_then_snapshot
     landed: list[str] = []
 
-    def commit_right_after_the_stamp(fn: Callable[[Any], Any]) -> Any:
-        result = stamp_then_snapshot(fn)  # the stamp is committed; nothing has been copied yet
+    def commit_right_after_the_stamp(fn: Callable[[Any], Any], *args: Any) -> Any:
+        result = stamp_then_snapshot(fn, *args)  # the stamp is committed; nothing has been copied yet
         landed.append(buf.commit_group(late, make_group(GROUP_SIZE, 2)).group_id)
         return result
 

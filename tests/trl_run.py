@@ -15,10 +15,41 @@ import json
 import os
 import signal
 import sys
+import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from trl_cpu import default_like_worker, install_cpu_stand_ins
+
+
+class WatchedLock:
+    """The worker's ``engine_lock``, recording whether another thread is blocked on it: the kill
+    point's condition (a worker blocked there holds admitted leases it cannot generate)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.blocked = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(blocking=False):
+            return True
+        if not blocking:
+            return False
+        self.blocked.set()
+        try:
+            return self._lock.acquire(True, timeout)
+        finally:
+            self.blocked.clear()
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> WatchedLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def main() -> None:
@@ -75,16 +106,21 @@ def main() -> None:
             if state.global_step != cfg["kill_at"]:
                 return
             if cfg["mode"] == "kvckpt":
-                # Admitted while the engine is held, a prompt cannot be generated or committed before the kill.
+                # While the engine is held, a prompt admitted now, or held by a worker blocked on the
+                # engine, cannot be generated or committed before the kill. (Waiting for a new
+                # admission alone hung when the worker had admitted its leases just before and was
+                # blocked on the engine: nothing new could be admitted.)
                 worker.engine_lock.acquire()
                 before = {e.group_id for e in worker.buffer.ledger()}
-                while not {e.group_id for e in worker.buffer.ledger()} - before:
+                engine_waited_on = worker.engine_lock.blocked
+                while not ({e.group_id for e in worker.buffer.ledger()} - before or engine_waited_on.is_set()):
                     worker.buffer.wait_for_change(0.1)
             os.kill(os.getpid(), signal.SIGKILL)
 
     if cfg["mode"] == "kvckpt":
         worker = KvckptRolloutWorker(os.path.join(cfg["workdir"], "buffer.kv"), cfg["model"], dataset, [reward], args,
                                      capacity=8, retain_consumed=True)
+        worker.engine_lock = WatchedLock()
         extra = {"rollout_worker": worker, "weight_transfer": worker.weight_transfer}
         callbacks = [worker.callback, Probe()]
     else:
