@@ -6,7 +6,7 @@ pages) before releasing the writer lock, then a background thread writes the sna
 reserved file: page for page (:meth:`~kvckpt.storage.store.Store.copy_pinned`: a clone where the
 filesystem has reflinks, else an in-kernel copy paced by ``sync_file_range``; IO-bound, at the
 disk's rate, never blocking writers; it runs at normal CPU priority because it needs little,
-about 0.7 CPU-seconds per GB of file in bursts of one 8 MB chunk, and at nice 19 a saturated
+about 0.7 CPU-seconds per GB of file in bursts of one 2 MB chunk, and at nice 19 a saturated
 machine starved it 10-20x), or, when more than :data:`COMPACT_WHEN_FREE` of the
 snapshot's pages are free, with LMDB's compacting copy at nice 19 (CPU-bound; keeps the file
 small). It fsyncs the copy, renames it to its final name and fsyncs the directory. A file under
