@@ -13,6 +13,12 @@
    the live store in the background and in the foreground (stamp to renamed, fsynced file; how
    the snapshot was written is kept: ``clone``, ``copy`` or ``compact``), with the load average.
 
+With part 1 it also reports the floor of a restore that copies: without clones, ``restore()`` must
+write the whole file durably before its first transition (``select`` commits, and LMDB's commit
+fsyncs every dirty page of the file, the copy's included), so ``file bytes / the disk's
+sequential fsync'd write rate`` (measured three times around the restores) bounds it, and
+``torch.load``'s time over that floor is the best ratio a copying restore can reach on this disk.
+
 Only the copies (seconds, on an existing store): ``--copies-only``.
 
 Stores are built under ``--work`` (on the disk to measure; deleted afterwards).
@@ -151,9 +157,13 @@ def main() -> None:
         built.baseline.checkpoint(pt)
         live = built.buffer.path
         built.buffer.close()
-        result = {"size_gb": args.size, "groups": ingested["groups"], "file_bytes": os.path.getsize(ckpt),
+        size = os.path.getsize(ckpt)
+        disk = [baselines.sequential_write(os.path.join(work, "disk.probe"), size)]
+        result = {"size_gb": args.size, "groups": ingested["groups"], "file_bytes": size,
                   "loadavg_start": os.getloadavg(),
                   "restore": measure.restore_first_batch(ckpt, pt, work, settings),
+                  "disk_mb_s": disk + [baselines.sequential_write(os.path.join(work, "disk.probe"), size)
+                                       for _ in range(2)],
                   "passes": pass_costs(ckpt),
                   "copies": [] if args.skip_copies else copies(ckpt, live, os.path.join(work, "copy.out")),
                   "loadavg_end": os.getloadavg()}
@@ -163,6 +173,11 @@ def main() -> None:
     for mode, doc in result["restore"].items():
         p50 = doc["seconds"]["p50"]
         print(f"{mode:16} {p50:8.3f} s  {torch_s / p50:5.1f}x torch.load  {doc['breakdown']}")
+    rate = sorted(result["disk_mb_s"])[1]
+    floor = result["file_bytes"] / 1e6 / rate
+    print(f"copying floor: the {result['file_bytes'] / 1e6:.0f} MB file written durably at {rate:.0f} MB/s "
+          f"(median of {[round(r) for r in result['disk_mb_s']]}) takes {floor:.3f} s: "
+          f"a restore that copies reaches at most {torch_s / floor:.1f}x torch.load on this disk")
     print("passes (s):", {k: round(v, 3) for k, v in result["passes"].items()})
     for done in result["copies"]:
         print("copies:", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in done.items()}))
