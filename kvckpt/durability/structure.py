@@ -103,9 +103,19 @@ def proven_keys(path: str | os.PathLike[str], prefix: bytes | None, *, headers: 
         os.close(fd)
 
 
-def unused_ranges(fd: int) -> tuple[np.ndarray, np.ndarray] | None:
+def unused_ranges(fd: int, metas: bytes | None = None, *,
+                  headers: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
     """The byte ranges of the LMDB file open as ``fd`` that hold nothing of its committed state, as
-    (offsets, lengths), when :func:`is_sound` would prove the file; None when that is not proven.
+    (offsets, lengths) in file order, when :func:`is_sound` would prove the file; None when that is
+    not proven.
+
+    ``metas``, when given, are the file's two meta pages as a pinned snapshot saw them (what
+    :meth:`kvckpt.storage.store.Store.write_then_snapshot` captures): the walk then starts from them
+    instead of the file's own, so a live file that later commits have changed is walked as the
+    snapshot's state (every page that state reaches stays untouched while it is pinned).
+    ``headers=False`` proves as :func:`is_sound` with ``headers=False`` does: the ranges do not
+    depend on the overflow runs' headers, and a file kvckpt writes itself need not have them read
+    (one page per row).
 
     They are: every page the freeDB lists as free, the unused middle (between ``mp_lower`` and
     ``mp_upper``) of every reachable branch and leaf page, and the rest of every overflow run's
@@ -114,7 +124,7 @@ def unused_ranges(fd: int) -> tuple[np.ndarray, np.ndarray] | None:
     versions); liblmdb never reads them, and neither check reads them. Reads what
     :func:`is_sound` reads; never raises.
     """
-    check = _Check(fd, 0, unused=True)
+    check = _Check(fd, 0, headers, unused=True, metas=metas)
     if not _proven(check):
         return None
     psize = check.psize
@@ -122,7 +132,8 @@ def unused_ranges(fd: int) -> tuple[np.ndarray, np.ndarray] | None:
     offsets = np.concatenate([free, *(u[0] for u in check.unused)])
     lengths = np.concatenate([np.full(len(free), psize, np.int64), *(u[1] for u in check.unused)])
     keep = lengths > 0
-    return offsets[keep], lengths[keep]
+    order = np.argsort(offsets[keep], kind="stable")
+    return offsets[keep][order], lengths[keep][order]
 
 
 def _proven(check: _Check) -> bool:
@@ -143,8 +154,9 @@ def _need(condition: bool) -> None:
 
 class _Check:
     def __init__(self, fd: int, size: int, headers: bool = True, prefix: bytes | None = None, *,
-                 unused: bool = False) -> None:
+                 unused: bool = False, metas: bytes | None = None) -> None:
         self.fd, self.size, self.headers, self.prefix = fd, size, headers, prefix
+        self.head = metas  # the meta pages to walk from instead of the file's own
         self.keys: list[bytes] = []  # the main tree's keys starting with ``prefix``
         self.tree_pages = array("q")
         self.runs: list[np.ndarray] = []  # (start, length) of overflow runs, one array per tree
@@ -154,6 +166,9 @@ class _Check:
 
     def read(self, offset: int, length: int) -> bytes:
         _need(offset + length <= self.size)
+        if self.head is not None and offset < len(self.head):
+            _need(offset + length <= len(self.head))
+            return self.head[offset:offset + length]
         data = os.pread(self.fd, length, offset)
         _need(len(data) == length)
         return data
@@ -189,10 +204,7 @@ class _Check:
         self.free_db, self.main_db = meta["free"], meta["main"]
 
     def meta(self, pgno: int, psize: int) -> dict:
-        offset = pgno * psize
-        _need(offset + _HDR + 136 <= self.size)
-        buf = os.pread(self.fd, _HDR + 136, offset)
-        _need(len(buf) == _HDR + 136)
+        buf = self.read(pgno * psize, _HDR + 136)
         page_no, flags = _META.unpack_from(buf, 0)
         magic, version = struct.unpack_from("<II", buf, _HDR)
         _need(bool(flags & _P_META) and magic == _MAGIC and version == _DATA_VERSION)

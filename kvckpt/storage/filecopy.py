@@ -21,6 +21,7 @@ import errno
 import fcntl
 import os
 import struct
+from collections.abc import Callable
 
 #: Bytes per ``copy_file_range`` call and per paced write-back window. A producer's fsync on ext4
 #: waits for the copy's write-back in flight (ordered data), up to two chunks: 8 MB chunks made the
@@ -68,7 +69,7 @@ def clone_range(src_fd: int, dst_fd: int, start: int, end: int) -> bool:
 
 
 def copy_range(src_fd: int, dst_fd: int, start: int, end: int, *, clone: bool = True, pace: bool = False,
-               zeros_past_eof: bool = False) -> str:
+               zeros_past_eof: bool = False, before_writeback: Callable[[int, int], object] | None = None) -> str:
     """Make ``dst_fd``'s bytes ``[start, end)`` equal to ``src_fd``'s (same offsets) and return how:
     ``"clone"`` or ``"copy"``.
 
@@ -80,6 +81,10 @@ def copy_range(src_fd: int, dst_fd: int, start: int, end: int, *, clone: bool = 
             zeros for the rest instead of raising: an LMDB file may end before its last page,
             since LMDB never writes a page it allocated and freed in one transaction. Defaults
             to False.
+        before_writeback: called as ``before_writeback(chunk_start, chunk_end)`` once each chunk is
+            copied, before its write-back starts: a change made there to the chunk's bytes is
+            written once, with the copy (a change after a paced copy writes those pages again).
+            Not called for a clone, nor for the zeros written past the source's end.
 
     Raises:
         EOFError: ``src_fd`` ended before ``end`` (it shrank meanwhile); the caller names the file.
@@ -87,7 +92,7 @@ def copy_range(src_fd: int, dst_fd: int, start: int, end: int, *, clone: bool = 
     """
     if zeros_past_eof and os.fstat(src_fd).st_size < end:
         available = max(start, os.fstat(src_fd).st_size)
-        how = copy_range(src_fd, dst_fd, start, available, clone=clone, pace=pace)
+        how = copy_range(src_fd, dst_fd, start, available, clone=clone, pace=pace, before_writeback=before_writeback)
         for pos in range(available, end, CHUNK):
             os.pwrite(dst_fd, bytes(min(CHUNK, end - pos)), pos)
         return how
@@ -112,6 +117,8 @@ def copy_range(src_fd: int, dst_fd: int, start: int, end: int, *, clone: bool = 
             if sent == 0:
                 raise EOFError(f"the source ended at byte {pos:,}; {end:,} were to be copied")
             pos += sent
+        if before_writeback is not None:
+            before_writeback(chunk, stop)
         if pace and _sync_file_range is not None:
             _sync(dst_fd, chunk, stop, _SYNC_WRITE)  # start this chunk's write-back now
             if previous is not None:

@@ -501,7 +501,7 @@ class Store:
             try:
                 # Both meta pages exactly as this commit left them (no write can land while the
                 # lock is held): what a plain copy of the snapshot starts with (copy_pinned).
-                snapshot.metas = os.pread(self._data_fd(), 2 * self.env.stat()["psize"], 0)
+                snapshot.metas = os.pread(self.data_fd(), 2 * self.env.stat()["psize"], 0)
             except BaseException:
                 snapshot.close()
                 raise
@@ -510,7 +510,8 @@ class Store:
                            snapshot=time.perf_counter() - t2)
         return result, snapshot
 
-    def copy_pinned(self, fd: int, snapshot: Snapshot, *, pace: bool = True) -> str:
+    def copy_pinned(self, fd: int, snapshot: Snapshot, *, pace: bool = True,
+                    before_writeback: Callable[[int, int], object] | None = None) -> str:
         """Write the snapshot pinned by :meth:`write_then_snapshot` into the empty file ``fd`` page
         for page and return how: ``"clone"`` or ``"copy"``.
 
@@ -524,6 +525,8 @@ class Store:
         copy's free list says it is free. So
         the copy is IO-bound: no tree walk, no user-space buffer, but the snapshot's free pages
         are copied too (:meth:`free_share`; :meth:`copy_snapshot` compacts). Nothing is fsynced.
+        ``before_writeback`` is passed to :func:`~kvckpt.storage.filecopy.copy_range` (a change to
+        each copied chunk before it is written back).
 
         Raises:
             KvckptError: ``snapshot`` was not pinned by :meth:`write_then_snapshot`, or the file
@@ -533,7 +536,8 @@ class Store:
         psize, pages = self._pinned_pages(snapshot)
         try:
             os.pwrite(fd, _twin_metas(snapshot.metas, psize), 0)
-            return copy_range(self._data_fd(), fd, 2 * psize, pages * psize, pace=pace, zeros_past_eof=True)
+            return copy_range(self.data_fd(), fd, 2 * psize, pages * psize, pace=pace, zeros_past_eof=True,
+                              before_writeback=before_writeback)
         except EOFError as exc:
             raise KvckptError(f"{self.path!r} is shorter than its committed pages: {exc}") from None
         except OSError as exc:
@@ -547,9 +551,10 @@ class Store:
         _, pages = self._pinned_pages(snapshot)
         return max(0, pages - 2 - self._tree_pages(snapshot.txn)) / pages
 
-    def _data_fd(self) -> int:
+    def data_fd(self) -> int:
         """The writer's descriptor of its data file (its lock descriptor): the file this handle
-        writes even after its path was renamed or deleted."""
+        writes even after its path was renamed or deleted. Read it, never write it: every write
+        goes through a transaction."""
         fd = (self._owner or self)._flock_fd
         if fd is None:
             raise KvckptError(f"{self.path!r} is not open for writing by this handle")
