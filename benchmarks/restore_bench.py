@@ -11,7 +11,8 @@
    sequential fsync'd write rate (fresh bytes, as figure 4), a plain sequential copy of the
    checkpoint file with one fsync, restore's copy (``copy_used`` + fsync), and the checkpoint of
    the live store in the background and in the foreground (stamp to renamed, fsynced file; how
-   the snapshot was written is kept: ``clone``, ``copy`` or ``compact``), with the load average.
+   the snapshot was written is kept: ``clone``, ``copy`` or ``compact``, and the checkpoint's
+   phases), with the load average.
 
 With part 1 it also reports the floor of a restore that copies: without clones, ``restore()`` must
 write the whole file durably before its first transition (``select`` commits, and LMDB's commit
@@ -116,6 +117,8 @@ def copies(ckpt: str, live: str, out: str, repeats: int = 2) -> list[dict[str, f
                 done = buf.checkpoint(out, background=background).wait()
                 result[name] = time.perf_counter() - t0
                 result[f"{name}_how"] = done.how
+                result[f"{name}_phases"] = {k: round(v, 4) for k, v in done.timings.items()
+                                            if k in ("stamp", "find_unused", "copy", "zero_unused", "fsync_rename")}
         result.update({f"{k}_mb_s": size / result[k] / 1e6
                        for k in ("plain", "restore_copy", "checkpoint_background", "checkpoint_foreground")})
         rounds.append(result)
