@@ -501,7 +501,7 @@ class Store:
             try:
                 # Both meta pages exactly as this commit left them (no write can land while the
                 # lock is held): what a plain copy of the snapshot starts with (copy_pinned).
-                snapshot.metas = os.pread(self._data_fd(), 2 * self.env.stat()["psize"], 0)
+                snapshot.metas = os.pread(self.data_fd(), 2 * self.env.stat()["psize"], 0)
             except BaseException:
                 snapshot.close()
                 raise
@@ -533,7 +533,7 @@ class Store:
         psize, pages = self._pinned_pages(snapshot)
         try:
             os.pwrite(fd, _twin_metas(snapshot.metas, psize), 0)
-            return copy_range(self._data_fd(), fd, 2 * psize, pages * psize, pace=pace, zeros_past_eof=True)
+            return copy_range(self.data_fd(), fd, 2 * psize, pages * psize, pace=pace, zeros_past_eof=True)
         except EOFError as exc:
             raise KvckptError(f"{self.path!r} is shorter than its committed pages: {exc}") from None
         except OSError as exc:
@@ -547,9 +547,13 @@ class Store:
         _, pages = self._pinned_pages(snapshot)
         return max(0, pages - 2 - self._tree_pages(snapshot.txn)) / pages
 
-    def _data_fd(self) -> int:
+    def data_fd(self) -> int:
         """The writer's descriptor of its data file (its lock descriptor): the file this handle
-        writes even after its path was renamed or deleted."""
+        writes even after its path was renamed or deleted. Read it with ``os.pread``; never close it.
+
+        Raises:
+            KvckptError: the handle is read-only or closed.
+        """
         fd = (self._owner or self)._flock_fd
         if fd is None:
             raise KvckptError(f"{self.path!r} is not open for writing by this handle")
