@@ -138,6 +138,9 @@ def test_the_proofs_row_keys_are_what_iteration_finds(live: Path) -> None:
     assert proven is not None and len(proven) == 280 * 4
     assert [key[1:] for key in proven] == iterated
     assert proven_keys(live, b"r") == proven
+    with Store(str(live)) as store:  # the file a writable handle has open, through its descriptor
+        assert proven_keys(store.data_fd(), b"r", headers=False) == proven
+        assert proven_keys(store.data_fd(), b"r", headers=False) == proven  # and left open
     assert proven_keys(live, None) == [] and proven_keys(live.parent / "missing.kv", b"r") is None
 
 
@@ -150,3 +153,28 @@ def test_a_row_missing_from_the_live_store_is_refused_through_the_proofs_keys(li
     out = _fresh(_RECOVER, path=str(live))
     assert out["calls"] == {"proof": 1, "lookups": 0, "row_iterations": 0}, out
     assert out["codes"] == ["row-set"] and group.decode() in out["error"], out
+
+
+def test_the_crash_path_proves_the_file_the_store_has_open_not_what_its_path_names_now(live: Path) -> None:
+    """The live file's rows tree is damaged (lookups miss rows, as above); after the trainer opened
+    it, an intact copy of it is renamed over its path. The proof must read the file the handle has
+    open, not re-open the path: proving the renamed copy would accept its tree, skip the lookups and
+    recover the damaged file as sound."""
+    intact = live.parent / "intact.kv"
+    intact.write_bytes(live.read_bytes())
+    _raise_rows_separators(live)
+    out = _fresh("""
+        import os
+        from kvckpt import ReplayBuffer, VerificationFailed
+        buf = ReplayBuffer.open(ARGS["path"])
+        os.replace(ARGS["intact"], ARGS["path"])  # another file takes the path while the store is open
+        try:
+            plan = buf.recover()
+            out.update(redispatched=plan.groups_redispatched)
+        except VerificationFailed as exc:
+            out.update(error=str(exc), codes=sorted({p.code for p in exc.problems}))
+        finally:
+            buf.close()
+    """, path=str(live), intact=str(intact))
+    assert out["calls"] == {"proof": 1, "lookups": 1, "row_iterations": 2}, out
+    assert out["codes"] == ["unreachable"] and "rows/" in out["error"], out

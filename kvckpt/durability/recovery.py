@@ -116,7 +116,8 @@ def recover_store(store: Store, config: BufferConfig, resume_version: int | None
         lookups: look every key up (:func:`kvckpt.durability.verify.check`). True: always.
             False: never, for a file the caller proved with
             :func:`kvckpt.durability.structure.is_sound` (restore's copy). Defaults to None: prove
-            the store's tree with ``is_sound(headers=False)`` inside the recovery transaction (it
+            the tree of the file the store has open (:meth:`~kvckpt.storage.store.Store.data_fd`,
+            not its path) with ``is_sound(headers=False)`` inside the recovery transaction (it
             reads the branch and leaf pages, no row's page; ``plan.timings``'s ``structure``),
             take the rows' keys from that proof, and look every key up and iterate the rows only
             when it is not proven (a damaged page, or a format-1/2 file of named tables).
@@ -154,9 +155,12 @@ def recover_store(store: Store, config: BufferConfig, resume_version: int | None
             # the header of every row's first page (the live file was never structure-checked
             # before liblmdb mapped it: it is the store's own, crash-consistent file). The row
             # keys it read are the snapshot's, so the verifier takes them instead of iterating
-            # the rows (which on a cold cache reads a page of every row).
+            # the rows (which on a cold cache reads a page of every row). It reads the file
+            # through the handle's own descriptor, never by path: a file renamed over the path
+            # since the store was opened is not the one liblmdb reads, and proving it would
+            # skip the lookups of this one.
             ts = time.perf_counter()
-            stored_rows = proven_keys(store.path, txn.layout.region("rows", b"")[1], headers=False)
+            stored_rows = proven_keys(store.data_fd(), txn.layout.region("rows", b"")[1], headers=False)
             look = stored_rows is None
             timings["structure"] = time.perf_counter() - ts
         row_keys = None if stored_rows is None else [txn.layout.logical("rows", key) for key in stored_rows]

@@ -83,22 +83,28 @@ def is_sound(path: str | os.PathLike[str], *, headers: bool = True) -> bool:
     return proven_keys(path, None, headers=headers) is not None
 
 
-def proven_keys(path: str | os.PathLike[str], prefix: bytes | None, *, headers: bool = True) -> list[bytes] | None:
+def proven_keys(file: str | os.PathLike[str] | int, prefix: bytes | None, *,
+                headers: bool = True) -> list[bytes] | None:
     """:func:`is_sound`, returning the keys of the main tree that start with ``prefix``, in order, as
     the proof read them from the leaf pages (none when ``prefix`` is None); None when the file is not
     proven. Never raises.
+
+    ``file`` is a path, or a descriptor open for reading (read with ``os.pread``, left open): the
+    file a handle has open, whatever its path names by now (:func:`kvckpt.durability.recovery.recover_store`).
 
     On a proven file these are exactly the keys an iteration of that range finds, and they cost no
     further read. Iterating them through liblmdb instead touches the first page of every large
     value (py-lmdb reads into each value it steps over, keys-only or not): on a cold page cache, one
     page per row, a read of about the whole file. Memory: the keys in the range."""
+    if isinstance(file, int):
+        check = _Check(file, 0, headers, prefix)
+        return check.keys if _proven(check) else None
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(file, os.O_RDONLY)
     except OSError:
         return None
     try:
-        check = _Check(fd, 0, headers, prefix)
-        return check.keys if _proven(check) else None
+        return proven_keys(fd, prefix, headers=headers)
     finally:
         os.close(fd)
 

@@ -553,8 +553,12 @@ class Store:
 
     def data_fd(self) -> int:
         """The writer's descriptor of its data file (its lock descriptor): the file this handle
-        writes even after its path was renamed or deleted. Read it, never write it: every write
-        goes through a transaction."""
+        writes even after its path was renamed or deleted. Read it with ``os.pread``, never write it
+        (every write goes through a transaction) and never close it.
+
+        Raises:
+            KvckptError: the handle is read-only or closed.
+        """
         fd = (self._owner or self)._flock_fd
         if fd is None:
             raise KvckptError(f"{self.path!r} is not open for writing by this handle")
