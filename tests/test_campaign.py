@@ -7,7 +7,9 @@ kill, in a fresh process.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import random
 import signal
 import subprocess
@@ -203,3 +205,24 @@ def test_a_commit_many_batch_acknowledges_each_item_and_refuses_the_wrong_one(tm
         Workload(_AppliesEverything(buf), broken, str(tmp_path), seed=0).commit_many(more, _Rigged(how, encoded))
     assert [op["what"].split(":")[0] for op in broken.ops if op["op"] == "violation"] == [
         f"commit_many applied the {how} item of {more[0].group_id!r}"]
+
+
+def test_the_campaign_runs_where_mfusepy_is_installed_but_finds_no_libfuse(tmp_path: Path) -> None:
+    """The fork server preloads mfusepy for the power-cut children, and a preload may only fail with
+    ImportError; mfusepy raises OSError where it finds no libfuse (here: its own
+    ``FUSE_LIBRARY_NAME`` naming a library that does not exist), which killed the server and so
+    every kill cycle. The kill campaign needs no FUSE: it runs, in a fresh interpreter."""
+    if importlib.util.find_spec("mfusepy") is None:  # find it without importing it (that raises here)
+        pytest.skip("mfusepy is not installed")
+    code = textwrap.dedent("""
+        import sys
+        from kvckpt.testing.kill import run_crash_campaign
+        result = run_crash_campaign(2, seed=1, directory=sys.argv[1])
+        print(result.summary())
+        sys.exit(1 if result.violations else 0)
+    """)
+    env = {**os.environ, "FUSE_LIBRARY_NAME": "kvckpt-no-such-fuse-library"}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "campaign")], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "kills 2" in done.stdout and "violations found 0" in done.stdout, done.stdout

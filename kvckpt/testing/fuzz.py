@@ -351,8 +351,9 @@ def run_fuzz_campaign(cases: int, *, seed: int = 0, workers: int = 2, directory:
         seed: makes the cases reproducible (:func:`fuzz_cases`).
         workers: long-lived worker processes. Defaults to 2.
         directory: scratch space (a temporary directory, removed afterwards, by default).
-        trusted: restore with ``trusted=True`` (skipping :mod:`kvckpt.durability.safe_open`) to measure what
-            that costs; such a campaign is expected to report violations.
+        trusted: restore with ``trusted=True`` (no structure pass before liblmdb maps the copy; the
+            tree proof inside recovery) to measure what that costs; such a campaign is expected to
+            report violations (``docs/reliability.md``).
         timeout: seconds one case may take before its worker counts as hung.
         minutes: start no case after this many minutes (``result.cases`` says how many ran).
         progress: called after every case with the running result.

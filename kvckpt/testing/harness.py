@@ -4,6 +4,7 @@ children come from, and how its command line reports."""
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import os
 import shutil
@@ -109,11 +110,23 @@ def fork_server() -> Any:
     global _FORK_SERVER
     if _FORK_SERVER is None:
         _FORK_SERVER = multiprocessing.get_context("forkserver")
-        # mfusepy: kvckpt.testing.powerfs (skipped if absent); torch: ReplayBuffer.progress returns
-        # tensors, and a child importing it itself spends seconds of its short life doing so.
+        # mfusepy: kvckpt.testing.powerfs; torch: ReplayBuffer.progress returns tensors, and a child
+        # importing it itself spends seconds of its short life doing so. The server skips a preload
+        # that raises ImportError and dies of any other error, so mfusepy, which raises OSError
+        # where it finds no libfuse, is preloaded only where it imports.
+        fuse = ["mfusepy"] if _imports("mfusepy") else []
         _FORK_SERVER.set_forkserver_preload(["__main__", "kvckpt.testing.kill", "kvckpt.testing.powercut",
-                                             "mfusepy", "torch"])
+                                             *fuse, "torch"])
     return _FORK_SERVER
+
+
+def _imports(module: str) -> bool:
+    """Whether ``module`` imports in this process (any error it raises: False)."""
+    try:
+        importlib.import_module(module)
+    except Exception:
+        return False
+    return True
 
 
 def in_fresh_process(target: Callable[..., None], *args: Any, timeout: float = 300.0) -> Any:
