@@ -74,7 +74,7 @@ def pass_costs(ckpt: str, repeats: int = 2) -> dict[str, float]:
     """Seconds of each check on ``ckpt`` (best of ``repeats``; deep once), page cache warm: the
     structure proof ``restore()`` runs and ``lmdb.verify`` (which decides what the proof does not
     prove), the metadata verification ``restore()`` runs (no lookups: the proof covers them) and the
-    one with lookups (the crash path's and ``trusted=True``'s), row checksums, deep."""
+    one with lookups (what the crash path and ``trusted=True`` run where their proof fails), row checksums, deep."""
     out = {"structure": _best(lambda: is_sound(ckpt), repeats),
            "structure_lmdb_verify": _best(lambda: lmdb_verify.verify(ckpt, subdir=False), repeats)}
     with open_readonly(ckpt) as store:
