@@ -127,6 +127,22 @@ def test_blocked_bench_breaks_down_every_checkpoint_under_its_own_load(tmp_path)
     assert result["breakdown"]["blocked"]["n"] == result["blocked"]["n"]  # every checkpoint's phases
     assert result["worst"][0]["blocked"] == result["breakdown"]["blocked"]["max"]
     assert (result["cpu_load"], result["io_load"]) == (1, 1) and len(result["loadavg"]) == 2
+    # the bare stamp-sized transaction was timed once per checkpoint, in the same run
+    assert result["bare"]["n"] == result["blocked"]["n"] == len(result["bare_all"])
+    assert min(result["bare_all"]) > 0
+    assert result["blocked_vs_bare"]["max"] == result["blocked"]["max"] / result["bare"]["max"]
+
+
+def test_the_bare_transaction_writes_a_stamp_sized_value_with_the_stores_sync_settings(tmp_path):
+    env = blocked_bench.open_bare(str(tmp_path))
+    try:
+        assert blocked_bench.bare_stamp(env, 7) > 0
+        assert env.flags()["sync"] and env.flags()["metasync"] and not env.flags()["writemap"]
+        with env.begin() as txn:
+            value = txn.get(b"stamp")
+    finally:
+        env.close()
+    assert len(value) == blocked_bench.STAMP_BYTES and value[:8] == (7).to_bytes(8, "little")
 
 
 def test_load_processes_are_stopped_and_reaped(tmp_path):
