@@ -482,7 +482,7 @@ class Store:
 
         The writer lock is taken ahead of the writes queued for it
         (:meth:`~kvckpt.storage.fairlock.FairLock.first`): a checkpoint's stamp waits only for the
-        write in progress (and an earlier stamp), not for the producer batches queued behind it.
+        write in progress (and an earlier stamp), not for the writes that asked before it.
 
         ``timings``, when given, receives the phases in seconds: ``lock_wait`` (for the writer
         lock), ``txn`` (beginning the transaction and running ``fn``, replays included),
