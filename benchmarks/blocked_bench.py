@@ -9,6 +9,13 @@ checkpoint whenever the previous one has finished copying. Blocked is what ``che
 to return (the stamp transaction, including the wait for the writer lock); the copy runs in the
 background. Figure 2 measures the same under a paced load (:mod:`benchmarks.measure`).
 
+The same run measures the floor a stamp cannot beat, under the same load: right before each
+``checkpoint()`` call, the trainer thread times a bare durable LMDB write transaction of a stamp's
+size (:data:`STAMP_BYTES`) in its own small environment in the work directory, opened with the
+store's sync settings (``bare``); ``blocked_vs_bare`` is blocked over bare at p99 and at the maximum
+(0 when no checkpoint ran). Before, not after: right after ``checkpoint()`` the new copy shares the
+disk, which the stamp never does (it waits for the previous copy to finish).
+
 The machine's other users change the figure (the maximum grew 40x under another engineer's test
 suite), so a loaded run brings its own load, started ``--load-head-start`` seconds before the
 loaded phase and stopped after it: ``--cpu-load N`` runs N busy processes at nice 0 (a pure
@@ -34,6 +41,7 @@ import threading
 import time
 from typing import Any
 
+import lmdb
 import numpy as np
 
 from benchmarks import data, measure
@@ -41,6 +49,8 @@ from kvckpt import ReplayBuffer
 
 #: The phases of one checkpoint's blocked time, as CheckpointResult.timings names them.
 PHASES = ("blocked", "reserve", "lock_wait", "txn", "commit", "snapshot", "start")
+#: The size of the bare transaction's value: about what a checkpoint's stamp record holds.
+STAMP_BYTES = 300
 _CPU_LOAD = "while True: pass"
 _IO_LOAD = """
 import os, sys
@@ -70,6 +80,22 @@ def stop_load(procs: list[subprocess.Popen[bytes]]) -> None:
         proc.wait()
 
 
+def open_bare(work: str) -> lmdb.Environment:
+    """The bare transaction's own environment in ``work``, with the store's durability settings
+    (``sync=True, metasync=True, writemap=False``, kvckpt.storage.store)."""
+    return lmdb.open(os.path.join(work, "bare.lmdb"), subdir=False, map_size=1 << 20, sync=True,
+                     metasync=True, writemap=False, meminit=False)
+
+
+def bare_stamp(env: lmdb.Environment, n: int) -> float:
+    """Seconds one durable write transaction of :data:`STAMP_BYTES` takes (the floor of a stamp)."""
+    value = n.to_bytes(8, "little") * (STAMP_BYTES // 8) + bytes(STAMP_BYTES % 8)
+    t0 = time.perf_counter()
+    with env.begin(write=True) as txn:
+        txn.put(b"stamp", value)
+    return time.perf_counter() - t0
+
+
 def run(size_gb: float, producers: int, seconds: float, work: str, cpu_load: int = 0, io_load: int = 0,
         head_start: float = 10.0) -> dict[str, Any]:
     """Build, load and checkpoint; returns the blocked times, their breakdown and what the producers
@@ -96,6 +122,8 @@ def run(size_gb: float, producers: int, seconds: float, work: str, cpu_load: int
                 buf.commit_group(lease, pool[i % len(pool)])
                 commits.append(time.perf_counter() - t0)
 
+    bare_env = open_bare(work)
+    bare: list[float] = []
     load_procs = start_load(cpu_load, io_load, work)
     if load_procs:
         time.sleep(head_start)
@@ -117,6 +145,7 @@ def run(size_gb: float, producers: int, seconds: float, work: str, cpu_load: int
                 copies.append({"seconds": done.timings["total"], "bytes": done.file_bytes, "how": done.how})
                 phases.append({k: done.timings[k] for k in PHASES})
                 os.unlink(done.path)
+            bare.append(bare_stamp(bare_env, n))
             t0 = time.perf_counter()
             handle = buf.checkpoint(os.path.join(work, f"ckpt-{n}.kvckpt"), {"step": steps})
             blocked.append(time.perf_counter() - t0)
@@ -129,10 +158,13 @@ def run(size_gb: float, producers: int, seconds: float, work: str, cpu_load: int
     if handle is not None:
         phases.append({k: handle.wait().timings[k] for k in PHASES})
     buf.close()
+    bare_env.close()
+    blocked_summary, bare_summary = measure.summary(blocked), measure.summary(bare)
     worst = sorted(phases, key=lambda p: p["blocked"], reverse=True)[:5]
     return {"size_gb": size_gb, "producers": producers, "seconds": seconds, "cpu_load": cpu_load,
-            "io_load": io_load, "switch_interval": sys.getswitchinterval(), "blocked": measure.summary(blocked),
-            "blocked_all": blocked,
+            "io_load": io_load, "switch_interval": sys.getswitchinterval(), "blocked": blocked_summary,
+            "blocked_all": blocked, "bare": bare_summary, "bare_all": bare,
+            "blocked_vs_bare": {k: blocked_summary[k] / bare_summary[k] if bare else 0.0 for k in ("p99", "max")},
             "breakdown": {k: measure.summary([p[k] for p in phases]) for k in PHASES}, "worst": worst,
             "commits": measure.summary(commits), "commits_per_s": len(commits) / seconds,
             "trainer_steps": steps, "copies": copies, "loadavg": load}
@@ -168,6 +200,9 @@ def main() -> None:
           f"{c['p99'] * 1e3:.1f} ms), load {result['loadavg']}: {b['n']} checkpoints, blocked p50 "
           f"{b['p50'] * 1e3:.2f} ms p99 {b['p99'] * 1e3:.2f} ms max {b['max'] * 1e3:.2f} ms; copy median "
           f"{copy['p50']:.2f} s")
+    bare, ratio = result["bare"], result["blocked_vs_bare"]
+    print(f"bare {STAMP_BYTES}-byte durable transaction before each checkpoint: p99 {bare['p99'] * 1e3:.2f} ms max "
+          f"{bare['max'] * 1e3:.2f} ms; blocked / bare: p99 {ratio['p99']:.2f}x max {ratio['max']:.2f}x")
     print("phase       p50 ms   p99 ms   max ms")
     for k, v in result["breakdown"].items():
         print(f"{k:<10} {v['p50'] * 1e3:7.2f}  {v['p99'] * 1e3:7.2f}  {v['max'] * 1e3:7.2f}")

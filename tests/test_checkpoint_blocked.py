@@ -61,7 +61,73 @@ def test_fair_lock_serves_waiters_in_arrival_order_and_is_reentrant():
         pass
 
 
-def test_an_interrupted_waiter_leaves_the_queue_and_the_lock_still_works():
+def _queue(lock: FairLock, order: list[str], inside: list[int], name: str, first: bool) -> threading.Thread:
+    """Start a thread that takes ``lock`` (``first`` or plain) and records ``name``; return once
+    it is queued (the lock is held elsewhere), so the arrival order is forced, not timed."""
+    queued = lock.waiting + 1
+
+    def take() -> None:
+        lock.acquire(first=first)
+        inside[0] += 1
+        order.append(name if inside[0] == 1 else f"{name} overlapped")
+        inside[0] -= 1
+        lock.release()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    _wait_until(lambda: lock.waiting == queued)
+    return thread
+
+
+def test_waiters_that_ask_to_go_first_overtake_the_plain_waiters_but_not_the_holder_or_each_other():
+    lock, order, inside = FairLock(), [], [0]
+    lock.acquire()
+    lock.acquire()  # the holder in progress, re-entrant
+    threads = [_queue(lock, order, inside, "plain 1", False), _queue(lock, order, inside, "first 1", True),
+               _queue(lock, order, inside, "plain 2", False), _queue(lock, order, inside, "first 2", True)]
+    lock.release()
+    assert lock.waiting == 4 and not order  # a waiter that asked to go first still waits for the holder
+    lock.release()
+    for t in threads:
+        t.join(60)
+    assert order == ["first 1", "first 2", "plain 1", "plain 2"] and lock.waiting == 0
+
+
+def test_the_owner_takes_the_lock_again_at_once_whether_or_not_it_asks_to_go_first():
+    lock, order, inside = FairLock(), [], [0]
+    with lock.first():
+        waiter = _queue(lock, order, inside, "plain", False)
+        with lock, lock.first():  # re-entrant both ways: no deadlock, no hand-over
+            assert order == [] and lock.waiting == 1
+        assert order == []
+    waiter.join(60)
+    assert order == ["plain"]
+    with pytest.raises(RuntimeError, match="does not own"):
+        lock.release()
+
+
+def test_the_stamp_goes_ahead_of_a_producer_write_queued_before_it(tmp_path):
+    store = Store(tmp_path / "s.kv", create=True)
+    order: list[str] = []
+    lock = store._write_lock
+    snapshots = []
+    with lock:  # a producer batch in progress
+        producer = threading.Thread(target=lambda: store.write(lambda txn: order.append("producer")))
+        producer.start()
+        _wait_until(lambda: lock.waiting == 1)
+        stamp = threading.Thread(target=lambda: snapshots.append(
+            store.write_then_snapshot(lambda txn: order.append("stamp"))[1]))
+        stamp.start()
+        _wait_until(lambda: lock.waiting == 2)
+    producer.join(60)
+    stamp.join(60)
+    snapshots[0].close()
+    store.close()
+    assert order == ["stamp", "producer"]
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["plain", "first"])
+def test_an_interrupted_waiter_leaves_the_queue_and_the_lock_still_works(first):
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signals reach only the main thread")
 
@@ -87,7 +153,7 @@ def test_an_interrupted_waiter_leaves_the_queue_and_the_lock_still_works():
         holder.start()
         holding.wait(60)
         with pytest.raises(Interrupted):
-            lock.acquire()
+            lock.acquire(first=first)
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert lock.waiting == 0
@@ -127,6 +193,22 @@ def test_blocked_bench_breaks_down_every_checkpoint_under_its_own_load(tmp_path)
     assert result["breakdown"]["blocked"]["n"] == result["blocked"]["n"]  # every checkpoint's phases
     assert result["worst"][0]["blocked"] == result["breakdown"]["blocked"]["max"]
     assert (result["cpu_load"], result["io_load"]) == (1, 1) and len(result["loadavg"]) == 2
+    # the bare stamp-sized transaction was timed once per checkpoint, in the same run
+    assert result["bare"]["n"] == result["blocked"]["n"] == len(result["bare_all"])
+    assert min(result["bare_all"]) > 0
+    assert result["blocked_vs_bare"]["max"] == result["blocked"]["max"] / result["bare"]["max"]
+
+
+def test_the_bare_transaction_writes_a_stamp_sized_value_with_the_stores_sync_settings(tmp_path):
+    env = blocked_bench.open_bare(str(tmp_path))
+    try:
+        assert blocked_bench.bare_stamp(env, 7) > 0
+        assert env.flags()["sync"] and env.flags()["metasync"] and not env.flags()["writemap"]
+        with env.begin() as txn:
+            value = txn.get(b"stamp")
+    finally:
+        env.close()
+    assert len(value) == blocked_bench.STAMP_BYTES and value[:8] == (7).to_bytes(8, "little")
 
 
 def test_load_processes_are_stopped_and_reaped(tmp_path):

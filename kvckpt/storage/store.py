@@ -12,8 +12,9 @@ A :class:`Store` is one LMDB environment in one file (``subdir=False``) holding 
 * **One writer.** A writable handle takes an exclusive ``flock`` on the data file; a second
   writable handle, in this process or another, gets :class:`~kvckpt.errors.StoreLocked`.
   Writes from several threads of the owning process are serialised, in the order they asked
-  (:class:`~kvckpt.storage.fairlock.FairLock`: a checkpoint's stamp waits for at most the writes
-  queued before it).
+  (:class:`~kvckpt.storage.fairlock.FairLock`), except that a checkpoint's stamp
+  (:meth:`Store.write_then_snapshot`) goes ahead of the queued writes: it waits only for the
+  write in progress.
 * **Identity.** A new store records a format version and a random store id; every open checks
   them and refuses foreign LMDB files, other formats and other versions with
   :class:`~kvckpt.errors.FormatError`.
@@ -479,6 +480,10 @@ class Store:
         the two. The caller must :meth:`Snapshot.close` it (a held snapshot stops LMDB from reusing
         pages freed by later commits, so the file grows while it is open).
 
+        The writer lock is taken ahead of the writes queued for it
+        (:meth:`~kvckpt.storage.fairlock.FairLock.first`): a checkpoint's stamp waits only for the
+        write in progress (and an earlier stamp), not for the writes that asked before it.
+
         ``timings``, when given, receives the phases in seconds: ``lock_wait`` (for the writer
         lock), ``txn`` (beginning the transaction and running ``fn``, replays included),
         ``commit`` (the durable commit: LMDB's two fsync barriers, and the reader check every
@@ -486,7 +491,7 @@ class Store:
         reading the meta pages).
         """
         t0 = time.perf_counter()
-        with self._write_lock:
+        with self._write_lock.first():
             t1 = time.perf_counter()
             ran = [t1]
 
