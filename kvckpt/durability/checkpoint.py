@@ -21,7 +21,7 @@ is reused).
 and runs :func:`kvckpt.durability.recovery.recover_store` on the copy at the stamped trainer
 version; :func:`kvckpt.restore` then opens a fresh buffer handle on it.
 
-The module is long (about 450 lines) because checkpoint and restore are one protocol: the
+The module is long (about 590 lines) because checkpoint and restore are one protocol: the
 reservation, the pinned snapshot, the low-priority copy and the fsync/rename order are shared by
 both directions and tested together (tests/test_powercut.py checks the order).
 """

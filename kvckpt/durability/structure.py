@@ -30,7 +30,7 @@ and names the problem. So it makes a sound file cheaper to accept and can never 
 ``lmdb.verify`` refuses: ``tests/test_structure.py`` checks that on every crafted file and on
 hundreds of damaged pages.
 
-The module is long (about 420 lines) because it is one walk of one file format: the meta pages,
+The module is long (about 440 lines) because it is one walk of one file format: the meta pages,
 the trees, the leaves' nodes in numpy, the free lists and the tiling are checked together, and the
 same walk hands back what its callers need from it (the keys of one range, the unused bytes a
 checkpoint clears) so that nothing reads the file twice.

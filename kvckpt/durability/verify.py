@@ -39,7 +39,7 @@ and one ``blake2b`` pass over the stored row bytes (the group digests; ``blake2b
 slower than ``crc32`` here) and a small JSON parse per row;
 ``deep`` decompresses every row payload (about 3 s per GB of raw rows).
 
-The module is long (about 430 lines) because the checks above share one pass over the snapshot
+The module is long (about 560 lines) because the checks above share one pass over the snapshot
 (each table is read once, and the index, sequence and accounting checks need what the record
 checks collected).
 """

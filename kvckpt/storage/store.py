@@ -27,7 +27,7 @@ Limits: local disks only (not NFS/CIFS/FUSE); keys are at most 511 bytes; never 
 ``Store`` across ``fork`` (open it in the child). Values are always kvckpt records
 (:mod:`kvckpt.storage.codec`); the ``get_json``/``put_json`` helpers verify their checksums.
 
-The module is long (about 690 lines) because it is the whole contract of the environment: the
+The module is long (about 900 lines) because it is the whole contract of the environment: the
 writer lock, the map-full replay, nested transactions for group commit, the layout's detection and
 upgrade, reader-slot checks, the LMDB header check and the fsync helpers each map liblmdb's and the
 OS's errors to kvckpt's. Transactions are :mod:`kvckpt.storage.txn`'s.
