@@ -334,6 +334,23 @@ def _branch_child_twice(path: str) -> None:
     _write(path, data)
 
 
+def _branch_child_self(path: str) -> None:
+    """Point the first child of the main tree's root (a branch page) at the root itself: a lookup
+    through it descends until liblmdb's 32-level cursor stack is full (``MDB_CURSOR_FULL``). The
+    root, not the file's first branch page: in a live file that may be a free page's old copy."""
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    main = 16 + 24 + 48  # the page header, magic ... mapsize, the freeDB's record
+    metas = [(struct.unpack_from("<Q", data, m * PAGE + main + 56)[0], m) for m in (0, 1)]
+    meta = max(metas)[1] * PAGE
+    page = struct.unpack_from("<Q", data, meta + main + 40)[0]
+    assert struct.unpack_from("<H", data, page * PAGE + 10)[0] == _BRANCH, "the main tree is one leaf"
+    at = page * PAGE
+    first = struct.unpack_from("<H", data, at + 16)[0]
+    struct.pack_into("<HHH", data, at + first, page & 0xFFFF, (page >> 16) & 0xFFFF, page >> 32)
+    _write(path, data)
+
+
 def _sparse_tail(path: str) -> None:
     os.truncate(path, os.path.getsize(path) + (3 << 30))
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _crafted import _overflow_header_pages
+from _crafted import _branch_child_self, _overflow_header_pages
 from test_corruption_fuzz import _raise_rows_separators
 
 from kvckpt import Prompt, ReplayBuffer
@@ -178,3 +178,32 @@ def test_the_crash_path_proves_the_file_the_store_has_open_not_what_its_path_nam
     """, path=str(live), intact=str(intact))
     assert out["calls"] == {"proof": 1, "lookups": 1, "row_iterations": 2}, out
     assert out["codes"] == ["unreachable"] and "rows/" in out["error"], out
+
+
+def test_a_branch_page_naming_itself_is_a_format_error_where_liblmdb_maps_the_file_unproven(live: Path) -> None:
+    """The crash path and ``restore(trusted=True)`` let liblmdb map the file before any structure
+    check; a branch page that is its own child sends a lookup down until liblmdb's cursor stack is
+    full (``MDB_CURSOR_FULL``). That must say the file is damaged (``FormatError``), like the
+    default restore's proof does, never a generic error."""
+    ckpt = live.parent / "ckpt.kvckpt"
+    _branch_child_self(str(live))
+    _branch_child_self(str(ckpt))
+    out = _fresh("""
+        from kvckpt import ReplayBuffer, restore
+        def outcome(fn):
+            try:
+                fn()
+                return "accepted"
+            except Exception as exc:
+                return f"{type(exc).__name__}: {exc}"
+        def crash_path():
+            with ReplayBuffer.open(ARGS["path"]) as buf:
+                buf.recover()
+        out["crash path"] = outcome(crash_path)
+        for trusted in (False, True):
+            out[f"restore trusted={trusted}"] = outcome(
+                lambda: restore(ARGS["ckpt"], ARGS["dest"] + str(trusted), trusted=trusted)[0].close())
+    """, path=str(live), ckpt=str(ckpt), dest=str(live.parent / "restored"))
+    del out["calls"]
+    assert all(v.startswith("FormatError: ") for v in out.values()), out
+    assert "MDB_CURSOR_FULL" in out["crash path"] and "damaged" in out["crash path"], out

@@ -894,7 +894,9 @@ def _translate(exc: lmdb.Error, what: str, path: str | None = None) -> KvckptErr
         return FormatError(f"{what}: the file's tables moved under this handle (its writer upgraded it to format "
                            f"{FORMAT_VERSION}); open it again")
     if isinstance(exc, (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.CorruptedError,
-                        lmdb.PageNotFoundError)):
+                        lmdb.PageNotFoundError, lmdb.CursorFullError)):
+        # CursorFullError: a tree deeper than LMDB's 32-level cursor stack, which no LMDB write
+        # makes; a branch page naming itself (or an ancestor) as a child reads as one.
         return FormatError(f"{what}: {text}. The file is damaged or not a kvckpt store")
     return KvckptError(f"{what}: {text}")
 
