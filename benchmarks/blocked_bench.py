@@ -11,8 +11,9 @@ background. Figure 2 measures the same under a paced load (:mod:`benchmarks.meas
 
 The same run measures the floor a stamp cannot beat, under the same load: right before each
 ``checkpoint()`` call, the trainer thread times a bare durable LMDB write transaction of a stamp's
-size (:data:`STAMP_BYTES`) in its own small environment in the work directory, opened with the
-store's sync settings (``bare``); ``blocked_vs_bare`` is blocked over bare at p99 and at the maximum
+size (:data:`STAMP_BYTES`) in the bare LMDB baseline (:class:`benchmarks.baselines.BareLmdb`:
+py-lmdb's durable defaults, as the store's) in the work directory (``bare``);
+``blocked_vs_bare`` is blocked over bare at p99 and at the maximum
 (0 when no checkpoint ran). Before, not after: right after ``checkpoint()`` the new copy shares the
 disk, which the stamp never does (it waits for the previous copy to finish).
 
@@ -41,10 +42,9 @@ import threading
 import time
 from typing import Any
 
-import lmdb
 import numpy as np
 
-from benchmarks import data, measure
+from benchmarks import baselines, data, measure
 from kvckpt import ReplayBuffer
 
 #: The phases of one checkpoint's blocked time, as CheckpointResult.timings names them.
@@ -80,20 +80,10 @@ def stop_load(procs: list[subprocess.Popen[bytes]]) -> None:
         proc.wait()
 
 
-def open_bare(work: str) -> lmdb.Environment:
-    """The bare transaction's own environment in ``work``, with the store's durability settings
-    (``sync=True, metasync=True, writemap=False``, kvckpt.storage.store)."""
-    return lmdb.open(os.path.join(work, "bare.lmdb"), subdir=False, map_size=1 << 20, sync=True,
-                     metasync=True, writemap=False, meminit=False)
-
-
-def bare_stamp(env: lmdb.Environment, n: int) -> float:
-    """Seconds one durable write transaction of :data:`STAMP_BYTES` takes (the floor of a stamp)."""
-    value = n.to_bytes(8, "little") * (STAMP_BYTES // 8) + bytes(STAMP_BYTES % 8)
-    t0 = time.perf_counter()
-    with env.begin(write=True) as txn:
-        txn.put(b"stamp", value)
-    return time.perf_counter() - t0
+def bare_stamp(bare: baselines.BareLmdb) -> float:
+    """Seconds one durable write transaction of :data:`STAMP_BYTES` takes in the bare LMDB baseline
+    (py-lmdb's defaults, the store's durability settings): the floor of a stamp."""
+    return bare.put_group([(b"stamp", bytes(STAMP_BYTES))])
 
 
 def run(size_gb: float, producers: int, seconds: float, work: str, cpu_load: int = 0, io_load: int = 0,
@@ -122,7 +112,7 @@ def run(size_gb: float, producers: int, seconds: float, work: str, cpu_load: int
                 buf.commit_group(lease, pool[i % len(pool)])
                 commits.append(time.perf_counter() - t0)
 
-    bare_env = open_bare(work)
+    bare_env = baselines.BareLmdb(os.path.join(work, "bare.lmdb"))
     bare: list[float] = []
     load_procs = start_load(cpu_load, io_load, work)
     if load_procs:
@@ -145,7 +135,7 @@ def run(size_gb: float, producers: int, seconds: float, work: str, cpu_load: int
                 copies.append({"seconds": done.timings["total"], "bytes": done.file_bytes, "how": done.how})
                 phases.append({k: done.timings[k] for k in PHASES})
                 os.unlink(done.path)
-            bare.append(bare_stamp(bare_env, n))
+            bare.append(bare_stamp(bare_env))
             t0 = time.perf_counter()
             handle = buf.checkpoint(os.path.join(work, f"ckpt-{n}.kvckpt"), {"step": steps})
             blocked.append(time.perf_counter() - t0)
