@@ -104,7 +104,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              "os.pwrite(fd, _twin_metas(snapshot.metas, psize), 0)", "os.pwrite(fd, snapshot.metas, 0)",
              ("tests/test_checkpoint_meta_damage.py",)),
     Mutation("checkpoint-keeps-unused-bytes", "kvckpt/durability/checkpoint.py",
-             "            self.zeroed += os.pwrite(self.fd, self.zeros[:min(ZERO_CHUNK, offset + length - pos)], pos)\n",
+             "            self.zeroed += os.pwrite(self.fd, self.zeros[:min(ZERO_CHUNK, offset + length - pos)]"
+             ", pos)\n",
              "            self.zeroed += min(ZERO_CHUNK, offset + length - pos)\n",
              ("tests/test_checkpoint_free_pages.py",)),
     Mutation("finish-step-two-transactions", "kvckpt/buffer/replay_buffer.py",
