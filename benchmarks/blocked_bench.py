@@ -93,7 +93,7 @@ def run(size_gb: float, producers: int, seconds: float, work: str, cpu_load: int
     settings = measure.Settings()
     buf = ReplayBuffer.create(os.path.join(work, "live.kv"), measure.buffer_config(settings))
     prompt = 0
-    for chunk in measure._chunks(data.iter_groups(int(size_gb * measure.GB), settings.seed, settings.spec), 32):
+    for chunk in measure.chunks(data.iter_groups(int(size_gb * measure.GB), settings.seed, settings.spec), 32):
         for lease, group in zip(buf.admit(list(range(prompt, prompt + len(chunk)))), chunk, strict=True):
             buf.commit_group(lease, data.rows_of(group))
         prompt += len(chunk)

@@ -7,21 +7,21 @@ Each function returns plain JSON-able dicts (seconds and bytes, no formatting);
   baseline from the same groups, interleaved so they share the machine's noise) and measures
   ingest (figure 4), bytes on disk (5), checkpoints under a steady producer/trainer load (1, 2)
   and restore to the first batch in a fresh process (3).
-* :func:`measure_select` measures select latency against the number of buffered groups (6).
-* :func:`measure_crashes` kills a real training loop at chosen points and counts the committed
-  groups each recovery mode loses (7).
+
+The module is long (about 540 lines) because figures 1 to 5 share one built store per size: the
+ingest, the paced loads of both sides and the restore children all work on it, and splitting
+them would pass that store and its baselines between modules.
+Figure 6 (select latency) is :mod:`benchmarks.measure_select`, figure 7 (groups lost per crash)
+:mod:`benchmarks.measure_crashes`; both take this module's :class:`Settings`.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,10 +31,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks import baselines, data
-from kvckpt import BufferConfig, Prompt, ReplayBuffer, restore
-from kvckpt.durability.checkpoint import read_stamp
+from kvckpt import BufferConfig, ReplayBuffer, restore
 from kvckpt.storage import codec, keys
-from kvckpt.tables.records import CLAIMED, CONSUMED, READY
 
 GB = 1e9
 CHUNK = 32  # groups per admission while ingesting
@@ -85,7 +83,7 @@ def summary(values: list[float]) -> dict[str, float]:
             "max": float(arr.max()), "mean": float(arr.mean())}
 
 
-def _child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+def child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     """Run ``python -c code args...`` from the repository root (a fresh interpreter)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=root)
@@ -100,7 +98,7 @@ def buffer_config(settings: Settings) -> BufferConfig:
                         compression_level=settings.level)
 
 
-def _chunks(groups: Iterator[data.Group], size: int) -> Iterator[list[data.Group]]:
+def chunks(groups: Iterator[data.Group], size: int) -> Iterator[list[data.Group]]:
     chunk: list[data.Group] = []
     for group in groups:
         chunk.append(group)
@@ -151,7 +149,7 @@ def ingest(size_gb: float, directory: str, settings: Settings) -> tuple[Built, d
     commit_lat, bare_lat = [], []
     prompt = 0
     groups = data.iter_groups(int(size_gb * GB), settings.seed, settings.spec)
-    for chunk in _chunks(groups, CHUNK):
+    for chunk in chunks(groups, CHUNK):
         t0, c0 = time.perf_counter(), time.thread_time()
         leases = buf.admit(list(range(prompt, prompt + len(chunk))))
         for lease, group in zip(leases, chunk, strict=True):
@@ -487,7 +485,7 @@ def restore_child(jobs: str) -> None:
 
 
 def _run_restores(jobs: list[list[Any]]) -> list[dict[str, Any]]:
-    proc = _child("import sys; from benchmarks.measure import restore_child; restore_child(sys.argv[1])",
+    proc = child("import sys; from benchmarks.measure import restore_child; restore_child(sys.argv[1])",
                   json.dumps(jobs))
     if proc.returncode != 0:
         raise RuntimeError(f"restore child failed: {proc.stderr[-2000:]}")
@@ -547,235 +545,3 @@ def measure_size(size_gb: float, work: str, settings: Settings, log: Callable[[s
         built.buffer.close()
         shutil.rmtree(directory, ignore_errors=True)
         settle()
-
-
-# -- figure 6 (select latency vs buffered groups) ------------------------------------------------
-SAMPLERS = ("in_order", "weight_fifo", "windowed", "ready_first")
-SELECT_BATCH = 8
-WEIGHTS = 8
-
-
-def _select_store(path: str, count: int) -> dict[str, Any]:
-    """``count`` ready groups of 2 tiny rows over 8 weight versions, trainer at version 7.
-
-    Built under ``in_order`` (about 100 admissions, one target step each, at least 8 prompts
-    each) with every window wide enough to hold them all; the other samplers reuse the file via
-    ``recover(sampler=...)``.
-    """
-    batch = max(SELECT_BATCH, count // 100)
-    admits = -(-count // batch)
-    config = BufferConfig(group_size=2, schema=data.TINY_SCHEMA,
-                          sampler={"name": "in_order", "max_lookahead_versions": admits + 1},
-                          max_buffered_rollouts=(admits + 2) * batch, groups_per_step=batch)
-    t0 = time.perf_counter()
-    with ReplayBuffer.create(path, config) as buf:
-        done = 0
-        for b in range(admits):
-            n = min(batch, count - done)
-            leases = buf.admit(list(range(done, done + n)), weight_version=b * WEIGHTS // admits)
-            for lease in leases:
-                buf.commit_group(lease, data.tiny_rows(2, lease.prompt_idx))
-            done += n
-        for _ in range(WEIGHTS - 1):
-            buf.finish_step()
-    return {"groups": count, "build_seconds": time.perf_counter() - t0, "admits": admits, "admit_batch": batch,
-            "file_bytes": os.path.getsize(path)}
-
-
-def _sampler_config(name: str, window: int) -> dict[str, Any]:
-    key = "max_lookahead_versions" if name == "in_order" else "max_staleness_versions"
-    return {"name": name, key: window}
-
-
-def _scratch_dir(work: str) -> tuple[str, str]:
-    """A directory on tmpfs (``/dev/shm``, where fsync costs nothing) if there is one, else under
-    ``work``; and the kind of filesystem it is on."""
-    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-        return tempfile.mkdtemp(prefix="kvckpt-bench-", dir="/dev/shm"), "tmpfs"
-    return tempfile.mkdtemp(prefix="select-", dir=work), "disk"
-
-
-def measure_select(work: str, settings: Settings, log: Callable[[str], None]) -> dict[str, Any]:
-    """Figure 6: ``select`` latency (claim up to 8 groups, one durable transaction) per sampler at
-    each buffered-group count; ``finish_step`` between selects (untimed) moves the step on.
-
-    Stores are built once per count (on tmpfs when available: one fsync per commit would make
-    100,000 commits take minutes on a busy disk), then copied, switched to each sampler with
-    ``recover(sampler=...)`` and measured in two places: the work directory's disk (what a trainer
-    sees, fsync included) and tmpfs (the CPU cost alone, where an index scan would show; this
-    thread's CPU time is kept next to wall time). For one
-    sampler every count and place is open at once and the selects go round-robin across them,
-    so the machine's noise falls on all of them alike.
-    """
-    scratch, scratch_kind = _scratch_dir(work)
-    places = {"disk": tempfile.mkdtemp(prefix="select-", dir=work)}
-    if scratch_kind == "tmpfs":
-        places["tmpfs"] = scratch
-    out: dict[str, Any] = {"stores": {}, "build_on": scratch_kind,
-                           "latency": {place: {name: {} for name in SAMPLERS} for place in places}}
-    try:
-        bases = {}
-        for count in settings.select_counts:
-            bases[count] = os.path.join(scratch, f"base-{count}.kv")
-            out["stores"][str(count)] = _select_store(bases[count], count)
-            log(f"  select store of {count} groups built in {out['stores'][str(count)]['build_seconds']:.1f} s "
-                f"on {scratch_kind}")
-        for name in SAMPLERS:
-            cells = list(itertools.product(places.items(), settings.select_counts))
-            buffers = []
-            for (_, directory), count in cells:
-                path = os.path.join(directory, f"{name}-{count}.kv")
-                shutil.copyfile(bases[count], path)
-                buffers.append(ReplayBuffer.open(path))
-                buffers[-1].recover(sampler=_sampler_config(name, out["stores"][str(count)]["admits"] + 1))
-            lat: list[list[float]] = [[] for _ in cells]
-            cpu: list[list[float]] = [[] for _ in cells]
-            sizes: list[list[int]] = [[] for _ in cells]
-            for _ in range(settings.select_repeats):
-                for i, buf in enumerate(buffers):
-                    t0, c0 = time.perf_counter(), time.thread_time()
-                    sel = buf.select(1, SELECT_BATCH)
-                    lat[i].append(time.perf_counter() - t0)
-                    cpu[i].append(time.thread_time() - c0)
-                    sizes[i].append(len(sel))
-                    buf.finish_step()
-            for i, ((place, _), count) in enumerate(cells):
-                out["latency"][place][name][str(count)] = {**summary(lat[i]), "cpu": summary(cpu[i]),
-                                                           "selected": sizes[i]}
-                path = buffers[i].path
-                buffers[i].close()
-                for p in (path, path + "-lock"):
-                    os.unlink(p)
-    finally:
-        for directory in {scratch, *places.values()}:
-            shutil.rmtree(directory, ignore_errors=True)
-    return out
-
-
-# -- figure 7 (generation work lost per crash) ---------------------------------------------------
-def crash_child(directory: str, crash_at: str, steps_per_ckpt: int, gps: int, seed: int) -> None:
-    """A small async GRPO loop that SIGKILLs itself at ``crash_at``.
-
-    Producers stay one step ahead: each step commits ``gps`` new groups, then the trainer selects
-    ``gps`` and finishes the step; every ``steps_per_ckpt`` steps a checkpoint is written (and
-    waited for). Each acknowledged commit is appended to ``acked.txt`` with its generated tokens,
-    each completed checkpoint as ``# <file name>``.
-    ``crash_at``: ``after-checkpoint`` (right after the second checkpoint completes),
-    ``mid-interval`` (half an interval of commits later), ``before-checkpoint`` (the last commit
-    before the third checkpoint) or ``during-copy`` (the third checkpoint stamped, its copy running).
-    """
-    spec = data.RolloutSpec(group_size=8, response_median=400)
-    config = BufferConfig(group_size=spec.group_size, schema=data.SCHEMA,
-                          sampler={"name": "windowed", "max_staleness_versions": 4},
-                          max_buffered_rollouts=(2 * steps_per_ckpt + 4) * gps, groups_per_step=gps)
-    rng = np.random.default_rng(seed)
-    buf = ReplayBuffer.create(os.path.join(directory, "live.kv"), config)
-    interval = steps_per_ckpt * gps
-    crash_commit = {"after-checkpoint": 0, "mid-interval": interval // 2, "before-checkpoint": interval}.get(crash_at)
-    acked = open(os.path.join(directory, "acked.txt"), "w")  # noqa: SIM115 - must survive until SIGKILL
-    since_ckpt, ckpts, prompt = None, 0, 0
-
-    def produce() -> None:
-        nonlocal prompt, since_ckpt
-        for lease in buf.admit([Prompt(prompt_idx=prompt + j) for j in range(gps)]):
-            group = data.make_group(rng, spec)
-            buf.commit_group(lease, data.rows_of(group))
-            acked.write(f"{lease.group_id} {data.response_tokens(group)}\n")
-            acked.flush()
-            if since_ckpt is not None:
-                since_ckpt += 1
-                if ckpts == 2 and since_ckpt == crash_commit:
-                    os.kill(os.getpid(), signal.SIGKILL)
-        prompt += gps
-
-    produce()
-    step = 0
-    while True:
-        produce()
-        buf.read_batch(buf.select(gps, gps))
-        buf.finish_step()
-        step += 1
-        if step % steps_per_ckpt == 0:
-            handle = buf.checkpoint(os.path.join(directory, f"step-{step:04d}.kvckpt"), {"step": step})
-            if ckpts == 2 and crash_at == "during-copy":
-                os.kill(os.getpid(), signal.SIGKILL)
-            acked.write(f"# {os.path.basename(handle.wait().path)}\n")
-            acked.flush()
-            ckpts += 1
-            since_ckpt = 0
-            if ckpts == 2 and crash_commit == 0:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-
-def count_child(crashed: str) -> None:
-    """Runs in a fresh process after the crashes. For each ``[directory, checkpoint file]`` of the
-    JSON list ``crashed``: recover both ways (the live store in place; the checkpoint file restored
-    to another path) and print, per mode, which groups are committed after recovery (ready,
-    claimed, or consumed by a step the resumed model contains) and what the trainer's next
-    ``select`` returns. One JSON line per directory."""
-    for directory, checkpoint_file in json.loads(crashed):
-        stamp = read_stamp(checkpoint_file)
-        out = {}
-        for mode in ("live", "checkpoint"):
-            if mode == "live":
-                buf = ReplayBuffer.open(os.path.join(directory, "live.kv"))
-                plan = buf.recover(stamp["trainer_version"])
-            else:
-                buf, plan = restore(checkpoint_file, os.path.join(directory, "restored.kv"))
-            with buf:
-                out[mode] = {"kept": [g.group_id for g in buf.groups([READY, CLAIMED, CONSUMED])],
-                             "redispatch": len(plan.leases), "resume_version": plan.resume_version,
-                             "selected": buf.select(1, buf.config.groups_per_step).group_ids}
-        print(json.dumps(out), flush=True)
-
-
-def _crash(directory: str, point: str, settings: Settings) -> dict[str, Any]:
-    """Run :func:`crash_child` to its SIGKILL; return what was acknowledged and the last checkpoint."""
-    os.makedirs(directory, exist_ok=True)
-    proc = _child("import sys; from benchmarks.measure import crash_child; "
-                  "crash_child(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))",
-                  directory, point, str(settings.crash_steps_per_checkpoint), str(settings.crash_groups_per_step),
-                  str(settings.seed))
-    if proc.returncode != -signal.SIGKILL:
-        raise RuntimeError(f"crash child did not die of SIGKILL (rc {proc.returncode}): {proc.stderr[-2000:]}")
-    ckpt = sorted(p for p in os.listdir(directory) if p.endswith(".kvckpt"))[-1]
-    acked: dict[str, int] = {}
-    with open(os.path.join(directory, "acked.txt")) as f:
-        for line in f:
-            first, second = line.split()
-            if first != "#":
-                acked[first] = int(second)
-            elif second == ckpt:
-                covered = len(acked)
-    return {"acked": acked, "acked_since_checkpoint": len(acked) - covered, "checkpoint_file": ckpt,
-            "partial_files": sum(p.endswith(".partial") for p in os.listdir(directory))}
-
-
-def measure_crashes(work: str, settings: Settings, log: Callable[[str], None]) -> dict[str, Any]:
-    """Figure 7: for each crash point, the acknowledged groups lost by live-store recovery and by
-    checkpoint-only recovery (the last complete checkpoint file), counted in a fresh process."""
-    dirs = {point: os.path.join(work, f"crash-{point}") for point in settings.crash_points}
-    try:
-        crashes = {point: _crash(d, point, settings) for point, d in dirs.items()}
-        proc = _child("import sys; from benchmarks.measure import count_child; count_child(sys.argv[1])",
-                      json.dumps([[d, os.path.join(d, crashes[p]["checkpoint_file"])] for p, d in dirs.items()]))
-        if proc.returncode != 0:
-            raise RuntimeError(f"recovery after the crash failed: {proc.stderr[-2000:]}")
-        lines = proc.stdout.strip().splitlines()[-len(dirs):]
-    finally:
-        for d in dirs.values():
-            shutil.rmtree(d, ignore_errors=True)
-    out = {}
-    for (point, crash), line in zip(crashes.items(), lines, strict=True):
-        acked = crash.pop("acked")
-        result = {"acked": len(acked), **crash}
-        for mode, doc in json.loads(line).items():
-            kept = set(doc["kept"])
-            lost = [gid for gid in acked if gid not in kept]
-            result[mode] = {"lost_groups": len(lost), "lost_tokens": sum(acked[g] for g in lost),
-                            "redispatch": doc["redispatch"], "resume_version": doc["resume_version"],
-                            "selected": len(doc["selected"])}
-        out[point] = result
-        log(f"  crash {point}: lost live {result['live']['lost_groups']}, "
-            f"checkpoint-only {result['checkpoint']['lost_groups']} of {len(acked)} acked")
-    return out

@@ -33,7 +33,7 @@ import torch
 import zstandard
 
 import kvckpt
-from benchmarks import figures, measure, plots
+from benchmarks import figures, measure, measure_crashes, measure_select, plots
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,10 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             results["sizes"].append(measure.measure_size(size, work, settings, log))
         if only is None or "6" in only:
             log("select latency")
-            results["select"] = measure.measure_select(work, settings, log)
+            results["select"] = measure_select.measure_select(work, settings, log)
         if only is None or "7" in only:
             log("crash recovery")
-            results["crashes"] = measure.measure_crashes(work, settings, log)
+            results["crashes"] = measure_crashes.measure_crashes(work, settings, log)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results["machine"]["loadavg_end"] = os.getloadavg()
