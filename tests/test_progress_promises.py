@@ -76,7 +76,7 @@ def test_rollout_weights_behind_the_trainer_a_chunk_up_to_the_trainer_version_is
 def test_start_weight_is_the_oldest_when_a_recovery_rolls_the_weights_back_mid_sample(tmp_path):
     """Admitted at weights 2; sample 0's prefix made by weights 2, then a recovery to version 1 and
     the new attempt continues with the older weights 1 (versions go down); sample 1's prefix made
-    by weights 1, then 2 after a step (versions go up). The group's stamp is 1, the oldest of all."""
+    by weights 2 after the next step. The group's stamp is 1: the oldest, the last token of a prefix."""
     buf = make(tmp_path)
     buf.finish_step()
     buf.finish_step()
@@ -87,12 +87,11 @@ def test_start_weight_is_the_oldest_when_a_recovery_rolls_the_weights_back_mid_s
     assert buf.state()["weight_version"] == 1
     [new] = plan.leases
     chunk(buf, new, 0, 2, [7], version=1)
-    chunk(buf, new, 1, 0, [8], version=1)
     buf.finish_step()
-    chunk(buf, new, 1, 1, [9], version=2)
-    assert prefixes(buf, new) == {0: ([5, 6, 7], [2, 2, 1]), 1: ([8, 9], [1, 2])}
+    chunk(buf, new, 1, 0, [8, 9], version=2)
+    assert prefixes(buf, new) == {0: ([5, 6, 7], [2, 2, 1]), 1: ([8, 9], [2, 2])}
+    buf.commit_sample(new, 1, row([8, 9, 4], [2, 2, 2]))
     buf.commit_sample(new, 0, row([5, 6, 7], [2, 2, 1]))
-    buf.commit_sample(new, 1, row([8, 9, 4], [1, 2, 2]))
     assert buf.group(lease.group_id).start_weight == 1
     assert buf.store.read(check).ok
 
