@@ -169,6 +169,75 @@ MUTATIONS += (
              ("tests/test_powercut.py::test_a_new_store_in_new_directories_survives_a_power_cut",)),
 )
 
+#: Issue 35: one realistic slip per promise of token progress, the lazy row checks, verify's new
+#: checks and the TRL queue, each killed by the deterministic test aimed at that promise.
+PROGRESS, PROMISES = "kvckpt/transitions/progress.py", "tests/test_progress_promises.py"
+VERIFY, VERIFY_TESTS = "kvckpt/durability/verify.py", "tests/test_verify_progress.py"
+READS = "tests/test_read_promises.py"
+MUTATIONS += (
+    Mutation("progress-future-reads-weights-only", PROGRESS,
+             'newest = max(st["trainer_version"], st["weight_version"])', 'newest = st["weight_version"]',
+             (f"{PROMISES}::test_rollout_weights_behind_the_trainer_a_chunk_up_to_the_trainer_version_is_not_future",)),
+    Mutation("progress-oldest-is-first-chunk", PROGRESS, "    return int(versions.min())\n",
+             "    return int(versions[0])\n",
+             (f"{PROMISES}::test_start_weight_is_the_oldest_when_a_recovery_rolls_the_weights_back_mid_sample",)),
+    Mutation("commit-forgets-sibling-token-weight", "kvckpt/transitions/commit.py",
+             "oldest = [w for w in (entry.token_weight, *(consume(", "oldest = [w for w in (None, *(consume(",
+             (f"{PROMISES}::test_a_sibling_commits_oldest_tokens_are_not_forgotten_by_the_next_commit",)),
+    Mutation("progress-bound-off-by-one", PROGRESS, "    if start + len(ids) > schema.max_tokens:\n",
+             "    if start + len(ids) >= schema.max_tokens:\n",
+             (f"{PROMISES}::test_a_prefix_of_exactly_max_tokens_is_accepted_and_one_more_token_is_refused",)),
+    Mutation("progress-read-skips-identity", PROGRESS,
+             '    if (meta.get("group_id"), meta.get("index"), meta.get("start")) != (group_id, index, start) \\\n'
+             "            or type(length) is not int",
+             "    if type(length) is not int",
+             (f"{PROMISES}::test_a_chunk_stored_under_another_key_is_corrupt_on_the_live_read_path",)),
+    Mutation("progress-length-skips-identity", PROGRESS,
+             'length < 1 or (meta.get("group_id"), meta.get("index"), meta.get("start")) \\\n'
+             "            != (group_id, index, start):",
+             'length < 1 or meta.get("start") != start:',
+             (f"{PROMISES}::test_a_chunk_stored_under_another_key_is_corrupt_on_the_live_read_path[another-sample]",)),
+    Mutation("progress-delete-index-0-is-the-group", "kvckpt/tables/access.py",
+             "        prefix = keys.row_prefix(group_id) if index is None else keys.row_key(group_id, index)\n"
+             '        return self.txn.delete_prefix("progress", prefix)\n',
+             "        prefix = keys.row_prefix(group_id) if not index else keys.row_key(group_id, index)\n"
+             '        return self.txn.delete_prefix("progress", prefix)\n',
+             (f"{PROMISES}::test_committing_one_sample_leaves_every_siblings_progress_as_it_was",)),
+    Mutation("verify-orphan-skips-committed-sibling", VERIFY,
+             'if entry is None or index >= entry["group_size"] or index in entry["siblings"]:',
+             'if entry is None or index >= entry["group_size"]:',
+             (f"{VERIFY_TESTS}::test_progress_of_a_committed_sibling_is_orphan_progress",)),
+    Mutation("verify-progress-reports-only-gaps", VERIFY, "        if ends.get((gid, index), 0) != start:\n",
+             "        if ends.get((gid, index), 0) < start:\n",
+             (f"{VERIFY_TESTS}::test_overlapping_chunks_are_reported",)),
+    Mutation("progress-read-skips-contiguity", PROGRESS, '        if r.meta["start"] != end:\n',
+             '        if r.meta["start"] > end:\n',
+             (f"{VERIFY_TESTS}::test_no_reader_takes_an_overlap_for_a_prefix",)),
+    Mutation("verify-state-fields-optional", VERIFY,
+             'if not _check_ints(state, "meta/state", _STATE_INTS, report, required=True):',
+             'if not _check_ints(state, "meta/state", _STATE_INTS, report, required=False):',
+             (f"{VERIFY_TESTS}::test_a_dropped_or_mistyped_state_field_is_malformed_in_verify_and_refused_by_restore",)),
+    Mutation("read-skips-row-index-identity", "kvckpt/buffer/batch.py",
+             'if record.meta.get("group_id") != gid or record.meta.get("index") != index:',
+             'if record.meta.get("group_id") != gid:',
+             (f"{READS}::test_a_row_naming_another_index_of_its_group_is_refused_even_with_a_matching_digest",)),
+    Mutation("read-limits-ignore-pins", "kvckpt/buffer/batch.py", "        limits = schema.limits(pins)\n",
+             "        limits = schema.limits()\n",
+             (f"{READS}::test_a_row_field_larger_than_max_tokens_within_its_pin_reads_back",)),
+    Mutation("limits-row-pin-scaled-by-max-tokens", "kvckpt/storage/schema.py",
+             "count = self.max_tokens if shape is None else prod(shape)",
+             "count = self.max_tokens * prod(shape or ())",
+             (f"{READS}::test_a_row_field_one_element_past_its_pin_is_refused",)),
+    Mutation("trl-queue-evicts-at-the-bound", "integrations/trl/queue.py",
+             "if self._clock.staleness(info.start_weight) > self._clock.max_staleness:",
+             "if self._clock.staleness(info.start_weight) >= self._clock.max_staleness:",
+             ("tests/test_trl_queue_staleness.py",)),
+    Mutation("trl-staleness-rounds-down", "integrations/trl/queue.py",
+             "return max(0, math.ceil(behind / self.weight_sync_steps))",
+             "return max(0, behind // self.weight_sync_steps)",
+             ("tests/test_trl_queue_staleness.py",)),
+)
+
 
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and

@@ -11,7 +11,11 @@ accepted (neither a commit nor a progress append), and the rows a trainer reads 
 of the one legitimate commit. Token progress: within a timeline a sample's durable prefix only
 grows, every acknowledged chunk survives reopens, recoveries and restores (at the checkpoint's
 cut), no zombie chunk lands, and a committed row starts with its sample's prefix (a row that does
-not is refused) while the prefix is deleted in the same transaction. Every
+not is refused) while the prefix is deleted in the same transaction. Each run must draw (``MUST_SEE``)
+the progress promises of issue 35: rollout weights behind the trainer (``finish_step(weight_version=...)``)
+and a chunk newer than them, a recovery between a sample's chunks with its versions going down, a
+commit while a sibling holds progress, prefixes of exactly the schema's ``max_tokens`` and one
+token over it (the machine's schema bounds rows at ``MAX_TOKENS``). Every
 operation's outcome (result or exact error) is predicted by the model first; a refused operation
 must leave every table byte-for-byte unchanged. After every step the machine checks the
 invariants of replay_semantics.md §G that apply: single owner (§G.10), capacity conservation
@@ -61,6 +65,7 @@ from kvckpt import (
     RecoveryError,
     ReplayBuffer,
     SampleCommitted,
+    SchemaMismatch,
     StaleAttempt,
     UnknownGroup,
     restore,
@@ -81,11 +86,21 @@ PROFILES = {
 }
 SETTINGS = PROFILES[os.environ.get("KVCKPT_HYPOTHESIS_PROFILE", "ci")]
 N = 2  # rows per group
+#: The machine's schema bound: row ``N - 1`` has ``3 + N - 1`` tokens, so its prefix can reach exactly
+#: ``max_tokens`` and one more token is refused.
+MAX_TOKENS = 3 + N - 1
+MSCHEMA = {"fields": SCHEMA, "max_tokens": MAX_TOKENS}
+#: What a run must have drawn, not only by luck: the fencing rules and the progress promises
+#: (issue 35: weights behind the trainer, versions going down, recovery between chunks, a commit
+#: while a sibling holds progress, prefixes at the bound).
+MUST_SEE = ("restore", "timeline zombie", "foreign zombie", "progress", "zombie progress", "weights behind",
+            "chunk past the weights", "versions down", "recovery mid-sample", "commit beside progress",
+            "prefix at bound", "over the bound")
 #: Operations with their relative frequency (drawn as a number: sampled_from favours its first item).
 WEIGHTS = {"produce": 4, "commit_group": 3, "select": 3, "admit": 2, "commit_sample": 3, "train": 2, "finish_step": 1,
            "evict": 1, "abort": 1, "abort_stale_inflight": 1, "redispatch": 1, "promote_ready_group": 1,
            "checkpoint": 1, "reopen": 1, "recover": 1, "restore": 1, "foreign_admit": 1, "zombie": 3, "progress": 3,
-           "zombie_progress": 1}
+           "zombie_progress": 2, "generate": 3, "lag_and_roll_back": 1}
 OPERATIONS = [op for op, weight in WEIGHTS.items() for _ in range(weight)]
 INFLIGHT = "inflight"
 
@@ -259,12 +274,12 @@ class Model:
         self.counters["selected"] += len(chosen)
         return chosen
 
-    def finish_step(self) -> None:
+    def finish_step(self, weight: int | None = None) -> None:
         for prompt in self.having("claimed"):
             prompt.state, prompt.consumed_step = "consumed", self.tv
             self.counters["consumed"] += 1
         self.tv += 1
-        self.wv = self.tv
+        self.wv = self.tv if weight is None else weight
         if self.retain or len(self.durable) < self.keep:
             return
         floor = self.durable[-self.keep]
@@ -291,9 +306,11 @@ class Model:
                 self.shortfall[prompt.target_step] = self.shortfall.get(prompt.target_step, 0) + 1
         self.counters["aborted"] += len(gids)
 
-    def progress_error(self, lease: Any, index: int, start: int, tokens_match: bool, version: int,
+    def progress_error(self, lease: Any, index: int, start: int, n: int, tokens_match: bool, version: int,
                        store_id: str) -> tuple[type[Exception] | None, bool]:
         """The error a progress append raises (or None), and whether it is a no-op retry."""
+        if start + n > MAX_TOKENS:  # checked before the transaction, so before the fencing
+            return SchemaMismatch, False
         prompt = self.prompts.get(lease.group_id)
         if prompt is None or prompt.state in ("evicted", "aborted"):
             return UnknownGroup, False
@@ -387,14 +404,14 @@ class BufferMachine(RuleBasedStateMachine):
             sampler["sample_freshest_first"] = freshest
         capacity = groups_per_step * (window + 1) + extra
         self.buf = ReplayBuffer.create(self.path, BufferConfig(
-            group_size=N, schema=SCHEMA, sampler=sampler, max_buffered_rollouts=capacity,
+            group_size=N, schema=MSCHEMA, sampler=sampler, max_buffered_rollouts=capacity,
             groups_per_step=groups_per_step, retain_consumed=retain, durable_checkpoints=keep))
         self.model = Model(sampler, capacity, retain, keep)
         self.model.timeline = self.buf.state()["timeline"]
         self.store_id = self.buf.store.store_id
         # Another store of the same config: its group ids collide with ours, its leases must not commit.
         self.foreign = ReplayBuffer.create(os.path.join(self.dir, "foreign.kv"), BufferConfig(
-            group_size=N, schema=SCHEMA, sampler=sampler, max_buffered_rollouts=capacity,
+            group_size=N, schema=MSCHEMA, sampler=sampler, max_buffered_rollouts=capacity,
             groups_per_step=groups_per_step, retain_consumed=retain, durable_checkpoints=keep))
 
     def teardown(self) -> None:
@@ -416,11 +433,15 @@ class BufferMachine(RuleBasedStateMachine):
     def step(self, pick, data):
         getattr(self, OPERATIONS[pick % len(OPERATIONS)])(data)
 
+    def live_leases(self) -> list[Any]:
+        """The leases that can still commit: this store's, current timeline and attempt, in flight."""
+        m = self.model
+        return [x for x in self.leases if x.store_id == self.store_id and x.timeline == m.timeline
+                and (p := m.prompts.get(x.group_id)) is not None and p.state == INFLIGHT and p.attempt == x.attempt]
+
     def lease(self, data: Any) -> Any:
         """Mostly a lease that can still commit; sometimes any lease ever issued (stale, replayed)."""
-        m = self.model
-        live = [x for x in self.leases if x.store_id == self.store_id and x.timeline == m.timeline
-                and (p := m.prompts.get(x.group_id)) is not None and p.state == INFLIGHT and p.attempt == x.attempt]
+        live = self.live_leases()
         pool = live if live and data.draw(st.sampled_from([True, True, True, False]), label="live") else self.leases
         return data.draw(st.sampled_from(pool), label="lease")
 
@@ -482,16 +503,23 @@ class BufferMachine(RuleBasedStateMachine):
             assert error is not None, f"zombie {lease} would be accepted"
             self.refused(error, self.buf.commit_sample, lease, index, row_for(lease.group_id, index, 2))
 
-    def append(self, lease: Any, index: int, data: Any, label: str) -> None:
+    def append(self, lease: Any, index: int, data: Any, label: str,
+               kinds: tuple[str, ...] = ("next", "next", "next", "retry", "conflict", "gap", "future", "over"),
+               versions: list[int] | None = None) -> None:
         """One ``record_progress`` of ``lease``'s sample ``index``: the next chunk, a retry of a
-        recorded chunk, a conflicting one, a gap or a weight from the future (drawn as ``label``)."""
+        recorded chunk, a conflicting one, a gap or a weight from the future (drawn as ``label``);
+        ``versions``: the weight versions to draw the chunk's from (default: 0, and the older and the
+        newer of the trainer's and the weights' versions)."""
         m = self.model
         prompt = m.prompts.get(lease.group_id)
         chunks = [] if prompt is None else list(prompt.chunks.get(index, ()))
         length = sum(n for _, n, _ in chunks)
         base = row_for(lease.group_id, index, 0)
-        kind = data.draw(st.sampled_from(["next", "next", "next", "retry", "conflict", "gap", "future"]), label=label)
-        start, n, version, change = length, 1 + (length < 3 + index - 1), min(m.wv, m.tv), 0
+        kind = data.draw(st.sampled_from(kinds), label=label)
+        start, n, change = length, 1 + (length < 3 + index - 1), 0
+        # any version up to the newest of the trainer's and the weights' (which may lag the trainer)
+        versions = versions or sorted({0, min(m.wv, m.tv), max(m.wv, m.tv)})
+        version = data.draw(st.sampled_from(versions), label="version")
         if kind in ("retry", "conflict") and chunks:
             start, n, version = data.draw(st.sampled_from(chunks), label="chunk")
             change = int(kind == "conflict")
@@ -499,18 +527,23 @@ class BufferMachine(RuleBasedStateMachine):
             start += 1
         elif kind == "future":
             version = max(m.tv, m.wv) + 1
+        if kind == "next" and start >= 3 + index:
+            return  # the sample is complete: its producer appends nothing more
         n = min(n, max(1, 3 + index - start))  # a prefix never outgrows variant 0's row
+        if kind == "over":
+            n = MAX_TOKENS - start + 1  # one token past the schema's bound
         tokens = base["input_ids"][start:start + n] + change
         if len(tokens) < n:  # past the row's end: pad (only a gap or a refused append gets here)
             tokens = torch.cat([tokens, torch.zeros(n - len(tokens), dtype=torch.int64)])
         logprobs = torch.full((n,), -0.5)
-        error, retry = m.progress_error(lease, index, start, (start, n, version) in chunks and not change, version,
+        error, retry = m.progress_error(lease, index, start, n, (start, n, version) in chunks and not change, version,
                                         self.store_id)
         call = functools.partial(self.buf.record_progress, lease, index, start=start, tokens=tokens,
                                  logprobs=logprobs, weight_version=version)
         if error is None and start + n > 3 + index:
             error = None if retry else BadArgument  # never reached: appends stay within the row
         if error is not None:
+            self.seen["over the bound"] += error is SchemaMismatch
             self.refused(error, call)
             return
         before = dump_store(self.buf) if retry else None
@@ -518,6 +551,9 @@ class BufferMachine(RuleBasedStateMachine):
         if retry:
             assert dump_store(self.buf) == before
             return
+        self.seen["chunk past the weights"] += version > m.wv
+        self.seen["versions down"] += bool(chunks) and version < chunks[-1][2]
+        self.seen["prefix at bound"] += length + n == MAX_TOKENS
         prompt.chunks.setdefault(index, []).append((start, n, version))
         self.seen["progress"] += 1
 
@@ -528,6 +564,49 @@ class BufferMachine(RuleBasedStateMachine):
         lease = self.lease(data)
         self.append(lease, data.draw(st.integers(0, N - 1), label="index"), data, "progress kind")
 
+    def generate(self, data):
+        """A producer generates one sample chunk by chunk (each chunk's weight version drawn, so
+        versions go down as well as up) until the row is complete, which for the last row is the
+        schema's bound; then it commits a sibling (which must leave this prefix alone) or the sample."""
+        live = self.live_leases()
+        if not live:
+            self.produce(data)
+            return
+        lease = data.draw(st.sampled_from(live), label="lease")
+        index = data.draw(st.integers(0, N - 1), label="index")
+        for _ in range(2):
+            self.append(lease, index, data, "generate kind", kinds=("next",))
+        which = data.draw(st.sampled_from([None, index, *(i for i in range(N) if i != index)]), label="then commit")
+        if which is not None:
+            self.commit_one(lease, which, 0)
+
+    def lag_and_roll_back(self, data):
+        """Issue 35's progress path in one operation, each step predicted by the model: a sample's
+        first chunk, the step closes with the rollout weights behind the trainer, a chunk made by
+        the trainer's (newer) version, a recovery that rolls the weights back, and the new attempt
+        continuing with older weights (the sample's versions go down)."""
+        live = [x for x in self.live_leases() if any(not self.model.prompts[x.group_id].chunks.get(i)
+                                                     and i not in self.model.prompts[x.group_id].rows
+                                                     for i in range(N))]
+        if not live:
+            self.produce(data)
+            return
+        lease = data.draw(st.sampled_from(live), label="lease")
+        prompt = self.model.prompts[lease.group_id]
+        index = next(i for i in range(N) if not prompt.chunks.get(i) and i not in prompt.rows)
+        self.append(lease, index, data, "scenario kind", kinds=("next",))
+        lag = data.draw(st.integers(1, 2), label="weight lag")
+        assert self.buf.finish_step(weight_version=max(0, self.model.tv + 1 - lag)) == self.model.tv + 1
+        self.model.finish_step(max(0, self.model.tv + 1 - lag))
+        self.seen["weights behind"] += 1
+        newest = max(self.model.tv, self.model.wv)
+        self.append(lease, index, data, "scenario kind", kinds=("next",), versions=[newest])
+        self.recover(data)
+        resumed = [x for x in self.live_leases() if x.group_id == lease.group_id]
+        older = sorted({0, min(self.model.tv, self.model.wv)} - {newest})  # newest >= 1: never empty
+        if resumed:
+            self.append(resumed[-1], index, data, "scenario kind", kinds=("next",), versions=older)
+
     def zombie_progress(self, data):
         """A lease of an abandoned timeline or another store appends progress: always refused."""
         stale = [x for x in self.leases if x.store_id != self.store_id or x.timeline != self.model.timeline]
@@ -536,7 +615,7 @@ class BufferMachine(RuleBasedStateMachine):
         lease = data.draw(st.sampled_from(stale), label="zombie")
         index = data.draw(st.integers(0, N - 1), label="index")
         prompt = self.model.prompts.get(lease.group_id)
-        error, _ = self.model.progress_error(lease, index, 0 if prompt is None else prompt.length(index), False, 0,
+        error, _ = self.model.progress_error(lease, index, 0 if prompt is None else prompt.length(index), 1, False, 0,
                                              self.store_id)
         assert error is not None, f"zombie progress of {lease} would be accepted"
         self.seen["zombie progress"] += 1
@@ -595,13 +674,19 @@ class BufferMachine(RuleBasedStateMachine):
             return
         lease = self.lease(data)
         index = data.draw(st.integers(0, N - 1), label="index")
-        rows = {index: data.draw(st.integers(0, 1), label="variant")}
+        self.commit_one(lease, index, data.draw(st.integers(0, 1), label="variant"))
+
+    def commit_one(self, lease: Any, index: int, variant: int) -> None:
+        """``commit_sample`` of row ``index`` (content ``variant``), its outcome predicted by the model."""
+        rows = {index: variant}
         error, replay = self.model.commit_error(lease, rows, whole=False, store_id=self.store_id)
         payload = row_for(lease.group_id, index, rows[index])
         if error is not None:
             self.refused(error, self.buf.commit_sample, lease, index, payload)
             return
         before = dump_store(self.buf) if replay else None
+        held = self.model.prompts[lease.group_id].chunks if not replay else {}
+        self.seen["commit beside progress"] += any(c for i, c in held.items() if i != index)
         result = self.buf.commit_sample(lease, index, payload)
         if replay:
             assert result.replayed and result.ready == (self.model.prompts[lease.group_id].state != INFLIGHT)
@@ -636,8 +721,12 @@ class BufferMachine(RuleBasedStateMachine):
         return selection
 
     def finish_step(self, data):
-        assert self.buf.finish_step() == self.model.tv + 1
-        self.model.finish_step()
+        """Close the step; the rollout weights follow the trainer, or lag it (or run ahead) when drawn."""
+        lag = data.draw(st.none() | st.integers(-1, 2), label="weight lag")
+        weight = None if lag is None else max(0, self.model.tv + 1 - lag)
+        assert self.buf.finish_step(weight_version=weight) == self.model.tv + 1
+        self.model.finish_step(weight)
+        self.seen["weights behind"] += self.model.wv < self.model.tv
 
     def evict(self, data):
         if not data.draw(st.sampled_from([False, False, True]), label="named"):
@@ -691,6 +780,7 @@ class BufferMachine(RuleBasedStateMachine):
             return
         plan = self.buf.recover(None if back is None else version)
         returned, redispatch = m.recover(version, plan.timeline)
+        self.seen["recovery mid-sample"] += any(c for p in redispatch for c in p.chunks.values())
         assert (plan.resume_version, plan.groups_returned_to_ready) == (version, returned)
         assert plan.groups_complete_restored == len(m.having("ready"))
         assert [(x.group_id, x.attempt, x.target_step, x.start_weight) for x in plan.leases] == [
@@ -770,8 +860,7 @@ def machine_for(sampler: str) -> type[BufferMachine]:
 def test_buffer_matches_the_model(sampler):
     BufferMachine.seen.clear()
     run_state_machine_as_test(machine_for(sampler), settings=SETTINGS)
-    assert min(BufferMachine.seen[k] for k in ("restore", "timeline zombie", "foreign zombie", "progress",
-                                               "zombie progress")) > 0, BufferMachine.seen
+    assert min(BufferMachine.seen[k] for k in MUST_SEE) > 0, BufferMachine.seen
 
 
 class Replay:
@@ -810,7 +899,7 @@ def test_zombies_after_a_restore_are_fenced_replayed():
                               ("whole group", False), ("index", 0))),
             ("commit_group", Replay(("live", True), ("lease", lambda: machine.leases[-1]), ("variant", 0),
                                     ("missing rows only", False), ("end_weight", None))),
-            ("train", Replay(("min_groups", 1), ("extra", 0))),
+            ("train", Replay(("min_groups", 1), ("extra", 0), ("weight lag", None))),
         ]
         machine.store_matches_model()
         for name, data in steps:

@@ -17,10 +17,13 @@ Skipped when TransferQueue (``pip install 'kvckpt[tq]'``) is not installed.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +176,32 @@ def test_transferqueue_suite_passes_on_kvckpt(suite: str, suite_results: tuple[d
     skipped = {k for k, v in mine.items() if v.startswith("skipped")}
     assert skipped == {k for k in {**SIMPLE_STORAGE_ONLY, **SUITE_SKIPS} if k.startswith(f"{suite}::")}
     assert {k: v for k, v in mine.items() if k not in skipped and v != "passed"} == {}
-    path = _owner_of(suite, str(stores))[0]
+    path, actor = _owner_of(suite, str(stores))
     assert os.path.isfile(path)  # the suite's values went through kvckpt: its value store file exists,
+    _wait_for_release(ktq, path, actor)
     ktq.ValueStore(path).close()  # and is one (FormatError otherwise)
+
+
+def _wait_for_release(ktq: Any, path: str, actor: str) -> None:
+    """Stop the suite's owner actor if it still runs (``tq.close`` leaves it; the child's exit
+    kills it asynchronously), then wait until its process let go of the store file: a blocking
+    ``flock`` on the file returns exactly when the owner's writer lock is released, with no polling."""
+    from ray.exceptions import RayActorError
+
+    with contextlib.suppress(RayActorError):  # already dying with the child driver that owned it
+        ktq.stop_value_store(actor)
+    released = threading.Event()
+
+    def lock_and_release() -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            released.set()
+        finally:
+            os.close(fd)
+
+    waiter = threading.Thread(target=lock_and_release, daemon=True)
+    waiter.start()
+    waiter.join(timeout=300)  # a bound against a hang only: the lock is released when the actor's process exits
+    assert released.is_set(), f"the owner actor {actor!r} still holds {path!r}"

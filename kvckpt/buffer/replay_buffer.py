@@ -455,7 +455,8 @@ class ReplayBuffer:
         has ``start=progress[i].length``. Read in one transaction; checked like any stored record.
 
         Raises:
-            CorruptRecord: a stored chunk fails its checksum or is not one kvckpt writes.
+            CorruptRecord: a stored chunk fails its checksum, is not one kvckpt writes, names another
+                key, or the chunks of a sample overlap or leave a gap.
         """
         gid = lease_or_group_id.group_id if isinstance(lease_or_group_id, Lease) else lease_or_group_id
         args.identifier("group_id", gid)
@@ -467,6 +468,7 @@ class ReplayBuffer:
             by_index.setdefault(index, []).append(progress.decode_chunk(self.schema, gid, index, start, value))
         found = {}
         for index, records in by_index.items():
+            progress.check_contiguous(gid, index, records)
             tensors = [r.tensors() for r in records]
             # a field some chunk lacks has no value for every token: it is not part of the prefix
             names = [n[len(progress.FIELD_PREFIX):] for n in tensors[0]

@@ -166,7 +166,7 @@ def durable_length(t: Tables, group_id: str, index: int) -> int:
     """The length of a sample's durable prefix (0 without progress).
 
     Raises:
-        CorruptRecord: the last chunk's header is not one kvckpt writes.
+        CorruptRecord: the last chunk's header is not one kvckpt writes or names another key.
     """
     last = t.last_progress_chunk(group_id, index)
     if last is None:
@@ -174,7 +174,8 @@ def durable_length(t: Tables, group_id: str, index: int) -> int:
     start, value = last
     meta = codec.decode_meta(value, _key_name(group_id, index, start))
     length = meta.get("length")
-    if type(length) is not int or length < 1 or meta.get("start") != start:
+    if type(length) is not int or length < 1 or (meta.get("group_id"), meta.get("index"), meta.get("start")) \
+            != (group_id, index, start):
         raise CorruptRecord(_key_name(group_id, index, start), f"progress chunk header {meta!r:.200} is not one "
                                                                 "kvckpt writes")
     return start + length
@@ -207,6 +208,22 @@ def decode_chunk(schema: RowSchema, group_id: str, index: int, start: int, value
     return record
 
 
+def check_contiguous(group_id: str, index: int, records: list[codec.Record]) -> None:
+    """A sample's decoded chunks (by position) tile its prefix from token 0: no gap, no overlap.
+
+    Raises:
+        CorruptRecord: a chunk does not start where the one before it ends (only damage stores that:
+            :func:`record` appends at the durable length), naming that chunk's key.
+    """
+    end = 0
+    for r in records:
+        if r.meta["start"] != end:
+            raise CorruptRecord(_key_name(group_id, index, r.meta["start"]),
+                                f"the chunk starts at token {r.meta['start']} but the prefix before it ends at {end} "
+                                f"({'an overlap' if r.meta['start'] < end else 'a gap'})")
+        end += r.meta["length"]
+
+
 def consume(t: Tables, schema: RowSchema, group_id: str, index: int, row: bytes) -> int | None:
     """Hold a committed row against its sample's durable prefix and delete the prefix (in the
     commit's transaction); returns the oldest weight version of the prefix, or ``None`` without one.
@@ -214,10 +231,13 @@ def consume(t: Tables, schema: RowSchema, group_id: str, index: int, row: bytes)
     Raises:
         BadArgument: the row's completion tokens (or its ``token_versions``) do not begin with the
             recorded prefix; the message names the sample.
+        CorruptRecord: a stored chunk is damaged, names another key, or the chunks overlap or
+            leave a gap.
     """
     chunks = [decode_chunk(schema, group_id, i, start, value) for i, start, value in t.progress_chunks(group_id, index)]
     if not chunks:
         return None
+    check_contiguous(group_id, index, chunks)
     sample = keys.row_id(group_id, index)
     tokens = np.concatenate([c.arrays[_TOKENS] for c in chunks])
     versions = np.concatenate([np.full(c.meta["length"], c.meta["version"], np.int64) for c in chunks])
