@@ -84,7 +84,8 @@ def test_the_kvckpt_sampler_runs_verls_filter_groups_validation(ledger_path: str
     """verl ``test_custom_sampler_skips_builtin_filter_groups_validation`` (line 74) shows verl handing a custom
     sampler the six contract arguments only; the kvckpt class then runs verl's own validation itself (so a
     DAPO config verl refuses is refused here too, before any ledger run opens), and a buffer built without a
-    verl trainer (``refill_fn`` a plain function) keeps ``ReplayBuffer``'s defaults, as verl's would."""
+    verl trainer (``refill_fn`` a plain function) keeps ``ReplayBuffer``'s defaults, as verl's would; arguments
+    the caller passes (as verl passes its built-ins) are taken as given."""
     trainer = _trainer_with_filter_groups(ledger_path, {"enable": True, "metric": "acc"})
     with patch.object(trainer, "_resolve_filter_groups_metric", return_value="acc") as resolve_filter_groups_metric:
         sampler = trainer._build_replay_buffer()
@@ -103,6 +104,11 @@ def test_the_kvckpt_sampler_runs_verls_filter_groups_validation(ledger_path: str
     assert by_hand.filter_groups_metric is None and by_hand.train_batch_size is None
     assert by_hand.gen_batch_size is None and by_hand.max_inflight_gen_batches == 1
     assert by_hand.sync_refill_failed_groups is False
+    explicit = KvckptReplayBuffer(trainer_mode="sync", trainer_config={}, max_off_policy_threshold=1,
+                                  max_off_policy_strategy="drop", refill_fn=trainer._add_prompts_to_generate,
+                                  sampler_kwargs=trainer.config.trainer.v1.sampler.sampler_kwargs,
+                                  filter_groups_metric=None)
+    assert explicit.filter_groups_metric is None and explicit.train_batch_size is None  # the caller's arguments win
 
 
 def test_filter_groups_reach_the_kvckpt_sampler_as_verls(ledger_path: str) -> None:
