@@ -4,7 +4,7 @@ Runs ``scripts/verl_own_tests.py`` (verl's ``test_replay_buffer_on_cpu.py``, ``t
 ``test_trainer_base_on_cpu.py``, through the ``tests/_verl_switch.py`` plugin) on the verl checkout named by
 ``KVCKPT_VERL_SOURCE`` (a work tree, or a git directory read at ``KVCKPT_VERL_COMMIT``, default ``1dda039b9``).
 verl's wheel and sdist ship no V1 tests and kvckpt copies none, so without that variable the test is skipped;
-with it, about 3 minutes on a 2-core machine (``slow``). It asserts every outcome: each test that does not
+with it, 3 to 5 minutes on a 2-core machine (``slow``). It asserts every outcome: each test that does not
 pass is one of those named below, for the reason given, and no other.
 """
 
