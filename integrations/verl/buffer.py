@@ -25,6 +25,11 @@ they add is where the state lives. Constructing one
    of step N and verl's tracker: a restart then resumes from the previous ``global_step_M`` (its
    file is copied in) or, with none, from scratch.
 
+Through ``custom_sampler`` verl's ``_build_replay_buffer`` hands a custom sampler its six contract arguments only;
+built that way by a verl trainer, the buffer computes DAPO's metric, ``sync_refill_failed_groups`` and (sync class)
+the batch sizes and ``max_inflight_gen_batches`` from that trainer's config as verl does for its own classes
+(:func:`builtin_arguments`), so these settings work as with verl's buffer instead of being dropped.
+
 In async modes, once the ledger has a checkpoint, a group the trainer samples is marked consumed by
 that step, not deleted: a crash before a checkpoint covers the step gives it back, since the weights
 that trained on it are lost too. The marks are dropped by the checkpoint that covers them
