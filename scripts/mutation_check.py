@@ -21,6 +21,9 @@ Usage::
     .venv/bin/python scripts/mutation_check.py --only redispatch-keeps-attempt
     .venv/bin/python scripts/mutation_check.py --mutations my.json  # a JSON list of mutation objects
     .venv/bin/python scripts/mutation_check.py --list
+    # the verl adapter's mutations, whose tests run in .venv-verl only:
+    .venv-verl/bin/python scripts/mutation_check.py --python "$PWD/.venv-verl/bin/python" --mutations M.json
+    # with M.json = scripts/mutations_verl.json
 
 A JSON mutation object has the keys ``name``, ``file``, ``old``, ``new``, ``tests`` and optionally
 ``count``, for example::

@@ -12,9 +12,10 @@ the mirror).
 Six of verl's seven tests check what ``_build_replay_buffer`` hands verl's *built-in* classes
 (``ReplayBuffer`` / ``ReplayBufferAsync``: the DAPO metric, ``train_batch_size``, ``gen_batch_size``,
 ``max_inflight_gen_batches``, ``sync_refill_failed_groups``, the ``max_num_gen_batches`` warning). A
-custom sampler gets none of them (verl 0.9.1 ``trainer_base.py`` lines 166-167: "custom
-implementations own their filtering semantics"), so each port asserts, under verl's same
-configuration, what the kvckpt class gets instead: the deviation docs/integrations.md lists.
+custom sampler gets none of them (verl 0.9.1 ``trainer_base.py`` lines 163-165: "custom
+implementations own their filtering semantics"), so the kvckpt class computes them from its trainer's
+config as verl does (``buffer.builtin_arguments``), and each port asserts verl's values under verl's
+configuration.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def _trainer_with_filter_groups(ledger_path: str, filter_groups: dict, trainer_m
 
 def test_kvckpt_sampler_class_follows_trainer_mode(ledger_path: str) -> None:
     """verl ``test_builtin_sampler_class_follows_trainer_mode`` (line 60): the sync class for ``sync``, the
-    async class for both async modes, each a new run of the one ledger; the DAPO metric (verl's built-ins:
-    ``"acc"``) does not reach a custom sampler, and the batch sizes stay ``None`` as verl's async ones."""
+    async class for both async modes, each a new run of the one ledger; the async ones get DAPO's metric from
+    the trainer's config as verl's built-ins do, and the batch sizes stay ``None`` as verl's async ones."""
     sync_trainer = _trainer_with_filter_groups(ledger_path, {"enable": False}, trainer_mode="sync")
     sync_sampler = sync_trainer._build_replay_buffer()
     async_samplers = [
@@ -73,62 +74,77 @@ def test_kvckpt_sampler_class_follows_trainer_mode(ledger_path: str) -> None:
 
     assert type(sync_sampler) is KvckptReplayBuffer
     assert all(type(sampler) is KvckptReplayBufferAsync for sampler in async_samplers)
-    assert all(sampler.filter_groups_metric is None for sampler in async_samplers)
+    assert all(sampler.filter_groups_metric == "acc" for sampler in async_samplers)
     assert all(sampler.train_batch_size is None for sampler in async_samplers)
     assert all(sampler.gen_batch_size is None for sampler in async_samplers)
     assert [s.run for s in (sync_sampler, *async_samplers)] == [sync_sampler.run + i for i in range(3)]
 
 
-def test_custom_sampler_gets_verls_constructor_contract(ledger_path: str) -> None:
-    """verl ``test_custom_sampler_skips_builtin_filter_groups_validation`` (line 74), with the real kvckpt class
-    behind ``custom_sampler`` in place of the patched ``_CustomSampler``: built with the six contract arguments
-    only, and the filter-groups validation is not run."""
+def test_the_kvckpt_sampler_runs_verls_filter_groups_validation(ledger_path: str) -> None:
+    """verl ``test_custom_sampler_skips_builtin_filter_groups_validation`` (line 74) shows verl handing a custom
+    sampler the six contract arguments only; the kvckpt class then runs verl's own validation itself (so a
+    DAPO config verl refuses is refused here too, before any ledger run opens), and a buffer built without a
+    verl trainer (``refill_fn`` a plain function) keeps ``ReplayBuffer``'s defaults, as verl's would; arguments
+    the caller passes (as verl passes its built-ins) are taken as given."""
     trainer = _trainer_with_filter_groups(ledger_path, {"enable": True, "metric": "acc"})
-
-    with patch.object(trainer, "_resolve_filter_groups_metric") as resolve_filter_groups_metric:
+    with patch.object(trainer, "_resolve_filter_groups_metric", return_value="acc") as resolve_filter_groups_metric:
         sampler = trainer._build_replay_buffer()
+    resolve_filter_groups_metric.assert_called_once_with()
+    assert isinstance(sampler, KvckptReplayBuffer) and sampler.refill_fn == trainer._add_prompts_to_generate
 
-    resolve_filter_groups_metric.assert_not_called()
-    assert isinstance(sampler, KvckptReplayBuffer)
-    assert sampler.filter_groups_metric is None and sampler.train_batch_size is None
-    assert sampler.gen_batch_size is None and sampler.max_inflight_gen_batches == 1
-    assert sampler.sync_refill_failed_groups is False
-    assert sampler.refill_fn == trainer._add_prompts_to_generate
+    runs = ray.get(sampler.ledger.info.remote())["run"]
+    no_metric = _trainer_with_filter_groups(ledger_path, {"enable": True})
+    with pytest.raises(ValueError, match=r"algorithm\.filter_groups\.metric must be set"):
+        no_metric._build_replay_buffer()
+    assert ray.get(sampler.ledger.info.remote())["run"] == runs
+
+    by_hand = KvckptReplayBuffer(trainer_mode="sync", trainer_config={}, max_off_policy_threshold=1,
+                                 max_off_policy_strategy="drop", refill_fn=lambda n: n,
+                                 sampler_kwargs=trainer.config.trainer.v1.sampler.sampler_kwargs)
+    assert by_hand.filter_groups_metric is None and by_hand.train_batch_size is None
+    assert by_hand.gen_batch_size is None and by_hand.max_inflight_gen_batches == 1
+    assert by_hand.sync_refill_failed_groups is False
+    explicit = KvckptReplayBuffer(trainer_mode="sync", trainer_config={}, max_off_policy_threshold=1,
+                                  max_off_policy_strategy="drop", refill_fn=trainer._add_prompts_to_generate,
+                                  sampler_kwargs=trainer.config.trainer.v1.sampler.sampler_kwargs,
+                                  filter_groups_metric=None)
+    assert explicit.filter_groups_metric is None and explicit.train_batch_size is None  # the caller's arguments win
 
 
-def test_filter_groups_leave_the_kvckpt_sampler_at_verls_defaults(ledger_path: str) -> None:
-    """verl ``test_builtin_filter_groups_uses_default_inflight_limit`` (line 93): verl's sync built-in gets
-    ``"acc"``, 64, 1, 1; the kvckpt sync class, under the same config, keeps ``ReplayBuffer``'s defaults."""
+def test_filter_groups_reach_the_kvckpt_sampler_as_verls(ledger_path: str) -> None:
+    """verl ``test_builtin_filter_groups_uses_default_inflight_limit`` (line 93): ``"acc"``, 64, 1, 1, as verl's
+    sync built-in gets them."""
     trainer = _trainer_with_filter_groups(ledger_path, {"enable": True, "metric": "acc"})
 
     sampler = trainer._build_replay_buffer()
 
-    assert sampler.filter_groups_metric is None
-    assert sampler.train_batch_size is None
-    assert sampler.gen_batch_size is None
+    assert sampler.filter_groups_metric == "acc"
+    assert sampler.train_batch_size == 64
+    assert sampler.gen_batch_size == 1
     assert sampler.max_inflight_gen_batches == 1
 
 
-def test_configured_inflight_limit_does_not_reach_the_kvckpt_sampler(ledger_path: str) -> None:
-    """verl ``test_builtin_filter_groups_forwards_configured_inflight_limit`` (line 104): 3 reaches verl's
-    built-in; the kvckpt class keeps 1."""
+def test_configured_inflight_limit_reaches_the_kvckpt_sampler(ledger_path: str) -> None:
+    """verl ``test_builtin_filter_groups_forwards_configured_inflight_limit`` (line 104): 3."""
     trainer = _trainer_with_filter_groups(ledger_path, {"enable": True, "metric": "acc", "max_inflight_gen_batches": 3})
 
     sampler = trainer._build_replay_buffer()
 
-    assert sampler.max_inflight_gen_batches == 1
+    assert sampler.max_inflight_gen_batches == 3
 
 
-def test_sync_failure_refill_does_not_reach_the_kvckpt_sampler(ledger_path: str) -> None:
-    """verl ``test_builtin_sync_failure_refill_forces_single_prompt_generation`` (line 112): verl's built-in
-    gets ``sync_refill_failed_groups=True`` and ``gen_batch_size=1``; the kvckpt class gets neither."""
+def test_sync_failure_refill_reaches_the_kvckpt_sampler(ledger_path: str) -> None:
+    """verl ``test_builtin_sync_failure_refill_forces_single_prompt_generation`` (line 112):
+    ``sync_refill_failed_groups=True`` and ``gen_batch_size=1``; with neither set, verl's ``gen_batch_size``."""
     trainer = _trainer_with_filter_groups(ledger_path, {"enable": False})
     trainer.config.trainer.v1.sampler.sync_refill_failed_groups = True
 
     sampler = trainer._build_replay_buffer()
 
-    assert sampler.sync_refill_failed_groups is False
-    assert sampler.gen_batch_size is None
+    assert sampler.sync_refill_failed_groups is True
+    assert sampler.gen_batch_size == 1
+    plain = _trainer_with_filter_groups(ledger_path, {"enable": False})._build_replay_buffer()
+    assert (plain.sync_refill_failed_groups, plain.gen_batch_size, plain.train_batch_size) == (False, 8, 64)
 
 
 def test_sync_failure_refill_overrides_dataloader_generation_batch_size(ledger_path: str) -> None:
@@ -158,15 +174,16 @@ def test_sync_failure_refill_overrides_dataloader_generation_batch_size(ledger_p
     warning.assert_any_call("data.gen_batch_size=8 is overridden to 1.")
 
 
-def test_total_generation_limit_is_not_validated_for_the_kvckpt_sampler(ledger_path: str) -> None:
-    """verl ``test_builtin_filter_groups_warns_when_total_generation_limit_is_configured`` (line 155): verl warns
-    once that ``max_num_gen_batches`` is ignored by its built-in; with the kvckpt class the filter-groups
-    validation that warns is not run (line 74), so no warning, and the buffer is built."""
+def test_total_generation_limit_is_warned_about_for_the_kvckpt_sampler(ledger_path: str) -> None:
+    """verl ``test_builtin_filter_groups_warns_when_total_generation_limit_is_configured`` (line 155): verl's
+    warning, once, that ``max_num_gen_batches`` is ignored; and the buffer is built."""
     trainer = _trainer_with_filter_groups(ledger_path, {"enable": True, "metric": "acc", "max_num_gen_batches": 10})
 
     with patch("verl.trainer.ppo.v1.trainer_base.logger.warning") as warning:
         sampler = trainer._build_replay_buffer()
 
-    warning.assert_not_called()
+    warning.assert_called_once_with(
+        "algorithm.filter_groups.max_num_gen_batches=%s is ignored by the built-in V1 ReplayBuffer; "
+        "use max_inflight_gen_batches to bound concurrent Sync DAPO generation.", 10)
     assert type(sampler) is KvckptReplayBuffer
     assert ray.get(sampler.ledger.info.remote())["run"] == sampler.run

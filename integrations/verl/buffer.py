@@ -25,6 +25,11 @@ they add is where the state lives. Constructing one
    of step N and verl's tracker: a restart then resumes from the previous ``global_step_M`` (its
    file is copied in) or, with none, from scratch.
 
+Through ``custom_sampler`` verl's ``_build_replay_buffer`` hands a custom sampler its six contract arguments only;
+built that way by a verl trainer, the buffer computes DAPO's metric, ``sync_refill_failed_groups`` and (sync class)
+the batch sizes and ``max_inflight_gen_batches`` from that trainer's config as verl does for its own classes
+(:func:`builtin_arguments`), so these settings work as with verl's buffer instead of being dropped.
+
 In async modes, once the ledger has a checkpoint, a group the trainer samples is marked consumed by
 that step, not deleted: a crash before a checkpoint covers the step gives it back, since the weights
 that trained on it are lost too. The marks are dropped by the checkpoint that covers them
@@ -35,6 +40,7 @@ the first checkpoint a sampled group is deleted: a restart then starts from scra
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import ray
@@ -55,6 +61,9 @@ class _LedgerBacked:
 
     def __init__(self, trainer_mode: str, trainer_config: DictConfig, max_off_policy_threshold: int | None,
                  max_off_policy_strategy: str, sampler_kwargs: DictConfig, **kwargs: Any) -> None:
+        trainer = getattr(kwargs.get("refill_fn"), "__self__", None)
+        if _is_verl_trainer(trainer) and not BUILTIN_ONLY & kwargs.keys():
+            kwargs.update(builtin_arguments(trainer, sync=not isinstance(self, ReplayBufferAsync)))
         super().__init__(trainer_mode, trainer_config, max_off_policy_threshold,  # type: ignore[call-arg]
                          max_off_policy_strategy, sampler_kwargs, **kwargs)
         self._attach(sampler_kwargs)
@@ -91,6 +100,41 @@ class _LedgerBacked:
                            partition_snapshot: dict[str, dict]) -> KVBatchMeta:
         with self.mirror.consuming(self._sampling_step):
             return super()._materialize_batch(partition_id, selected_prompt_uids, partition_snapshot)  # type: ignore[misc]
+
+
+#: What verl's ``_build_replay_buffer`` hands its built-in classes and never a custom sampler.
+BUILTIN_ONLY = frozenset({"filter_groups_metric", "sync_refill_failed_groups", "train_batch_size", "gen_batch_size",
+                          "max_inflight_gen_batches"})
+
+
+def _is_verl_trainer(owner: Any) -> bool:
+    """Whether ``owner`` is a verl V1 ``PPOTrainer``, without importing verl's trainer (tens of seconds) where no
+    trainer exists: a trainer's module is imported before the trainer is."""
+    trainer_base = sys.modules.get("verl.trainer.ppo.v1.trainer_base")
+    return trainer_base is not None and isinstance(owner, trainer_base.PPOTrainer)
+
+
+def builtin_arguments(trainer: Any, *, sync: bool) -> dict[str, Any]:
+    """The :data:`BUILTIN_ONLY` arguments verl 0.9.1's ``_build_replay_buffer`` (``trainer_base.py`` lines 165-183)
+    computes from the trainer's config for its own ``ReplayBuffer`` (``sync``) or ``ReplayBufferAsync``, computed as
+    it computes them: DAPO's metric through the trainer's own ``_resolve_filter_groups_metric`` (its checks and its
+    ``max_num_gen_batches`` warning included), ``trainer.v1.sampler.sync_refill_failed_groups``, and for the sync
+    class the batch sizes and ``algorithm.filter_groups.max_inflight_gen_batches``. verl hands a custom sampler none
+    of them, so the kvckpt buffer reads them itself: DAPO filtering, failed-group refill and the in-flight bound then
+    behave as with verl's buffer (each eviction, refill and dispatch one ledger transaction, as any other call)."""
+    config = trainer.config
+    metric = trainer._resolve_filter_groups_metric()
+    refill_failed = bool(config.trainer.v1.sampler.get("sync_refill_failed_groups", False))
+    arguments: dict[str, Any] = {"filter_groups_metric": metric, "sync_refill_failed_groups": refill_failed}
+    if sync:
+        train_batch_size = config.data.train_batch_size
+        arguments.update(
+            train_batch_size=train_batch_size,
+            gen_batch_size=1 if metric is not None or refill_failed
+            else (config.data.get("gen_batch_size", None) or train_batch_size),
+            max_inflight_gen_batches=config.algorithm.filter_groups.get("max_inflight_gen_batches", 1)
+            if metric is not None else 1)
+    return arguments
 
 
 def _trainer_loads_a_checkpoint(trainer: Any) -> bool:
