@@ -197,10 +197,12 @@ class Producer:
             self._ack(items, send_step(self.client, items))
 
     def stream(self, leases: Sequence[Mapping[str, Any]], pause_at: int | None = None, *, extra: int = 0,
-               in_flight: bool = False) -> int:
-        """Stream every step of ``leases``; at step ``pause_at`` pause at the coordinator until
-        released, having generated ``extra`` tokens of the step (not yet due), or with the whole
-        step's message sent and not yet answered (``in_flight``). Returns the resends made."""
+               sent: str | None = None) -> int:
+        """Stream every step of ``leases``. At step ``pause_at``, pause at the coordinator until
+        released, having generated ``extra`` tokens of the step (not yet due: nothing sent), or the
+        whole step and sent it: its message still in flight (``sent="in_flight"``), or landed with
+        its acknowledgement lost on the way back (``sent="ack_lost"``: sent again after the pause).
+        Returns the resends made after a refusal or the store actor's death."""
         self.leases = {x["group_id"]: dict(x) for x in leases}
         ray.get(self.coordinator.report.remote({}, {}, list(self.leases.values())))
         for step in range(self.steps):
@@ -209,13 +211,14 @@ class Producer:
                 continue
             seqs = [_seq(g, i) for g in self.leases for i in range(GROUP_SIZE)]
             done = step * self.interval
-            ray.get(self.coordinator.report.remote({}, {s: done + (self.interval if in_flight else extra)
-                                                        for s in seqs}))
+            ray.get(self.coordinator.report.remote({}, {s: done + (self.interval if sent else extra) for s in seqs}))
+            if sent == "ack_lost":
+                send_step(self.client, self._items(step))  # durable now; the producer never learns it
             with ThreadPoolExecutor(1) as pool:
-                sent = pool.submit(self._step, step) if in_flight else None
+                flight = pool.submit(self._step, step) if sent == "in_flight" else None
                 ray.get(self.coordinator.pause.remote())
-                if sent is not None:
-                    sent.result()
+                if flight is not None:
+                    flight.result()
                 else:
                     self._step(step)
         return self.resends
@@ -247,16 +250,17 @@ class Producer:
         self.commit()
         return starts
 
-    def commit(self) -> list[bool]:
-        """Commit every group of the producer's leases (the full completions); whether each is ready."""
+    def commit(self) -> list[bool | BaseException]:
+        """Commit every group of the producer's leases (the full completions) through the
+        producer's client; per group, whether it is ready, or the error its future holds."""
         total = self.steps * self.interval
-        with kray.BufferClient(self.buffer) as client:
-            futures = []
-            for gid, lease in self.leases.items():
-                rows = []
-                for i in range(GROUP_SIZE):
-                    tokens = expected_tokens(gid, i, 0, total)
-                    rows.append({"input_ids": tokens, "generation_logprobs": logprobs_of(tokens),
-                                 "total_reward": np.float32(i)})
-                futures.append(client.commit(lease, rows))
-        return [f.result().ready for f in futures]
+        futures = []
+        for gid, lease in self.leases.items():
+            rows = []
+            for i in range(GROUP_SIZE):
+                tokens = expected_tokens(gid, i, 0, total)
+                rows.append({"input_ids": tokens, "generation_logprobs": logprobs_of(tokens),
+                             "total_reward": np.float32(i)})
+            futures.append(self.client.commit(lease, rows))
+        self.client.flush()
+        return [f.exception() or f.result().ready for f in futures]

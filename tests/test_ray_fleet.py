@@ -51,7 +51,11 @@ def cluster():
     ray.shutdown()
     kray.keep_ray_on_loopback()
     ray.cloudpickle.register_pickle_by_value(_fleet)  # tests/ is not on the workers' path
-    made = Cluster(initialize_head=True, head_node_args={**COMMON, "num_cpus": 1, "resources": {"head": 4}})
+    # a killed node's raylet refuses the GCS's health checks: declare it dead after 3 (1 s apart), not
+    # Ray's default 5 (3 s apart); a live node stays live unless 3 checks in a row time out (10 s each)
+    checks = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+    made = Cluster(initialize_head=True, head_node_args={**COMMON, "num_cpus": 1, "resources": {"head": 4},
+                                                         "_system_config": checks})
     made.add_node(**COMMON, num_cpus=1, resources={"rollout_b": 8})
     try:
         ray.init(address=made.address, namespace="kvckpt-fleet")
@@ -103,7 +107,8 @@ def test_a_rollout_node_killed_mid_stream_loses_at_most_one_interval(cluster, tm
                         for _ in range(2))
     assert ray.get([p.node_id.remote() for p in producers]) == [victim.node_id] * 2
     # step 3 of 5: one engine has generated 3 of its 4 tokens (not yet due), the other has sent step 3
-    streams = [producers[0].stream.remote(paused, 3, extra=3), producers[1].stream.remote(in_flight, 3, in_flight=True)]
+    streams = [producers[0].stream.remote(paused, 3, extra=3),
+               producers[1].stream.remote(in_flight, 3, sent="in_flight")]
     ray.get(coordinator.wait_paused.remote(2))
     killed = kill_node(cluster, victim)
     assert len(killed) >= 2
@@ -147,9 +152,13 @@ def test_the_store_actor_killed_mid_stream_loses_nothing_acknowledged_and_applie
     coordinator = Coordinator.options(**on("head")).remote()
     leases = ray.get(actor.admit.remote(list(range(4))))
     producers = [Producer.options(**on("rollout_b")).remote(actor, coordinator, INTERVAL, STEPS) for _ in range(2)]
-    streams = [producers[0].stream.remote(leases[:2], 2, in_flight=True),
+    # step 2 of 5: one engine's message landed but its acknowledgement is lost, the other's is not sent yet
+    streams = [producers[0].stream.remote(leases[:2], 2, sent="ack_lost"),
                producers[1].stream.remote(leases[2:], 2, extra=1)]
     ray.get(coordinator.wait_paused.remote(2))
+    before = durable(actor, leases)
+    assert before == {**dict.fromkeys(seqs(leases[:2]), 12), **dict.fromkeys(seqs(leases[2:]), 8)}
+    assert ray.get(coordinator.state.remote())["acked"] == dict.fromkeys(seqs(leases), 8)
     first = ray.get(actor.info.remote())
     os.kill(first["pid"], signal.SIGKILL)
     ray.get(coordinator.release.remote())
@@ -201,8 +210,12 @@ def test_the_owners_node_dies_and_another_node_restores_what_inspect_counted(clu
     assert acked_tokens == 4 * TOTAL
 
     kill_node(cluster, owner)
-    with pytest.raises(ray.exceptions.RayError):
-        ray.get(actor.info.remote(), timeout=120)
+    # a rollout worker's commits to the dead owner fail in their futures; the owner is never restarted
+    # elsewhere (it is pinned to its node)
+    refused = ray.get(second.commit.remote())
+    assert len(refused) == 2 and all(isinstance(e, ray.exceptions.RayActorError) for e in refused)
+    with pytest.raises(ray.exceptions.ActorUnschedulableError):
+        kray.wait_for_actor(actor, 120)
     shutil.rmtree(node_a)  # its disk is gone with it
 
     out = subprocess.run([sys.executable, "-m", "kvckpt.tools.cli", "inspect", "--json", ckpt],
