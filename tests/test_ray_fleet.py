@@ -4,10 +4,12 @@ owner's node (docs/ray.md, "A fleet that streams progress").
 
 One cluster serves the module: the head node (resource ``head``) holds the coordinator and, in
 the first two tests, the store actor; the node ``rollout_b`` runs the producers that survive.
-Each test adds the node it kills. Every process that resumes, redispatches or restores is a new
-one (a new producer actor, the restarted store actor, a store actor on another node); the driver
-only checks. "Mid-generation" is a step the test chooses (the producers pause at the coordinator),
-never a sleep; where a message is in flight at the kill, the assertions hold for both outcomes.
+Each test adds the node it kills. What recovers runs in processes other than the ones that died:
+new producer actors on the surviving node, the restarted store actor (a new process on the same
+file), a store actor on another node restoring the checkpoint; the driver plays the trainer (its
+redispatch) and checks. "Mid-generation" is a step the test chooses (the producers pause at the
+coordinator), never a sleep; where a message is in flight at the kill, the assertions hold for
+both outcomes (it landed whole, or not at all).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from _fleet import (  # noqa: E402
     kill_node,
 )
 
-from kvckpt import verify_path  # noqa: E402
+from kvckpt import AbandonedTimeline, verify_path  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -166,7 +168,9 @@ def test_the_store_actor_killed_mid_stream_loses_nothing_acknowledged_and_applie
     again = kray.wait_for_actor(actor, 120)
     assert (again["restarted"], again["pid"] != first["pid"]) == (True, True)
     plan = ray.get(actor.recovery_plan.remote())
-    assert sorted(x["group_id"] for x in plan["leases"]) == sorted(x["group_id"] for x in leases)
+    assert sorted((x["group_id"], x["attempt"]) for x in plan["leases"]) == sorted((x["group_id"], 1) for x in leases)
+    with pytest.raises(AbandonedTimeline):  # a lease from before the restart writes nothing
+        ray.get(actor.record_progress.remote(leases[0], 0, TOTAL, [1], [-0.5], 0))
 
     # every acknowledged chunk is there exactly once: one chunk record per step, every token in place
     acked = ray.get(coordinator.state.remote())["acked"]
