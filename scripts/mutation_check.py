@@ -242,6 +242,35 @@ MUTATIONS += (
 )
 
 
+FLEET = "tests/test_ray_fleet.py"
+#: A fleet streaming progress through the buffer actor on a multi-node Ray cluster (issue 36): what
+#: a rollout node's, the store actor's and the owner node's death may not cost, each on a real cluster.
+MUTATIONS += (
+    Mutation("fleet-resend-of-landed-chunk-refused", "kvckpt/transitions/progress.py",
+             "        if t.progress_chunk(gid, index, chunk.start) == chunk.value:\n", "        if False:\n",
+             (f"{FLEET}::test_the_store_actor_killed_mid_stream_loses_nothing_acknowledged_and_applies_nothing_twice",)),
+    Mutation("fleet-restart-leaves-leases-valid", "kvckpt/durability/recovery.py",
+             '{**entry.to_dict(), "attempt": entry.attempt + 1,\n'
+             '                                            "timeline": st["timeline"]})',
+             "{**entry.to_dict()})",
+             (f"{FLEET}::test_the_store_actor_killed_mid_stream_loses_nothing_acknowledged_and_applies_nothing_twice",)),
+    Mutation("fleet-progress-unfenced", "kvckpt/transitions/progress.py",
+             '    fence(lease, store_id, entry.timeline, entry.attempt, "in flight", _WHAT)\n'
+             "    check_against_entry(lease, entry, _WHAT)\n", "",
+             (f"{FLEET}::test_a_rollout_node_killed_mid_stream_loses_at_most_one_interval",)),
+    Mutation("fleet-actor-progress-empty", "integrations/ray/actor.py",
+             "        found = await self._abuf.progress(group_id)\n", "        found = {}\n",
+             (f"{FLEET}::test_a_rollout_node_killed_mid_stream_loses_at_most_one_interval",)),
+    Mutation("fleet-client-escapes-unschedulable-owner", "integrations/ray/client.py",
+             "        except (RayActorError, ActorUnschedulableError, GetTimeoutError):\n",
+             "        except (RayActorError, GetTimeoutError):\n",
+             (f"{FLEET}::test_the_owners_node_dies_and_another_node_restores_what_inspect_counted",)),
+    Mutation("fleet-inspect-counts-chunk-lengths-only", "tools/inspect.py",
+             '            tokens += int.from_bytes(key[-8:], "big") + length\n', "            tokens += length\n",
+             (f"{FLEET}::test_the_owners_node_dies_and_another_node_restores_what_inspect_counted",)),
+)
+
+
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and
     map ``integrations``/``tools`` into the package the way the build does."""

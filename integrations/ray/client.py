@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import ray
 from kvckpt.integrations.ray.actor import to_wire
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnschedulableError, GetTimeoutError, RayActorError
 
 from kvckpt.buffer import Batch
 from kvckpt.durability.recovery import RecoveryPlan
@@ -194,7 +194,7 @@ class BufferClient:
         try:
             wait_for_actor(self.actor, self.restart_timeout)
             return True
-        except (RayActorError, GetTimeoutError):
+        except (RayActorError, ActorUnschedulableError, GetTimeoutError):
             return False
 
 
@@ -205,6 +205,7 @@ def wait_for_actor(actor: Any, timeout: float = 60.0) -> dict[str, Any]:
 
     Raises:
         RayActorError: the actor is dead for good (it has no restart left).
+        ActorUnschedulableError: its restart can never run (it is pinned to a node that died).
         GetTimeoutError: no incarnation of the actor answered within ``timeout`` seconds.
     """
     return ray.get(actor.info.options(max_task_retries=-1).remote(), timeout=timeout)
