@@ -348,11 +348,11 @@ def test_the_demo_parks_its_rollout_mid_way_through_generation(tmp_path):
     ``park_prompt``, or one 32 tokens in), and only one lease."""
     hooks = DemoHooks(str(tmp_path / "events.jsonl"), park_prompt=5, park_at="generation", park_tokens=40)
     early, lease, later = (Lease(f"g{p}", 0, 8, 3, 0, p, "add", "a", tuple(range(8))) for p in (4, 5, 6))
+    hooks.park.release()  # a park returns at once (its commit refused), as when the run stops: nothing blocks
     hooks.after_generation_step(_states(early, 48, 48))  # below park_prompt
     hooks.after_generation_step(_states(lease, 32, 32))  # not yet mid-way
     hooks.after_generation_step(_states(lease, 40, 0))  # nothing durable yet
     assert not hooks.park.parked.is_set() and read_events(hooks.events) == []
-    hooks.park.release()  # the parked commit returns at once (refused), as when the run stops
     with pytest.raises(ParkedCommitDropped):
         hooks.after_generation_step(_states(lease, 40, 32))
     [parked] = read_events(hooks.events, "parked")
