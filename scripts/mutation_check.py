@@ -270,6 +270,17 @@ MUTATIONS += (
              (f"{FLEET}::test_the_owners_node_dies_and_another_node_restores_what_inspect_counted",)),
 )
 
+#: Issue 40: the demo parks its rollout mid-way through long completions, scored answer by answer.
+_DEMO = "tests/test_functional_recovery.py::"
+MUTATIONS += (
+    Mutation("demo-parks-before-mid-way", "integrations/trainer/demo.py",
+             "max(s.generated for s in mine) >= self.park_tokens", "True",
+             (f"{_DEMO}test_the_demo_parks_its_rollout_mid_way_through_generation",)),
+    Mutation("repeat-reward-ignores-extra-words", "integrations/vllm/tiny_model.py",
+             "        if len(words) > self.repeat:\n            return 0.0\n", "",
+             (f"{_DEMO}test_the_default_demo_generates_long_completions_with_progress_well_inside_them",)),
+)
+
 
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and

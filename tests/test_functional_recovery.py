@@ -25,7 +25,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvckpt.integrations.trainer.demo import DemoFailed, demo_preset, read_events, run_demo, spawn_child, wait_event
+from kvckpt.integrations.trainer.demo import (
+    PROGRESS_EVERY_TOKENS,
+    DemoFailed,
+    DemoHooks,
+    ParkedCommitDropped,
+    demo_config,
+    demo_preset,
+    read_events,
+    run_demo,
+    spawn_child,
+    wait_event,
+)
 from kvckpt.integrations.trainer.grpo import BUFFER_FILE, checkpoint_steps
 from kvckpt.integrations.trainer.report import (
     audit,
@@ -35,10 +46,11 @@ from kvckpt.integrations.trainer.report import (
     token_account,
     work_after_checkpoint,
 )
-from kvckpt.integrations.vllm import ensure_tiny_model
+from kvckpt.integrations.vllm import AdditionTask, ensure_tiny_model
+from kvckpt.integrations.vllm.stream import SequenceState
 
 from kvckpt.errors import BadArgument
-from kvckpt.tables.records import CONSUMED
+from kvckpt.tables.records import CONSUMED, Lease
 
 GPS, N = 2, 2
 SAMPLERS = {
@@ -252,9 +264,12 @@ def test_kvckpt_demo_fast_reports_exactly_once_and_writes_the_learning_curve(tmp
     assert rec["mode"] == "live" and rec["resume_step"] == 5 and rec["work_lost"]["rows"] == 0
     assert rec["groups_after_checkpoint_recommitted"] == 0 and rec["work_after_checkpoint"]["groups"] >= 1
     assert len(rec["prompts_redispatched"]) == rec["groups_redispatched"] >= 1
-    tokens = rec["tokens"]  # the kill finds completions mid-generation; their durable tokens are resumed
+    tokens = rec["tokens"]  # the kill finds long completions mid-generation; their durable tokens are resumed
+    assert tokens["max_tokens"] == 64 and tokens["progress_every_tokens"] == 16
+    low, high = tokens["generated_range"]
+    assert 0 < low <= 40 <= high <= tokens["max_tokens"]  # the parked completions: 40 tokens in, 24 to go
     assert tokens["resumed"] == tokens["durable_at_kill"] > 0 and tokens["within_bound"] is True
-    assert tokens["regenerated"] <= tokens["progress_every_tokens"] * tokens["inflight_sequences"]
+    assert 0 <= tokens["regenerated"] <= tokens["progress_every_tokens"] * tokens["inflight_sequences"]
     assert tokens["completion_level_regenerated"] == tokens["inflight_at_kill"] >= tokens["resumed"]
     assert doc["learning_curve"] == str(out / "kvckpt-demo-learning-curve.png")
     with open(doc["learning_curve"], "rb") as fh:
@@ -293,14 +308,57 @@ def test_learning_keeps_the_curve_of_the_model_that_survived():
 
 
 def test_token_account_counts_what_durable_progress_saved():
-    """40 tokens in flight over 16 sequences at the kill, 32 durable and resumed: 8 regenerated,
-    within one token per sequence; recovering whole completions would have regenerated all 40."""
-    crash = {"inflight_tokens": 40, "inflight_sequences": 16}
-    account = token_account(crash, {"progress_tokens": {"samples": 16, "tokens": 32}}, {"tokens_resumed": 32}, 1)
-    assert account == {"inflight_at_kill": 40, "inflight_sequences": 16, "durable_at_kill": 32, "resumed": 32,
-                       "regenerated": 8, "completion_level_regenerated": 40, "progress_every_tokens": 1,
-                       "within_bound": True}
-    assert token_account(crash, {"progress_tokens": {"samples": 0, "tokens": 0}}, {}, 1)["within_bound"] is False
+    """640 tokens in flight over 16 sequences at the kill (each 40 of its 64), 512 durable and
+    resumed: 128 regenerated, within 16 tokens per sequence; recovering whole completions would
+    have regenerated all 640."""
+    crash = {"inflight_tokens": 640, "inflight_sequences": 16, "sequences": [[40, 32]] * 16}
+    account = token_account(crash, {"progress_tokens": {"samples": 16, "tokens": 512}}, {"tokens_resumed": 512},
+                            16, 64)
+    assert account == {"inflight_at_kill": 640, "inflight_sequences": 16, "generated_range": [40, 40],
+                       "max_tokens": 64, "durable_at_kill": 512, "resumed": 512, "regenerated": 128,
+                       "completion_level_regenerated": 640, "progress_every_tokens": 16, "within_bound": True}
+    lost = token_account(crash, {"progress_tokens": {"samples": 0, "tokens": 0}}, {}, 16, 64)
+    assert lost["within_bound"] is False and lost["regenerated"] == 640  # 40 per sequence: over one interval
+
+
+def test_the_default_demo_generates_long_completions_with_progress_well_inside_them(tmp_path):
+    """The demo's run: 64-token completions (the sum of two digits, written 32 times), durable every
+    16 tokens, the transformers engine stepping 8 at a time (so a step can end between appends)."""
+    cfg = demo_config(str(tmp_path), demo_preset(), "in_order", "live", "transformers")
+    gen = cfg["generation"]
+    assert gen["max_tokens"] == 2 * cfg["task"]["repeat"] == 64
+    assert gen["progress_every_tokens"] == PROGRESS_EVERY_TOKENS == 16 and gen["backend_options"] == {"step_tokens": 8}
+    assert demo_config(str(tmp_path), demo_preset(), "in_order", "live", "vllm")["generation"]["backend_options"] == {}
+    task = AdditionTask(cfg["task"]["max_operand"], 0, cfg["task"]["repeat"])
+    a, b = task.operands(7)
+    assert task.completion(7) == " ".join([str(a + b)] * 32) and task.reward(7, task.completion(7)) == 1.0
+    assert task.reward(7, " ".join([str(a + b)] * 16)) == 0.5  # half of the 32 answers written
+    assert task.reward(7, task.completion(7) + f" {a + b}") == 0.0  # more words than asked for
+    one = AdditionTask(4, 0)  # repeat=1: the answer exactly, surrounding space ignored
+    assert one.reward(7, f" {a + b} ") == 1.0 and one.reward(7, f"{a + b} {a + b}") == 0.0
+
+
+def _states(lease: Lease, generated: int, durable: int) -> list[SequenceState]:
+    return [SequenceState(lease, index, generated, durable) for index in range(lease.group_size)]
+
+
+def test_the_demo_parks_its_rollout_mid_way_through_generation(tmp_path):
+    """``park_at="generation"`` parks the first lease at or after ``park_prompt`` once its
+    completions have ``park_tokens`` tokens, some durable: not before (a lease below
+    ``park_prompt``, or one 32 tokens in), and only one lease."""
+    hooks = DemoHooks(str(tmp_path / "events.jsonl"), park_prompt=5, park_at="generation", park_tokens=40)
+    early, lease, later = (Lease(f"g{p}", 0, 8, 3, 0, p, "add", "a", tuple(range(8))) for p in (4, 5, 6))
+    hooks.park.release()  # a park returns at once (its commit refused), as when the run stops: nothing blocks
+    hooks.after_generation_step(_states(early, 48, 48))  # below park_prompt
+    hooks.after_generation_step(_states(lease, 32, 32))  # not yet mid-way
+    hooks.after_generation_step(_states(lease, 40, 0))  # nothing durable yet
+    assert not hooks.park.parked.is_set() and read_events(hooks.events) == []
+    with pytest.raises(ParkedCommitDropped):
+        hooks.after_generation_step(_states(lease, 40, 32))
+    [parked] = read_events(hooks.events, "parked")
+    assert parked["prompt_idx"] == 5 and hooks.park.parked.is_set()
+    hooks.after_generation_step(_states(later, 48, 48))  # one park per run
+    assert hooks.generating[("g6", 0)] == [48, 48] and hooks.generating[("g5", 7)] == [40, 32]
 
 
 def test_demo_presets_scale_with_steps():

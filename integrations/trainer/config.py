@@ -57,10 +57,13 @@ class TaskConfig:
     Args:
         name: only ``"addition"``. Defaults to it.
         max_operand: operands range over ``0..max_operand``. Defaults to 9.
+        repeat: how many times a completion writes the sum (space-separated; the reward is the
+            share of them that are right): long completions whose every token is scored. Defaults to 1.
     """
 
     name: str = "addition"
     max_operand: int = 9
+    repeat: int = 1
 
 
 @dataclass

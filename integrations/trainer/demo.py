@@ -1,24 +1,25 @@
 """The demo (``kvckpt demo``): the reference GRPO trainer, SIGKILLed mid-step, resumed, audited.
 
-1. **Run.** A child process trains the reference async GRPO setup (tiny model, addition task,
-   transformers or vLLM generation, two rollout workers) on a kvckpt live store, checkpointing
-   every few steps.
+1. **Run.** A child process trains the reference async GRPO setup (tiny model, addition task
+   whose completions write the sum 32 times: 64 tokens, durable every 16; transformers or vLLM
+   generation, two rollout workers) on a kvckpt live store, checkpointing every few steps.
 2. **Crash.** Mid-step (its groups claimed), with groups buffered and rollouts in flight — one
-   of them parked by a test hook just before its commit, so the crash always finds one — the
-   parent SIGKILLs the child.
+   of them parked by a test hook 40 tokens into its completions, so the crash always finds long
+   completions mid-way — the parent SIGKILLs the child.
 3. **Resume** in a new child process, from the live store (``recovery="live"``: nothing generated
    is lost) or from the checkpoint file (``"checkpoint"``: work after it is regenerated), and
    train to the end.
 4. **Report** what recovery restored, redispatched and reused, the generation work lost (and what
-   a checkpoint-only recovery loses), the time to the first batch after the restart, an
-   exactly-once audit of every prompt over both runs, and a learning-curve PNG.
+   a checkpoint-only recovery loses), the tokens in flight at the kill (durable, resumed,
+   regenerated), the time to the first batch after the restart, an exactly-once audit of every
+   prompt over both runs, and a PNG: the learning curve beside the tokens kept and regenerated.
 
 The children run :func:`child_main` (``python -m kvckpt.integrations.trainer.demo child ...``),
 whose :class:`DemoHooks` are the trainer's test-only hooks (:mod:`.faults`), passed in by the
 parent on the command line, never through environment variables. tests/test_functional_recovery.py
 drives the same children.
 
-Why this module is long (about 430 lines): it is the whole demo, the parent (:func:`run_demo`) and
+Why this module is long (about 500 lines): it is the whole demo, the parent (:func:`run_demo`) and
 its children (:class:`DemoHooks`, :func:`child_main`, the events protocol of :func:`spawn_child` and
 :func:`wait_event`); the account of the run it prints is :mod:`.report`.
 """
@@ -67,19 +68,26 @@ SAMPLERS = {
 RECOVERY_MODES = ("live", "checkpoint")
 BACKENDS = ("transformers", "vllm")
 #: The two sizes: steps, groups per step, completions per group, checkpoint period, crash step, and
-#: the learning set-up: supervised warm-up steps, the task's largest operand, Adam's learning rate.
-#: A short warm-up on the 25 sums of 0..4 leaves the policy right about 40% of the time, so GRPO
-#: has both signal (groups with right and wrong answers) and room to improve within 60 steps.
+#: the learning set-up: supervised warm-up steps and learning rate, the task's largest operand and
+#: how many times a completion writes the sum, Adam's learning rate. A warm-up of 60 steps on the
+#: 25 sums of 0..4, each written 32 times (64-token completions), leaves the policy right about
+#: 40% of the time, so GRPO has both signal (groups with right and wrong answers) and room to improve.
 PRESETS = {
     "full": {"steps": 60, "groups_per_step": 4, "group_size": 8, "every_steps": 20, "crash_step": 47,
-             "sft_steps": 30, "max_operand": 4, "lr": 4e-4},
+             "sft_steps": 60, "sft_lr": 2e-3, "max_operand": 4, "repeat": 32, "lr": 4e-4},
     "fast": {"steps": 12, "groups_per_step": 4, "group_size": 8, "every_steps": 5, "crash_step": 8,
-             "sft_steps": 30, "max_operand": 4, "lr": 4e-4},
+             "sft_steps": 60, "sft_lr": 2e-3, "max_operand": 4, "repeat": 32, "lr": 4e-4},
 }
 PARK_WAIT_SECONDS = 60.0
-#: The demo's progress interval: its completions are 2-4 tokens (a sum and end-of-text), so every
-#: token is made durable; a long-reasoning run would use hundreds (the worker's default is 256).
-PROGRESS_EVERY_TOKENS = 1
+#: The demo's progress interval: every sequence's new tokens are made durable every 16 tokens of
+#: its 64 (a long-reasoning run would use hundreds: the worker's default is 256).
+PROGRESS_EVERY_TOKENS = 16
+#: The transformers engine's step (tokens between two progress checks; vLLM's is one token): half
+#: the interval, so an engine step can end between two durable appends and the kill find tokens
+#: past the last one, which recovery regenerates.
+ENGINE_STEP_TOKENS = 8
+#: The kill lands when the parked rollout's completions have this many of their 64 tokens: mid-way.
+PARK_AFTER_TOKENS = 40
 
 
 class DemoFailed(KvckptError):
@@ -101,21 +109,24 @@ class DemoHooks(Hooks):
             ``first-batch`` (the first selection, with ``time.time()``), ``crash-point``.
         park_prompt: park the first lease with ``prompt_idx >=`` this: block before committing it
             (``park_at="commit"``) or after the first engine step that made some of its tokens
-            durable (``"generation"``: the kill then finds its completions mid-generation).
+            durable and brought its completions to ``park_tokens`` tokens (``"generation"``: the
+            kill then finds its completions mid-generation).
         crash_step: at ``after_select`` of this step, wait for the park (up to
             :data:`PARK_WAIT_SECONDS`), log ``crash-point`` and wait to be SIGKILLed by the parent
             (or kill this process itself if the parent is gone).
         stop_step: at ``after_finish_step`` of this step, wait for the park and then set the
             trainer's time limit to 0: the run ends with its final checkpoint taken while the
             rollout is parked; the parked commit is then refused (:class:`ParkedCommitDropped`).
+        park_tokens: with ``park_at="generation"``, how many tokens the parked lease's longest
+            completion has when it parks. Defaults to 1 (right after its first durable tokens).
     """
 
     def __init__(self, events: str, *, park_prompt: int | None = None, crash_step: int | None = None,
-                 stop_step: int | None = None, park_at: str = "commit") -> None:
+                 stop_step: int | None = None, park_at: str = "commit", park_tokens: int = 1) -> None:
         if park_at not in ("commit", "generation"):
             raise BadArgument(f"park_at must be 'commit' or 'generation', got {park_at!r}")
         self.events, self.crash_step, self.stop_step = events, crash_step, stop_step
-        self.park_prompt, self.park_at = park_prompt, park_at
+        self.park_prompt, self.park_at, self.park_tokens = park_prompt, park_at, park_tokens
         #: (group id, row index) -> [tokens generated, tokens durable] of every uncommitted sample,
         #: as the streaming workers last reported them.
         self.generating: dict[tuple[str, int], list[int]] = {}
@@ -147,15 +158,17 @@ class DemoHooks(Hooks):
             self._park(lease)
 
     def after_generation_step(self, states: Sequence[Any]) -> None:
-        self._freeze_if_crashing()
-        with self._lock:
+        with self._lock:  # before freezing: a step's appends are durable, so its tokens count
             for s in states:
                 self.generating[(s.lease.group_id, s.index)] = [s.generated, s.durable]
+        self._freeze_if_crashing()
         if self.park_at != "generation":
             return
         for lease in {s.lease.group_id: s.lease for s in states}.values():
-            # after the lease's first durable tokens: the answer and its end-of-text are still to come
-            if self._parks(lease) and any(s.durable for s in states if s.lease.group_id == lease.group_id):
+            # mid-way: some of the lease's tokens durable, its completions park_tokens long, the rest to come
+            mine = [s for s in states if s.lease.group_id == lease.group_id]
+            midway = any(s.durable for s in mine) and max(s.generated for s in mine) >= self.park_tokens
+            if self._parks(lease) and midway:
                 self._park(lease)
 
     def _parks(self, lease: Lease) -> bool:
@@ -178,11 +191,11 @@ class DemoHooks(Hooks):
     def _crash(self, step: int | None) -> None:
         with self._lock:
             first, self._crashing = not self._crashing, True
-            generated = sum(g for g, _ in self.generating.values())
-            durable = sum(d for _, d in self.generating.values())
+            sequences = sorted(self.generating.values())
         if first:
-            self.log("crash-point", step=step, inflight_tokens=generated, durable_tokens=durable,
-                     inflight_sequences=len(self.generating))
+            self.log("crash-point", step=step, inflight_tokens=sum(g for g, _ in sequences),
+                     durable_tokens=sum(d for _, d in sequences), inflight_sequences=len(sequences),
+                     sequences=sequences)
         while os.getppid() == self._parent:  # the parent SIGKILLs this process now
             time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -228,11 +241,12 @@ def child_main(argv: Sequence[str]) -> int:
     parser.add_argument("--crash-step", type=int)
     parser.add_argument("--stop-step", type=int)
     parser.add_argument("--park-at", choices=("commit", "generation"), default="commit")
+    parser.add_argument("--park-tokens", type=int, default=1)
     args = parser.parse_args(argv)
     from kvckpt.integrations.trainer.grpo import GRPOTrainer
 
     hooks = DemoHooks(args.events, park_prompt=args.park_prompt, crash_step=args.crash_step,
-                      stop_step=args.stop_step, park_at=args.park_at)
+                      stop_step=args.stop_step, park_at=args.park_at, park_tokens=args.park_tokens)
     trainer = GRPOTrainer(args.config, hooks=hooks)
     hooks.trainer = trainer
     summary = trainer.run()
@@ -244,12 +258,12 @@ def child_main(argv: Sequence[str]) -> int:
 
 def spawn_child(config_path: str, events: str, *, summary: str | None = None, park_prompt: int | None = None,
                 crash_step: int | None = None, stop_step: int | None = None, park_at: str | None = None,
-                stderr: str | None = None) -> subprocess.Popen[bytes]:
+                park_tokens: int | None = None, stderr: str | None = None) -> subprocess.Popen[bytes]:
     """Start a training process running :func:`child_main` (its stderr to the file ``stderr``; its
     stdout a pipe carrying one byte per logged event, the doorbell :func:`wait_event` waits on)."""
     cmd = [sys.executable, "-m", "kvckpt.integrations.trainer.demo", "child", config_path, events]
     for flag, value in (("--summary", summary), ("--park-prompt", park_prompt), ("--crash-step", crash_step),
-                        ("--stop-step", stop_step), ("--park-at", park_at)):
+                        ("--stop-step", stop_step), ("--park-at", park_at), ("--park-tokens", park_tokens)):
         if value is not None:
             cmd += [flag, str(value)]
     err = open(stderr or os.devnull, "wb")  # noqa: SIM115 - handed to the child
@@ -327,15 +341,17 @@ def demo_preset(fast: bool = False, steps: int | None = None) -> dict[str, Any]:
 def demo_config(out: str, preset: dict[str, Any], sampler: str, recovery: str, backend: str,
                 cache_dir: str | None = None) -> dict[str, Any]:
     """The trainer config of a demo run in ``out``."""
-    gps = preset["groups_per_step"]
+    gps, repeat = preset["groups_per_step"], preset["repeat"]
     # vLLM engines share process-wide state: two of them generating at once in one process race
     # (seen: "Cannot copy out of meta tensor", and a hang), so the vLLM run has one worker.
     workers = 1 if backend == "vllm" else 2
     return {"output_dir": out, "seed": 0,
-            "model": {"cache_dir": cache_dir, "sft_steps": preset["sft_steps"]},
-            "task": {"max_operand": preset["max_operand"]},
-            "generation": {"backend": backend, "group_size": preset["group_size"], "max_tokens": 4,
-                           "workers": workers, "progress_every_tokens": PROGRESS_EVERY_TOKENS},
+            "model": {"cache_dir": cache_dir, "sft_steps": preset["sft_steps"], "sft_lr": preset["sft_lr"]},
+            "task": {"max_operand": preset["max_operand"], "repeat": repeat},
+            # single-digit sums, space-separated, then end-of-text: 2 * repeat tokens
+            "generation": {"backend": backend, "group_size": preset["group_size"], "max_tokens": 2 * repeat,
+                           "workers": workers, "progress_every_tokens": PROGRESS_EVERY_TOKENS,
+                           "backend_options": {"step_tokens": ENGINE_STEP_TOKENS} if backend == "transformers" else {}},
             "train": {"steps": preset["steps"], "groups_per_step": gps, "lr": preset["lr"]},
             "replay_buffer": {"sampler": SAMPLERS[sampler], "max_buffered_rollouts": 3 * gps},
             "checkpoint": {"every_steps": preset["every_steps"], "keep": 2, "resume_from": recovery}}
@@ -385,7 +401,7 @@ def run_demo(out: str | None = None, *, fast: bool = False, steps: int | None = 
         t0 = time.monotonic()
         stderr1 = os.path.join(out, "run-1.stderr")
         proc = spawn_child(config_path, os.path.join(out, "events-1.jsonl"), park_prompt=(crash + 1) * gps + 1,
-                           crash_step=crash, park_at="generation", stderr=stderr1)
+                           crash_step=crash, park_at="generation", park_tokens=PARK_AFTER_TOKENS, stderr=stderr1)
         try:
             crash_point = wait_event(os.path.join(out, "events-1.jsonl"), "crash-point", proc, timeout=900,
                                      stderr=stderr1)
@@ -420,10 +436,11 @@ def run_demo(out: str | None = None, *, fast: bool = False, steps: int | None = 
         verify = verify_path(live)
         metrics = _metrics(out)
         curve = learning(metrics, len(metrics_before), ckpt_step)
-        png = plot_learning_curve(metrics, len(metrics_before), killed_in, ckpt_step,
-                                  os.path.join(out, "kvckpt-demo-learning-curve.png"), curve)
         rec = summary["recovery"]
-        tokens = token_account(crash_point, source, summary.get("progress", {}), PROGRESS_EVERY_TOKENS)
+        tokens = token_account(crash_point, source, summary.get("progress", {}), PROGRESS_EVERY_TOKENS,
+                               cfg["generation"]["max_tokens"])
+        png = plot_learning_curve(metrics, len(metrics_before), killed_in, ckpt_step,
+                                  os.path.join(out, "kvckpt-demo-learning-curve.png"), curve, tokens)
         report = {
             "backend": backend, "sampler": sampler, "out": out, "kept": "all" if keep else "plot and metrics",
             "learning_curve": png,

@@ -129,7 +129,7 @@ def sft_warmup(policy: torch.nn.Module, tokenizer: Any, task: AdditionTask, *, s
         for _ in range(batch_size):
             idx = rng.randrange(task.size)
             prompt = tokenizer(task.prompt(idx), add_special_tokens=False)["input_ids"]
-            answer = tokenizer(task.answer(idx), add_special_tokens=False)["input_ids"] + [eos]
+            answer = tokenizer(task.completion(idx), add_special_tokens=False)["input_ids"] + [eos]
             pairs.append((prompt, answer))
         width = max(len(p) + len(a) for p, a in pairs)
         ids = torch.tensor([p + a + [pad] * (width - len(p) - len(a)) for p, a in pairs])
@@ -366,7 +366,7 @@ class GRPOTrainer:
         self.config = TrainerConfig.from_any(config)
         self.hooks = hooks or Hooks()
         self.metrics = metrics if metrics is not None else _configured_hook(self.config)
-        self.task = AdditionTask(self.config.task.max_operand, self.config.seed)
+        self.task = AdditionTask(self.config.task.max_operand, self.config.seed, self.config.task.repeat)
         self.clock = OpClock()
         self._stop = threading.Event()
         self._errors: list[BaseException] = []

@@ -33,19 +33,22 @@ def store_view(path: str) -> dict[str, Any]:
 
 
 def token_account(crash_point: dict[str, Any], source: dict[str, Any], resumed_run: dict[str, Any],
-                  every_tokens: int) -> dict[str, Any]:
+                  every_tokens: int, max_tokens: int) -> dict[str, Any]:
     """The generation work in flight at the kill, in tokens: ``inflight_at_kill`` (generated for
-    uncommitted completions, as the workers last reported them before the SIGKILL), ``durable_at_kill``
-    (their durable progress in the store the run resumed from), ``resumed`` (what the resumed run's
+    uncommitted completions, as the workers last reported them before the SIGKILL), the fewest and
+    most any of them had (``generated_range``, of ``max_tokens`` each), ``durable_at_kill`` (their
+    durable progress in the store the run resumed from), ``resumed`` (what the resumed run's
     workers continued from instead of regenerating), ``regenerated`` (in flight but lost: generated
     again), ``completion_level_regenerated`` (what recovering whole completions would regenerate:
     everything in flight), and whether ``regenerated`` stays within one progress interval
     (``every_tokens``) per in-flight sequence."""
     inflight = int(crash_point.get("inflight_tokens", 0))
     sequences = int(crash_point.get("inflight_sequences", 0))
+    generated = [int(g) for g, _ in crash_point.get("sequences", [])]
     resumed = int(resumed_run.get("tokens_resumed", 0))
     regenerated = max(0, inflight - resumed)
     return {"inflight_at_kill": inflight, "inflight_sequences": sequences,
+            "generated_range": [min(generated), max(generated)] if generated else None, "max_tokens": max_tokens,
             "durable_at_kill": source["progress_tokens"]["tokens"], "resumed": resumed,
             "regenerated": regenerated, "completion_level_regenerated": inflight,
             "progress_every_tokens": every_tokens, "within_bound": regenerated <= every_tokens * sequences}
@@ -128,10 +131,13 @@ def learning(metrics: Sequence[dict[str, Any]], first_run_lines: int, resume_ste
 
 
 def plot_learning_curve(metrics: Sequence[dict[str, Any]], first_run_lines: int, crash_step: int,
-                        resume_step: int, path: str, trend: dict[str, Any] | None = None) -> str | None:
+                        resume_step: int, path: str, trend: dict[str, Any] | None = None,
+                        tokens: dict[str, Any] | None = None) -> str | None:
     """Mean reward per step of both runs, the crash and the retrained steps marked, and the
-    fitted line of ``trend`` (see :func:`learning`) over steps ``0..trend["steps"]-1``; returns
-    ``path``, or ``None`` (nothing drawn) when matplotlib is not installed."""
+    fitted line of ``trend`` (see :func:`learning`) over steps ``0..trend["steps"]-1``; with
+    ``tokens`` (see :func:`token_account`), a second panel: the tokens in flight at the kill that
+    recovery kept (resumed) and regenerated, beside what a completion-level recovery regenerates.
+    Returns ``path``, or ``None`` (nothing drawn) when matplotlib is not installed."""
     try:
         import matplotlib
     except ImportError:
@@ -139,7 +145,11 @@ def plot_learning_curve(metrics: Sequence[dict[str, Any]], first_run_lines: int,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    if tokens:
+        fig, (ax, bars) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [2, 1]})
+        _plot_tokens(bars, tokens)
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.2))
     for rows, label, color in ((metrics[:first_run_lines], "run 1 (killed)", "tab:blue"),
                                (metrics[first_run_lines:], "run 2 (resumed)", "tab:orange")):
         ax.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], "o-", ms=3, label=label, color=color)
@@ -155,13 +165,31 @@ def plot_learning_curve(metrics: Sequence[dict[str, Any]], first_run_lines: int,
     ax.axvspan(resume_step - 0.5, crash_step - 0.5, color="grey", alpha=0.15,
                label=f"trained again from checkpoint step_{resume_step}")
     ax.set_xlabel("training step")
-    ax.set_ylabel("mean reward (exact answer)")
+    ax.set_ylabel("mean reward (share of right answers)")
     ax.set_title("kvckpt demo: GRPO across a SIGKILL")
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plot_tokens(ax: Any, tokens: dict[str, Any]) -> None:
+    """Two stacked bars of the tokens in flight at the kill: kept and regenerated, by token
+    progress (this run) and by a completion-level recovery."""
+    rows = ("token progress\n(this run)", "completion-level\nrecovery")
+    kept = (tokens["resumed"], 0)
+    lost = (tokens["regenerated"], tokens["completion_level_regenerated"])
+    ax.barh(rows, kept, color="tab:green", label="kept (resumed from durable progress)")
+    ax.barh(rows, lost, left=kept, color="tab:red", label="regenerated")
+    for y, (k, r) in enumerate(zip(kept, lost, strict=True)):
+        ax.text(k + r, y, f" {k} kept, {r} regenerated", va="center", fontsize=8)
+    ax.set_xlim(0, tokens["inflight_at_kill"] * 1.9)
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens")
+    ax.set_title(f"{tokens['inflight_at_kill']} tokens in flight at the kill\n({tokens['inflight_sequences']} "
+                 f"completions, durable every {tokens['progress_every_tokens']} tokens)", fontsize=10)
+    ax.legend(loc="center right", fontsize=8)
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -233,8 +261,11 @@ def render(doc: dict[str, Any]) -> list[str]:
 def _token_lines(tokens: dict[str, Any]) -> list[tuple[str, str]]:
     """The report's lines on the tokens in flight at the kill (see :func:`token_account`)."""
     bound = tokens["progress_every_tokens"] * tokens["inflight_sequences"]
+    span = tokens.get("generated_range")
+    each = f" ({span[0]}-{span[1]} of {tokens['max_tokens']} tokens each)" if span else ""
     return [("tokens in flight", f"{tokens['inflight_at_kill']} generated for {tokens['inflight_sequences']} "
-                                 f"uncommitted completions at the kill, {tokens['durable_at_kill']} of them durable"),
+                                 f"uncommitted completions at the kill{each}, {tokens['durable_at_kill']} of them "
+                                 "durable"),
             ("tokens resumed", f"{tokens['resumed']} (continued from durable progress, not regenerated)"),
             ("tokens regenerated", f"{tokens['regenerated']} (bound: {tokens['progress_every_tokens']} per in-flight "
                                    f"sequence = {bound}; {'within' if tokens['within_bound'] else 'OVER'} it); "
