@@ -108,6 +108,24 @@ MUTATIONS: tuple[Mutation, ...] = (
              ", pos)\n",
              "            self.zeroed += min(ZERO_CHUNK, offset + length - pos)\n",
              ("tests/test_checkpoint_free_pages.py",)),
+    Mutation("checkpoint-without-reservation", "kvckpt/durability/checkpoint.py",
+             "        reservation = _reserve(partial, dest)\n",
+             "        reservation = os.open(partial, os.O_RDWR | os.O_CREAT, FILE_MODE)\n",
+             ("tests/test_value_store.py::test_a_value_store_checkpoint_takes_the_reservation_first",)),
+    Mutation("value-store-checkpoint-keeps-unused-bytes", "kvckpt/durability/checkpoint.py",
+             "            self.zeroed += os.pwrite(self.fd, self.zeros[:min(ZERO_CHUNK, offset + length - pos)]"
+             ", pos)\n",
+             "            self.zeroed += min(ZERO_CHUNK, offset + length - pos)\n",
+             ("tests/test_value_store.py::test_a_value_store_checkpoint_is_a_page_copy_that_carries_nothing_but_its"
+              "_snapshot",)),
+    Mutation("value-store-write-skips-its-fence", "kvckpt/values/records.py",
+             "    check_fence(txn, path, fence)\n    for key in deletes:", "    for key in deletes:",
+             ("tests/test_value_store.py::test_a_fenced_write_is_refused_inside_its_transaction_and_leaves_everything",)),
+    # run with --python .venv-verl/bin/python (the verl ledger's tests need verl)
+    Mutation("verl-ledger-write-unfenced", "integrations/verl/ledger.py",
+             "self._values.write(keys, values, deletes, fence=(RUN_KEY, token))",
+             "self._values.write(keys, values, deletes, fence=None)",
+             ("tests/test_verl_resume.py::test_a_superseded_run_can_neither_checkpoint_nor_load_nor_resume",)),
     Mutation("finish-step-two-transactions", "kvckpt/buffer/replay_buffer.py",
              "        return self._write(lambda t: training.finish_step(t, self.config, weight_version))\n",
              "        version = self._write(lambda t: training.finish_step(t, self.config, weight_version))\n"
