@@ -126,6 +126,9 @@ MUTATIONS: tuple[Mutation, ...] = (
              "self._values.write(keys, values, deletes, fence=(RUN_KEY, token))",
              "self._values.write(keys, values, deletes, fence=None)",
              ("tests/test_verl_resume.py::test_a_superseded_run_can_neither_checkpoint_nor_load_nor_resume",)),
+    Mutation("value-store-clear-ignores-write-id", "kvckpt/values/records.py",
+             "if raw is None or (wid is not None and write_id_of(raw, key) != wid):", "if raw is None:",
+             ("tests/test_campaign.py::test_a_short_campaign_crashes_the_value_store_beside_the_buffer",)),
     Mutation("finish-step-two-transactions", "kvckpt/buffer/replay_buffer.py",
              "        return self._write(lambda t: training.finish_step(t, self.config, weight_version))\n",
              "        version = self._write(lambda t: training.finish_step(t, self.config, weight_version))\n"
