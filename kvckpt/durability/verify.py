@@ -169,6 +169,9 @@ def check(txn: Any, *, deep: bool = False, checksums: bool = False, lookups: boo
         _check_lookups(txn, report)
     if txn.get("meta", values.FORMAT_KEY) is not None:  # the other store kind: a value store
         found, counts = values.problems(txn, payloads=deep or checksums)
+        report.not_checked = ("what each value means: the program that put it checks that when it reads it (the "
+                              "TransferQueue backend's decode_value)" + ("" if deep or checksums else
+                                                                          "; record payloads (their checksums)"))
         for problem in found:
             report.add(*problem)
         report.counts.update(counts)

@@ -47,6 +47,11 @@ KINDS = ("vrun", "vput", "vclear", "vstale", "vckpt")
 _WEIGHTS = (0.04, 0.55, 0.25, 0.08, 0.08)
 
 
+def is_value_op(message: bytes) -> bool:
+    """Whether a logged operation (one JSON line as the workload writes it) is the value store's."""
+    return message.startswith(b'{"op":"v') and not message.startswith(b'{"op":"violation"')
+
+
 def value_of(key: str, write_id: str) -> bytes:
     """The record stored under ``key`` by the write ``write_id``: 0.5-8 KB derived from both."""
     seed = hashlib.blake2b(f"{key}/{write_id}".encode(), digest_size=8).digest()
@@ -124,7 +129,7 @@ class ValueWriter:
         try:
             while True:
                 self.step()
-                time.sleep(self.rng.random() * 0.004)
+                time.sleep(self.rng.random() * 0.02)  # a share of the disk that leaves the buffer its pace
         except BaseException:
             traceback.print_exc()
             os._exit(3)
