@@ -259,3 +259,12 @@ def test_the_campaign_runs_where_mfusepy_is_installed_but_finds_no_libfuse(tmp_p
                           text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "kills 2" in done.stdout and "violations found 0" in done.stdout, done.stdout
+
+
+def test_a_value_store_that_does_not_open_is_reported_with_what_was_acknowledged(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / VALUES_FILE).write_bytes(b"")  # what LMDB without fsync can leave after a power cut
+    found: list[str] = []
+    ops = [{"op": "vstart", "state": {}}, {"op": "vintent", "puts": {"k00": "w"}, "deletes": []}, {"op": "vput"}]
+    assert check_values(str(tmp_path), ops, str(tmp_path), found.append) == 0
+    assert len(found) == 1 and found[0].startswith("the value store does not open (1 acknowledged value operations)")
