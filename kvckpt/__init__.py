@@ -13,6 +13,7 @@ transaction plus a background copy to one file; restore opens a fresh handle on 
 
 from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer, checkpoint, recover, restore
 from kvckpt.buffer.aio import AsyncReplayBuffer
+from kvckpt.buffer.values import ValueStore
 from kvckpt.durability.checkpoint import CheckpointHandle, CheckpointResult, keep_latest, read_stamp
 from kvckpt.durability.recovery import RecoveryPlan
 from kvckpt.durability.safe_open import verify_path
@@ -25,6 +26,7 @@ from kvckpt.errors import (
     CorruptRecord,
     DiskFull,
     DuplicateCommit,
+    FencedWrite,
     ForeignLease,
     FormatError,
     FutureVersion,
@@ -54,11 +56,11 @@ __version__ = "0.1.0"
 __all__ = [
     "AbandonedTimeline", "AsyncReplayBuffer", "BadArgument", "Batch", "BufferConfig", "CapacityError",
     "CheckpointError", "CheckpointHandle", "CheckpointResult", "CommitResult", "CorruptRecord", "DiskFull",
-    "DuplicateCommit", "Field", "ForeignLease", "FormatError", "FutureVersion", "GateTimeout", "GroupInfo",
-    "InvariantViolation", "KvckptError", "Lease", "LeaseError", "LeaseMismatch", "LedgerEntry",
+    "DuplicateCommit", "FencedWrite", "Field", "ForeignLease", "FormatError", "FutureVersion", "GateTimeout",
+    "GroupInfo", "InvariantViolation", "KvckptError", "Lease", "LeaseError", "LeaseMismatch", "LedgerEntry",
     "NotSelectable", "Progress", "Prompt", "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer",
     "Report", "RowSchema", "SampleCommitted", "Sampler", "SchemaMismatch", "Selection", "StaleAttempt",
-    "Store", "StoreLocked", "StoreNotFound", "UnknownGroup", "VerificationFailed", "check", "checkpoint",
+    "Store", "StoreLocked", "StoreNotFound", "UnknownGroup", "ValueStore", "VerificationFailed", "check", "checkpoint",
     "create_sampler", "keep_latest", "read_stamp", "recover", "register", "restore", "split_padded",
     "verify_path",
 ]

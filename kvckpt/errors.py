@@ -112,6 +112,20 @@ class AbandonedTimeline(StaleAttempt):
     differs = "timeline"
 
 
+class FencedWrite(StaleAttempt):
+    """A value-store write was refused inside its transaction, before anything changed: the fence
+    record under ``key`` was written by ``found``, not by the ``expected`` identity the writer holds
+    (a restart replaced the writer's run)."""
+
+    def __init__(self, path: str, key: str, expected: str, found: str | None) -> None:
+        self.path, self.key, self.expected, self.found = path, key, expected, found
+        super().__init__(f"value store {path!r}: a write fenced by {key!r} = {expected!r} refused; the record "
+                         f"was written by {found!r}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str, str | None]]:
+        return (type(self), (self.path, self.key, self.expected, self.found))
+
+
 class LeaseMismatch(LeaseError, BadArgument):
     """The lease disagrees with its ledger entry about the group (size, prompt, stamps).
 

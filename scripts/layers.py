@@ -29,7 +29,7 @@ SOURCES = {"kvckpt": ROOT / "kvckpt", "kvckpt.tools": ROOT / "tools", "kvckpt.in
 LAYERS = (
     ("common", ("kvckpt.errors", "kvckpt.args")),
     ("storage", ("kvckpt.storage",)),
-    ("tables", ("kvckpt.tables",)),
+    ("tables", ("kvckpt.tables", "kvckpt.values")),
     ("samplers", ("kvckpt.samplers",)),
     ("transitions", ("kvckpt.transitions",)),
     ("durability", ("kvckpt.durability",)),

@@ -20,9 +20,11 @@ from typing import Any
 
 import pytest
 
-from kvckpt import CommitResult, Prompt, ReplayBuffer
+from kvckpt import CommitResult, Prompt, ReplayBuffer, ValueStore
 from kvckpt.testing.history import check_history, holdings
 from kvckpt.testing.kill import Chain, run_child, run_crash_campaign
+from kvckpt.testing.values_workload import KINDS as VALUE_KINDS
+from kvckpt.testing.values_workload import VALUES_FILE, check_values, value_of
 from kvckpt.testing.workload import (
     COMMIT_PATHS,
     REFUSALS,
@@ -46,6 +48,7 @@ def test_200_kills_break_no_promise(tmp_path: Path) -> None:
     assert all(result.commit_paths.get(path, 0) > 0 for path in (*COMMIT_PATHS, "refused")), result.commit_paths
     kinds = result.operation_kinds
     assert min(kinds.get(k, 0) for k in ("admit", "commit", "progress", "select", "finish")) > 0, kinds
+    assert min(kinds.get(k, 0) for k in VALUE_KINDS) > 0, kinds  # the value store beside the buffer
 
 
 def test_the_history_check_catches_every_kind_of_lie(tmp_path: Path) -> None:
@@ -77,6 +80,36 @@ def test_the_history_check_catches_every_kind_of_lie(tmp_path: Path) -> None:
         ["acknowledged", "sample", "a0-p1_g1"], ["acknowledged", "progress", "of"], ["acknowledged", "progress", "of"],
         ["acknowledged", "eviction", "of"], ["acknowledged", "abort", "of"],
         ["trainer_version", "0", "is"], ["the", "workload", "reported:"]]
+
+
+def test_a_short_campaign_crashes_the_value_store_beside_the_buffer(tmp_path: Path) -> None:
+    """CI's cheap slice for the value store: every acknowledged value-store operation survives the kills,
+    and its checkpoints load."""
+    result = run_crash_campaign(6, seed=5, chain=6, directory=str(tmp_path))
+    assert result.violations == []
+    kinds = result.operation_kinds
+    assert kinds.get("vstart") == 6 and min(kinds.get(k, 0) for k in ("vput", "vclear")) > 0, kinds
+
+
+def test_the_value_store_check_catches_every_kind_of_lie(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "ckpt").mkdir(parents=True)
+    store = ValueStore(str(run / VALUES_FILE))
+    store.put(["k00", "k01"], [value_of("k00", "w1"), value_of("k01", "w1")])
+    store.checkpoint(str(run / "ckpt" / "values-000000.kv"))
+    store.put(["k01"], [value_of("k01", "x")[:-1] + b"?"])  # not the bytes of its write (and a bad checksum)
+    store.close()
+    truth = [{"op": "vstart", "state": {}}, {"op": "vintent", "puts": {"k00": "w1", "k01": "w1"}, "deletes": []},
+             {"op": "vput"}]
+    lies = [{"op": "vintent", "puts": {"k02": "w2"}, "deletes": []}, {"op": "vput"},  # acknowledged, not there
+            {"op": "vckpt", "path": "values-000000.kv", "id": "another", "state": {"k00": "w1"}},
+            {"op": "vckpt", "path": "values-000001.kv", "id": "gone", "state": {}}]
+    found: list[str] = []
+    check_values(str(run), truth + lies, str(tmp_path), found.append)
+    assert [f.split(" ")[:3] for f in found] == [
+        ["value", "store:", "[corrupt-record]"], ["the", "value", "store"], ["the", "value", "under"],
+        ["value", "checkpoint", "values-000000.kv"], ["value", "checkpoint", "values-000000.kv"],
+        ["acknowledged", "value", "checkpoint"]], found
 
 
 def test_a_torn_last_log_line_is_cut_off(tmp_path: Path) -> None:
@@ -226,3 +259,12 @@ def test_the_campaign_runs_where_mfusepy_is_installed_but_finds_no_libfuse(tmp_p
                           text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "kills 2" in done.stdout and "violations found 0" in done.stdout, done.stdout
+
+
+def test_a_value_store_that_does_not_open_is_reported_with_what_was_acknowledged(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / VALUES_FILE).write_bytes(b"")  # what LMDB without fsync can leave after a power cut
+    found: list[str] = []
+    ops = [{"op": "vstart", "state": {}}, {"op": "vintent", "puts": {"k00": "w"}, "deletes": []}, {"op": "vput"}]
+    assert check_values(str(tmp_path), ops, str(tmp_path), found.append) == 0
+    assert len(found) == 1 and found[0].startswith("the value store does not open (1 acknowledged value operations)")

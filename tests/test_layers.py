@@ -38,6 +38,9 @@ def test_every_module_has_a_layer() -> None:
     assert modules["kvckpt.storage.store"].layer < modules["kvckpt.tables.access"].layer \
         < modules["kvckpt.transitions.commit"].layer < modules["kvckpt.durability.recovery"].layer \
         < modules["kvckpt.buffer.replay_buffer"].layer < modules["kvckpt.tools.inspect"].layer
+    # the value store is a core store kind: its records beside the replay buffer's tables, its facade a buffer
+    assert modules["kvckpt.values.records"].layer == modules["kvckpt.tables.access"].layer
+    assert modules["kvckpt.buffer.values"].layer == modules["kvckpt.buffer.replay_buffer"].layer
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> list[str]:

@@ -20,6 +20,7 @@ from kvckpt import Prompt, ReplayBuffer, restore
 from kvckpt.storage.store import Store
 from kvckpt.testing import powerfs
 from kvckpt.testing.powercut import run_powercut_campaign
+from kvckpt.testing.values_workload import KINDS as VALUE_KINDS
 from kvckpt.testing.workload import COMMIT_PATHS, SAMPLERS, workload_config
 
 checkpoint_module = importlib.import_module("kvckpt.durability.checkpoint")  # the module, not the function
@@ -230,6 +231,7 @@ def test_powercut_campaign_keeps_every_promise():
     assert set(result.modes) == {"strict", "random"}
     assert all(result.commit_paths.get(path, 0) > 0 for path in (*COMMIT_PATHS, "refused")), result.commit_paths
     assert result.operation_kinds.get("progress", 0) > 0, result.operation_kinds
+    assert min(result.operation_kinds.get(k, 0) for k in VALUE_KINDS) > 0, result.operation_kinds  # the value store
 
 
 @needs_fuse
@@ -255,3 +257,4 @@ def test_powercut_soak():
     result = run_powercut_campaign(2000, seed=2000)
     print(result.summary())
     assert result.violations == [], "\n".join(result.violations[:20])
+    assert min(result.operation_kinds.get(k, 0) for k in VALUE_KINDS) > 0, result.operation_kinds

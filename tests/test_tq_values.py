@@ -19,13 +19,13 @@ pytest.importorskip("kvckpt.integrations.ray")  # before ray: keeps Ray on loopb
 import kvckpt.integrations.transferqueue as ktq
 import torch
 from _old_format import rewrite_as_named_tables
-from kvckpt.integrations.transferqueue import owner
 from kvckpt.integrations.transferqueue.values import decode_value, encode_value
 
 from kvckpt.errors import BadArgument, CorruptRecord, FormatError
 from kvckpt.storage import codec
 from kvckpt.storage.layout import NamedTables, OneTree
 from kvckpt.storage.store import Store
+from kvckpt.values import records as owner  # the value store moved into the core
 
 KEY, WID = "3@field", "0123456789abcdef"
 

@@ -45,7 +45,6 @@ import ray
 import torch
 import transfer_queue as tq
 from _verl_support import StubTrainer, transferqueue
-from kvckpt.integrations.transferqueue.owner import ValueStore
 from kvckpt.integrations.transferqueue.values import encode_value, new_write_id
 from kvckpt.integrations.verl import KvckptReplayBufferAsync, StaleRun, VerlLedger
 from kvckpt.integrations.verl import ledger as ledger_module
@@ -54,6 +53,8 @@ from kvckpt.integrations.verl.records import TAG, item_prefix, record_key
 from omegaconf import OmegaConf
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.utils import tensordict_utils as tu
+
+from kvckpt import ValueStore
 
 pytestmark = pytest.mark.verl
 ACTOR = f"kvckpt_verl_resume_{uuid.uuid4().hex[:8]}"

@@ -205,6 +205,8 @@ def _render_inspect(doc: dict[str, Any]) -> list[str]:
     out = [f"kvckpt store {doc['path']}  ({live})"]
     out += _pairs([("store id", ident["store_id"]), ("format", f"{ident['format']} v{ident['version']}"),
                    ("created", _when(ident.get("created")))])
+    if doc["kind"] == "values":
+        return out + _render_values(doc) + _problem_lines(doc)
     if cfg is None:
         out.append("  (no readable replay buffer config in this store)")
         return out + _problem_lines(doc)
@@ -274,6 +276,18 @@ def _render_inspect(doc: dict[str, Any]) -> list[str]:
                        for r in rows])
         out += [f"  ... {more} more (see --json)"] if more else []
     return out + _problem_lines(doc)
+
+
+def _render_values(doc: dict[str, Any]) -> list[str]:
+    marker, stamp, size = doc["value_store"] or {}, doc["checkpoint"], doc["bytes"]
+    out = ["", f"value store  {marker.get('kind')} v{marker.get('version')}  (a TransferQueue backend or verl ledger)"]
+    out += _pairs([("values", f"{doc['values']:,}"), ("stored", f"{size['stored']:,} bytes ({_size(size['stored'])})"),
+                   ("file", f"{size['file']:,} bytes ({_size(size['file'])})")])
+    out += ["", "last checkpoint"]
+    if stamp is None:
+        return [*out, "  none"]
+    return out + _pairs([("id", stamp.get("checkpoint_id")), ("written", _when(stamp.get("created"))),
+                         ("file", stamp.get("file") or "-")])
 
 
 def _problem_lines(doc: dict[str, Any]) -> list[str]:

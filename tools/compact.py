@@ -13,7 +13,8 @@ replaced only with ``force`` (and never when it is the source).
 Re-encoding is the encoding a commit at the new level would have written, byte for byte, so
 each group's ``digest`` (and each ledger entry's sibling digests) is recomputed from the new
 bytes: an idempotent retry of a commit still recognises its rows. ``stored_bytes`` (per group and
-in the counters) follow the new encoding; everything else is copied unchanged.
+in the counters) follow the new encoding; everything else is copied unchanged. A value store's
+records are re-encoded the same way (each keeps its key and write identity).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvckpt.storage import codec, keys
 from kvckpt.storage.store import Store, Txn, fsync_dir, fsync_file, writer_active
 from kvckpt.tables.digest import group_digest, row_digest
 from kvckpt.tables.meta import CONFIG_KEY, STATE_KEY
+from kvckpt.values import records as values
 
 #: Bytes of stored row payloads re-encoded per write transaction.
 BATCH_BYTES = 16 << 20
@@ -182,8 +184,11 @@ def _reencode_rows(txn: Txn, gid: str, level: int) -> tuple[dict[str, str], int,
 def _reencode_file(path: str, level: int, result: CompactResult, progress: PhasedProgress | None) -> None:
     """Re-encode every stored row of the private copy at ``path`` in bounded transactions."""
     with Store(path) as store:
+        if store.read(lambda t: t.get("meta", values.FORMAT_KEY)) is not None:
+            _reencode_values(store, level, result, progress)
+            return
         if store.read(lambda t: t.get_json("meta", CONFIG_KEY)) is None:
-            raise BadArgument(f"{result.src!r} holds no replay buffer; --level needs one")
+            raise BadArgument(f"{result.src!r} holds no replay buffer or value store; --level needs one")
         total = store.read(lambda t: t.count("rows"))
         for table in ("groups", "ledger"):
             start: bytes | None = b""
@@ -204,6 +209,35 @@ def _reencode_file(path: str, level: int, result: CompactResult, progress: Phase
             txn.put_json("meta", STATE_KEY, state)
 
         store.write(finish)
+
+
+def _reencode_values(store: Store, level: int, result: CompactResult, progress: PhasedProgress | None) -> None:
+    """Re-encode every record of a value store (its key and write identity kept in its ``meta``),
+    about :data:`BATCH_BYTES` of stored records per write transaction."""
+    total = store.read(values.count)
+
+    def batch(txn: Txn, start: bytes) -> bytes | None:
+        todo, size = [], 0
+        for key, value in txn.iter_prefix("rows", values.KEY_PREFIX, start):
+            if size >= BATCH_BYTES:
+                break
+            todo.append((key, bytes(value)))
+            size += len(value)
+        else:
+            key = None
+        for stored, value in todo:  # written only after the scan: no put under a live cursor
+            new = reencode(value, f"rows/{stored.decode(errors='replace')}", level)
+            txn.put("rows", stored, new)
+            result.rows_reencoded += 1
+            result.stored_before += len(value)
+            result.stored_after += len(new)
+        return key
+
+    start: bytes | None = values.KEY_PREFIX
+    while start is not None:
+        start = store.write(lambda txn, s=start: batch(txn, s))
+        if progress is not None:
+            progress("re-encode", result.rows_reencoded, total)
 
 
 def _reencode_batch(txn: Txn, table: str, start: bytes, level: int) -> tuple[bytes | None, int, int, int]:

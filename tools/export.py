@@ -64,6 +64,7 @@ from kvckpt.storage.store import fsync_dir, fsync_file
 from kvckpt.tables.digest import check_group_digest
 from kvckpt.tables.meta import CONFIG_KEY
 from kvckpt.tables.records import CLAIMED, CONSUMED, GROUP_STATES, READY
+from kvckpt.values.records import FORMAT_KEY as VALUES_KIND_KEY
 
 FORMATS = ("parquet", "jsonl")
 META_COLUMNS = ("group_id", "row", "prompt_idx", "task_name", "state", "start_weight", "end_weight",
@@ -200,6 +201,10 @@ def export(path: str, out: str, *, fmt: str = "parquet", states: Sequence[str] |
     try:
         with open_readonly(path) as store, store.reader() as txn:
             config = txn.get_json("meta", CONFIG_KEY)
+            if txn.get("meta", VALUES_KIND_KEY) is not None:
+                raise BadArgument(f"{path!r} is a value store (a TransferQueue backend or verl ledger file): its "
+                                  "values are encoded records of the program that put them, not rows of a schema; "
+                                  "export reads replay buffers (`kvckpt inspect` describes a value store)")
             if config is None:
                 raise BadArgument(f"{path!r} holds no replay buffer (no meta/config): nothing to export")
             schema = RowSchema.from_dict(config["schema"])

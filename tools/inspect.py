@@ -6,7 +6,9 @@ lock file unless a writer holds it, in which case the writer's lock file is shar
 identity, config, group counts by state, the ledger (count and the first few entries), the token
 progress of samples still generating (samples, chunks, durable tokens), cursors, the last
 checkpoint stamp, bytes (raw, stored, file), the oldest and newest weight versions, and
-histograms by weight version and by training step. It never writes.
+histograms by weight version and by training step. It never writes. A value store (``kind``
+``"values"``; a replay buffer is ``"replay-buffer"``) is described by its kind marker, its number
+of values, its stored bytes and its last checkpoint stamp.
 
 Records that fail their checksum, and checksum-valid records kvckpt never writes (a config it
 cannot build a buffer from, a group record with a missing or mistyped field), are counted under
@@ -30,6 +32,7 @@ from kvckpt.storage import codec
 from kvckpt.storage.store import Txn, writer_active
 from kvckpt.tables.meta import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STAMP_KEY, STATE_KEY
 from kvckpt.tables.records import CLAIMED, CONSUMED, GROUP_STATES, READY
+from kvckpt.values import records as values
 
 INFLIGHT = "inflight"
 #: Column order of the by-weight histogram: in flight first, then the group states.
@@ -113,12 +116,35 @@ def inspect_path(path: str, *, ledger_limit: int = 5, progress: Progress | None 
         info = store.env.info()
         page = store.env.stat()["psize"]
         with store.reader() as txn:
-            out = _describe(txn, ledger_limit, progress)
-        out.update(path=path, live=live)
+            is_values = txn.get("meta", values.FORMAT_KEY) is not None
+            out = _describe_values(txn) if is_values else _describe(txn, ledger_limit, progress)
+        out.update(path=path, live=live, kind="values" if is_values else "replay-buffer")
         out["identity"] = {k: store.info.get(k) for k in ("store_id", "format", "version", "created")}
         out["bytes"].update(file=os.path.getsize(path), lmdb_pages_used=(info["last_pgno"] + 1) * page,
                             page_size=page)
     return out
+
+
+def _describe_values(txn: Txn) -> dict[str, Any]:
+    """A value store's kind marker, value count, last checkpoint stamp and stored bytes; damaged
+    records (checksum) under ``problems``."""
+    problems: list[dict[str, str]] = []
+    marker = stamp = None
+    try:
+        marker = values.kind_of(txn)
+        stamp = values.stamp_of(txn)
+    except CorruptRecord as exc:
+        problems.append({"key": exc.key, "problem": exc.reason})
+    count = stored = 0
+    for key, raw in txn.iter_prefix("rows", values.KEY_PREFIX):
+        count += 1
+        stored += len(raw)
+        try:
+            codec.decode_meta(raw, f"rows/{key.decode(errors='replace')}")
+        except CorruptRecord as exc:
+            problems.append({"key": exc.key, "problem": exc.reason})
+    return {"problems": problems, "value_store": marker, "values": count, "checkpoint": stamp,
+            "bytes": {"stored": stored}}
 
 
 def _describe(txn: Txn, ledger_limit: int, progress: Progress | None) -> dict[str, Any]:

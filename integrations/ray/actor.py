@@ -340,6 +340,16 @@ class BufferActor:
         selection = await self._abuf.select(min_groups, max_groups)
         return {**selection.to_dict(), "session": self.session}
 
+    async def claim(self, group_ids: Iterable[str]) -> dict[str, Any]:
+        """Claim exactly the named ready groups (see :meth:`kvckpt.ReplayBuffer.claim`); the dict carries
+        this incarnation's ``session``, as :meth:`select`'s."""
+        selection = await self._abuf.claim(list(group_ids))
+        return {**selection.to_dict(), "session": self.session}
+
+    async def release_claims(self, group_ids: Iterable[str]) -> list[str]:
+        """Return claims of the current step to ready (see :meth:`kvckpt.ReplayBuffer.release_claims`)."""
+        return await self._abuf.release_claims(list(group_ids))
+
     async def read_batch(self, groups: Iterable[str] | Mapping[str, Any], fields: Sequence[str] | None = None,
                          layout: str = "padded", pad_value: float = 0) -> dict[str, Any]:
         """Read the rows of ``groups`` (ids or a selection dict) as numpy payloads (see

@@ -33,7 +33,9 @@ from kvckpt.integrations.transferqueue.backend import (  # noqa: E402  (after th
 )
 from kvckpt.integrations.transferqueue.client import CLIENT_NAME, BackendSettings, KvckptStorageClient  # noqa: E402
 from kvckpt.integrations.transferqueue.errors import ValueMissing, WriteIdentityMismatch  # noqa: E402
-from kvckpt.integrations.transferqueue.owner import CHECKPOINT_FILE, ValueStore, ValueStoreActor  # noqa: E402
+from kvckpt.integrations.transferqueue.owner import CHECKPOINT_FILE, ValueStoreActor  # noqa: E402
+
+from kvckpt import ValueStore  # noqa: E402
 
 __all__ = [
     "BACKEND_NAME", "CHECKPOINT_FILE", "CLIENT_NAME", "BackendSettings", "KvckptStorageClient",

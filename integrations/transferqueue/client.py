@@ -22,10 +22,11 @@ from typing import Any
 
 import ray
 from kvckpt.integrations.transferqueue.errors import ValueMissing
-from kvckpt.integrations.transferqueue.owner import CHECKPOINT_FILE, ValueStore
+from kvckpt.integrations.transferqueue.owner import CHECKPOINT_FILE, CHECKPOINT_GROUP
 from kvckpt.integrations.transferqueue.values import decode_value, encode_value, new_write_id
 from transfer_queue.storage.clients.base import StorageClientFactory, StorageKVClient
 
+from kvckpt import ValueStore
 from kvckpt.errors import BadArgument
 from kvckpt.storage import codec
 
@@ -90,9 +91,10 @@ class KvckptStorageClient(StorageKVClient):
         self._owner: Any = (ray.get_actor(self.settings.actor_name, namespace=NAMESPACE) if self._remote
                             else ValueStore(self.settings.path))
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str, *args: Any, group: str | None = None) -> Any:
         if self._remote:
-            return ray.get(getattr(self._owner, method).remote(*args))
+            call = getattr(self._owner, method)
+            return ray.get((call if group is None else call.options(concurrency_group=group)).remote(*args))
         return getattr(self._owner, method)(*args)
 
     def put(self, keys: list[str], values: list[Any]) -> list[str]:
@@ -136,7 +138,7 @@ class KvckptStorageClient(StorageKVClient):
 
     def checkpoint(self, checkpoint_dir: str) -> dict[str, Any]:
         """Write the store's values to ``checkpoint_dir``/:data:`CHECKPOINT_FILE`; returns the stamp."""
-        return self._call("checkpoint", f"{checkpoint_dir}/{CHECKPOINT_FILE}")
+        return self._call("checkpoint", f"{checkpoint_dir}/{CHECKPOINT_FILE}", group=CHECKPOINT_GROUP)
 
     def load(self, checkpoint_dir: str) -> dict[str, Any]:
         """Replace the live values with ``checkpoint_dir``/:data:`CHECKPOINT_FILE`; returns its stamp."""

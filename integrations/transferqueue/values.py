@@ -39,8 +39,6 @@ from kvckpt.integrations.transferqueue.errors import WriteIdentityMismatch
 from kvckpt.errors import BadArgument, CorruptRecord
 from kvckpt.storage import codec
 
-#: Prefix of every TransferQueue key in the store's ``rows`` table.
-KEY_PREFIX = b"tq/"
 #: Numpy dtypes of stored text arrays: ``|S<n>`` (bytes) and ``<U<n>`` (UCS-4), 0 < n < 10**10.
 _TEXT_DTYPE = re.compile(r"(\|S|<U)([1-9][0-9]{0,9})")
 #: The codec dtype each text kind is stored as (its item is that many bytes per character).
@@ -54,13 +52,6 @@ _MAX_CODE_POINT = 0x10FFFF
 def new_write_id() -> str:
     """A fresh write identity: 64 random bits as hex, unique across puts, processes and restores."""
     return uuid.uuid4().hex[:16]
-
-
-def store_key(key: str) -> bytes:
-    """The LMDB key of a TransferQueue key (``"{global_index}@{field}"``)."""
-    if not isinstance(key, str) or not key:
-        raise BadArgument(f"TransferQueue keys are non-empty strings, got {key!r}")
-    return KEY_PREFIX + key.encode()
 
 
 # -- encoding -------------------------------------------------------------------------------------
@@ -225,8 +216,3 @@ def decode_value(key: str, raw: bytes, expected_write_id: str | None) -> Any:
             raise CorruptRecord(where, f"a {kind} value is stored with shape {data.shape}, not as flat bytes")
         return _loads(where, data) if kind == "json" else data.tobytes()
     raise CorruptRecord(where, f"unknown TransferQueue value kind {str(kind)[:100]!r}")
-
-
-def write_id_of(raw: bytes, key: str) -> str | None:
-    """The write identity stamped in a stored record (its checksum verified)."""
-    return codec.decode_meta(raw, f"rows/{key}").get("w")

@@ -16,8 +16,9 @@ a time. Each call that changes state is one durable write transaction:
 
 Every call that changes state carries the caller's run token and is refused with
 :class:`~.errors.StaleRun`, before anything changes, when it is not the current run's. The fence
-check reads the run record and the write follows in the same actor call; the actor is the file's
-only writer and runs one call at a time, so nothing can change the run in between.
+is checked inside the call's write transaction (the value store's ``fence``: the run record's
+write identity is the token), so no run can open between the check and the write; a checkpoint
+checks it inside its stamp transaction, and a load (a file copy, not a transaction) before the copy.
 
 Consumed marks are bounded: a mark is only kept while a checkpoint exists that a restart could
 resume from with the mark's step after it. Before the ledger's first checkpoint a restart trains from
@@ -33,8 +34,7 @@ from collections import defaultdict
 from typing import Any
 
 import ray
-from kvckpt.integrations.transferqueue.owner import ValueStore
-from kvckpt.integrations.transferqueue.values import decode_value, encode_value, new_write_id, write_id_of
+from kvckpt.integrations.transferqueue.values import decode_value, encode_value, new_write_id
 from kvckpt.integrations.verl.errors import StaleRun
 from kvckpt.integrations.verl.records import (
     CHECKPOINT_KEY,
@@ -51,8 +51,10 @@ from kvckpt.integrations.verl.records import (
     split_mark_index,
 )
 
-from kvckpt.errors import CheckpointError
+from kvckpt import ValueStore
+from kvckpt.errors import CheckpointError, FencedWrite
 from kvckpt.storage.store import makedirs_durable
+from kvckpt.values.records import write_id_of
 
 #: zstd level of the records the ledger itself encodes (run, checkpoint step, consumed marks).
 _LEVEL = 1
@@ -94,10 +96,18 @@ class VerlLedger:
         return {"token": token, "run": number}
 
     def _check(self, token: str) -> None:
+        """Refuse a stale ``token`` before work outside a transaction (a load's file copy, a checkpoint's directory)."""
         raw = self._values.get([RUN_KEY])[0]
         current = None if raw is None else write_id_of(raw, RUN_KEY)
         if current != token:
             raise StaleRun(self.path, token, current)
+
+    def _write(self, token: str, keys: list[str], values: list[bytes], deletes: list[str]) -> None:
+        """One write transaction of run ``token``, its fence checked inside it."""
+        try:
+            self._values.write(keys, values, deletes, fence=(RUN_KEY, token))
+        except FencedWrite as exc:
+            raise StaleRun(self.path, token, exc.found) from None
 
     # -- verl's TransferQueue calls -----------------------------------------------------------------
     def put(self, token: str, keys: list[str], values: list[bytes]) -> None:
@@ -106,8 +116,7 @@ class VerlLedger:
         Raises:
             StaleRun: ``token`` is not the current run's.
         """
-        self._check(token)
-        self._values.put(keys, values)
+        self._write(token, keys, values, [])
 
     def clear(self, token: str, partition_id: str, keys: list[str], consumed_step: int | None = None) -> int:
         """One TransferQueue clear of run ``token`` (one transaction); returns how many keys it removed.
@@ -121,7 +130,6 @@ class VerlLedger:
         Raises:
             StaleRun: ``token`` is not the current run's.
         """
-        self._check(token)
         if consumed_step is not None and self._get(CHECKPOINT_KEY) is None:
             consumed_step = None
         marks = self._marks_of(partition_id, {k for key in keys for k in (key, key.split("_", 1)[0])})
@@ -139,14 +147,13 @@ class VerlLedger:
                 write_keys += [mark, index]
                 values += [encode_value(mark, {"step": int(step)}, new_write_id(), _LEVEL),
                            encode_value(index, {}, new_write_id(), _LEVEL)]
-        self._values.write(write_keys, values, deletes)
+        self._write(token, write_keys, values, deletes)
         return len(keys)
 
     def set_cursor(self, token: str, state: Any, keys: list[str], values: list[bytes]) -> None:
         """A dispatch: the prompts' records and the dataloader state after fetching them, one transaction."""
-        self._check(token)
         cursor = encode_value(CURSOR_KEY, state, new_write_id(), _LEVEL)
-        self._values.put([*keys, CURSOR_KEY], [*values, cursor])
+        self._write(token, [*keys, CURSOR_KEY], [*values, cursor], [])
 
     def retain(self, token: str, listing: dict[str, list[str]]) -> int:
         """Keep only the items TransferQueue lists (``{partition: [key, ...]}``), in one transaction, and
@@ -159,12 +166,11 @@ class VerlLedger:
         Raises:
             StaleRun: ``token`` is not the current run's.
         """
-        self._check(token)
         listed = {(p, k) for p, keys in listing.items() for k in keys}
         doomed = [k for k in self._values.keys(ITEMS) if split(k)[:2] not in listed]
         doomed += [i for i in self._values.keys(MARKS) if split_mark_index(i)[1:] not in listed]
         doomed += self._values.keys(CURSOR_KEY) + self._values.keys(CHECKPOINT_KEY)
-        self._values.write([], [], doomed)
+        self._write(token, [], [], doomed)
         return len(doomed)
 
     # -- restart -----------------------------------------------------------------------------------
@@ -181,7 +187,6 @@ class VerlLedger:
         Raises:
             StaleRun: ``token`` is not the current run's.
         """
-        self._check(token)
         # An explicit step is the checkpoint just loaded: it becomes the ledger's last one (a copied-in file
         # holds the step of the checkpoint before it, or none, since its record is written after the copy).
         record = [] if step is None else [encode_value(CHECKPOINT_KEY, {"step": int(step)}, new_write_id(), _LEVEL)]
@@ -195,7 +200,7 @@ class VerlLedger:
                 items[partition_id].pop(key, None)
             else:
                 deletes.append(record_key(partition_id, key, CONSUMED))
-        self._values.write([CHECKPOINT_KEY] if record else [], record, deletes)
+        self._write(token, [CHECKPOINT_KEY] if record else [], record, deletes)
         return {"items": {p: dict(v) for p, v in items.items()}, "cursor": self._get(CURSOR_KEY), "step": step}
 
     def snapshot(self) -> dict[str, Any]:
@@ -220,17 +225,20 @@ class VerlLedger:
         Raises:
             StaleRun: ``token`` is not the current run's; nothing is written, ``dest`` included.
         """
-        self._check(token)
+        self._check(token)  # before the directory is made; checked again inside the stamp transaction
         makedirs_durable(os.path.dirname(os.path.abspath(dest)))
-        stamp = self._values.checkpoint(dest)
+        try:
+            stamp = self._values.checkpoint(dest, fence=(RUN_KEY, token))
+        except FencedWrite as exc:
+            raise StaleRun(self.path, token, exc.found) from None
         deletes = []
         for index in self._values.keys(MARKS):
             mark_step, partition_id, key = split_mark_index(index)
             if mark_step > step:
                 break  # the index is in step order
             deletes += [index, *self._values.keys(item_prefix(partition_id, key))]
-        self._values.write([CHECKPOINT_KEY], [encode_value(CHECKPOINT_KEY, {"step": int(step)}, new_write_id(),
-                                                           _LEVEL)], deletes)
+        record = encode_value(CHECKPOINT_KEY, {"step": int(step)}, new_write_id(), _LEVEL)
+        self._write(token, [CHECKPOINT_KEY], [record], deletes)
         return stamp
 
     def load(self, source: str, checkpoint_id: str, token: str) -> bool:

@@ -219,6 +219,14 @@ class AsyncReplayBuffer:
         """Claim groups for the current step (see :meth:`ReplayBuffer.select`)."""
         return await self._write(self.buffer.select, min_groups, max_groups)
 
+    async def claim(self, group_ids: Iterable[str]) -> Selection:
+        """Claim exactly the named ready groups for the current step (see :meth:`ReplayBuffer.claim`)."""
+        return await self._write(self.buffer.claim, list(group_ids))
+
+    async def release_claims(self, group_ids: Iterable[str]) -> list[str]:
+        """Return claims of the current step to ready (see :meth:`ReplayBuffer.release_claims`)."""
+        return await self._write(self.buffer.release_claims, list(group_ids))
+
     async def read_batch(self, groups: Selection | Iterable[str], **kwargs: Any) -> Batch:
         """Read and decode the rows of ``groups`` (see :meth:`ReplayBuffer.read_batch`)."""
         return await self._run(self.buffer.read_batch, groups, **kwargs)

@@ -39,7 +39,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvckpt.durability.format import buffer_config
 from kvckpt.durability.recovery import RecoveryPlan, recover_store
@@ -59,6 +59,9 @@ from kvckpt.storage.store import FILE_MODE, Store, Txn, fsync_dir, fsync_file, l
 from kvckpt.tables.access import Tables
 
 log = logging.getLogger("kvckpt.checkpoint")
+T = TypeVar("T")
+#: Reads what a caller wants to know from a checkpoint's pinned snapshot (:func:`snapshot_to_file`).
+Describe = Callable[[Txn], dict[str, Any]]
 
 #: A checkpoint (or restore) being written carries this suffix until it is complete.
 PARTIAL_SUFFIX = ".partial"
@@ -91,6 +94,8 @@ class CheckpointResult:
     how: str = ""
     #: Bytes a page copy overwrote with zeros because they held nothing of the snapshot (:class:`_UnusedBytes`).
     zeroed_bytes: int = 0
+    #: What the caller's ``describe`` read from the checkpoint's snapshot (:func:`snapshot_to_file`).
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 class CheckpointHandle:
@@ -131,7 +136,8 @@ class CheckpointHandle:
 def checkpoint_store(store: Store, dest: str | os.PathLike[str], trainer_state: Mapping[str, Any] | None = None,
                      *, durable_checkpoints: int, overwrite: bool = False, background: bool = True) -> CheckpointHandle:
     """Stamp a live buffer's store and copy it to ``dest`` as one file without stopping producers
-    (:func:`kvckpt.checkpoint` and :meth:`kvckpt.ReplayBuffer.checkpoint` call this).
+    (:func:`kvckpt.checkpoint` and :meth:`kvckpt.ReplayBuffer.checkpoint` call this; the copy is
+    :func:`snapshot_to_file`'s).
 
     Args:
         store: the live buffer's store.
@@ -150,16 +156,59 @@ def checkpoint_store(store: Store, dest: str | os.PathLike[str], trainer_state: 
             anything is stamped.
     """
     entered = time.perf_counter()
-    dest = os.path.abspath(os.fspath(dest))
-    directory = os.path.dirname(dest)
-    if os.path.exists(dest) and not overwrite:
-        raise CheckpointError(f"checkpoint destination {dest!r} already exists; pass overwrite=True or "
-                              "choose a new name")
     try:
         doc = dict(trainer_state or {})
         json.dumps(doc, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise BadArgument(f"trainer_state must be JSON-serialisable: {exc}") from None
+
+    def stamp(txn: Txn, base: dict[str, Any]) -> int:
+        t = Tables(txn)
+        st = t.state()
+        t.put_stamp({"checkpoint_id": base["checkpoint_id"], "trainer_version": st["trainer_version"],
+                     "dispatch_index": st["dispatch_index"], "trainer_state": doc, "created": base["created"],
+                     "file": base["file"]})
+        return st["trainer_version"]
+
+    return snapshot_to_file(store, dest, stamp, overwrite=overwrite, background=background, entered=entered,
+                            after=lambda version: _mark_durable(store, version, durable_checkpoints))
+
+
+def snapshot_to_file(store: Store, dest: str | os.PathLike[str], stamp: Callable[[Txn, dict[str, Any]], int], *,
+                     overwrite: bool = False, background: bool = True, entered: float | None = None,
+                     after: Callable[[int], None] | None = None,
+                     describe: Describe | None = None) -> CheckpointHandle:
+    """The one checkpoint recipe of every store kind (a replay buffer, a value store): reserve
+    ``dest``, run ``stamp`` as one durable write transaction and pin the snapshot right after it,
+    then copy that snapshot to ``dest`` (page copy with its unused bytes cleared, or compacting
+    copy; see the module docstring), fsync, rename, fsync the directory; on a background thread
+    unless ``background`` is False.
+
+    Args:
+        store: the live store (any kind).
+        dest: the file to create (its directory must exist).
+        stamp: writes the kind's stamp record, given ``{"checkpoint_id", "created", "file"}``, and
+            returns the version it covers (:attr:`CheckpointResult.trainer_version`). It may raise
+            to refuse the checkpoint: then nothing is written and ``dest`` is released.
+        overwrite: replace an existing ``dest`` once the new copy is complete. Defaults to False.
+        background: copy on a background thread. Defaults to True.
+        entered: when the caller started (``perf_counter``), for the ``reserve`` timing.
+        after: called with the stamped version once the file is under its name (before the
+            handle completes).
+        describe: read from the pinned snapshot on the copy's thread, before the copy; what it
+            returns is :attr:`CheckpointResult.details` (a count, say, without holding writers).
+
+    Raises:
+        CheckpointError: ``dest`` exists (without ``overwrite``), another checkpoint to ``dest``
+            is still being written, or its directory is missing or not writable; checked before
+            anything is stamped.
+    """
+    entered = time.perf_counter() if entered is None else entered
+    dest = os.path.abspath(os.fspath(dest))
+    directory = os.path.dirname(dest)
+    if os.path.exists(dest) and not overwrite:
+        raise CheckpointError(f"checkpoint destination {dest!r} already exists; pass overwrite=True or "
+                              "choose a new name")
     partial = dest + PARTIAL_SUFFIX
     try:
         reservation = _reserve(partial, dest)
@@ -172,7 +221,7 @@ def checkpoint_store(store: Store, dest: str | os.PathLike[str], trainer_state: 
             raise CheckpointError(f"checkpoint directory {directory!r} is not writable") from None
         raise
     try:
-        return _stamp_and_copy(store, dest, doc, partial, reservation, background, durable_checkpoints, entered)
+        return _stamp_and_copy(store, dest, stamp, partial, reservation, background, (after, describe), entered)
     except BaseException:
         _release(partial, reservation)
         raise
@@ -200,32 +249,28 @@ def _release(partial: str, fd: int) -> None:
     os.close(fd)
 
 
-def _stamp_and_copy(store: Store, dest: str, doc: dict[str, Any], partial: str, fd: int,
-                    background: bool, durable_checkpoints: int, entered: float) -> CheckpointHandle:
+def _stamp_and_copy(store: Store, dest: str, stamp: Callable[[Txn, dict[str, Any]], int], partial: str, fd: int,
+                    background: bool, hooks: tuple[Callable[[int], None] | None, Describe | None],
+                    entered: float) -> CheckpointHandle:
     """The stamp transaction, then the copy into the reserved ``fd`` (on a thread if ``background``);
-    ``entered`` is when the caller entered :func:`checkpoint_store` (``perf_counter``)."""
+    ``hooks`` are :func:`snapshot_to_file`'s ``after`` and ``describe``; ``entered`` is when the
+    caller entered :func:`snapshot_to_file` (``perf_counter``)."""
+    after, describe = hooks
     directory = os.path.dirname(dest)
-    checkpoint_id = uuid.uuid4().hex
+    base = {"checkpoint_id": uuid.uuid4().hex, "created": time.time(), "file": os.path.basename(dest)}
     t0 = time.perf_counter()
-
-    def stamp(txn: Txn) -> int:
-        t = Tables(txn)
-        st = t.state()
-        t.put_stamp({"checkpoint_id": checkpoint_id, "trainer_version": st["trainer_version"],
-                     "dispatch_index": st["dispatch_index"], "trainer_state": doc, "created": time.time(),
-                     "file": os.path.basename(dest)})
-        return st["trainer_version"]
-
     timings = {"reserve": t0 - entered}
-    version, snapshot = store.write_then_snapshot(stamp, timings)
+    version, snapshot = store.write_then_snapshot(lambda txn: stamp(txn, base), timings)
     timings["stamp"] = time.perf_counter() - t0
-    result = CheckpointResult(dest, checkpoint_id, version, timings=timings)
+    result = CheckpointResult(dest, base["checkpoint_id"], version, timings=timings)
     handle = CheckpointHandle(result)
 
     def copy() -> None:
         renamed = False
         try:
             t1 = time.perf_counter()
+            if describe is not None:
+                result.details = describe(snapshot.txn)
             if store.free_share(snapshot) > COMPACT_WHEN_FREE:
                 result.how = "compact"
                 if background:
@@ -254,7 +299,8 @@ def _stamp_and_copy(store: Store, dest: str, doc: dict[str, Any], partial: str, 
             t3 = time.perf_counter()
             result.timings.update(copy=t2 - t1, fsync_rename=t3 - t2)
             result.file_bytes = os.path.getsize(dest)
-            _mark_durable(store, version, durable_checkpoints)
+            if after is not None:
+                after(version)
         except BaseException as exc:
             snapshot.close()
             if renamed:
@@ -461,24 +507,56 @@ def restore_file(checkpoint_file: str, live_path: str, *, sampler: Any = None,
                                 f"the checkpoint (or recover it in place with ReplayBuffer.recover)")
         if writer_active(live_path):
             raise StoreLocked(f"live store {live_path!r} is open for writing; close it before restoring over it")
-    tmp = f"{live_path}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
-    flush: _BackgroundFsync | None = None
     timings: dict[str, float] = {}
-    try:
-        copy_used(checkpoint_file, tmp, used)
-        timings["copy"] = time.perf_counter() - t0
-        flush = _BackgroundFsync(tmp)  # the copy's write-back overlaps the checks below
+
+    def check(tmp: str) -> RecoveryPlan:
         # The fast proof covers the lookups, and the rows' keys it read are the copy's (which
         # nothing writes before recovery). A trusted file is proven as a live store is, inside
         # recovery (lookups=None), and only its tree pages: no page per row.
+        t1 = time.perf_counter()
         rows = None
         if not trusted:
             rows = prove_structure(tmp, stored_key("rows", b""), name=checkpoint_file)
-            timings["structure"] = time.perf_counter() - t0 - timings["copy"]
+            timings["structure"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         plan = _recover_copy(tmp, checkpoint_file, sampler, max_buffered_rollouts, deep,
                              lookups=None if trusted else rows is None, proven_rows=rows)
         timings["recovery"] = time.perf_counter() - t1  # opening the copy, its config and stamp, recover
+        return plan
+
+    plan = install_checkpoint(checkpoint_file, live_path, check, used=used, timings=timings, started=t0)
+    plan.timings.update(timings)
+    return plan
+
+
+def install_checkpoint(checkpoint_file: str, live_path: str, check: Callable[[str], T], *, used: int | None = None,
+                       timings: dict[str, float] | None = None, started: float | None = None) -> T:
+    """The one restore recipe of every store kind: copy the pages ``checkpoint_file`` uses to a
+    temporary name next to ``live_path`` (mode 0600), run ``check`` on that private copy (so
+    nothing can change between the check and the use; ``check`` opens it only through the
+    hardened open, :mod:`kvckpt.durability.safe_open`) while the copy is fsynced in the
+    background, then rename it to ``live_path`` and fsync the directory. Returns what ``check``
+    returned. ``live_path`` must not be open (the caller checks).
+
+    Args:
+        used: the bytes :func:`~kvckpt.durability.safe_open.check_header` found used (checked here if None).
+        timings: filled with ``copy``, ``fsync_wait`` and ``rename`` (seconds).
+        started: when the caller started (``perf_counter``), for the ``copy`` timing.
+
+    Raises:
+        RecoveryError: copying failed. Whatever ``check`` raised, naming ``checkpoint_file``
+            where it named the private copy. ``live_path`` is untouched whenever this raises.
+    """
+    t0 = time.perf_counter() if started is None else started
+    timings = {} if timings is None else timings
+    used = check_header(checkpoint_file) if used is None else used
+    tmp = f"{live_path}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
+    flush: _BackgroundFsync | None = None
+    try:
+        copy_used(checkpoint_file, tmp, used)
+        timings["copy"] = time.perf_counter() - t0
+        flush = _BackgroundFsync(tmp)  # the copy's write-back overlaps the checks
+        checked = check(tmp)
         t1 = time.perf_counter()
         flush.join()
         timings["fsync_wait"] = time.perf_counter() - t1
@@ -499,8 +577,7 @@ def restore_file(checkpoint_file: str, live_path: str, *, sampler: Any = None,
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp + "-lock")
-    plan.timings.update(timings)
-    return plan
+    return checked
 
 
 def _name_user_file(exc: KvckptError, tmp: str, checkpoint_file: str) -> None:

@@ -1,5 +1,10 @@
 """The verifier: every invariant of a buffer store, checked in both directions.
 
+A value store (the other store kind, :mod:`kvckpt.values`) is checked by
+:func:`kvckpt.values.records.problems` instead: its kind marker and meta keys, the key layout, and
+every record's checksum (the whole record with ``checksums`` or ``deep``) and the key it names;
+the layout and lookup checks below apply to both kinds.
+
 :func:`check` walks one transaction's snapshot and returns a :class:`Report` listing each problem
 with the key it concerns. It never repairs anything. What it checks:
 
@@ -70,6 +75,7 @@ from kvckpt.tables.meta import (
 from kvckpt.tables.records import ABORTED, CLAIMED, CONSUMED, EVICTED, GROUP_STATES, PHASE_ADMITTED, READY
 from kvckpt.transitions.config import BufferConfig
 from kvckpt.transitions.progress import decode_chunk
+from kvckpt.values import records as values
 
 #: Every key the ``meta`` table may hold; anything else is a damaged key (or a newer kvckpt).
 
@@ -161,6 +167,15 @@ def check(txn: Any, *, deep: bool = False, checksums: bool = False, lookups: boo
     _check_layout(txn, report)
     if lookups:
         _check_lookups(txn, report)
+    if txn.get("meta", values.FORMAT_KEY) is not None:  # the other store kind: a value store
+        found, counts = values.problems(txn, payloads=deep or checksums)
+        report.not_checked = ("what each value means: the program that put it checks that when it reads it (the "
+                              "TransferQueue backend's decode_value)" + ("" if deep or checksums else
+                                                                          "; record payloads (their checksums)"))
+        for problem in found:
+            report.add(*problem)
+        report.counts.update(counts)
+        return report
     meta = _decode_meta_table(txn, report)
     config, state = meta.get(CONFIG_KEY), meta.get(STATE_KEY)
     if config is None or state is None:

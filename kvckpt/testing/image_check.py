@@ -4,7 +4,9 @@ survived a power cut, checked in a fresh process (:func:`checker`).
 The store exists and verifies (:func:`kvckpt.check`, ``deep=True``), every acknowledged operation
 survives (:func:`kvckpt.testing.history.check_history`), exactly-once holds, every stored row is the
 row its producer generated, an acknowledged restore survived, the acknowledged checkpoint exists,
-and *every* file under a checkpoint name restores, verifies and agrees with the live store.
+and *every* file under a checkpoint name restores, verifies and agrees with the live store; the
+value store beside it holds what its acknowledged writes left and its checkpoints load
+(:func:`kvckpt.testing.values_workload.check_values`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from kvckpt import KvckptError, ReplayBuffer, restore
 from kvckpt.testing.history import check_buffer, check_history, compare_checkpoint
+from kvckpt.testing.values_workload import check_values
 from kvckpt.testing.workload import CHECKPOINT_GLOB
 
 
@@ -77,6 +80,7 @@ def check_image(image: str, timeline: str, ops: list[dict[str, Any]], scratch: s
             rbuf.close()
         restored += 1
         restored_ok[name] = digest
+    restored += check_values(run, ops, scratch, bad)  # at most two files: loaded at every cut
     return {"operations_checked": len(ops), "checkpoints_restored": restored, "violations": found,
             "restored": restored_ok, "rows_seen": seen}
 

@@ -17,7 +17,9 @@ parent SIGKILLs the child at a random moment, then, in its own process:
    and restores the newest into a scratch path: it verifies, holds each prompt below its own
    cursor exactly once, and everything it holds as committed is committed in the live store with
    the same digest;
-3. recovers the live store (:meth:`ReplayBuffer.recover`; sometimes the next child does it) and
+3. checks the value store beside it against its logged operations and loads every value-store
+   checkpoint (:func:`kvckpt.testing.values_workload.check_values`);
+4. recovers the live store (:meth:`ReplayBuffer.recover`; sometimes the next child does it) and
    lets the next child resume the workload on it, so a campaign is a chain of crashes.
 """
 
@@ -42,6 +44,7 @@ from kvckpt import ReplayBuffer, restore
 from kvckpt.durability.safe_open import verify_untrusted
 from kvckpt.testing.harness import CampaignRun, fork_server, tally
 from kvckpt.testing.history import Holdings, WorkloadFindings, check_buffer, check_history, compare_checkpoint
+from kvckpt.testing.values_workload import check_values
 from kvckpt.testing.workload import CHECKPOINT_GLOB, SAMPLERS, OpLog, read_log, run_workload, workload_config
 
 
@@ -150,6 +153,9 @@ def _check_after_kill(chain: Chain, result: CampaignResult, recover: bool, bad: 
         result.count(ops[chain.ops_counted:])
         chain.ops_counted = len(ops)
         _check_checkpoints(chain, ops, snap, result, bad)
+        loaded = check_values(chain.run, ops, chain.run, bad, chain.verified)
+        result.checkpoints_verified += loaded
+        result.checkpoints_restored += loaded
         if recover:
             plan = buf.recover()
             result.recoveries += 1

@@ -49,6 +49,7 @@ from kvckpt.testing import powerfs
 from kvckpt.testing.harness import CampaignRun, every, fork_server, in_fresh_process, report, tally
 from kvckpt.testing.history import WorkloadFindings
 from kvckpt.testing.image_check import checker
+from kvckpt.testing.values_workload import is_value_op
 from kvckpt.testing.workload import CHECKPOINT_GLOB, SAMPLERS, run_workload, workload_config
 
 #: Deliberately broken durability, applied in the child before it opens anything.
@@ -216,7 +217,8 @@ def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: rando
                     and time.monotonic() < deadline:
                 time.sleep(0.01)
             started = len(messages)
-            while len(messages) - started < min_ops and child.is_alive() and time.monotonic() < deadline:
+            while (sum(not is_value_op(m) for m in messages[started:]) < min_ops and child.is_alive()
+                   and time.monotonic() < deadline):  # the buffer's operations: the value store's come faster
                 time.sleep(0.01)
             time.sleep(rng.random() * max_delay)
         before_cut = len(messages)

@@ -14,7 +14,8 @@ does: one :meth:`~kvckpt.ReplayBuffer.record_progress_many` per "engine step" (s
 :meth:`~kvckpt.ReplayBuffer.record_progress` per sample), each acknowledged chunk logged as
 ``progress`` with the durable length, resuming a redispatched sample from its durable prefix (which
 must be the row's own first tokens). The trainer admits, selects, finishes steps, evicts, aborts
-and checkpoints in the background to numbered files.
+and checkpoints in the background to numbered files. Beside the buffer, a writer thread drives a
+value store in the same run directory (:mod:`kvckpt.testing.values_workload`).
 
 Every row is :func:`make_row` of its group and index, so a checker can regenerate any stored row.
 """
@@ -52,6 +53,7 @@ from kvckpt import (
     keep_latest,
 )
 from kvckpt.storage.encoding import RowEncoder
+from kvckpt.testing.values_workload import start_value_writer
 
 SCHEMA = {"input_ids": ("int64", "token"), "logprobs": ("float32", "token"), "reward": ("float32", "row")}
 GROUP_SIZE = 4
@@ -320,6 +322,7 @@ def run_workload(buf: ReplayBuffer, log: Log, ckdir: str, seed: int, ready: Call
     (checkpoints go to ``ckdir``), logging each acknowledged operation to ``log``; exits the
     process when the loop ends (the parent kills it before)."""
     work = Workload(buf, log, ckdir, seed)
+    start_value_writer(os.path.dirname(ckdir), log, seed)  # the value store beside it (values_workload)
     entries = buf.ledger()
     log.append(op="start", ledger=[e.group_id for e in entries])
     for entry in entries:

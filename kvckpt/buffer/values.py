@@ -1,0 +1,191 @@
+"""The value store: one kvckpt store file of encoded records under string keys, puts as transactions.
+
+:class:`ValueStore` owns the file (:mod:`kvckpt.values.records` is its layout and its
+transactions). It moves already-encoded codec records in and out, so the bytes it writes are
+exactly the bytes the putting process checksummed, and the reading process verifies them again.
+The TransferQueue backend (``kvckpt.integrations.transferqueue``) and the verl ledger
+(``kvckpt.integrations.verl``) are built on it.
+
+Guarantees:
+
+* **One write is one durable write transaction**: all of its puts and deletes land, or none (a
+  crash mid-write leaves the previous values), and a returned write survives a crash (fsync per
+  commit). A ``fence`` is checked inside that same transaction.
+* **A clear never destroys a newer write**: a key is deleted only if its stored write identity is
+  the one the caller names.
+* **A checkpoint is one consistent snapshot in one file**, written by the same primitive as a
+  replay buffer's (:func:`kvckpt.durability.checkpoint.snapshot_to_file`: reservation, stamp
+  transaction, background copy with the unused bytes cleared, fsync, rename, directory fsync).
+  Writers on other threads (or other concurrency groups of an actor) keep committing while it copies.
+* **Loading a checkpoint never trusts the file**: its used pages are copied under a private name
+  (:func:`kvckpt.durability.checkpoint.install_checkpoint`), the copy is structure-checked before
+  it is mapped (:func:`kvckpt.durability.safe_open.open_readonly`), its kind, stamp and every
+  record's checksum are verified, then it is renamed over the live file and reopened.
+
+Thread safety: data operations may run on several threads; :meth:`checkpoint`, :meth:`load` and
+:meth:`close` exclude each other, and :meth:`load` must not run beside a data operation (the
+TransferQueue actor runs data operations and loads one at a time, checkpoints in their own group).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from kvckpt.durability.checkpoint import install_checkpoint, snapshot_to_file
+from kvckpt.durability.safe_open import open_readonly
+from kvckpt.storage.store import Store
+from kvckpt.storage.txn import Txn
+from kvckpt.values import records
+
+
+class ValueStore:
+    """The owner of one value store file (see the module docstring).
+
+    Args:
+        path: the live store file; created if missing.
+
+    Raises:
+        FormatError: the file is a kvckpt store of another kind (e.g. a replay buffer).
+        StoreLocked: another process holds the file for writing.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+        self._swap = threading.Lock()
+        self._store = _open(self.path)
+
+    # -- data path --------------------------------------------------------------------------------
+    def put(self, keys: list[str], values: list[bytes]) -> None:
+        """Store encoded records under ``keys``, all in one durable transaction."""
+        self.write(keys, values, [])
+
+    def write(self, keys: list[str], values: list[bytes], deletes: list[str], *,
+              fence: tuple[str, str] | None = None) -> None:
+        """Store ``values`` under ``keys`` and delete ``deletes`` (absent ones skipped), in one durable
+        transaction: a caller whose one change both writes and removes records never leaves half of it.
+
+        Args:
+            fence: ``(key, write_id)``: the write happens only if the record under ``key`` was
+                written by ``write_id``, checked inside the transaction.
+
+        Raises:
+            FencedWrite: the fence does not hold; nothing was written.
+        """
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        pairs = [(records.store_key(k), v) for k, v in zip(keys, values, strict=True)]
+        gone = [records.store_key(k) for k in deletes]
+        self._store.write(lambda txn: records.write(txn, self.path, pairs, gone, fence))
+
+    def get(self, keys: list[str]) -> list[bytes | None]:
+        """The stored records of ``keys`` (``None`` where absent), from one consistent snapshot."""
+        skeys = [records.store_key(k) for k in keys]
+        return self._store.read(lambda txn: [txn.get("rows", k) for k in skeys])
+
+    def clear(self, keys: list[str], write_ids: list[str | None] | None = None) -> int:
+        """Delete ``keys`` in one transaction; returns how many were deleted.
+
+        With ``write_ids``, a key is deleted only if its stored write identity equals the given one
+        (``None`` deletes unconditionally), so a clear issued from stale metadata leaves a newer
+        write of a recycled index alone.
+        """
+        ids = write_ids if write_ids is not None else [None] * len(keys)
+        if len(ids) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(ids)} write identities")
+        return self._store.write(lambda txn: records.clear(txn, keys, ids))
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """The keys stored under ``prefix``, in key order, from one snapshot."""
+        return self._store.read(lambda txn: records.keys(txn, prefix))
+
+    def stamp_id(self) -> str | None:
+        """The ``checkpoint_id`` of the last checkpoint copied from this store (``None`` if none was)."""
+        stamp = self._store.read(records.stamp_of)
+        return None if stamp is None else stamp.get("checkpoint_id")
+
+    def count(self) -> int:
+        """How many values the store holds."""
+        return self._store.read(records.count)
+
+    def info(self) -> dict[str, Any]:
+        """The live file's path, size in bytes and number of values."""
+        return {"path": self.path, "file_bytes": self._store.file_size(), "values": self.count()}
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def checkpoint(self, dest: str, *, fence: tuple[str, str] | None = None) -> dict[str, Any]:
+        """Write the current values to ``dest`` as one complete file (replacing it atomically) and
+        return its stamp (``checkpoint_id``, ``created``, ``file``, ``values``, ``file_bytes``) and
+        ``how`` the snapshot was written (``"clone"``, ``"copy"`` or ``"compact"``).
+
+        Blocks writers only for the stamp transaction; the copy runs on a background thread while
+        this call waits for it.
+
+        Args:
+            fence: as :meth:`write`'s, checked inside the stamp transaction.
+
+        Raises:
+            CheckpointError: the directory is missing, another checkpoint to ``dest`` is being
+                written, or the copy failed; ``dest`` is untouched.
+            FencedWrite: the fence does not hold; nothing was stamped or written.
+        """
+        stamped: dict[str, Any] = {}
+
+        def stamp(txn: Txn, base: dict[str, Any]) -> int:
+            records.check_fence(txn, self.path, fence)
+            records.put_stamp(txn, base)
+            stamped.update(base)
+            return 0
+
+        with self._swap:
+            handle = snapshot_to_file(self._store, dest, stamp, overwrite=True,
+                                      describe=lambda txn: {"values": records.count(txn)})
+            result = handle.wait()
+        return {**stamped, "values": result.details["values"], "file_bytes": result.file_bytes, "how": result.how}
+
+    def load(self, source: str) -> dict[str, Any]:
+        """Replace the live values with a checkpoint file written by :meth:`checkpoint`; returns its stamp.
+
+        The file's used pages are copied under a private name and the copy validated before
+        anything changes (structure without mapping it, kind, stamp, every record's checksum and
+        key); then it is renamed over the live file and reopened through a fresh handle.
+
+        Raises:
+            FileNotFoundError: no file at ``source``.
+            FormatError / CorruptRecord / RecoveryError: the file is not a valid value-store
+                checkpoint; the live store is untouched.
+        """
+        source = os.path.abspath(source)
+        if not os.path.isfile(source):
+            raise FileNotFoundError(f"no TransferQueue storage checkpoint at {source!r}")
+
+        def check(copy: str) -> dict[str, Any]:
+            with open_readonly(copy, name=source) as store:
+                return store.read(lambda txn: records.validate_checkpoint(txn, source))
+
+        with self._swap:
+            self._store.close()
+            try:
+                return install_checkpoint(source, self.path, check)
+            finally:
+                self._store = _open(self.path)
+
+    def close(self) -> None:
+        """Close the store (idempotent); waits for a checkpoint being copied."""
+        with self._swap:
+            self._store.close()
+
+
+def _open(path: str) -> Store:
+    """Open (or create) a value store file: mark or check its kind, move formats 1-2 into format 3's one tree."""
+    store = Store(path, create=True)
+    try:
+        created = time.time()
+        store.write(lambda txn: records.init(txn, path, created))
+        store.upgrade_layout()
+        return store
+    except BaseException:
+        store.close()
+        raise
