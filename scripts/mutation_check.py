@@ -169,6 +169,24 @@ MUTATIONS += (
              ("tests/test_powercut.py::test_a_new_store_in_new_directories_survives_a_power_cut",)),
 )
 
+#: Stamps after a rollback (issue 39): each rule of the version tree, killed by an aimed test.
+LINEAGE = "tests/test_lineage.py"
+MUTATIONS += (
+    Mutation("recovery-keeps-destroyed-stamp", "kvckpt/durability/recovery.py",
+             '        return {"start_weight": version, "lineage_fork": None}\n', "        return {}\n", (LINEAGE,)),
+    Mutation("lineage-weight-ignores-fork", "kvckpt/tables/records.py",
+             "    return start_weight if lineage_fork is None else 2 * lineage_fork - start_weight\n",
+             "    return start_weight\n", (LINEAGE,)),
+    Mutation("recovery-forks-no-ready-group", "kvckpt/durability/recovery.py",
+             "        plan.groups_on_destroyed_lineage = _fork_ready(t, target)\n",
+             "        plan.groups_on_destroyed_lineage = 0\n", (LINEAGE,)),
+    Mutation("entry-fork-never-moves-down", "kvckpt/durability/recovery.py",
+             '    return {"lineage_fork": version if entry.lineage_fork is None else min(entry.lineage_fork, version)}',
+             '    return {"lineage_fork": version if entry.lineage_fork is None else entry.lineage_fork}', (LINEAGE,)),
+    Mutation("commit-drops-entry-fork", "kvckpt/transitions/commit.py",
+             ", lineage_fork=entry.lineage_fork)", ")", (LINEAGE,)),
+)
+
 
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and
