@@ -171,6 +171,7 @@ MUTATIONS += (
 
 #: Stamps after a rollback (issue 39): each rule of the version tree, killed by an aimed test.
 LINEAGE = "tests/test_lineage.py"
+TRL_STAMPS = "tests/test_trl_stamps.py"
 MUTATIONS += (
     Mutation("recovery-keeps-destroyed-stamp", "kvckpt/durability/recovery.py",
              '        return {"start_weight": version, "lineage_fork": None}\n', "        return {}\n", (LINEAGE,)),
@@ -185,6 +186,16 @@ MUTATIONS += (
              '    return {"lineage_fork": version if entry.lineage_fork is None else entry.lineage_fork}', (LINEAGE,)),
     Mutation("commit-drops-entry-fork", "kvckpt/transitions/commit.py",
              ", lineage_fork=entry.lineage_fork)", ")", (LINEAGE,)),
+    Mutation("trl-queue-reads-step-numbers", "integrations/trl/queue.py",
+             "self._clock.staleness(info.lineage_weight) >", "self._clock.staleness(info.start_weight) >",
+             (f"{TRL_STAMPS}::test_a_kill_inside_trls_save_then_a_resume_from_the_previous_checkpoint_stamps_the_"
+              "resumed_weights",)),
+    Mutation("trl-presave-crash-refused", "integrations/trl/callback.py",
+             "            plan = buffer.recover(resume_version=0)\n",
+             '            raise RecoveryError("a crash before the first save")\n',
+             (f"{TRL_STAMPS}::test_a_crash_before_the_first_save_recovers_the_live_store_at_step_0",)),
+    Mutation("trl-presave-ignores-config", "integrations/trl/callback.py", "    if differ:\n", "    if False:\n",
+             (f"{TRL_STAMPS}::test_a_crash_before_the_first_save_recovers_the_live_store_at_step_0",)),
 )
 
 
