@@ -186,6 +186,12 @@ MUTATIONS += (
              '    return {"lineage_fork": version if entry.lineage_fork is None else entry.lineage_fork}', (LINEAGE,)),
     Mutation("commit-drops-entry-fork", "kvckpt/transitions/commit.py",
              ", lineage_fork=entry.lineage_fork)", ")", (LINEAGE,)),
+    Mutation("verify-allows-fork-at-stamp", "kvckpt/durability/verify.py",
+             '    if fork is not None and fork >= doc["start_weight"]:', "    if False:",
+             ("tests/test_corruption_fuzz.py::test_verifier_flags_each_inconsistency",)),
+    Mutation("verify-indexes-the-stamp", "kvckpt/durability/verify.py",
+             "    return lineage_weight(doc[\"start_weight\"], fork)", "    return doc[\"start_weight\"]",
+             ("tests/test_corruption_fuzz.py::test_verifier_flags_each_inconsistency",)),
     Mutation("trl-queue-reads-step-numbers", "integrations/trl/queue.py",
              "self._clock.staleness(info.lineage_weight) >", "self._clock.staleness(info.start_weight) >",
              (f"{TRL_STAMPS}::test_a_kill_inside_trls_save_then_a_resume_from_the_previous_checkpoint_stamps_the_"
