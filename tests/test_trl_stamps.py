@@ -106,13 +106,14 @@ def test_a_kill_inside_trls_save_then_a_resume_from_the_previous_checkpoint_stam
         assert group.attempt == entry.attempt + 2 + restamped and group.lineage_fork is None
         assert resume <= group.start_weight == group.end_weight
     # A group of weights v > 2 is (v - 2) + (w - 2) syncs from the resumed run's weights w: within
-    # max_staleness=1 only for v = 3 served at w = 2, i.e. trained by step 3 (consumed_step 2).
-    # Otherwise TRL never trains it (read as a step number, v = 3 would look fresh at w = 3).
+    # max_staleness=1 only for v = 3 served at w = 2, so trained by step 3, or by step 4 when the
+    # dataloader read it one step ahead (consumed_step 2 or 3). Otherwise TRL never trains it (read
+    # as a step number, v = 3 would look fresh at w = 3 and could be trained as late as step 5).
     for gid, g in destroyed.items():
         assert final[gid].lineage_fork == resume
         assert final[gid].state == "evicted" or (
-            final[gid].state == "consumed" and g.start_weight == resume + 1 and final[gid].consumed_step == resume), \
-            final[gid]
+            final[gid].state == "consumed" and g.start_weight == resume + 1
+            and final[gid].consumed_step <= resume + 1), final[gid]
     # Trained at most once: the model of run 3 holds steps 1..2 of run 1 and its own 3..6.
     effective = [p for (r, s), ps in trained.items() if (r == 1 and s <= resume) or r == 3 for p in ps]
     assert len(effective) == len(set(effective)) == 2 * 6
