@@ -192,6 +192,8 @@ MUTATIONS += (
     Mutation("verify-indexes-the-stamp", "kvckpt/durability/verify.py",
              "    return lineage_weight(doc[\"start_weight\"], fork)", "    return doc[\"start_weight\"]",
              ("tests/test_corruption_fuzz.py::test_verifier_flags_each_inconsistency",)),
+    Mutation("redispatch-restamps-forked-entry", "kvckpt/transitions/inflight.py",
+             "if start_weight is None or entry.lineage_fork is not None", "if start_weight is None", (LINEAGE,)),
     Mutation("trl-queue-reads-step-numbers", "integrations/trl/queue.py",
              "self._clock.staleness(info.lineage_weight) >", "self._clock.staleness(info.start_weight) >",
              (f"{TRL_STAMPS}::test_a_kill_inside_trls_save_then_a_resume_from_the_previous_checkpoint_stamps_the_"

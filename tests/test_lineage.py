@@ -69,10 +69,12 @@ buf = ReplayBuffer.open(ARGS["path"])
 plan = buf.recover(resume_version=0)
 after = view(buf)
 by_prompt = {lease.prompt_idx: lease for lease in plan.leases}
+by_prompt[4] = buf.redispatch(by_prompt[4].group_id, start_weight=0)  # a worker restamps it: the fork holds
 prefix = buf.progress(by_prompt[4])[0]
 buf.commit_group(by_prompt[4], [row([7, 8, 9], [3, 3, 0]), row([5], [0])], end_weight=0)
 buf.commit_group(by_prompt[3], [row([1], [0]), row([2], [0])], end_weight=0)
 print(json.dumps({"plan": plan.report(), "after": after, "prefix": prefix.versions.tolist(), "final": view(buf),
+                  "restamp": by_prompt[4].start_weight,
                   "ok": buf.store.read(check).ok}), flush=True)
 """
 
@@ -117,6 +119,7 @@ def test_stamps_tell_the_generating_weights_across_two_rollbacks_and_two_kills(t
     assert ledger["3"] == [0, None, 0]  # restamped again, to the weights that now generate it
     assert ledger["4"] == [3, 0, -3]  # the fork only moves down: (3 - 0) + (0 - 0)
     assert got["prefix"] == [3, 3]  # the durable tokens were kept, not regenerated
+    assert got["restamp"] == 3  # redispatch(start_weight=0) keeps a forked entry's stamp (its stalest work)
     final = got["final"]["groups"]
     assert final["3"] == ["ready", 0, None, 0]
     assert final["4"] == ["ready", 3, 0, -3]  # the group inherits its entry's stamp and fork
