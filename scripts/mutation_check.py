@@ -310,6 +310,43 @@ MUTATIONS += (
              (f"{_DEMO}test_the_default_demo_generates_long_completions_with_progress_well_inside_them",)),
 )
 
+#: Stamps after a rollback (issue 39): each rule of the version tree, killed by an aimed test.
+LINEAGE = "tests/test_lineage.py"
+TRL_STAMPS = "tests/test_trl_stamps.py"
+MUTATIONS += (
+    Mutation("recovery-keeps-destroyed-stamp", "kvckpt/durability/recovery.py",
+             '        return {"start_weight": version, "lineage_fork": None}\n', "        return {}\n", (LINEAGE,)),
+    Mutation("lineage-weight-ignores-fork", "kvckpt/tables/records.py",
+             "    return start_weight if lineage_fork is None else 2 * lineage_fork - start_weight\n",
+             "    return start_weight\n", (LINEAGE,)),
+    Mutation("recovery-forks-no-ready-group", "kvckpt/durability/recovery.py",
+             "        plan.groups_on_destroyed_lineage = _fork_ready(t, target)\n",
+             "        plan.groups_on_destroyed_lineage = 0\n", (LINEAGE,)),
+    Mutation("entry-fork-never-moves-down", "kvckpt/durability/recovery.py",
+             '    return {"lineage_fork": version if entry.lineage_fork is None else min(entry.lineage_fork, version)}',
+             '    return {"lineage_fork": version if entry.lineage_fork is None else entry.lineage_fork}', (LINEAGE,)),
+    Mutation("commit-drops-entry-fork", "kvckpt/transitions/commit.py",
+             ", lineage_fork=entry.lineage_fork)", ")", (LINEAGE,)),
+    Mutation("verify-allows-fork-at-stamp", "kvckpt/durability/verify.py",
+             '    if fork is not None and fork >= doc["start_weight"]:', "    if False:",
+             ("tests/test_corruption_fuzz.py::test_verifier_flags_each_inconsistency",)),
+    Mutation("verify-indexes-the-stamp", "kvckpt/durability/verify.py",
+             "    return lineage_weight(doc[\"start_weight\"], fork)", "    return doc[\"start_weight\"]",
+             ("tests/test_corruption_fuzz.py::test_verifier_flags_each_inconsistency",)),
+    Mutation("redispatch-restamps-forked-entry", "kvckpt/transitions/inflight.py",
+             "if start_weight is None or entry.lineage_fork is not None", "if start_weight is None", (LINEAGE,)),
+    Mutation("trl-queue-reads-step-numbers", "integrations/trl/queue.py",
+             "self._clock.staleness(info.lineage_weight) >", "self._clock.staleness(info.start_weight) >",
+             (f"{TRL_STAMPS}::test_a_kill_inside_trls_save_then_a_resume_from_the_previous_checkpoint_stamps_the_"
+              "resumed_weights",)),
+    Mutation("trl-presave-crash-refused", "integrations/trl/callback.py",
+             "            plan = buffer.recover(resume_version=0)\n",
+             '            raise RecoveryError("a crash before the first save")\n',
+             (f"{TRL_STAMPS}::test_a_crash_before_the_first_save_recovers_the_live_store_at_step_0",)),
+    Mutation("trl-presave-ignores-config", "integrations/trl/callback.py", "    if differ:\n", "    if False:\n",
+             (f"{TRL_STAMPS}::test_a_crash_before_the_first_save_recovers_the_live_store_at_step_0",)),
+)
+
 
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and

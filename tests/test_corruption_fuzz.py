@@ -131,6 +131,13 @@ TAMPERING: dict[str, tuple[Callable[[Txn], None], bool, set[str]]] = {
     "shortfall the aborts do not explain": (lambda t: t.put_json("meta", b"shortfall", {"3": 1}), False,
                                             {"shortfall"}),
     "record with a valid checksum but a missing field": (_drop_field, False, {"malformed"}),
+    # issue 39: a fork is set only below the stamp, and the weight indexes key on the lineage weight
+    "a lineage fork not below the stamp": (lambda t: _doc(t, "groups", "a0-p2", lineage_fork=2), False,
+                                          {"malformed"}),
+    "a fork the weight index does not follow": (lambda t: _doc(t, "groups", "a0-p2", lineage_fork=1), False,
+                                                {"index"}),
+    "an in-flight fork the weight index does not follow": (lambda t: _doc(t, "ledger", "a0-p4", lineage_fork=1),
+                                                           False, {"index"}),
 }
 
 

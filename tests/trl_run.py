@@ -4,8 +4,12 @@
 
 CONFIG_JSON: ``mode`` ("kvckpt" or "default"), ``workdir``, ``model``, ``max_steps``,
 ``save_steps``, ``kill_at`` (SIGKILL this process at the end of that step, with a prompt in flight;
-0: never), ``resume`` (a checkpoint directory or null), ``log`` (a JSON-lines file the run
-appends its events to, each fsynced: the steps' trained groups and, for "default", every
+0: never), ``kill_in_save`` (SIGKILL it inside TRL's own save of that step's checkpoint, after the
+model and before the optimizer state, with a prompt in flight: the checkpoint directory is left
+unusable and kvckpt's file was never written; 0: never),
+``kill_after_resume`` (SIGKILL it right after the store was opened at train begin), ``resume``
+(a checkpoint directory or null), ``log`` (a JSON-lines file the run appends its events to, each
+fsynced: the steps' trained groups, the store as train begin left it, and, for "default", every
 generated position).
 """
 
@@ -90,6 +94,17 @@ def main() -> None:
         SIGKILLs this process (so the kill always finds committed, ready and in-flight work: the
         dataloader has read the next step's groups, still ready in the store, before a step ends)."""
 
+        def on_train_begin(self, args, state, control, **kwargs):
+            if cfg["mode"] != "kvckpt":
+                return
+            buf = worker.buffer
+            log({"begin": state.global_step, "plan": worker.callback.plan.report() if worker.callback.plan else None,
+                 "ready": [[g.prompt_idx, g.start_weight, g.lineage_fork, g.lineage_weight]
+                           for g in buf.groups(["ready"])],
+                 "ledger": [[e.prompt_idx, e.start_weight, e.lineage_fork] for e in buf.ledger()]})
+            if cfg.get("kill_after_resume"):
+                os.kill(os.getpid(), signal.SIGKILL)
+
         def on_step_end(self, args, state, control, **kwargs):
             if cfg["mode"] == "kvckpt":
                 trained = [g.prompt_idx for g in worker.buffer.groups(["consumed"])
@@ -106,16 +121,31 @@ def main() -> None:
             if state.global_step != cfg["kill_at"]:
                 return
             if cfg["mode"] == "kvckpt":
-                # While the engine is held, a prompt admitted now, or held by a worker blocked on the
-                # engine, cannot be generated or committed before the kill. (Waiting for a new
-                # admission alone hung when the worker had admitted its leases just before and was
-                # blocked on the engine: nothing new could be admitted.)
-                worker.engine_lock.acquire()
-                before = {e.group_id for e in worker.buffer.ledger()}
-                engine_waited_on = worker.engine_lock.blocked
-                while not ({e.group_id for e in worker.buffer.ledger()} - before or engine_waited_on.is_set()):
-                    worker.buffer.wait_for_change(0.1)
+                hold_a_prompt_in_flight()
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def hold_a_prompt_in_flight():
+        """Hold the engine until a prompt is in flight. While the engine is held, a prompt admitted
+        now, or held by a worker blocked on the engine, cannot be generated or committed before the
+        kill. (Waiting for a new admission alone hung when the worker had admitted its leases just
+        before and was blocked on the engine: nothing new could be admitted.)"""
+        worker.engine_lock.acquire()
+        before = {e.group_id for e in worker.buffer.ledger()}
+        engine_waited_on = worker.engine_lock.blocked
+        while not ({e.group_id for e in worker.buffer.ledger()} - before or engine_waited_on.is_set()):
+            worker.buffer.wait_for_change(0.1)
+
+    def kill_inside_trl_save(save):
+        """TRL's ``_save_optimizer_and_scheduler``, which at ``kill_in_save`` dies before writing."""
+        def wrapped(output_dir):
+            if trainer.state.global_step == cfg.get("kill_in_save"):
+                hold_a_prompt_in_flight()
+                log({"killed_in_save": trainer.state.global_step,
+                     "ready": [[g.prompt_idx, g.start_weight] for g in worker.buffer.groups(["ready"])],
+                     "ledger": [[e.prompt_idx, e.start_weight] for e in worker.buffer.ledger()]})
+                os.kill(os.getpid(), signal.SIGKILL)
+            return save(output_dir)
+        return wrapped
 
     if cfg["mode"] == "kvckpt":
         worker = KvckptRolloutWorker(os.path.join(cfg["workdir"], "buffer.kv"), cfg["model"], dataset, [reward], args,
@@ -157,6 +187,8 @@ def main() -> None:
     torch.manual_seed(0)
     trainer = AsyncGRPOTrainer(model=cfg["model"], reward_funcs=[reward], args=args, train_dataset=dataset,
                                processing_class=tokenizer, callbacks=callbacks, **extra)
+    if cfg.get("kill_in_save"):
+        trainer._save_optimizer_and_scheduler = kill_inside_trl_save(trainer._save_optimizer_and_scheduler)
     trainer.train(resume_from_checkpoint=cfg.get("resume"))
     if cfg["mode"] == "kvckpt":
         log({"done": True, "plan": worker.callback.plan.report() if worker.callback.plan else None})

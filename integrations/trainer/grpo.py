@@ -649,7 +649,7 @@ class GRPOTrainer:
         rewards = batch.tensors["total_reward"]
         return {"step": step, "reward_mean": float(rewards.mean()), "loss": float(loss.detach()), **stats,
                 "groups": len(selection), "rows": len(batch.group_ids),
-                "staleness": step - min(g.start_weight for g in selection.groups),
+                "staleness": step - min(g.lineage_weight for g in selection.groups),
                 "step_seconds": time.perf_counter() - t0, "wait_seconds": wait, "train_seconds": train_seconds,
                 "kvckpt_seconds": self.clock.pump("train") - kv0,
                 "rollout_kvckpt_seconds": self.clock.pump("rollout") - roll0}

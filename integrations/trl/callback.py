@@ -4,7 +4,10 @@
 resumed from ``checkpoint-N`` (TRL's own ``trainer.train(resume_from_checkpoint=...)``) recovers
 the live store at version N — groups trained after step N go back to ready, in-flight prompts are
 handed back once, rollouts committed after the checkpoint are kept — or, when the live store is
-gone or behind, restores ``checkpoint-N/kvckpt_buffer.kvckpt``. ``on_step_end`` claims the groups
+gone or behind, restores ``checkpoint-N/kvckpt_buffer.kvckpt``. A run that starts at step 0 over
+a live store that already trained (a crash before the first save) recovers it at version 0 the
+same way, and logs that it did; it refuses only a store of another run or configuration
+(:func:`open_store` says how it knows). ``on_step_end`` claims the groups
 the step trained and closes the kvckpt step; ``on_save`` writes that file into ``checkpoint-N/``
 (so TRL's ``save_total_limit`` rotation removes it with its checkpoint).
 
@@ -16,6 +19,8 @@ refuses any other set-up at train begin instead of guessing.
 
 from __future__ import annotations
 
+import glob
+import logging
 import os
 from typing import Any
 
@@ -27,6 +32,8 @@ from kvckpt.errors import BadArgument, RecoveryError
 TrainerCallback = trainer_callback_class()
 
 BUFFER_FILE = "kvckpt_buffer.kvckpt"
+
+log = logging.getLogger("kvckpt.integrations.trl")
 
 
 class KvckptCallback(TrainerCallback):
@@ -81,9 +88,18 @@ class KvckptCallback(TrainerCallback):
 def open_store(worker: Any, output_dir: str, step: int) -> tuple[ReplayBuffer, RecoveryPlan | None]:
     """The worker's store for a run starting at ``step``, and its recovery plan (``None`` if new).
 
+    A run starting at step 0 over a live store that trained (the previous run crashed before its
+    first save: the model is the initial one again) recovers the store at version 0: trained
+    groups back to ready, committed untrained groups kept, every prompt in flight redispatched
+    once; it logs the plan.
+
     Raises:
-        RecoveryError: the live store is ahead of a run starting from scratch, or a resumed run
-            finds neither a live store at or past ``step`` nor ``checkpoint-<step>/kvckpt_buffer.kvckpt``.
+        RecoveryError: a run from scratch over a live store of another run or configuration: a
+            buffer config other than the worker's (the differing keys are named), a store
+            checkpointed at some step (its state's ``durable`` list: the run it belongs to saved,
+            so resume from that checkpoint), or an ``output_dir`` holding ``checkpoint-*``
+            directories (likewise). A resumed run finding neither a live
+            store at or past ``step`` nor ``checkpoint-<step>/kvckpt_buffer.kvckpt``.
     """
     live = worker.store_path
     saved = os.path.join(output_dir, f"checkpoint-{step}", BUFFER_FILE)
@@ -91,9 +107,17 @@ def open_store(worker: Any, output_dir: str, step: int) -> tuple[ReplayBuffer, R
         buffer = ReplayBuffer.open(live)
         version = buffer.trainer_version
         if step == 0 and version > 0:
-            buffer.close()
-            raise RecoveryError(f"{live} has trained {version} steps but the trainer starts from step 0: pass "
-                                "resume_from_checkpoint, or move the store away to start over")
+            try:
+                _check_same_run(buffer, worker, output_dir)
+            except RecoveryError:
+                buffer.close()
+                raise
+            plan = buffer.recover(resume_version=0)
+            log.warning("%s: the trainer starts from step 0 and no checkpoint was saved: recovered the live store "
+                        "(it had trained %d steps) at version 0: %d groups back to ready, %d ready in all, %d prompts "
+                        "redispatched", live, version, plan.groups_returned_to_ready, plan.groups_complete_restored,
+                        plan.groups_redispatched)
+            return buffer, plan
         if version >= step:
             return buffer, buffer.recover(resume_version=step)
         buffer.close()
@@ -105,3 +129,21 @@ def open_store(worker: Any, output_dir: str, step: int) -> tuple[ReplayBuffer, R
     if not os.path.exists(saved):
         raise RecoveryError(f"resuming at step {step}: no live store at {live} and no {saved}")
     return restore(saved, live)
+
+
+def _check_same_run(buffer: ReplayBuffer, worker: Any, output_dir: str) -> None:
+    """Refuse a live store that a run from step 0 cannot have left (see :func:`open_store`)."""
+    live = worker.store_path
+    have, want = buffer.config.to_dict(), worker.config.to_dict()
+    differ = sorted(k for k in have.keys() | want.keys() if have.get(k) != want.get(k))
+    if differ:
+        raise RecoveryError(f"{live} belongs to another configuration: its {', '.join(differ)} differ from this "
+                            f"worker's ({', '.join(f'{k}={have.get(k)!r} vs {want.get(k)!r}' for k in differ)})")
+    saved = buffer.state()["durable"]
+    if saved:
+        raise RecoveryError(f"{live} was checkpointed at step(s) {saved} but the trainer starts from step 0: pass "
+                            "resume_from_checkpoint (or move the store away to start over)")
+    found = sorted(glob.glob(os.path.join(output_dir, "checkpoint-*")))
+    if found:
+        raise RecoveryError(f"{live} has trained {buffer.trainer_version} steps and {output_dir} holds {found[:3]}, "
+                            "but the trainer starts from step 0: pass resume_from_checkpoint (or move both away)")

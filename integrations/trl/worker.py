@@ -47,7 +47,9 @@ class KvckptRolloutWorker:
     Guarantees: every dataset position leaves the cursor in the same transaction that makes it a
     ledger entry; every group is committed whole in one durable transaction before the trainer can
     see it; a crash loses no committed group and no in-flight prompt (the callback's recovery hands
-    each in-flight prompt back exactly once, and this worker generates it before admitting more).
+    each in-flight prompt back exactly once, and this worker generates it before admitting more);
+    every group's ``start_weight`` is the optimizer step of the weights in the engine when it was
+    generated (a lease stamped otherwise is restamped first, see :meth:`_stamped`).
 
     Args:
         store_path: the live kvckpt store (created on first train begin).
@@ -209,16 +211,26 @@ class KvckptRolloutWorker:
         rows = [self._row(lease.prompt_idx) for lease in leases]
         prompts = [self._prompt_ids(row["prompt"]) for row in rows]
         with self.engine_lock:
+            weights = self.clock.weights_step
+            leases = [self._stamped(lease, weights) for lease in leases]
             groups = self.backend.generate(prompts, [len(lease.missing) for lease in leases], self.max_tokens,
                                            self.temperature)
-            end_weight = self.clock.weights_step
         for lease, row, samples in zip(leases, rows, groups, strict=True):
             if len(lease.missing) != self.num_generations:
                 raise InvariantViolation(f"lease {lease.group_id} misses {len(lease.missing)} of "
                                          f"{self.num_generations} rows; this worker commits whole groups only")
             completions = [self._completion(row["prompt"], s.text) for s in samples]
             rewards = self._score(row, completions, [list(s.completion_ids) for s in samples])
-            self.buffer.commit_group(lease, _rows(samples, rewards), end_weight=end_weight)
+            self.buffer.commit_group(lease, _rows(samples, rewards), end_weight=weights)
+
+    def _stamped(self, lease: Lease, weights: int) -> Lease:
+        """``lease``, stamped with ``weights`` (the engine's, held under ``engine_lock``): a weight sync
+        that landed between admission (or a recovery's redispatch) and this generation would leave
+        the stamp older than the weights that generate the group, so it is redispatched with the
+        true stamp first (one transaction; the whole group is generated now, nothing is kept)."""
+        if lease.start_weight == weights:
+            return lease
+        return self.buffer.redispatch(lease.group_id, start_weight=weights)
 
     def _score(self, row: Any, completions: list[Any], completion_ids: list[list[int]]) -> list[float]:
         count = len(completions)

@@ -72,7 +72,16 @@ from kvckpt.tables.meta import (
     STAMP_KEY,
     STATE_KEY,
 )
-from kvckpt.tables.records import ABORTED, CLAIMED, CONSUMED, EVICTED, GROUP_STATES, PHASE_ADMITTED, READY
+from kvckpt.tables.records import (
+    ABORTED,
+    CLAIMED,
+    CONSUMED,
+    EVICTED,
+    GROUP_STATES,
+    PHASE_ADMITTED,
+    READY,
+    lineage_weight,
+)
 from kvckpt.transitions.config import BufferConfig
 from kvckpt.transitions.progress import decode_chunk
 from kvckpt.values import records as values
@@ -204,7 +213,7 @@ _STATE_INTS = ("seq", "trainer_version", "dispatch_index", "inflight", "ready", 
 #: Counters of ``meta/state`` that the verifier and recovery read.
 _STATE_COUNTERS = ("admitted", "committed", "evicted", "aborted", "redispatched")
 _RECORD_INTS = ("seq", "group_size", "prompt_idx", "start_weight", "attempt", "raw_bytes", "stored_bytes")
-_OPTIONAL_INTS = ("end_weight", "target_step", "claimed_step", "consumed_step", "token_weight")
+_OPTIONAL_INTS = ("end_weight", "target_step", "claimed_step", "consumed_step", "token_weight", "lineage_fork")
 _INT64 = 1 << 63
 
 
@@ -399,7 +408,7 @@ def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dic
         elif stored:
             report.add("row-set", gid, f"{len(stored)} rows stored for a group marked rows_stored=false")
         _check_group_state(doc, gid, state["trainer_version"], report)
-        for key in group_index_keys(state_name, doc["seq"], doc["start_weight"], doc.get("target_step"),
+        for key in group_index_keys(state_name, doc["seq"], _lineage_weight(doc, gid, report), doc.get("target_step"),
                                     doc.get("claimed_step"), doc.get("consumed_step"), bool(doc.get("rows_stored"))):
             expected_index[key] = gid
         if state_name in (READY, CLAIMED) and doc.get("target_step") is not None:
@@ -424,7 +433,7 @@ def _check_snapshot(txn: Any, report: Report, config: dict[str, Any], state: dic
                     report.add("digest", keys.row_id(gid, i), "row bytes do not match the recorded digest")
         if doc.get("phase") != PHASE_ADMITTED:
             report.add("phase", gid, f"unknown ledger phase {doc.get('phase')!r}")
-        expected_index[entry_index_key(doc["start_weight"], doc["seq"])] = gid
+        expected_index[entry_index_key(_lineage_weight(doc, gid, report), doc["seq"])] = gid
         if doc.get("target_step") is not None:
             max_target = max(max_target, doc["target_step"])
 
@@ -484,6 +493,15 @@ def _check_progress(txn: Any, report: Report, schema: RowSchema, ledger: dict[st
         if start + length > schema.max_tokens:
             report.add("progress", name, f"prefix of {start + length} tokens is over max_tokens {schema.max_tokens}")
     report.counts["progress"] = count
+
+
+def _lineage_weight(doc: dict[str, Any], gid: str, report: Report) -> int:
+    """The record's lineage weight (its weight indexes' key); a ``lineage_fork`` at or above its
+    ``start_weight`` is ``malformed`` (recovery sets one only below the stamp)."""
+    fork = doc.get("lineage_fork")
+    if fork is not None and fork >= doc["start_weight"]:
+        report.add("malformed", gid, f"lineage_fork {fork} is not below start_weight {doc['start_weight']}")
+    return lineage_weight(doc["start_weight"], fork)
 
 
 def _check_group_state(doc: dict[str, Any], gid: str, version: int, report: Report) -> None:

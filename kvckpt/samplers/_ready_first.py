@@ -19,8 +19,10 @@ class ReadyFirstSampler(GatedStalenessSampler):
     name = "ready_first"
 
     def eligible(self, view: BufferView, current: int) -> Iterator[str]:
-        # start_weight > current only happens after a rollback to an older model; those groups
-        # wait (in place) until the trainer catches up. They are skipped, not scanned twice.
+        # A lineage weight > current only happens after a rollback that kept a stamp of a lineage
+        # it did not destroy (an explicit weight_version ahead of the trainer); those groups wait
+        # (in place) until the trainer catches up. A destroyed lineage's groups are served at once,
+        # with their tree distance as staleness (their lineage weight is below the fork).
         for gid in view.ready_in_order():
             if view.group_weight(gid) <= current:
                 yield gid

@@ -1,7 +1,10 @@
 """The read-only view of the buffer's indexes a sampler works on.
 
 A :class:`BufferView` wraps the current transaction: a sampler's decision and the claim it leads
-to are one transaction, and the sampler never holds a handle of its own. Every query reads only
+to are one transaction, and the sampler never holds a handle of its own. Every weight a query
+takes or returns is a *lineage weight* (:func:`kvckpt.tables.records.lineage_weight`): the
+``start_weight`` stamp on the trained lineage, ``2f - start_weight`` for a group a recovery to
+``f`` left on a destroyed lineage, so ``current - weight`` is always the staleness. Every query reads only
 the indexes (seeks and short scans), so selecting a batch costs O(batch · log n) whatever the
 number of buffered groups.
 """
@@ -13,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvckpt.storage import keys
+from kvckpt.tables.records import lineage_weight
 
 
 class BufferView:
@@ -35,9 +39,9 @@ class BufferView:
             yield gid.decode()
 
     def group_weight(self, group_id: str) -> int:
-        """The ``start_weight`` of a committed group (one record read)."""
+        """The lineage weight of a committed group (one record read)."""
         doc = self._txn.get_json("groups", keys.group_key(group_id))
-        return doc["start_weight"]
+        return lineage_weight(doc["start_weight"], doc.get("lineage_fork"))
 
     def ready_with_weight(self, weight: int) -> Iterator[str]:
         """Ready groups whose ``start_weight`` equals ``weight``."""

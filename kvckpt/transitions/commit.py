@@ -5,8 +5,8 @@ against its sample's durable token progress and delete that progress
 (:func:`kvckpt.transitions.progress.consume`), pin first-seen shapes, put the rows, then either
 record the sibling progress in the entry (a partial group) or delete the entry and write the ready
 group with its indexes. The group's ``start_weight`` stamp is the oldest of its entry's and of
-every consumed progress token's weight version. A lease with no ledger entry is a
-retried commit: :func:`replayed` answers it from the committed group without writing.
+every consumed progress token's weight version, and it inherits the entry's ``lineage_fork``. A
+lease with no ledger entry is a retried commit: :func:`replayed` answers it from the committed group without writing.
 """
 
 from __future__ import annotations
@@ -76,10 +76,9 @@ def commit(t: Tables, schema: RowSchema, store_id: str, lease: Lease, encoded: l
         return CommitResult(gid, ready=False, rows_written=len(encoded))
     group = GroupInfo(
         gid, entry.prompt_idx, entry.task_name, entry.admission_id, entry.seq, entry.group_size, READY,
-        entry.start_weight if token_weight is None else min(entry.start_weight, token_weight),
-        st["weight_version"] if end_weight is None else int(end_weight),
+        _stamp(entry, token_weight), st["weight_version"] if end_weight is None else int(end_weight),
         entry.target_step, entry.attempt, group_digest(merged[str(i)] for i in range(entry.group_size)),
-        raw_bytes=raw, stored_bytes=stored, timeline=entry.timeline)
+        raw_bytes=raw, stored_bytes=stored, timeline=entry.timeline, lineage_fork=entry.lineage_fork)
     t.remove_entry(entry)
     t.put_group(group)
     st["inflight"] -= 1
@@ -87,6 +86,14 @@ def commit(t: Tables, schema: RowSchema, store_id: str, lease: Lease, encoded: l
     st["counters"]["committed"] += 1
     t.put_state(st)
     return CommitResult(gid, ready=True, rows_written=len(encoded))
+
+
+def _stamp(entry: LedgerEntry, token_weight: int | None) -> int:
+    """The group's ``start_weight``: the oldest of the entry's stamp and its tokens' versions; an
+    entry a recovery forked keeps its stamp (the destroyed weights' work it kept is the stalest)."""
+    if token_weight is None or entry.lineage_fork is not None:
+        return entry.start_weight
+    return min(entry.start_weight, token_weight)
 
 
 def replayed(t: Tables, store_id: str, lease: Lease, digests: dict[str, str]) -> CommitResult:

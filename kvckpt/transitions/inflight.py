@@ -11,7 +11,9 @@ from kvckpt.transitions.config import BufferConfig
 
 def redispatch(t: Tables, store_id: str, group_id: str, start_weight: int | None) -> Lease:
     """The entry's ``attempt`` + 1 on the current timeline (fencing the old lease) and, if given, a
-    new ``start_weight``; committed siblings are kept. Returns the new lease.
+    new ``start_weight``; committed siblings are kept. Returns the new lease. An entry a recovery
+    forked (``lineage_fork``: it kept work of weights the rollback destroyed) keeps its stamp:
+    that work is its stalest part, and a stamp at or below the fork would break the lineage rule.
 
     Raises:
         UnknownGroup: no ledger entry for ``group_id``.
@@ -22,7 +24,8 @@ def redispatch(t: Tables, store_id: str, group_id: str, start_weight: int | None
     st = t.state()
     new = LedgerEntry.from_dict({
         **entry.to_dict(), "attempt": entry.attempt + 1, "timeline": st["timeline"],
-        "start_weight": entry.start_weight if start_weight is None else start_weight})
+        "start_weight": entry.start_weight if start_weight is None or entry.lineage_fork is not None
+        else start_weight})
     t.replace_entry(new, was=entry)
     st["counters"]["redispatched"] += 1
     t.put_state(st)
