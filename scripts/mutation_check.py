@@ -261,8 +261,8 @@ MUTATIONS += (
              "count = self.max_tokens * prod(shape or ())",
              (f"{READS}::test_a_row_field_one_element_past_its_pin_is_refused",)),
     Mutation("trl-queue-evicts-at-the-bound", "integrations/trl/queue.py",
-             "if self._clock.staleness(info.start_weight) > self._clock.max_staleness:",
-             "if self._clock.staleness(info.start_weight) >= self._clock.max_staleness:",
+             "if self._clock.staleness(info.lineage_weight) > self._clock.max_staleness:",
+             "if self._clock.staleness(info.lineage_weight) >= self._clock.max_staleness:",
              ("tests/test_trl_queue_staleness.py",)),
     Mutation("trl-staleness-rounds-down", "integrations/trl/queue.py",
              "return max(0, math.ceil(behind / self.weight_sync_steps))",
@@ -280,8 +280,8 @@ MUTATIONS += (
              (f"{FLEET}::test_the_store_actor_killed_mid_stream_loses_nothing_acknowledged_and_applies_nothing_twice",)),
     Mutation("fleet-restart-leaves-leases-valid", "kvckpt/durability/recovery.py",
              '{**entry.to_dict(), "attempt": entry.attempt + 1,\n'
-             '                                            "timeline": st["timeline"]})',
-             "{**entry.to_dict()})",
+             '                                            "timeline": st["timeline"], **stamps})',
+             "{**entry.to_dict(), **stamps})",
              (f"{FLEET}::test_the_store_actor_killed_mid_stream_loses_nothing_acknowledged_and_applies_nothing_twice",)),
     Mutation("fleet-progress-unfenced", "kvckpt/transitions/progress.py",
              '    fence(lease, store_id, entry.timeline, entry.attempt, "in flight", _WHAT)\n'
