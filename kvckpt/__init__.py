@@ -20,6 +20,7 @@ from kvckpt.durability.verify import Report, check
 from kvckpt.errors import (
     AbandonedTimeline,
     BadArgument,
+    BadOffsets,
     CapacityError,
     CheckpointError,
     CorruptRecord,
@@ -33,6 +34,7 @@ from kvckpt.errors import (
     KvckptError,
     LeaseError,
     LeaseMismatch,
+    MalformedMessage,
     NotSelectable,
     ReadOnlyStore,
     RecoveryError,
@@ -45,6 +47,7 @@ from kvckpt.errors import (
     VerificationFailed,
 )
 from kvckpt.samplers import Sampler, create_sampler, register
+from kvckpt.storage.progress_message import ProgressEncoder, ProgressMessage
 from kvckpt.storage.schema import Field, RowSchema, split_padded
 from kvckpt.storage.store import Store
 from kvckpt.tables.records import CommitResult, GroupInfo, Lease, LedgerEntry, Progress, Prompt, Selection
@@ -52,11 +55,13 @@ from kvckpt.tables.records import CommitResult, GroupInfo, Lease, LedgerEntry, P
 __version__ = "0.1.0"
 
 __all__ = [
-    "AbandonedTimeline", "AsyncReplayBuffer", "BadArgument", "Batch", "BufferConfig", "CapacityError",
+    "AbandonedTimeline", "AsyncReplayBuffer", "BadArgument", "BadOffsets", "Batch", "BufferConfig",
+    "CapacityError",
     "CheckpointError", "CheckpointHandle", "CheckpointResult", "CommitResult", "CorruptRecord", "DiskFull",
     "DuplicateCommit", "Field", "ForeignLease", "FormatError", "FutureVersion", "GateTimeout", "GroupInfo",
     "InvariantViolation", "KvckptError", "Lease", "LeaseError", "LeaseMismatch", "LedgerEntry",
-    "NotSelectable", "Progress", "Prompt", "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer",
+    "MalformedMessage", "NotSelectable", "Progress", "ProgressEncoder", "ProgressMessage", "Prompt",
+    "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer",
     "Report", "RowSchema", "SampleCommitted", "Sampler", "SchemaMismatch", "Selection", "StaleAttempt",
     "Store", "StoreLocked", "StoreNotFound", "UnknownGroup", "VerificationFailed", "check", "checkpoint",
     "create_sampler", "keep_latest", "read_stamp", "recover", "register", "restore", "split_padded",

@@ -45,6 +45,7 @@ from kvckpt.buffer.replay_buffer import ReplayBuffer
 from kvckpt.durability.checkpoint import CheckpointHandle, CheckpointResult
 from kvckpt.durability.recovery import RecoveryPlan
 from kvckpt.errors import BadArgument, GateTimeout
+from kvckpt.storage.progress_message import ProgressMessage
 from kvckpt.tables.records import (
     Admission,
     CommitResult,
@@ -209,6 +210,14 @@ class AsyncReplayBuffer:
     async def record_progress_many(self, items: Sequence[Mapping[str, Any]]) -> list[Any]:
         """Record several chunks in one durable transaction (see :meth:`ReplayBuffer.record_progress_many`)."""
         return await self._run(self.buffer.record_progress_many, items)
+
+    async def record_progress_step(self, message: ProgressMessage | bytes) -> list[Any]:
+        """Record one engine step's progress message (see :meth:`ReplayBuffer.record_progress_step`)."""
+        return await self._run(self.buffer.record_progress_step, message)
+
+    async def record_progress_steps(self, messages: Sequence[ProgressMessage | bytes]) -> list[Any]:
+        """Several progress messages in one durable transaction (see :meth:`ReplayBuffer.record_progress_steps`)."""
+        return await self._run(self.buffer.record_progress_steps, messages)
 
     async def progress(self, lease_or_group_id: Lease | str) -> dict[int, Progress]:
         """A group's durable token prefixes (see :meth:`ReplayBuffer.progress`)."""
