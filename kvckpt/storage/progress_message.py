@@ -258,18 +258,28 @@ def decode_message(schema: RowSchema, message: ProgressMessage | bytes | bytearr
 def _lease_docs(leases: Sequence[Any]) -> tuple[list[dict[str, Any]], list[int]]:
     """The distinct leases as dicts, and each given lease's position among them."""
     docs: list[dict[str, Any]] = []
-    seen: dict[Any, int] = {}
+    seen: dict[str, int] = {}
+    by_object: dict[int, int] = {}  # the same object again (a group's samples): no second to_dict
     index_of = []
     for lease in leases:
-        doc = lease.to_dict() if hasattr(lease, "to_dict") else lease
-        if not isinstance(doc, Mapping):
-            raise BadArgument(f"a progress message's lease is a Lease or its to_dict(), got {type(lease).__name__}")
-        key = (doc.get("group_id"), doc.get("attempt"), doc.get("timeline"), doc.get("store_id"))
-        if key not in seen:
-            seen[key] = len(docs)
-            docs.append(dict(doc))
-        index_of.append(seen[key])
+        at = by_object.get(id(lease))
+        if at is None:
+            doc = lease.to_dict() if hasattr(lease, "to_dict") else lease
+            if not isinstance(doc, Mapping):
+                raise BadArgument(f"a progress message's lease is a Lease or its to_dict(), got {type(lease).__name__}")
+            key = codec.json_text(_sorted(doc))  # every field: two leases that differ in any travel apart
+            at = seen.setdefault(key, len(docs))
+            if at == len(docs):
+                docs.append(dict(doc))
+            by_object[id(lease)] = at
+        index_of.append(at)
     return docs, index_of
+
+
+def _sorted(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _sorted(value[k]) for k in sorted(value)}
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _column(value: Any, name: str, where: str, dtype: str = "int64") -> np.ndarray:

@@ -88,40 +88,46 @@ def prepare(schema: RowSchema, group_size: int, msg: DecodedMessage) -> list[Ste
     bad = (hi <= lo) | (lo < ended) | (lo < 0) | (hi > total)
     bad[0] |= lo[0] != 0
     bad[-1] |= hi[-1] != total
-    length = hi - lo
+    too_long = msg.starts + (hi - lo) > schema.max_tokens
+    refused = bad | too_long | (msg.starts < 0) | (msg.indices < 0) | (msg.indices >= group_size)
     leases = _leases(msg.leases, group_size)
+    gid_json = [codec.json_text(lease.group_id) if isinstance(lease, Lease) else "" for lease in leases]
     cuts = None if msg.token_versions is None else np.flatnonzero(np.diff(msg.token_versions)) + 1
+    versions = msg.versions.tolist() if cuts is None else None
     out: list[StepSequence | KvckptError] = []
-    for i in range(n):
-        index, start, lease_at = int(msg.indices[i]), int(msg.starts[i]), int(msg.lease_of[i])
-        lease = leases[lease_at] if 0 <= lease_at < len(leases) else BadArgument(
-            f"sequence {i} of a progress message points at lease {lease_at}, but the message has {len(leases)}; "
+    for i, (a, b, index, start, at, no) in enumerate(zip(lo.tolist(), hi.tolist(), msg.indices.tolist(),
+                                                         msg.starts.tolist(), msg.lease_of.tolist(), refused.tolist(),
+                                                         strict=True)):
+        lease = leases[at] if 0 <= at < len(leases) else BadArgument(
+            f"sequence {i} of a progress message points at lease {at}, but the message has {len(leases)}; "
             "nothing of it was written")
         if isinstance(lease, KvckptError):
             out.append(lease)
-            continue
-        where = f"progress of {keys.row_id(lease.group_id, index)} at token {start} (sequence {i} of the message)"
-        if bad[i]:
-            out.append(BadOffsets(f"{where} refused: {_offsets_problem(i, n, lo[i], hi[i], ended[i], total)}; "
-                                  "nothing of it was written"))
-        elif not 0 <= index < lease.group_size:
-            out.append(BadArgument(f"{where}: row index {index} is outside the group (size {lease.group_size}); "
-                                   "nothing was written"))
-        elif start < 0:
-            out.append(BadArgument(f"{where}: start must be >= 0; nothing was written"))
-        elif start + int(length[i]) > schema.max_tokens:
-            out.append(SchemaMismatch(f"{where}: {int(length[i])} tokens would make the prefix "
-                                      f"{start + int(length[i])} tokens long, over the schema's max_tokens "
-                                      f"{schema.max_tokens}; nothing was written"))
+        elif no:
+            out.append(_refusal(schema, lease, i, n, a, b, index, start, int(ended[i]), total, bool(bad[i])))
         else:
-            a, b = int(lo[i]), int(hi[i])
-            runs = [a, *(int(c) for c in cuts[np.searchsorted(cuts, a, "right"):np.searchsorted(cuts, b, "left")]),
-                    b] if cuts is not None else [a, b]
-            chunks = tuple(_chunk(msg, lease.group_id, index, start + x - a, x, y,
-                                  int(msg.versions[i]) if cuts is None else int(msg.token_versions[x]))
+            runs = [a, *cuts[np.searchsorted(cuts, a, "right"):np.searchsorted(cuts, b, "left")].tolist(), b] \
+                if cuts is not None else [a, b]
+            chunks = tuple(_chunk(msg, gid_json[at], index, start + x - a, x, y,
+                                  versions[i] if cuts is None else int(msg.token_versions[x]))
                            for x, y in itertools.pairwise(runs))
             out.append(StepSequence(lease, index, start + b - a, chunks))
     return out
+
+
+def _refusal(schema: RowSchema, lease: Lease, i: int, n: int, a: int, b: int, index: int, start: int, ended: int,
+             total: int, bad_offsets: bool) -> KvckptError:
+    """The error that refuses sequence ``i`` (tokens ``a:b`` of the message), in the order checked."""
+    where = f"progress of {keys.row_id(lease.group_id, index)} at token {start} (sequence {i} of the message)"
+    if bad_offsets:
+        return BadOffsets(f"{where} refused: {_offsets_problem(i, n, a, b, ended, total)}; nothing of it was written")
+    if not 0 <= index < lease.group_size:
+        return BadArgument(f"{where}: row index {index} is outside the group (size {lease.group_size}); "
+                           "nothing was written")
+    if start < 0:
+        return BadArgument(f"{where}: start must be >= 0; nothing was written")
+    return SchemaMismatch(f"{where}: {b - a} tokens would make the prefix {start + b - a} tokens long, over the "
+                          f"schema's max_tokens {schema.max_tokens}; nothing was written")
 
 
 def record(t: Tables, store_id: str, sequences: list[StepSequence | KvckptError]) -> list[int | KvckptError]:
@@ -183,15 +189,13 @@ def _record_one(t: Tables, store_id: str, s: StepSequence, newest: int, entries:
     return s.end
 
 
-def _chunk(msg: DecodedMessage, gid: str, index: int, start: int, a: int, b: int, version: int) -> StepChunk:
+def _chunk(msg: DecodedMessage, gid_json: str, index: int, start: int, a: int, b: int, version: int) -> StepChunk:
     """The stored record of tokens ``a:b`` of the message (of weight ``version``), as ``encode_chunk`` builds it."""
-    arrays: dict[str, Any] = {"tokens": msg.tokens[a:b], "logprobs": msg.logprobs[a:b]}
-    dtypes = {}
-    for name, values in msg.fields.items():
-        arrays[FIELD_PREFIX + name] = values[a:b]
-        dtypes[FIELD_PREFIX + name] = msg.field_dtypes[name]
-    meta = {"group_id": gid, "index": index, "start": start, "length": b - a, "version": version}
-    return StepChunk(start, b - a, version, codec.encode(arrays, meta, level=0, dtypes=dtypes))
+    fields = [("tokens", "int64", msg.tokens[a:b]), ("logprobs", "float32", msg.logprobs[a:b])]
+    fields += [(FIELD_PREFIX + name, msg.field_dtypes[name], values[a:b]) for name, values in msg.fields.items()]
+    # the meta progress.encode_chunk stores, as the header's JSON (ints print as JSON ints)
+    meta = f'{{"group_id":{gid_json},"index":{index},"start":{start},"length":{b - a},"version":{version}}}'
+    return StepChunk(start, b - a, version, codec.encode_stored(fields, meta))
 
 
 def _leases(docs: list[dict[str, Any]], group_size: int) -> list[Lease | KvckptError]:
