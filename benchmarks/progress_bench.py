@@ -141,53 +141,6 @@ def stream_bare(path: str, engines: int, per_step: int, steps: int) -> dict[str,
     return out
 
 
-def stream_ray(path: str, engines: int, per_step: int, steps: int) -> dict[str, Any]:
-    """(a) through the buffer actor: ``engines`` producer actors, one ``BufferClient.record_progress_many``
-    actor call per engine step; the owner's CPU is the actor process's."""
-    import ray
-    from kvckpt.integrations.ray import BufferClient, init_local_ray, start_buffer_actor
-
-    @ray.remote(num_cpus=0)
-    class Engine:
-        """A rollout engine stand-in: appends pre-made chunks, one actor call per step."""
-
-        def __init__(self, actor: Any) -> None:
-            self.client = BufferClient(actor)
-
-        def ready(self) -> bool:
-            return True
-
-        def run(self, leases: list[Any], plan: list[list[tuple[int, int]]]) -> int:
-            tokens, logprobs = _chunk(0)
-            for step in plan:
-                items = [{"lease": leases[seq // GROUP], "index": seq % GROUP, "start": n * CHUNK_TOKENS,
-                          "tokens": tokens, "logprobs": logprobs, "weight_version": 0} for seq, n in step]
-                results = self.client.record_progress_many(items)
-                assert all(isinstance(r, int) for r in results), results
-            return len(plan)
-
-    init_local_ray(num_cpus=engines + 1, object_store_memory=1 << 29)
-    try:
-        actor = start_buffer_actor(path, _config().to_dict(), name="progress-bench")
-        pid = ray.get(actor.info.remote())["pid"]
-        plan = _plan(engines, per_step, steps)
-        leases = ray.get(actor.admit.remote(list(range(engines * per_step * 4 // GROUP))))
-        workers = [Engine.remote(actor) for _ in range(engines)]
-        ray.get([w.ready.remote() for w in workers])  # started before the clock
-        before = ray.get(actor.stats.remote())
-        cpu0, t0 = cpu_seconds(pid), time.perf_counter()
-        ray.get([w.run.remote(leases, plan[e]) for e, w in enumerate(workers)])
-        wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
-        after = ray.get(actor.stats.remote())
-        ray.get(actor.close.remote())
-    finally:
-        ray.shutdown()
-    remove_store(path)
-    appends = engines * per_step * steps
-    return _stream_result(appends, wall, cpu, after["commit_transactions"] - before["commit_transactions"],
-                          after["commit_transitions"] - before["commit_transitions"])
-
-
 def _step_message(encoder: Any, leases: list[Any], step: list[tuple[int, int]], tokens: np.ndarray,
                   logprobs: np.ndarray) -> Any:
     """One engine step's chunks (the plan's ``(sequence, chunk number)`` pairs) as one progress message."""
@@ -430,24 +383,41 @@ def crashes(directory: str, max_tokens: int, every: int, kills: int, seed: int) 
             "lost_over_inflight": sum(r["lost"] for r in runs) / max(1, sum(r["generated"] for r in runs))}
 
 
-def run(quick: bool, directory: str, log: Any = print) -> dict[str, Any]:
-    """Every part, in order; returns the results document."""
-    engines, per_step, steps = (4, 8, 20) if quick else (16, 8, 100)
+def run(quick: bool, directory: str, log: Any = print, *, stream_only: bool = False,
+        profile: str | None = None) -> dict[str, Any]:
+    """Every part, in order (``stream_only``: part (a) only); returns the results document."""
+    # the issue's shape: 64 producers x 8 sequences per engine step (through Ray: 8 engine processes
+    # x 8 producer threads)
+    actors, producers, per_step, steps = (2, 4, 8, 3) if quick else (8, 8, 8, 20)
+    engines = actors * producers
     result: dict[str, Any] = {"argv": " ".join(shlex.quote(a) for a in sys.argv), "quick": quick,
                               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                           "loadavg_start": os.getloadavg()[0]},
                               "stream": {"engines": engines, "per_step": per_step, "steps": steps,
                                          "chunk_tokens": CHUNK_TOKENS, "target_appends_per_s": TARGET_APPENDS_PER_S}}
-    for name, fn in (("bare", stream_bare), ("in_process", stream_in_process), ("ray", stream_ray)):
-        doc = fn(os.path.join(directory, f"stream-{name}.kv"), engines, per_step, steps)
-        result["stream"][name] = doc
+    s = result["stream"]
+    parts = (("bare", lambda p: stream_bare(p, engines, per_step, steps)),
+             ("bare_rounds", lambda p: stream_bare_rounds(p, engines, per_step, steps, engines * per_step)),
+             ("in_process", lambda p: stream_in_process(p, engines, per_step, steps)),
+             ("in_process_step", lambda p: stream_in_process_step(p, engines, per_step, steps)))
+    for name, fn in parts:
+        s[name] = fn(os.path.join(directory, f"stream-{name}.kv"))
+    ray_docs = stream_ray_paths(os.path.join(directory, "stream-ray.kv"), actors, producers, per_step, steps,
+                                profile=profile)
+    s["ray_engines"] = {"actors": actors, "producers_per_actor": producers}
+    s.update({f"ray_{mode}": ray_docs[mode] for mode in ("items", "message", "message_batched")})
+    for name in ("bare", "bare_rounds", "in_process", "in_process_step", "ray_items", "ray_message",
+                 "ray_message_batched"):
+        doc = s[name]
         log(f"(a) {name}: {doc['appends_per_s']:.0f} appends/s, owner CPU {doc['owner_cpu_us']:.0f} us/append "
             f"({100 * doc['owner_core_share_at_target']:.0f}% of a core at {TARGET_APPENDS_PER_S}/s), "
             f"{doc['fsyncs_per_append']:.3f} fsyncs/append")
-    s = result["stream"]
-    s["ratios"] = {f"{k}_over_bare": {"appends_per_s": s[k]["appends_per_s"] / s["bare"]["appends_per_s"],
-                                      "owner_cpu": s[k]["owner_cpu_us"] / s["bare"]["owner_cpu_us"]}
-                   for k in ("in_process", "ray")}
+    s["ratios"] = {f"{k}_over_bare_rounds": {"appends_per_s": s[k]["appends_per_s"] / s["bare_rounds"]["appends_per_s"],
+                                             "owner_cpu": s[k]["owner_cpu_us"] / s["bare_rounds"]["owner_cpu_us"]}
+                   for k in ("in_process", "in_process_step", "ray_items", "ray_message", "ray_message_batched")}
+    if stream_only:
+        result["machine"]["loadavg_end"] = os.getloadavg()[0]
+        return result
     gen = generation(directory, 32 if quick else 128, 16 if quick else 32, 2 if quick else 4, 2 if quick else 5)
     result["generation"] = gen
     log(f"(b) generation: {gen['tokens_per_s_on']:.0f} tokens/s with progress every {gen['every']} tokens, "
@@ -467,11 +437,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--work", help="scratch directory, kept (default: a new one under /var/tmp, removed)")
+    parser.add_argument("--stream-only", action="store_true", help="part (a) only")
+    parser.add_argument("--profile", help="write a py-spy profile (raw, folded stacks) of the actor here")
     args = parser.parse_args(argv)
     work = args.work or tempfile.mkdtemp(prefix="kvckpt-progress-bench-", dir="/var/tmp")
     os.makedirs(work, exist_ok=True)
     try:
-        result = run(args.quick, work)
+        result = run(args.quick, work, stream_only=args.stream_only, profile=args.profile)
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
