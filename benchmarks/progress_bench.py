@@ -4,9 +4,15 @@ and off, and the tokens a crash loses, side by side in one run.
     python -m benchmarks.progress_bench                 # a few minutes on 2 shared cores
     python -m benchmarks.progress_bench --quick         # under a minute: proves it runs
     python -m benchmarks.progress_bench --json benchmarks/results/progress-DATE.json
+    python -m benchmarks.progress_bench --stream-only --profile owner.txt   # (a) only, py-spy of the actor
 
-(a) **The fleet's progress stream on one store.** The issue's fleet: 1,024 engines x 256
-sequences, one append per 256 tokens, so about 6,400 appends/s of 2 KB chunks. ``engines``
+(a) **The fleet's progress stream on one store** (since issue 36: 64 producers x 8 sequences per
+engine step; through Ray 8 engine processes x 8 producer threads). Today's per-item path
+(``record_progress_many``) and the columnar progress step message (``record_progress_step``:
+in-process, and through the actor with 1, 4 and 8 messages per call), each on a fresh store; the
+ceiling is a bare LMDB loop putting the same stored records 512 to a transaction. The issue's
+fleet: 1,024 engines x 256 sequences, one append per 256 tokens, so about 6,400 appends/s of 2 KB
+chunks. ``engines``
 producer threads each own a share of the in-flight sequences and call ``record_progress_many``
 once per engine step with ``per_step`` chunks of :data:`CHUNK_TOKENS` tokens (int64 ids +
 float32 logprobs = 2,040 bytes), closed loop (as fast as the store takes them). Reported:
@@ -204,18 +210,18 @@ def stream_bare_rounds(path: str, engines: int, per_step: int, steps: int, per_t
 
 
 #: Progress messages per actor call (``BufferClient(batch_steps=...)``) of each message mode.
-BATCH_STEPS = {"message": 1, "message_batched": 4}
+BATCH_STEPS = {"message": 1, "message_batched": 4, "message_batched_8": 8}
 
 
 def stream_ray_paths(path: str, actors: int, producers: int, per_step: int, steps: int,
-                     modes: tuple[str, ...] = ("items", "message", "message_batched"),
+                     modes: tuple[str, ...] = ("items", "message", "message_batched", "message_batched_8"),
                      profile: str | None = None) -> dict[str, Any]:
     """(a) through the buffer actor, each mode in turn on a fresh store: ``actors`` engine processes,
     each running ``producers`` producer threads (``actors * producers`` producers in all). ``items``:
     today's ``BufferClient.record_progress_many``, one blocking actor call per engine step;
     ``message``: one columnar message per engine step with ``BufferClient.record_progress_step``,
-    pipelined (``max_in_flight`` 4), one message per call; ``message_batched``: the same, 4 steps'
-    messages per call (:data:`BATCH_STEPS`). The owner's CPU is the actor process's (``/proc``);
+    pipelined (``max_in_flight`` 4), one message per call; ``message_batched`` (``_8``): the same,
+    4 (8) steps' messages per call (:data:`BATCH_STEPS`). The owner's CPU is the actor process's (``/proc``);
     ``profile``: a file to write a py-spy profile of the owner to (the last mode)."""
     import ray
     from kvckpt.integrations.ray import BufferClient, init_local_ray, start_buffer_actor
@@ -405,16 +411,17 @@ def run(quick: bool, directory: str, log: Any = print, *, stream_only: bool = Fa
     ray_docs = stream_ray_paths(os.path.join(directory, "stream-ray.kv"), actors, producers, per_step, steps,
                                 profile=profile)
     s["ray_engines"] = {"actors": actors, "producers_per_actor": producers}
-    s.update({f"ray_{mode}": ray_docs[mode] for mode in ("items", "message", "message_batched")})
+    s.update({f"ray_{mode}": ray_docs[mode] for mode in BATCH_STEPS.keys() | {"items"}})
     for name in ("bare", "bare_rounds", "in_process", "in_process_step", "ray_items", "ray_message",
-                 "ray_message_batched"):
+                 "ray_message_batched", "ray_message_batched_8"):
         doc = s[name]
         log(f"(a) {name}: {doc['appends_per_s']:.0f} appends/s, owner CPU {doc['owner_cpu_us']:.0f} us/append "
             f"({100 * doc['owner_core_share_at_target']:.0f}% of a core at {TARGET_APPENDS_PER_S}/s), "
             f"{doc['fsyncs_per_append']:.3f} fsyncs/append")
     s["ratios"] = {f"{k}_over_bare_rounds": {"appends_per_s": s[k]["appends_per_s"] / s["bare_rounds"]["appends_per_s"],
                                              "owner_cpu": s[k]["owner_cpu_us"] / s["bare_rounds"]["owner_cpu_us"]}
-                   for k in ("in_process", "in_process_step", "ray_items", "ray_message", "ray_message_batched")}
+                   for k in ("in_process", "in_process_step", "ray_items", "ray_message", "ray_message_batched",
+                             "ray_message_batched_8")}
     if stream_only:
         result["machine"]["loadavg_end"] = os.getloadavg()[0]
         return result

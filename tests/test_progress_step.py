@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import numpy as np
 import pytest
@@ -27,6 +29,7 @@ from kvckpt import (
     BadArgument,
     BadOffsets,
     BufferConfig,
+    CorruptRecord,
     DuplicateCommit,
     LeaseMismatch,
     MalformedMessage,
@@ -35,7 +38,7 @@ from kvckpt import (
     SchemaMismatch,
     check,
 )
-from kvckpt.storage import codec
+from kvckpt.storage import codec, keys
 from kvckpt.storage.progress_message import decode_message
 from kvckpt.transitions import progress
 
@@ -308,3 +311,27 @@ def test_a_resent_message_with_a_live_lease_is_a_noop_and_changed_bytes_are_refu
     other = enc.encode([lease, lease], [0, 1], [0, 0], tokens, -tokens / 1000, [0, 3, 5], versions=0)
     got = buf.record_progress_step(other)
     assert isinstance(got[0], DuplicateCommit) and got[1] == 2
+
+
+def test_the_durable_length_is_read_without_a_json_parse_only_from_a_header_kvckpt_writes(tmp_path):
+    value = codec.encode({"tokens": np.arange(3)}, {"group_id": "g", "index": 1, "start": 4, "length": 3,
+                                                     "version": 0}, level=0)
+    assert codec.meta_begins(value, '{"group_id":"g","index":1,"start":4,"length":3,"version":')
+    assert not codec.meta_begins(value, '{"group_id":"g","index":1,"start":4,"length":31,"version":')
+    with pytest.raises(CorruptRecord, match="checksum"):
+        codec.meta_begins(value[:-1] + b"?", "{")
+    # a last chunk whose header is laid out otherwise (valid JSON, valid checksum) is parsed instead
+    buf = make(tmp_path)
+    [lease] = buf.admit([0])
+    enc = buf.progress_encoder()
+    assert buf.record_progress_step(step(enc, [lease], [0], [0], [2])) == [2]
+    key = keys.progress_key(lease.group_id, 0, 0)
+    stored = bytes(buf.store.read(lambda txn: txn.get("progress", key)))
+    head = len(stored) - 2 * 12  # 2 tokens: 16 bytes of ids, 8 of logprobs
+    record = codec.decode(stored)
+    spaced = json.dumps({"z": 0, "raw": 24, "meta": record.meta, "fields": [
+        ["tokens", "int64", [2], [], 16], ["logprobs", "float32", [2], [], 8]]}).encode()
+    tail = struct.pack("<I", len(spaced)) + spaced + stored[head:]
+    buf.store.write(lambda txn: txn.put("progress", key, struct.pack("<4sI", codec.MAGIC, zlib.crc32(tail)) + tail))
+    assert buf.record_progress_step(step(enc, [lease], [0], [2], [1])) == [3]
+    assert buf.progress(lease)[0].tokens.tolist() == [0, 1, 2]

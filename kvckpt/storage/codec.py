@@ -432,6 +432,19 @@ def has_meta(value: bytes | memoryview, meta: Mapping[str, Any], key: str = "?")
     return _header_json(raw, key)["meta"] == dict(meta)
 
 
+def meta_begins(value: bytes | memoryview, prefix_json: str, key: str = "?") -> bool:
+    """Verify a record's checksum and tell whether its header, laid out as :func:`encode` writes it,
+    holds a meta whose JSON text begins with ``prefix_json`` (compared as bytes, no JSON parse).
+    ``False`` for a header laid out otherwise too: the caller then parses it (:func:`decode_meta`).
+
+    Raises:
+        CorruptRecord: bad magic, checksum or header, naming ``key``.
+    """
+    raw = _checked_header_bytes(memoryview(value), key)
+    start = _HEADER_START.match(raw)
+    return start is not None and raw.startswith(b'"meta":' + prefix_json.encode(), start.end())
+
+
 def _parse_header(buf: memoryview, key: str) -> tuple[dict, int]:
     raw = _checked_header_bytes(buf, key)
     return _header_json(raw, key), _PREFIX.size + len(raw)

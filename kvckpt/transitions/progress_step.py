@@ -66,6 +66,7 @@ class StepSequence:
     index: int
     end: int
     chunks: tuple[StepChunk, ...]
+    gid_json: str  # the group id as the chunk headers' JSON holds it
 
 
 def prepare(schema: RowSchema, group_size: int, msg: DecodedMessage) -> list[StepSequence | KvckptError]:
@@ -111,7 +112,7 @@ def prepare(schema: RowSchema, group_size: int, msg: DecodedMessage) -> list[Ste
             chunks = tuple(_chunk(msg, gid_json[at], index, start + x - a, x, y,
                                   versions[i] if cuts is None else int(msg.token_versions[x]))
                            for x, y in itertools.pairwise(runs))
-            out.append(StepSequence(lease, index, start + b - a, chunks))
+            out.append(StepSequence(lease, index, start + b - a, chunks, gid_json[at]))
     return out
 
 
@@ -171,7 +172,7 @@ def _record_one(t: Tables, store_id: str, s: StepSequence, newest: int, entries:
     if version > newest:
         raise FutureVersion(f"{where} refused: weight version {version} is from the future (the buffer's newest "
                             f"trainer or weight version is {newest}); nothing was written")
-    length = progress.durable_length(t, gid, index)
+    length = _durable_length(t, s, s.chunks[0].start)
     puts = []
     for c in s.chunks:
         if c.start < length:
@@ -187,6 +188,19 @@ def _record_one(t: Tables, store_id: str, s: StepSequence, newest: int, entries:
     for c in puts:
         t.put_progress_chunk(gid, index, c.start, c.value)
     return s.end
+
+
+def _durable_length(t: Tables, s: StepSequence, start: int) -> int:
+    """:func:`kvckpt.transitions.progress.durable_length`, without parsing the last chunk's header
+    in the common case: a chunk kvckpt wrote (checksum verified) that ends exactly at ``start``."""
+    last = t.last_progress_chunk(s.lease.group_id, s.index)
+    if last is None:
+        return 0
+    at, value = last
+    expected = f'{{"group_id":{s.gid_json},"index":{s.index},"start":{at},"length":{start - at},"version":'
+    if at < start and codec.meta_begins(value, expected, f"progress/{keys.row_id(s.lease.group_id, s.index)}@{at}"):
+        return start
+    return progress.durable_length(t, s.lease.group_id, s.index)
 
 
 def _chunk(msg: DecodedMessage, gid_json: str, index: int, start: int, a: int, b: int, version: int) -> StepChunk:
