@@ -14,15 +14,13 @@ from __future__ import annotations
 import json
 import signal
 import struct
-import subprocess
-import sys
-import textwrap
 import zlib
 
 import numpy as np
 import pytest
 import torch
 from conftest import dump_store, refused
+from test_progress import run_fresh  # a fresh interpreter, its last stdout line JSON
 
 from kvckpt import (
     AbandonedTimeline,
@@ -193,13 +191,15 @@ def test_the_transactions_refusals_are_per_sequence_too(tmp_path):
     enc = buf.progress_encoder()
     assert buf.record_progress_step(step(enc, [lease], [0], [0], [2])) == [2]
     wrong_size = {**lease.to_dict(), "group_size": 2}
-    msg = step(enc, [lease, lease, lease, wrong_size, lease], [0, 1, 9, 2, 3], [1, 5, 0, 0, 0], [2, 1, 1, 1, 1])
+    msg = step(enc, [lease, lease, lease, wrong_size, lease, lease], [0, 1, 9, 2, 3, 0], [1, 5, 0, 0, 0, 4],
+               [2, 1, 1, 1, 1, 1])
     got = buf.record_progress_step(msg)
     assert isinstance(got[0], DuplicateCommit) and "other content" in str(got[0])
     assert isinstance(got[1], BadArgument) and "(a gap)" in str(got[1])
     assert isinstance(got[2], BadArgument) and "outside the group" in str(got[2])
     assert isinstance(got[3], LeaseMismatch)
     assert got[4] == 1
+    assert isinstance(got[5], BadArgument) and "durable prefix is 2 tokens long" in str(got[5])  # a gap after a chunk
     assert tokens_of(buf, lease) == {0: [0, 1], 3: [400]}
 
 
@@ -260,14 +260,6 @@ RESTARTED = """
                       "tokens": {g: {i: p.tokens.tolist() for i, p in buf.progress(g).items()}
                                  for g in ARGS["groups"]}}))
 """
-
-
-def run_fresh(code: str, **kwargs) -> dict:
-    prelude = "import json, os, signal, sys\nfrom kvckpt import *\nARGS = json.loads(sys.argv[1])\n"
-    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code), json.dumps(kwargs)],
-                          capture_output=True, text=True, timeout=120)
-    return {"rc": proc.returncode, "out": json.loads(proc.stdout.splitlines()[-1]) if proc.stdout else None,
-            "err": proc.stderr}
 
 
 def test_a_resent_message_returns_the_same_results_after_the_owner_restarts(tmp_path):

@@ -205,25 +205,23 @@ class BufferClient:
         return future
 
     def _send(self) -> None:
-        if not self._pending:
-            return
-        while len(self._in_flight) >= self.max_in_flight:
-            self._reap(self._in_flight.popleft())
-        items, futures = [i for i, _ in self._pending], [f for _, f in self._pending]
-        self._pending = []
-        # By value, not ray.put: Ray inlines small items in the call (a put costs a round trip to the
-        # object store and a fetch on the actor's side) and puts large ones in its store itself.
-        self._in_flight.append(_Call(items, futures, self.actor.commit_many.remote(items)))
+        pending, self._pending = self._pending, []
+        self._call("commit_many", pending)
 
     def _send_steps(self) -> None:
-        if not self._pending_steps:
+        pending, self._pending_steps = self._pending_steps, []
+        self._call("record_progress_steps", pending)
+
+    def _call(self, method: str, pending: list[tuple[Any, Future[Any]]]) -> None:
+        """Send ``pending`` (payload item, future) as one call of ``method``, at most ``max_in_flight`` out."""
+        if not pending:
             return
         while len(self._in_flight) >= self.max_in_flight:
             self._reap(self._in_flight.popleft())
-        messages, futures = [m for m, _ in self._pending_steps], [f for _, f in self._pending_steps]
-        self._pending_steps = []
-        method = "record_progress_steps"
-        self._in_flight.append(_Call(messages, futures, getattr(self.actor, method).remote(messages), method=method))
+        items, futures = [i for i, _ in pending], [f for _, f in pending]
+        # By value, not ray.put: Ray inlines small items in the call (a put costs a round trip to the
+        # object store and a fetch on the actor's side) and puts large ones in its store itself.
+        self._in_flight.append(_Call(items, futures, getattr(self.actor, method).remote(items), method=method))
 
     def _reap(self, call: _Call) -> None:
         while True:
