@@ -4,9 +4,15 @@ and off, and the tokens a crash loses, side by side in one run.
     python -m benchmarks.progress_bench                 # a few minutes on 2 shared cores
     python -m benchmarks.progress_bench --quick         # under a minute: proves it runs
     python -m benchmarks.progress_bench --json benchmarks/results/progress-DATE.json
+    python -m benchmarks.progress_bench --stream-only --profile owner.txt   # (a) only, py-spy of the actor
 
-(a) **The fleet's progress stream on one store.** The issue's fleet: 1,024 engines x 256
-sequences, one append per 256 tokens, so about 6,400 appends/s of 2 KB chunks. ``engines``
+(a) **The fleet's progress stream on one store** (since issue 36: 64 producers x 8 sequences per
+engine step; through Ray 8 engine processes x 8 producer threads). Today's per-item path
+(``record_progress_many``) and the columnar progress step message (``record_progress_step``:
+in-process, and through the actor with 1, 4 and 8 messages per call), each on a fresh store; the
+ceiling is a bare LMDB loop putting the same stored records 512 to a transaction. The issue's
+fleet: 1,024 engines x 256 sequences, one append per 256 tokens, so about 6,400 appends/s of 2 KB
+chunks. ``engines``
 producer threads each own a share of the in-flight sequences and call ``record_progress_many``
 once per engine step with ``per_step`` chunks of :data:`CHUNK_TOKENS` tokens (int64 ids +
 float32 logprobs = 2,040 bytes), closed loop (as fast as the store takes them). Reported:
@@ -40,12 +46,14 @@ import platform
 import random
 import shlex
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from benchmarks import baselines
@@ -139,51 +147,174 @@ def stream_bare(path: str, engines: int, per_step: int, steps: int) -> dict[str,
     return out
 
 
-def stream_ray(path: str, engines: int, per_step: int, steps: int) -> dict[str, Any]:
-    """(a) through the buffer actor: ``engines`` producer actors, one ``BufferClient.record_progress_many``
-    actor call per engine step; the owner's CPU is the actor process's."""
+def _step_message(encoder: Any, leases: list[Any], step: list[tuple[int, int]], tokens: np.ndarray,
+                  logprobs: np.ndarray) -> Any:
+    """One engine step's chunks (the plan's ``(sequence, chunk number)`` pairs) as one progress message."""
+    n = len(step)
+    return encoder.encode([leases[seq // GROUP] for seq, _ in step], [seq % GROUP for seq, _ in step],
+                          [k * CHUNK_TOKENS for _, k in step], np.tile(tokens, n), np.tile(logprobs, n),
+                          np.arange(n + 1) * CHUNK_TOKENS, versions=0)
+
+
+def stream_in_process_step(path: str, engines: int, per_step: int, steps: int) -> dict[str, Any]:
+    """(a) in-process, the columnar message: ``engines`` threads, each engine step encoded at the edge
+    (the producer's thread, timed apart) into one message and recorded with ``record_progress_step``."""
+    buf = ReplayBuffer.create(path, _config())
+    plan = _plan(engines, per_step, steps)
+    leases = buf.admit(list(range(engines * per_step * 4 // GROUP)))
+    tokens, logprobs = (x.numpy() for x in _chunk(0))
+    encoder = buf.progress_encoder()
+    before = dict(buf.committer.stats)
+
+    def work(e: int) -> dict[str, float]:
+        cpu = edge = 0.0
+        for step in plan[e]:
+            c0 = time.thread_time()
+            message = _step_message(encoder, leases, step, tokens, logprobs)
+            c1 = time.thread_time()
+            results = buf.record_progress_step(message)
+            cpu += time.thread_time() - c1
+            edge += c1 - c0
+            assert all(isinstance(r, int) for r in results), results
+        return {"cpu": cpu, "edge": edge}
+
+    wall, parts = run_threads(engines, work)
+    stats = {k: buf.committer.stats[k] - before[k] for k in before}
+    buf.close()
+    remove_store(path)
+    appends = engines * per_step * steps
+    out = _stream_result(appends, wall, sum(p["cpu"] for p in parts), stats["transactions"], appends)
+    out["edge_cpu_us"] = 1e6 * sum(p["edge"] for p in parts) / appends
+    return out
+
+
+def stream_bare_rounds(path: str, engines: int, per_step: int, steps: int, per_txn: int) -> dict[str, Any]:
+    """(a) the ceiling: the same stored chunk records (as the message path stores them) put by a bare
+    LMDB loop, ``per_txn`` values per durable transaction, one thread, nothing checked."""
+    tokens, logprobs = _chunk(0)
+    value = codec.encode({"tokens": tokens.numpy(), "logprobs": logprobs.numpy()},
+                         {"group_id": "a0-p0", "index": 0, "start": 0, "length": CHUNK_TOKENS, "version": 0}, level=0)
+    plan = _plan(engines, per_step, steps)
+    puts = [(f"p/{seq:08d}/{n:06d}".encode(), value)
+            for s in range(steps) for e in range(engines) for seq, n in plan[e][s]]
+    bare = baselines.BareLmdb(path)
+    c0, t0 = time.thread_time(), time.perf_counter()
+    for i in range(0, len(puts), per_txn):
+        bare.put_group(puts[i:i + per_txn])
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    bare.close()
+    remove_store(path)
+    out = _stream_result(len(puts), wall, cpu, -(-len(puts) // per_txn), len(puts))
+    out.update(value_bytes=len(value), values_per_txn=per_txn)
+    return out
+
+
+#: Progress messages per actor call (``BufferClient(batch_steps=...)``) of each message mode.
+BATCH_STEPS = {"message": 1, "message_batched": 4, "message_batched_8": 8}
+
+
+def stream_ray_paths(path: str, actors: int, producers: int, per_step: int, steps: int,
+                     modes: tuple[str, ...] = ("items", "message", "message_batched", "message_batched_8"),
+                     profile: str | None = None) -> dict[str, Any]:
+    """(a) through the buffer actor, each mode in turn on a fresh store: ``actors`` engine processes,
+    each running ``producers`` producer threads (``actors * producers`` producers in all). ``items``:
+    today's ``BufferClient.record_progress_many``, one blocking actor call per engine step;
+    ``message``: one columnar message per engine step with ``BufferClient.record_progress_step``,
+    pipelined (``max_in_flight`` 4), one message per call; ``message_batched`` (``_8``): the same,
+    4 (8) steps' messages per call (:data:`BATCH_STEPS`). The owner's CPU is the actor process's (``/proc``);
+    ``profile``: a file to write a py-spy profile of the owner to (the last mode)."""
     import ray
     from kvckpt.integrations.ray import BufferClient, init_local_ray, start_buffer_actor
 
     @ray.remote(num_cpus=0)
-    class Engine:
-        """A rollout engine stand-in: appends pre-made chunks, one actor call per step."""
+    class Engines:
+        """``producers`` rollout engine stand-ins in one process, one thread each."""
 
         def __init__(self, actor: Any) -> None:
-            self.client = BufferClient(actor)
+            self.actor = actor
+            self.client = BufferClient(actor)  # fetches the config once (the edge encoder's)
 
         def ready(self) -> bool:
             return True
 
-        def run(self, leases: list[Any], plan: list[list[tuple[int, int]]]) -> int:
-            tokens, logprobs = _chunk(0)
-            for step in plan:
-                items = [{"lease": leases[seq // GROUP], "index": seq % GROUP, "start": n * CHUNK_TOKENS,
-                          "tokens": tokens, "logprobs": logprobs, "weight_version": 0} for seq, n in step]
-                results = self.client.record_progress_many(items)
-                assert all(isinstance(r, int) for r in results), results
-            return len(plan)
+        def run(self, leases: list[Any], plans: list[list[list[tuple[int, int]]]], mode: str) -> dict[str, float]:
+            import threading
 
-    init_local_ray(num_cpus=engines + 1, object_store_memory=1 << 29)
+            tokens, logprobs = (x.numpy() for x in _chunk(0))
+            encoder = self.client.progress_encoder()
+            edge = [0.0] * len(plans)
+
+            def produce(p: int) -> None:
+                client = BufferClient(self.actor, encode_at_edge=False, max_in_flight=4,
+                                      batch_steps=BATCH_STEPS.get(mode, 1))
+                futures = []
+                for step in plans[p]:
+                    if mode == "items":
+                        items = [{"lease": leases[seq // GROUP], "index": seq % GROUP, "start": n * CHUNK_TOKENS,
+                                  "tokens": tokens, "logprobs": logprobs, "weight_version": 0} for seq, n in step]
+                        results = client.record_progress_many(items)
+                        assert all(isinstance(r, int) for r in results), results
+                    else:
+                        c0 = time.thread_time()
+                        message = _step_message(encoder, leases, step, tokens, logprobs)
+                        edge[p] += time.thread_time() - c0
+                        futures.append(client.record_progress_step(message))
+                client.flush()
+                for f in futures:
+                    assert all(isinstance(r, int) for r in f.result()), f.result()
+
+            threads = [threading.Thread(target=produce, args=(p,)) for p in range(len(plans))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return {"edge": sum(edge)}
+
+    engines = actors * producers
+    plan = _plan(engines, per_step, steps)
+    out: dict[str, Any] = {"actors": actors, "producers_per_actor": producers}
+    init_local_ray(num_cpus=actors + 2, object_store_memory=1 << 29, address="local")  # never join another's
     try:
-        actor = start_buffer_actor(path, _config().to_dict(), name="progress-bench")
-        pid = ray.get(actor.info.remote())["pid"]
-        plan = _plan(engines, per_step, steps)
-        leases = ray.get(actor.admit.remote(list(range(engines * per_step * 4 // GROUP))))
-        workers = [Engine.remote(actor) for _ in range(engines)]
-        ray.get([w.ready.remote() for w in workers])  # started before the clock
-        before = ray.get(actor.stats.remote())
-        cpu0, t0 = cpu_seconds(pid), time.perf_counter()
-        ray.get([w.run.remote(leases, plan[e]) for e, w in enumerate(workers)])
-        wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
-        after = ray.get(actor.stats.remote())
-        ray.get(actor.close.remote())
+        for mode in modes:
+            store = f"{path}.{mode}"
+            actor = start_buffer_actor(store, _config().to_dict(), name=f"progress-bench-{mode}")
+            pid = ray.get(actor.info.remote())["pid"]
+            leases = ray.get(actor.admit.remote(list(range(engines * per_step * 4 // GROUP))))
+            workers = [Engines.remote(actor) for _ in range(actors)]
+            ray.get([w.ready.remote() for w in workers])  # started before the clock
+            before = ray.get(actor.stats.remote())
+            spy = _py_spy(pid, profile) if profile and mode == modes[-1] else None
+            cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+            parts = ray.get([w.run.remote(leases, plan[a * producers:(a + 1) * producers], mode)
+                             for a, w in enumerate(workers)])
+            wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its profile on an interrupt
+                spy.wait(timeout=120)
+            after = ray.get(actor.stats.remote())
+            ray.get(actor.close.remote())
+            for w in [*workers, actor]:
+                ray.kill(w)
+            remove_store(store)
+            appends = engines * per_step * steps
+            doc = _stream_result(appends, wall, cpu, after["commit_transactions"] - before["commit_transactions"],
+                                 appends)
+            doc["calls"] = (after["actor_step_calls"] - before["actor_step_calls"]) if mode != "items" else \
+                engines * steps
+            doc["edge_cpu_us"] = 1e6 * sum(p["edge"] for p in parts) / appends
+            out[mode] = doc
     finally:
         ray.shutdown()
-    remove_store(path)
-    appends = engines * per_step * steps
-    return _stream_result(appends, wall, cpu, after["commit_transactions"] - before["commit_transactions"],
-                          after["commit_transitions"] - before["commit_transitions"])
+    return out
+
+
+def _py_spy(pid: int, dest: str) -> Any:
+    """Start ``py-spy record`` on the owner (its native frames off: Python time per function)."""
+    import subprocess
+
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return subprocess.Popen([spy, "record", "-p", str(pid), "-o", dest, "-f", "raw", "-r", "200", "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 def generation(directory: str, max_tokens: int, every: int, prompts: int, reps: int) -> dict[str, Any]:
@@ -258,24 +389,42 @@ def crashes(directory: str, max_tokens: int, every: int, kills: int, seed: int) 
             "lost_over_inflight": sum(r["lost"] for r in runs) / max(1, sum(r["generated"] for r in runs))}
 
 
-def run(quick: bool, directory: str, log: Any = print) -> dict[str, Any]:
-    """Every part, in order; returns the results document."""
-    engines, per_step, steps = (4, 8, 20) if quick else (16, 8, 100)
+def run(quick: bool, directory: str, log: Any = print, *, stream_only: bool = False,
+        profile: str | None = None) -> dict[str, Any]:
+    """Every part, in order (``stream_only``: part (a) only); returns the results document."""
+    # the issue's shape: 64 producers x 8 sequences per engine step (through Ray: 8 engine processes
+    # x 8 producer threads)
+    actors, producers, per_step, steps = (2, 4, 8, 3) if quick else (8, 8, 8, 20)
+    engines = actors * producers
     result: dict[str, Any] = {"argv": " ".join(shlex.quote(a) for a in sys.argv), "quick": quick,
                               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                           "loadavg_start": os.getloadavg()[0]},
                               "stream": {"engines": engines, "per_step": per_step, "steps": steps,
                                          "chunk_tokens": CHUNK_TOKENS, "target_appends_per_s": TARGET_APPENDS_PER_S}}
-    for name, fn in (("bare", stream_bare), ("in_process", stream_in_process), ("ray", stream_ray)):
-        doc = fn(os.path.join(directory, f"stream-{name}.kv"), engines, per_step, steps)
-        result["stream"][name] = doc
+    s = result["stream"]
+    parts = (("bare", lambda p: stream_bare(p, engines, per_step, steps)),
+             ("bare_rounds", lambda p: stream_bare_rounds(p, engines, per_step, steps, engines * per_step)),
+             ("in_process", lambda p: stream_in_process(p, engines, per_step, steps)),
+             ("in_process_step", lambda p: stream_in_process_step(p, engines, per_step, steps)))
+    for name, fn in parts:
+        s[name] = fn(os.path.join(directory, f"stream-{name}.kv"))
+    ray_docs = stream_ray_paths(os.path.join(directory, "stream-ray.kv"), actors, producers, per_step, steps,
+                                profile=profile)
+    s["ray_engines"] = {"actors": actors, "producers_per_actor": producers}
+    s.update({f"ray_{mode}": ray_docs[mode] for mode in BATCH_STEPS.keys() | {"items"}})
+    for name in ("bare", "bare_rounds", "in_process", "in_process_step", "ray_items", "ray_message",
+                 "ray_message_batched", "ray_message_batched_8"):
+        doc = s[name]
         log(f"(a) {name}: {doc['appends_per_s']:.0f} appends/s, owner CPU {doc['owner_cpu_us']:.0f} us/append "
             f"({100 * doc['owner_core_share_at_target']:.0f}% of a core at {TARGET_APPENDS_PER_S}/s), "
             f"{doc['fsyncs_per_append']:.3f} fsyncs/append")
-    s = result["stream"]
-    s["ratios"] = {f"{k}_over_bare": {"appends_per_s": s[k]["appends_per_s"] / s["bare"]["appends_per_s"],
-                                      "owner_cpu": s[k]["owner_cpu_us"] / s["bare"]["owner_cpu_us"]}
-                   for k in ("in_process", "ray")}
+    s["ratios"] = {f"{k}_over_bare_rounds": {"appends_per_s": s[k]["appends_per_s"] / s["bare_rounds"]["appends_per_s"],
+                                             "owner_cpu": s[k]["owner_cpu_us"] / s["bare_rounds"]["owner_cpu_us"]}
+                   for k in ("in_process", "in_process_step", "ray_items", "ray_message", "ray_message_batched",
+                             "ray_message_batched_8")}
+    if stream_only:
+        result["machine"]["loadavg_end"] = os.getloadavg()[0]
+        return result
     gen = generation(directory, 32 if quick else 128, 16 if quick else 32, 2 if quick else 4, 2 if quick else 5)
     result["generation"] = gen
     log(f"(b) generation: {gen['tokens_per_s_on']:.0f} tokens/s with progress every {gen['every']} tokens, "
@@ -295,11 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--work", help="scratch directory, kept (default: a new one under /var/tmp, removed)")
+    parser.add_argument("--stream-only", action="store_true", help="part (a) only")
+    parser.add_argument("--profile", help="write a py-spy profile (raw, folded stacks) of the actor here")
     args = parser.parse_args(argv)
     work = args.work or tempfile.mkdtemp(prefix="kvckpt-progress-bench-", dir="/var/tmp")
     os.makedirs(work, exist_ok=True)
     try:
-        result = run(args.quick, work)
+        result = run(args.quick, work, stream_only=args.stream_only, profile=args.profile)
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)

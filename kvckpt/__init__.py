@@ -21,6 +21,7 @@ from kvckpt.durability.verify import Report, check
 from kvckpt.errors import (
     AbandonedTimeline,
     BadArgument,
+    BadOffsets,
     CapacityError,
     CheckpointError,
     CorruptRecord,
@@ -35,6 +36,7 @@ from kvckpt.errors import (
     KvckptError,
     LeaseError,
     LeaseMismatch,
+    MalformedMessage,
     NotSelectable,
     ReadOnlyStore,
     RecoveryError,
@@ -47,6 +49,7 @@ from kvckpt.errors import (
     VerificationFailed,
 )
 from kvckpt.samplers import Sampler, create_sampler, register
+from kvckpt.storage.progress_message import ProgressEncoder, ProgressMessage
 from kvckpt.storage.schema import Field, RowSchema, split_padded
 from kvckpt.storage.store import Store
 from kvckpt.tables.records import CommitResult, GroupInfo, Lease, LedgerEntry, Progress, Prompt, Selection
@@ -54,13 +57,16 @@ from kvckpt.tables.records import CommitResult, GroupInfo, Lease, LedgerEntry, P
 __version__ = "0.1.0"
 
 __all__ = [
-    "AbandonedTimeline", "AsyncReplayBuffer", "BadArgument", "Batch", "BufferConfig", "CapacityError",
+    "AbandonedTimeline", "AsyncReplayBuffer", "BadArgument", "BadOffsets", "Batch", "BufferConfig",
+    "CapacityError",
     "CheckpointError", "CheckpointHandle", "CheckpointResult", "CommitResult", "CorruptRecord", "DiskFull",
     "DuplicateCommit", "FencedWrite", "Field", "ForeignLease", "FormatError", "FutureVersion", "GateTimeout",
     "GroupInfo", "InvariantViolation", "KvckptError", "Lease", "LeaseError", "LeaseMismatch", "LedgerEntry",
-    "NotSelectable", "Progress", "Prompt", "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer",
+    "MalformedMessage", "NotSelectable", "Progress", "ProgressEncoder", "ProgressMessage", "Prompt",
+    "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer",
     "Report", "RowSchema", "SampleCommitted", "Sampler", "SchemaMismatch", "Selection", "StaleAttempt",
-    "Store", "StoreLocked", "StoreNotFound", "UnknownGroup", "ValueStore", "VerificationFailed", "check", "checkpoint",
+    "Store", "StoreLocked", "StoreNotFound", "UnknownGroup", "ValueStore", "VerificationFailed", "check",
+    "checkpoint",
     "create_sampler", "keep_latest", "read_stamp", "recover", "register", "restore", "split_padded",
     "verify_path",
 ]

@@ -151,6 +151,19 @@ class FutureVersion(BadArgument):
     and the rollout weight version); nothing was written."""
 
 
+class MalformedMessage(BadArgument):
+    """A progress step message as a whole is refused: its checksum fails, or it is not a message
+    kvckpt's :class:`~kvckpt.storage.progress_message.ProgressEncoder` builds (a missing or mistyped
+    field, arrays whose lengths disagree); nothing of it was written."""
+
+
+class BadOffsets(BadArgument):
+    """One sequence of a progress step message is refused because its slice of the message's token
+    array is ambiguous: its offsets do not add up (empty, backwards, overlapping another sequence,
+    past the array), or tokens lie before the first sequence or after the last; nothing of that
+    sequence was written, the others of the message are unaffected."""
+
+
 class GateTimeout(KvckptError, TimeoutError):
     """Admission waited ``timeout`` seconds and the sampler's gate (or capacity) stayed closed."""
 

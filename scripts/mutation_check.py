@@ -347,6 +347,43 @@ MUTATIONS += (
              (f"{TRL_STAMPS}::test_a_crash_before_the_first_save_recovers_the_live_store_at_step_0",)),
 )
 
+STEP = "tests/test_progress_step.py"
+#: The progress step message (issue 36): retry dedupe, the per-sequence checks, per-sequence isolation.
+MUTATIONS += (
+    Mutation("step-retry-not-recognised-under-a-fenced-lease", "kvckpt/transitions/progress_step.py",
+             "        if not isinstance(exc, ForeignLease) and all(", "        if False and all(",
+             (f"{STEP}::test_a_resent_message_returns_the_same_results_after_the_owner_restarts",)),
+    Mutation("step-retry-takes-other-bytes-for-a-replay", "kvckpt/transitions/progress_step.py",
+             "t.progress_chunk(gid, index, c.start) == c.value for c in s.chunks)",
+             "t.progress_chunk(gid, index, c.start) is not None for c in s.chunks)",
+             (f"{STEP}::test_a_resent_message_returns_the_same_results_after_the_owner_restarts",)),
+    Mutation("step-offsets-end-unchecked", "kvckpt/transitions/progress_step.py",
+             "    bad[-1] |= hi[-1] != total\n", "",
+             (f"{STEP}::test_a_token_array_longer_than_the_offsets_say_refuses_the_last_sequence_only",)),
+    Mutation("step-offsets-overlap-unchecked", "kvckpt/transitions/progress_step.py",
+             "bad = (hi <= lo) | (lo < ended) | ", "bad = (hi <= lo) | ",
+             (f"{STEP}::test_offsets_that_do_not_add_up_refuse_only_their_sequences",)),
+    Mutation("step-max-tokens-unchecked", "kvckpt/transitions/progress_step.py",
+             "refused = bad | too_long | ", "refused = bad | ",
+             (f"{STEP}::test_a_chunk_past_max_tokens_is_refused_and_the_others_land",)),
+    Mutation("step-one-refusal-stops-the-message", "kvckpt/transitions/progress_step.py",
+             "        except KvckptError as exc:\n            out.append(exc)\n    return out\n",
+             "        except KvckptError:\n            raise\n    return out\n",
+             (f"{STEP}::test_the_transactions_refusals_are_per_sequence_too",
+              f"{STEP}::test_a_lease_of_another_timeline_is_refused_and_the_other_sequences_land")),
+    Mutation("step-durable-length-fast-path-trusts-any-last-chunk", "kvckpt/transitions/progress_step.py",
+             "    if at < start and codec.meta_begins(", "    if at < start or codec.meta_begins(",
+             (f"{STEP}::test_the_transactions_refusals_are_per_sequence_too",)),
+    Mutation("step-message-lengths-unchecked", "kvckpt/storage/progress_message.py",
+             "any(len(arrays[k]) != t for k in per_token)", "False",
+             (f"{STEP}::test_a_malformed_message_is_refused_whole_and_writes_nothing",)),
+    Mutation("step-client-resends-to-the-wrong-method", "integrations/ray/client.py",
+             "call.result = getattr(self.actor, call.method).remote(call.payload)",
+             "call.result = self.actor.commit_many.remote(call.payload)",
+             ("tests/test_ray_progress_step.py::test_a_killed_owner_keeps_each_acknowledged_sequence_once_and_a_resend"
+              "_returns_the_same",)),
+)
+
 
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and

@@ -29,7 +29,7 @@ kvckpt's) is refused with :class:`~kvckpt.ForeignLease`. The driver fetches the 
 with :meth:`BufferActor.recovery_plan`. A restart never creates a store: if the file is gone (the
 actor landed on another node), the restart fails instead of silently starting empty.
 
-The module is long (about 470 lines) because the actor mirrors the buffer's whole public API as
+The module is long (about 520 lines) because the actor mirrors the buffer's whole public API as
 async methods, each with its wire conversion (leases, batches, plans as plain dicts) and its
 restart behaviour; the client side is :mod:`kvckpt.integrations.ray.client`.
 """
@@ -181,8 +181,9 @@ class BufferActor:
         self.session = uuid.uuid4().hex
         self._checkpoints: dict[str, CheckpointHandle] = {}
         self._plan: dict[str, Any] | None = None
-        #: commit_many calls of this incarnation: calls, commits they carried, calls running now and at most.
-        self._calls = {"calls": 0, "commits": 0, "running": 0, "most_running": 0}
+        #: commit_many calls of this incarnation: calls, commits they carried, calls running now and at most;
+        #: record_progress_steps calls and the messages they carried.
+        self._calls = {"calls": 0, "commits": 0, "running": 0, "most_running": 0, "step_calls": 0, "step_messages": 0}
         if os.path.exists(self.path):
             buffer = ReplayBuffer.open(self.path)
             try:
@@ -316,6 +317,18 @@ class BufferActor:
         results = iter(await self._abuf.record_progress_many(good))
         return [p if isinstance(p, BaseException) else next(results) for p in parsed]
 
+    async def record_progress_steps(self, messages: Sequence[bytes]) -> list[list[int | BaseException] | BaseException]:
+        """Record progress step messages (:class:`~kvckpt.ProgressMessage` bytes, one engine step of
+        one producer each) in one call and one durable transaction (group commit), each sequence its
+        own transition (see :meth:`kvckpt.ReplayBuffer.record_progress_steps`). Returns, per message,
+        its per-sequence results (where each chunk ends, or the exception that refused the sequence)
+        or the :class:`~kvckpt.MalformedMessage` that refused it whole. Resending the same bytes
+        after a restart returns the same results for the sequences that had landed."""
+        calls = self._calls
+        calls["step_calls"] += 1
+        calls["step_messages"] += len(messages)
+        return await self._abuf.record_progress_steps(list(messages))
+
     async def record_progress(self, lease: Mapping[str, Any], index: int, start: int, tokens: Any, logprobs: Any,
                               weight_version: int, fields: Mapping[str, Any] | None = None) -> int:
         """Record one chunk of a sample's token progress (see :meth:`kvckpt.ReplayBuffer.record_progress`)."""
@@ -434,11 +447,14 @@ class BufferActor:
         transactions and the commits they held), plus this incarnation's :meth:`commit_many`
         calls: ``actor_commit_calls``, ``actor_commit_call_commits`` (commits they carried),
         ``actor_commit_calls_most_running`` (the most calls in progress at once: calls overlap
-        when above 1) and ``actor_max_workers`` (threads that run them)."""
+        when above 1) and ``actor_max_workers`` (threads that run them); and its
+        :meth:`record_progress_steps` calls and the messages they carried (``actor_step_calls``,
+        ``actor_step_messages``)."""
         calls = self._calls
         return {**await self._abuf.stats(), "actor_commit_calls": calls["calls"],
                 "actor_commit_call_commits": calls["commits"], "actor_commit_calls_most_running": calls["most_running"],
-                "actor_max_workers": self.max_workers}
+                "actor_max_workers": self.max_workers, "actor_step_calls": calls["step_calls"],
+                "actor_step_messages": calls["step_messages"]}
 
     async def state(self) -> dict[str, Any]:
         """Cursors, counts and counters (see :meth:`kvckpt.ReplayBuffer.state`)."""

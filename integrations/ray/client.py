@@ -30,15 +30,17 @@ from kvckpt.buffer import Batch
 from kvckpt.durability.recovery import RecoveryPlan
 from kvckpt.errors import BadArgument, KvckptError
 from kvckpt.storage.encoding import RowEncoder
+from kvckpt.storage.progress_message import ProgressEncoder, ProgressMessage
 from kvckpt.tables.records import CommitResult, GroupInfo, Lease, Progress
 
 
 @dataclass
 class _Call:
     payload: Any  # the items, resent as they are after an actor restart
-    futures: list[Future[CommitResult]]
+    futures: list[Future[Any]]
     result: Any  # ObjectRef of the reply
     attempts: int = 1
+    method: str = "commit_many"  # the actor method the payload is (re)sent to
 
 
 class BufferClient:
@@ -62,6 +64,8 @@ class BufferClient:
             store's :class:`~kvckpt.storage.encoding.RowEncoder`, built from the actor's config) and send
             only record bytes; the actor checks them without re-encoding. A row the schema refuses
             fails its future at once, before anything is sent. Defaults to True.
+        batch_steps: progress step messages (:meth:`record_progress_step`) per call. Defaults to 1
+            (each engine step's message leaves at once; up to ``max_in_flight`` are outstanding).
 
     Examples:
         >>> with BufferClient(actor, batch_groups=8, max_in_flight=4) as client:  # doctest: +SKIP
@@ -71,9 +75,12 @@ class BufferClient:
     """
 
     def __init__(self, actor: Any, *, batch_groups: int = 8, max_in_flight: int = 4, retries: int = 3,
-                 restart_timeout: float = 60.0, encode_at_edge: bool = True) -> None:
-        if batch_groups < 1 or max_in_flight < 1 or retries < 0:
-            raise BadArgument("batch_groups and max_in_flight must be >= 1 and retries >= 0")
+                 restart_timeout: float = 60.0, encode_at_edge: bool = True, batch_steps: int = 1) -> None:
+        if batch_groups < 1 or max_in_flight < 1 or retries < 0 or batch_steps < 1:
+            raise BadArgument("batch_groups, batch_steps and max_in_flight must be >= 1 and retries >= 0")
+        self.batch_steps = batch_steps
+        self._pending_steps: list[tuple[bytes, Future[list[Any]]]] = []
+        self._progress_encoder: ProgressEncoder | None = None
         self.actor = actor
         self.batch_groups = batch_groups
         self.max_in_flight = max_in_flight
@@ -98,6 +105,43 @@ class BufferClient:
         """Queue a single-row commit (see :meth:`kvckpt.ReplayBuffer.commit_sample`)."""
         return self._queue({"lease": _lease_dict(lease), "index": int(index), "end_weight": end_weight},
                            {int(index): row})
+
+    def record_progress_step(self, step: ProgressMessage | bytes | Sequence[Mapping[str, Any]],
+                             ) -> Future[list[int | BaseException]]:
+        """Queue one engine step's progress: a :class:`~kvckpt.ProgressMessage` (built with
+        :meth:`progress_encoder`), or :meth:`record_progress_many`'s items, encoded here into one.
+        Every ``batch_steps`` queued messages go out as one actor call (one durable transaction
+        with whatever else the owner is writing), pipelined like commits; the future's result is
+        the per-sequence list of :meth:`kvckpt.ReplayBuffer.record_progress_step` (where each chunk
+        ends, or the error that refused that sequence). Call :meth:`flush` before waiting on it.
+
+        Exactly-once across an actor restart: a call the actor died under is resent with the same
+        bytes; the sequences whose first try had landed return the same result, the others are
+        refused as fenced (:class:`~kvckpt.AbandonedTimeline`: resume them from :meth:`progress`
+        under the recovery plan's lease). The future's exception is a
+        :class:`~kvckpt.MalformedMessage` (or the edge encoder's refusal) for the message as a whole,
+        or the Ray error if the actor stayed unreachable through every retry.
+        """
+        future: Future[list[Any]] = Future()
+        if isinstance(step, (ProgressMessage, bytes, bytearray, memoryview)):
+            value = bytes(step.value if isinstance(step, ProgressMessage) else step)
+        else:
+            try:
+                value = self.progress_encoder().encode_items(step).value
+            except KvckptError as exc:  # refused here, before it costs the owner anything
+                future.set_exception(exc)
+                return future
+        self._pending_steps.append((value, future))
+        if len(self._pending_steps) >= self.batch_steps:
+            self._send_steps()
+        return future
+
+    def progress_encoder(self) -> ProgressEncoder:
+        """The encoder of progress step messages for the actor's store (built from its config once)."""
+        if self._progress_encoder is None:
+            config = wait_for_actor(self.actor, self.restart_timeout)["config"]
+            self._progress_encoder = ProgressEncoder.from_config(config)
+        return self._progress_encoder
 
     def record_progress_many(self, items: Sequence[Mapping[str, Any]]) -> list[int | BaseException]:
         """Record chunks of token progress in ONE actor call (and one durable transaction), e.g.
@@ -128,13 +172,14 @@ class BufferClient:
     def flush(self) -> None:
         """Send what is queued and wait until every outstanding call is answered."""
         self._send()
+        self._send_steps()
         while self._in_flight:
             self._reap(self._in_flight.popleft())
 
     @property
     def outstanding(self) -> int:
-        """Commits queued or in flight (not yet acknowledged or refused)."""
-        return len(self._pending) + sum(len(c.futures) for c in self._in_flight)
+        """Commits and progress messages queued or in flight (not yet acknowledged or refused)."""
+        return len(self._pending) + len(self._pending_steps) + sum(len(c.futures) for c in self._in_flight)
 
     def __enter__(self) -> BufferClient:
         return self
@@ -160,15 +205,23 @@ class BufferClient:
         return future
 
     def _send(self) -> None:
-        if not self._pending:
+        pending, self._pending = self._pending, []
+        self._call("commit_many", pending)
+
+    def _send_steps(self) -> None:
+        pending, self._pending_steps = self._pending_steps, []
+        self._call("record_progress_steps", pending)
+
+    def _call(self, method: str, pending: list[tuple[Any, Future[Any]]]) -> None:
+        """Send ``pending`` (payload item, future) as one call of ``method``, at most ``max_in_flight`` out."""
+        if not pending:
             return
         while len(self._in_flight) >= self.max_in_flight:
             self._reap(self._in_flight.popleft())
-        items, futures = [i for i, _ in self._pending], [f for _, f in self._pending]
-        self._pending = []
+        items, futures = [i for i, _ in pending], [f for _, f in pending]
         # By value, not ray.put: Ray inlines small items in the call (a put costs a round trip to the
         # object store and a fetch on the actor's side) and puts large ones in its store itself.
-        self._in_flight.append(_Call(items, futures, self.actor.commit_many.remote(items)))
+        self._in_flight.append(_Call(items, futures, getattr(self.actor, method).remote(items), method=method))
 
     def _reap(self, call: _Call) -> None:
         while True:
@@ -180,7 +233,7 @@ class BufferClient:
                     _fail(call, exc)
                     return
                 call.attempts += 1
-                call.result = self.actor.commit_many.remote(call.payload)
+                call.result = getattr(self.actor, call.method).remote(call.payload)
             except Exception as exc:  # the whole call was refused (e.g. its payload did not deserialise)
                 _fail(call, exc)
                 return
@@ -188,7 +241,7 @@ class BufferClient:
             if isinstance(reply, BaseException):
                 future.set_exception(reply)
             else:
-                future.set_result(CommitResult.from_dict(reply))
+                future.set_result(CommitResult.from_dict(reply) if call.method == "commit_many" else reply)
 
     def _actor_back(self) -> bool:
         try:

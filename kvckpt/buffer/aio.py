@@ -42,9 +42,11 @@ from typing import Any, TypeVar
 
 from kvckpt.buffer.batch import Batch
 from kvckpt.buffer.replay_buffer import ReplayBuffer
+from kvckpt.buffer.step_batcher import StepBatcher
 from kvckpt.durability.checkpoint import CheckpointHandle, CheckpointResult
 from kvckpt.durability.recovery import RecoveryPlan
 from kvckpt.errors import BadArgument, GateTimeout
+from kvckpt.storage.progress_message import ProgressMessage
 from kvckpt.tables.records import (
     Admission,
     CommitResult,
@@ -85,6 +87,7 @@ class AsyncReplayBuffer:
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvckpt-aio")
         self._changed: asyncio.Event | None = None
         self._closed = False
+        self._steps = StepBatcher(buffer.record_progress_steps, self._pool)
 
     # -- lifecycle -------------------------------------------------------------------------------
     @classmethod
@@ -209,6 +212,19 @@ class AsyncReplayBuffer:
     async def record_progress_many(self, items: Sequence[Mapping[str, Any]]) -> list[Any]:
         """Record several chunks in one durable transaction (see :meth:`ReplayBuffer.record_progress_many`)."""
         return await self._run(self.buffer.record_progress_many, items)
+
+    async def record_progress_step(self, message: ProgressMessage | bytes) -> list[Any]:
+        """Record one engine step's progress message (see :meth:`ReplayBuffer.record_progress_step`)."""
+        [result] = await self.record_progress_steps([message])
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def record_progress_steps(self, messages: Sequence[ProgressMessage | bytes]) -> list[Any]:
+        """Progress messages in one durable transaction (see :meth:`ReplayBuffer.record_progress_steps`),
+        shared with the messages of concurrent calls (:class:`~kvckpt.buffer.step_batcher.StepBatcher`:
+        one pool handoff per batch, not per call)."""
+        return await self._steps.submit(messages)
 
     async def progress(self, lease_or_group_id: Lease | str) -> dict[int, Progress]:
         """A group's durable token prefixes (see :meth:`ReplayBuffer.progress`)."""

@@ -13,7 +13,7 @@ covers the step, or kept with ``retain_consumed``). Side exits: ``evict`` (ready
 and ``abort`` (in flight). Group records stay as small tombstones so every prompt that ever left
 the dataloader remains accounted for.
 
-The module is long (about 730 lines) only because every public method carries its whole contract
+The module is long (about 770 lines) only because every public method carries its whole contract
 (arguments, refusals, what is written) in its docstring; the logic is in :mod:`kvckpt.transitions`.
 """
 
@@ -47,6 +47,7 @@ from kvckpt.errors import (
 from kvckpt.samplers import Sampler
 from kvckpt.storage.encoding import CheckedRow, EncodedRow, RowEncoder, check_encoded
 from kvckpt.storage.group_commit import GroupCommitter
+from kvckpt.storage.progress_message import ProgressEncoder, ProgressMessage, decode_message
 from kvckpt.storage.schema import RowSchema
 from kvckpt.storage.store import Store, Txn, makedirs_durable
 from kvckpt.tables import meta
@@ -63,7 +64,7 @@ from kvckpt.tables.records import (
 )
 from kvckpt.tables.view import BufferView
 from kvckpt.transitions import admission as _admission
-from kvckpt.transitions import commit, inflight, progress, training
+from kvckpt.transitions import commit, inflight, progress, progress_step, training
 from kvckpt.transitions.config import BufferConfig
 from kvckpt.transitions.fencing import check_lease
 
@@ -447,6 +448,43 @@ class ReplayBuffer:
         needs = "lease, index, start, tokens, logprobs and weight_version (and optionally fields)"
         chunks, out = _prepare_each(items, prepare, "record_progress_many", needs)
         return _merge(out, self.committer.submit_many([functools.partial(transition, chunk=c) for c in chunks]))
+
+    def progress_encoder(self) -> ProgressEncoder:
+        """An encoder of progress step messages for this store; build the same elsewhere with
+        ``ProgressEncoder.from_config`` (docs/recovery.md, "Progress")."""
+        return ProgressEncoder(self.schema)
+
+    def record_progress_step(self, message: ProgressMessage | bytes) -> list[int | KvckptError]:
+        """Record one engine step's progress, a :class:`~kvckpt.ProgressMessage` (one producer's
+        sequences, columnar, checksummed at the edge): each sequence is its own transition, all in
+        one durable transaction (through the group committer). Returns, per sequence in message
+        order, where its chunk ends (``start + length``, its durable prefix afterwards) or the error
+        that refused it (nothing of that sequence was written; the others are unaffected). Every
+        result is durable when this returns. Sending the same message again after its first try
+        landed (a lost acknowledgement, an owner restart) returns the same result per sequence
+        and writes nothing (:mod:`kvckpt.transitions.progress_step`).
+
+        Raises:
+            MalformedMessage: the message as a whole: a failed checksum, a missing or mistyped
+                field, arrays whose lengths disagree. Nothing of it was written.
+        """
+        [result] = self.record_progress_steps([message])
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def record_progress_steps(self, messages: Sequence[ProgressMessage | bytes],
+                              ) -> list[list[int | KvckptError] | KvckptError]:
+        """Several messages (:meth:`record_progress_step`) in one durable transaction: per message
+        its per-sequence results, or the :class:`~kvckpt.MalformedMessage` that refused it whole."""
+        def prepare(message: ProgressMessage | bytes) -> list[Any]:
+            return progress_step.prepare(self.schema, self.config.group_size, decode_message(self.schema, message))
+
+        def transition(txn: Txn, sequences: list[Any]) -> list[int | KvckptError]:
+            return progress_step.record(Tables(txn), self.store.store_id, sequences)
+
+        prepared, out = _prepare_each(messages, prepare, "record_progress_steps", "ProgressMessage bytes")
+        return _merge(out, self.committer.submit_many([functools.partial(transition, sequences=p) for p in prepared]))
 
     def progress(self, lease_or_group_id: Lease | str) -> dict[int, Progress]:
         """The durable token prefix of every sample of a group that has one (``{}`` when none):

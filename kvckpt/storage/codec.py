@@ -331,6 +331,48 @@ def encode(fields: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | No
     return _sealed(level, raw_len, meta, specs, body)
 
 
+def encode_stored(fields: Iterable[tuple[str, str, np.ndarray]], meta_json: str) -> bytes:
+    """``encode(fields, meta, level=0, dtypes=...)`` of arrays already in their dtype's stored form
+    (numpy arrays of :data:`DTYPES` ``[dtype]``, as :func:`decode` returns them), with ``meta``
+    given as its JSON text (:func:`json_text`): the same bytes, without :func:`encode`'s per-value
+    conversion and checks and without a generic JSON pass over the header. For an owner that
+    re-encodes slices of a record it has just verified (a progress message's sequences);
+    ``tests/test_progress_step.py`` holds it byte-equal to :func:`encode`.
+
+    Raises:
+        BadArgument: an array that is not its dtype's stored form.
+    """
+    specs, chunks = [], []
+    for name, dtype, arr in fields:
+        if dtype not in DTYPES or arr.dtype != DTYPES[dtype]:
+            raise BadArgument(f"field {name!r} holds {arr.dtype} values, not the stored form of {dtype!r}")
+        if dtype == "bool":
+            data: Any = np.packbits(arr.reshape(-1).view(np.uint8))
+            transforms = '["bitpack"]'
+        else:
+            data, transforms = np.ascontiguousarray(arr).data.cast("B"), "[]"
+        shape = ",".join(map(str, arr.shape))
+        specs.append(f'[{_HEADER_ENCODER.encode(name)},"{dtype}",[{shape}],{transforms},{data.nbytes}]')
+        chunks.append(data)
+    body = b"".join(chunks)
+    header = f'{{"z":0,"raw":{len(body)},"meta":{meta_json},"fields":[{",".join(specs)}]}}'.encode()
+    tail = struct.pack("<I", len(header)) + header + body
+    return struct.pack("<4sI", MAGIC, zlib.crc32(tail)) + tail
+
+
+def json_text(value: Any) -> str:
+    """The JSON text a record's header holds for ``value`` (a meta dict, or a part of one to build
+    :func:`encode_stored`'s ``meta_json`` from).
+
+    Raises:
+        BadArgument: ``value`` is not JSON-serialisable.
+    """
+    try:
+        return _HEADER_ENCODER.encode(value)
+    except (TypeError, ValueError) as exc:
+        raise BadArgument(f"record meta is not JSON-serialisable: {exc}") from None
+
+
 #: One encoder for every header (``json.dumps`` with keywords builds a new one per call).
 _HEADER_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 
@@ -388,6 +430,19 @@ def has_meta(value: bytes | memoryview, meta: Mapping[str, Any], key: str = "?")
     if start is not None and raw.startswith(needle, start.end()):
         return True
     return _header_json(raw, key)["meta"] == dict(meta)
+
+
+def meta_begins(value: bytes | memoryview, prefix_json: str, key: str = "?") -> bool:
+    """Verify a record's checksum and tell whether its header, laid out as :func:`encode` writes it,
+    holds a meta whose JSON text begins with ``prefix_json`` (compared as bytes, no JSON parse).
+    ``False`` for a header laid out otherwise too: the caller then parses it (:func:`decode_meta`).
+
+    Raises:
+        CorruptRecord: bad magic, checksum or header, naming ``key``.
+    """
+    raw = _checked_header_bytes(memoryview(value), key)
+    start = _HEADER_START.match(raw)
+    return start is not None and raw.startswith(b'"meta":' + prefix_json.encode(), start.end())
 
 
 def _parse_header(buf: memoryview, key: str) -> tuple[dict, int]:

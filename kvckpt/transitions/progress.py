@@ -40,7 +40,7 @@ from kvckpt.storage.casts import cast
 from kvckpt.storage.codec import TEXT_DTYPES, Limits
 from kvckpt.storage.schema import RowSchema
 from kvckpt.tables.access import Tables
-from kvckpt.tables.records import ABORTED, EVICTED, Lease
+from kvckpt.tables.records import ABORTED, EVICTED, Lease, LedgerEntry
 from kvckpt.transitions.fencing import check_against_entry, fence
 
 #: The row field holding a row's tokens (prompt + completion).
@@ -129,20 +129,7 @@ def record(t: Tables, store_id: str, chunk: Chunk) -> int:
     lease, index = chunk.lease, chunk.index
     gid = lease.group_id
     where = f"progress of {keys.row_id(gid, index)} at token {chunk.start}"
-    entry = t.entry(gid)
-    if entry is None:
-        group = t.group(gid)
-        if group is None or group.state in (EVICTED, ABORTED):
-            state = "neither in flight nor committed" if group is None else group.state
-            raise UnknownGroup(f"{where} refused: group {gid!r} is {state}; nothing was written")
-        fence(lease, store_id, group.timeline, group.attempt, f"committed ({group.state})", _WHAT)
-        raise SampleCommitted(f"{where} refused: group {gid!r} is already committed ({group.state}); "
-                              "nothing was written")
-    fence(lease, store_id, entry.timeline, entry.attempt, "in flight", _WHAT)
-    check_against_entry(lease, entry, _WHAT)
-    if index in entry.siblings:
-        raise SampleCommitted(f"{where} refused: row {keys.row_id(gid, index)} is already committed; "
-                              "nothing was written")
+    check_writable(t, store_id, lease, index, where, t.entry(gid))
     st = t.state()
     newest = max(st["trainer_version"], st["weight_version"])
     if chunk.version > newest:
@@ -160,6 +147,31 @@ def record(t: Tables, store_id: str, chunk: Chunk) -> int:
                               f"content (the durable prefix is {length} tokens); nothing was written")
     t.put_progress_chunk(gid, index, chunk.start, chunk.value)
     return length + chunk.length
+
+
+def check_writable(t: Tables, store_id: str, lease: Lease, index: int, where: str, entry: LedgerEntry | None) -> None:
+    """Refuse progress of sample ``index`` under ``lease`` unless the lease holds the group's
+    ledger entry (``entry``, read by the caller) and the sample is not committed yet.
+
+    Raises:
+        StaleAttempt (or a subclass), LeaseMismatch: the lease is fenced, exactly as a commit's.
+        UnknownGroup: the group is neither in flight nor committed (or was aborted or evicted).
+        SampleCommitted: the sample's row (or its whole group) is already committed.
+    """
+    gid = lease.group_id
+    if entry is None:
+        group = t.group(gid)
+        if group is None or group.state in (EVICTED, ABORTED):
+            state = "neither in flight nor committed" if group is None else group.state
+            raise UnknownGroup(f"{where} refused: group {gid!r} is {state}; nothing was written")
+        fence(lease, store_id, group.timeline, group.attempt, f"committed ({group.state})", _WHAT)
+        raise SampleCommitted(f"{where} refused: group {gid!r} is already committed ({group.state}); "
+                              "nothing was written")
+    fence(lease, store_id, entry.timeline, entry.attempt, "in flight", _WHAT)
+    check_against_entry(lease, entry, _WHAT)
+    if index in entry.siblings:
+        raise SampleCommitted(f"{where} refused: row {keys.row_id(gid, index)} is already committed; "
+                              "nothing was written")
 
 
 def durable_length(t: Tables, group_id: str, index: int) -> int:

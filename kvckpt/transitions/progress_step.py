@@ -1,0 +1,243 @@
+"""A progress step message: one engine step's chunks, each sequence its own transition.
+
+:func:`prepare` runs outside the transaction on a :class:`~kvckpt.storage.progress_message.DecodedMessage`
+(checksum and structure already verified): it judges every sequence at once with array
+operations (offsets, row index, start, ``max_tokens``, lease documents) and builds the chunk
+records exactly as :func:`kvckpt.transitions.progress.encode_chunk` would (the format-4 record
+layout, byte for byte: a sequence whose weight version changes inside the step becomes one chunk
+per run of one version, contiguous). :func:`record` is the transition function: inside one write
+transaction it applies each sequence's chunks as :func:`kvckpt.transitions.progress.record`
+applies one, with the same fencing and refusals, reading the state record once and each
+group's ledger entry once (no sequence changes either). Each sequence checks everything before
+it writes anything, so a refused sequence writes nothing and the others still land.
+
+Exactly-once across retries: a sequence's result is where its chunk ends (``start + length``).
+A sequence whose chunk is already durable with identical bytes at the same start returns that
+same result, even when its lease has been fenced since (a recovery after the owner restarted
+moves every lease to a new timeline): the identical bytes prove this very append landed, and
+nothing is written. A chunk with other bytes at a covered position is refused
+(:class:`~kvckpt.errors.DuplicateCommit`), and a fenced lease whose chunk did not land is refused
+as fenced (:class:`~kvckpt.errors.AbandonedTimeline`, :class:`~kvckpt.errors.StaleAttempt`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvckpt import args
+from kvckpt.errors import (
+    BadArgument,
+    BadOffsets,
+    DuplicateCommit,
+    ForeignLease,
+    FutureVersion,
+    KvckptError,
+    SchemaMismatch,
+    StaleAttempt,
+)
+from kvckpt.storage import codec, keys
+from kvckpt.storage.progress_message import FIELD_PREFIX, DecodedMessage
+from kvckpt.storage.schema import RowSchema
+from kvckpt.tables.access import Tables
+from kvckpt.tables.records import Lease
+from kvckpt.transitions import progress
+from kvckpt.transitions.fencing import check_lease
+
+
+@dataclass(frozen=True)
+class StepChunk:
+    """One stored chunk of a sequence: where it starts, its length, weight version and record."""
+
+    start: int
+    length: int
+    version: int
+    value: bytes
+
+
+@dataclass(frozen=True)
+class StepSequence:
+    """One sequence of a message, judged and encoded: its lease, row, chunks and result (``end``)."""
+
+    lease: Lease
+    index: int
+    end: int
+    chunks: tuple[StepChunk, ...]
+    gid_json: str  # the group id as the chunk headers' JSON holds it
+
+
+def prepare(schema: RowSchema, group_size: int, msg: DecodedMessage) -> list[StepSequence | KvckptError]:
+    """Judge and encode every sequence of ``msg`` (no transaction needed): per sequence its
+    :class:`StepSequence`, or the error that refuses it (nothing of it will be written).
+
+    Refusals, each of one sequence only:
+        BadOffsets: its offsets are empty or backwards, overlap an earlier sequence or leave the
+            token array; or tokens lie before the first sequence or after the last (then the
+            first, or the last, sequence is refused).
+        BadArgument: a row index outside the group, a negative start, a lease that is not one.
+        LeaseMismatch: a lease of another group size.
+        SchemaMismatch: the chunk would make the prefix longer than the schema's ``max_tokens``.
+    """
+    n, total = len(msg), len(msg.tokens)
+    if not n:
+        return []
+    lo, hi = msg.offsets[:-1], msg.offsets[1:]
+    ended = np.maximum.accumulate(np.concatenate([[0], hi[:-1]]))  # where the earlier sequences end
+    bad = (hi <= lo) | (lo < ended) | (lo < 0) | (hi > total)
+    bad[0] |= lo[0] != 0
+    bad[-1] |= hi[-1] != total
+    too_long = msg.starts + (hi - lo) > schema.max_tokens
+    refused = bad | too_long | (msg.starts < 0) | (msg.indices < 0) | (msg.indices >= group_size)
+    leases = _leases(msg.leases, group_size)
+    gid_json = [codec.json_text(lease.group_id) if isinstance(lease, Lease) else "" for lease in leases]
+    cuts = None if msg.token_versions is None else np.flatnonzero(np.diff(msg.token_versions)) + 1
+    versions = msg.versions.tolist() if cuts is None else None
+    out: list[StepSequence | KvckptError] = []
+    for i, (a, b, index, start, at, no) in enumerate(zip(lo.tolist(), hi.tolist(), msg.indices.tolist(),
+                                                         msg.starts.tolist(), msg.lease_of.tolist(), refused.tolist(),
+                                                         strict=True)):
+        lease = leases[at] if 0 <= at < len(leases) else BadArgument(
+            f"sequence {i} of a progress message points at lease {at}, but the message has {len(leases)}; "
+            "nothing of it was written")
+        if isinstance(lease, KvckptError):
+            out.append(lease)
+        elif no:
+            out.append(_refusal(schema, lease, i, n, a, b, index, start, int(ended[i]), total, bool(bad[i])))
+        else:
+            runs = [a, *cuts[np.searchsorted(cuts, a, "right"):np.searchsorted(cuts, b, "left")].tolist(), b] \
+                if cuts is not None else [a, b]
+            chunks = tuple(_chunk(msg, gid_json[at], index, start + x - a, x, y,
+                                  versions[i] if cuts is None else int(msg.token_versions[x]))
+                           for x, y in itertools.pairwise(runs))
+            out.append(StepSequence(lease, index, start + b - a, chunks, gid_json[at]))
+    return out
+
+
+def _refusal(schema: RowSchema, lease: Lease, i: int, n: int, a: int, b: int, index: int, start: int, ended: int,
+             total: int, bad_offsets: bool) -> KvckptError:
+    """The error that refuses sequence ``i`` (tokens ``a:b`` of the message), in the order checked."""
+    where = f"progress of {keys.row_id(lease.group_id, index)} at token {start} (sequence {i} of the message)"
+    if bad_offsets:
+        return BadOffsets(f"{where} refused: {_offsets_problem(i, n, a, b, ended, total)}; nothing of it was written")
+    if not 0 <= index < lease.group_size:
+        return BadArgument(f"{where}: row index {index} is outside the group (size {lease.group_size}); "
+                           "nothing was written")
+    if start < 0:
+        return BadArgument(f"{where}: start must be >= 0; nothing was written")
+    return SchemaMismatch(f"{where}: {b - a} tokens would make the prefix {start + b - a} tokens long, over the "
+                          f"schema's max_tokens {schema.max_tokens}; nothing was written")
+
+
+def record(t: Tables, store_id: str, sequences: list[StepSequence | KvckptError]) -> list[int | KvckptError]:
+    """The transitions of one message: per sequence the end of its durable chunk (``start +
+    length``, the same on a retry of a landed message) or the error that refused it. Each
+    sequence is checked in full before it writes, so a refusal writes nothing of it.
+
+    Refusals per sequence: those of :func:`kvckpt.transitions.progress.record` (fencing,
+    ``UnknownGroup``, ``SampleCommitted``, ``FutureVersion``, a gap, ``DuplicateCommit``).
+    """
+    out: list[int | KvckptError] = []
+    if all(isinstance(s, KvckptError) for s in sequences):
+        return list(sequences)
+    st = t.state()
+    newest = max(st["trainer_version"], st["weight_version"])
+    entries: dict[str, Any] = {}
+    for s in sequences:
+        if isinstance(s, KvckptError):
+            out.append(s)
+            continue
+        try:
+            out.append(_record_one(t, store_id, s, newest, entries))
+        except KvckptError as exc:
+            out.append(exc)
+    return out
+
+
+def _record_one(t: Tables, store_id: str, s: StepSequence, newest: int, entries: dict[str, Any]) -> int:
+    gid, index = s.lease.group_id, s.index
+    where = f"progress of {keys.row_id(gid, index)} at token {s.chunks[0].start}"
+    if gid not in entries:
+        entries[gid] = t.entry(gid)
+    try:
+        progress.check_writable(t, store_id, s.lease, index, where, entries[gid])
+    except StaleAttempt as exc:
+        if not isinstance(exc, ForeignLease) and all(
+                t.progress_chunk(gid, index, c.start) == c.value for c in s.chunks):
+            return s.end  # a retry of a message whose first try landed: the identical bytes are durable
+        raise
+    version = max(c.version for c in s.chunks)
+    if version > newest:
+        raise FutureVersion(f"{where} refused: weight version {version} is from the future (the buffer's newest "
+                            f"trainer or weight version is {newest}); nothing was written")
+    length = _durable_length(t, s, s.chunks[0].start)
+    puts = []
+    for c in s.chunks:
+        if c.start < length:
+            if t.progress_chunk(gid, index, c.start) == c.value:
+                continue  # a retry of an acknowledged chunk
+            raise DuplicateCommit(f"{where} refused: tokens from {c.start} are already recorded with other content "
+                                  f"(the durable prefix is {length} tokens); nothing was written")
+        if c.start > length:
+            raise BadArgument(f"{where} refused: the durable prefix is {length} tokens long, so the next chunk starts "
+                              f"at {length} (a gap); nothing was written")
+        puts.append(c)
+        length = c.start + c.length
+    for c in puts:
+        t.put_progress_chunk(gid, index, c.start, c.value)
+    return s.end
+
+
+def _durable_length(t: Tables, s: StepSequence, start: int) -> int:
+    """:func:`kvckpt.transitions.progress.durable_length`, without parsing the last chunk's header
+    in the common case: a chunk kvckpt wrote (checksum verified) that ends exactly at ``start``."""
+    last = t.last_progress_chunk(s.lease.group_id, s.index)
+    if last is None:
+        return 0
+    at, value = last
+    expected = f'{{"group_id":{s.gid_json},"index":{s.index},"start":{at},"length":{start - at},"version":'
+    if at < start and codec.meta_begins(value, expected, f"progress/{keys.row_id(s.lease.group_id, s.index)}@{at}"):
+        return start
+    return progress.durable_length(t, s.lease.group_id, s.index)
+
+
+def _chunk(msg: DecodedMessage, gid_json: str, index: int, start: int, a: int, b: int, version: int) -> StepChunk:
+    """The stored record of tokens ``a:b`` of the message (of weight ``version``), as ``encode_chunk`` builds it."""
+    fields = [("tokens", "int64", msg.tokens[a:b]), ("logprobs", "float32", msg.logprobs[a:b])]
+    fields += [(FIELD_PREFIX + name, msg.field_dtypes[name], values[a:b]) for name, values in msg.fields.items()]
+    # the meta progress.encode_chunk stores, as the header's JSON (ints print as JSON ints)
+    meta = f'{{"group_id":{gid_json},"index":{index},"start":{start},"length":{b - a},"version":{version}}}'
+    return StepChunk(start, b - a, version, codec.encode_stored(fields, meta))
+
+
+def _leases(docs: list[dict[str, Any]], group_size: int) -> list[Lease | KvckptError]:
+    out: list[Lease | KvckptError] = []
+    for doc in docs:
+        try:
+            lease = Lease.from_dict(doc)
+            args.identifier("group_id", lease.group_id)
+            args.integer("attempt", lease.attempt)
+            check_lease(lease, group_size)
+            out.append(lease)
+        except KvckptError as exc:
+            out.append(exc)
+        except TypeError as exc:
+            out.append(BadArgument(f"a progress message's lease is not one: {exc}; nothing of its sequences was "
+                                   "written"))
+    return out
+
+
+def _offsets_problem(i: int, n: int, lo: int, hi: int, ended: int, total: int) -> str:
+    """Why sequence ``i``'s offsets ``lo:hi`` are refused, in words."""
+    if hi <= lo:
+        return f"its offsets {lo}:{hi} do not add up (an empty or backwards range)"
+    if lo < 0 or hi > total:
+        return f"its offsets {lo}:{hi} leave the message's token array of {total} tokens"
+    if lo < ended:
+        return f"its offsets {lo}:{hi} overlap an earlier sequence's tokens (which end at {ended})"
+    if i == 0 and lo != 0:
+        return f"the message's first {lo} tokens belong to no sequence (the offsets start at {lo}, not 0)"
+    return (f"the token array holds {total} tokens but the offsets end at {hi}: the last {total - hi} belong to no "
+            f"sequence (sequence {i} of {n} is the last)")

@@ -1,0 +1,106 @@
+"""Progress step messages through the Ray actor (issue 36): batched, pipelined, and exactly once
+across a SIGKILL of the actor's process.
+
+The store's owner is killed with messages in flight; the client resends the same bytes to the
+restarted actor. Asserted, whatever the timing: every sequence is either acknowledged (its chunk
+is durable, once) or refused as fenced (nothing of it is stored), nothing else; and resending every
+message again returns exactly the first outcome, sequence by sequence.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+kray = pytest.importorskip("kvckpt.integrations.ray")
+ray = pytest.importorskip("ray")
+
+from kvckpt import MalformedMessage, StaleAttempt, verify_path  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+CONFIG = {"group_size": 2, "schema": {"input_ids": ("int64", "token")}, "sampler": "ready_first",
+          "max_buffered_rollouts": 64}
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    if ray.is_initialized():
+        ray.shutdown()
+    kray.init_local_ray(num_cpus=2, object_store_memory=128 << 20, namespace="kvckpt-step-test", address="local")
+    yield
+    ray.shutdown()
+
+
+def message(encoder, lease, seed):
+    """Both samples of one group, 3 tokens each from 0: one engine step."""
+    tokens = np.array([seed, seed + 1, seed + 2, seed + 10, seed + 11, seed + 12])
+    return encoder.encode([lease, lease], [0, 1], [0, 0], tokens, -tokens / 100, [0, 3, 6], versions=0)
+
+
+def outcome(futures):
+    """Per message, per sequence: 3 (acknowledged) or "fenced"; anything else fails."""
+    out = []
+    for future in futures:
+        results = future.result()
+        for r in results:
+            assert r == 3 or isinstance(r, StaleAttempt), repr(r)
+        out.append(["fenced" if isinstance(r, StaleAttempt) else r for r in results])
+    return out
+
+
+def test_a_killed_owner_keeps_each_acknowledged_sequence_once_and_a_resend_returns_the_same(ray_local, tmp_path):
+    path = str(tmp_path / "live.kv")
+    actor = kray.start_buffer_actor(path, CONFIG, name="steps", max_restarts=1)
+    leases = ray.get(actor.admit.remote(list(range(16))))
+    first = ray.get(actor.info.remote())
+    client = kray.BufferClient(actor, batch_steps=2, max_in_flight=4, restart_timeout=120)
+    encoder = client.progress_encoder()
+    messages = [message(encoder, lease, 100 * g) for g, lease in enumerate(leases)]
+    futures = [client.record_progress_step(m) for m in messages[:4]]
+    client.flush()  # these four are acknowledged before the kill
+    futures += [client.record_progress_step(m) for m in messages[4:10]]
+    os.kill(first["pid"], signal.SIGKILL)  # up to 4 calls in flight: some landed, some not
+    futures += [client.record_progress_step(m) for m in messages[10:]]
+    client.flush()
+    got = outcome(futures)
+    assert got[:4] == [[3, 3]] * 4
+    assert got[-1] == ["fenced", "fenced"]  # sent after the kill: the restart's recovery fenced its lease
+    second = ray.get(actor.info.remote())
+    assert (second["restarted"], second["pid"] != first["pid"]) == (True, True)
+
+    # acknowledged <=> durable, exactly those tokens; fenced <=> nothing stored
+    for g, lease in enumerate(leases):
+        stored = kray.progress_from_dict(ray.get(actor.progress.remote(lease["group_id"])))
+        want = {} if got[g] == ["fenced", "fenced"] else {0: [100 * g, 100 * g + 1, 100 * g + 2],
+                                                          1: [100 * g + 10, 100 * g + 11, 100 * g + 12]}
+        assert {i: p.tokens.tolist() for i, p in stored.items()} == want, (g, got[g])
+    acked = sum(r == 3 for results in got for r in results)
+    plan = ray.get(actor.recovery_plan.remote())
+    assert (plan["progress_samples"], plan["progress_tokens"]) == (acked, 3 * acked)
+
+    # exactly once: every message resent (with the old, now fenced, leases) returns what it returned first
+    with kray.BufferClient(actor, batch_steps=3) as again:
+        resent = [again.record_progress_step(m) for m in messages]
+    assert outcome(resent) == got
+    assert ray.get(actor.stats.remote())["actor_step_messages"] >= len(messages)
+    ray.get(actor.close.remote())
+    assert verify_path(path, deep=True).ok
+    ray.kill(actor)
+
+
+def test_a_malformed_message_fails_its_future_and_its_batch_mates_land(ray_local, tmp_path):
+    actor = kray.start_buffer_actor(str(tmp_path / "live.kv"), CONFIG, name="malformed")
+    [lease] = ray.get(actor.admit.remote([0]))
+    with kray.BufferClient(actor, batch_steps=3) as client:
+        good = message(client.progress_encoder(), lease, 0)
+        futures = [client.record_progress_step(b"not a message"), client.record_progress_step(good),
+                   client.record_progress_step([{"lease": lease, "index": 0, "start": 3, "tokens": [7],
+                                                 "logprobs": [0.0], "weight_version": 0}])]
+    with pytest.raises(MalformedMessage, match="bad magic"):
+        futures[0].result()
+    assert futures[1].result() == [3, 3] and futures[2].result() == [4]
+    ray.kill(actor)
