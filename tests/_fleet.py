@@ -4,8 +4,8 @@ buffer actor on a real multi-node Ray cluster (loopback), and the means to kill 
 * :func:`expected_tokens` is the generation model: the token at position ``p`` of sample ``i``
   of a group is a fixed function of ``(group, i, p)``, so any attempt on any node produces the
   same completion and a test can check every stored token.
-* :func:`send_step` is the ONE place a producer sends an engine step's progress (today's
-  ``BufferClient.record_progress_many``): switch it to another message and every test follows.
+* :func:`send_step` is the ONE place a producer sends an engine step's progress: one columnar
+  step message (``BufferClient.record_progress_step``), as a fleet streams it.
 * :class:`Coordinator` (on the head node) collects what producers acknowledged and generated,
   and holds them at a chosen step until the driver releases them: "mid-generation" is a point
   the test chooses, never a sleep.
@@ -55,10 +55,12 @@ def logprobs_of(tokens: np.ndarray) -> np.ndarray:
 
 
 def send_step(client: kray.BufferClient, items: Sequence[Mapping[str, Any]]) -> list[int | BaseException]:
-    """Send one engine step's progress chunks in one message; each item's durable length or error.
+    """Send one engine step's progress chunks in one columnar message; each item's durable length or error.
 
     The only call through which the fleet tests stream progress (see the module doc)."""
-    return client.record_progress_many(items)
+    future = client.record_progress_step(items)
+    client.flush()
+    return future.result()
 
 
 def kill_node(cluster: Any, node: Any) -> list[int]:
