@@ -212,7 +212,11 @@ MUTATIONS += (
              (f"{PROMISES}::test_rollout_weights_behind_the_trainer_a_chunk_up_to_the_trainer_version_is_not_future",)),
     Mutation("progress-oldest-is-first-chunk", PROGRESS, "    return int(versions.min())\n",
              "    return int(versions[0])\n",
-             (f"{PROMISES}::test_start_weight_is_the_oldest_when_a_recovery_rolls_the_weights_back_mid_sample",)),
+             (f"{PROMISES}::test_start_weight_is_the_oldest_when_the_rollout_weights_go_down_mid_sample",)),
+    Mutation("abort-drops-the-entrys-fork", "kvckpt/transitions/inflight.py",
+             "reason=reason, timeline=entry.timeline, lineage_fork=entry.lineage_fork))",
+             "reason=reason, timeline=entry.timeline))",
+             (f"{PROMISES}::test_an_aborted_forked_entry_keeps_its_fork_in_the_tombstone",)),
     Mutation("commit-forgets-sibling-token-weight", "kvckpt/transitions/commit.py",
              "oldest = [w for w in (entry.token_weight, *(consume(", "oldest = [w for w in (None, *(consume(",
              (f"{PROMISES}::test_a_sibling_commits_oldest_tokens_are_not_forgotten_by_the_next_commit",)),
@@ -276,8 +280,7 @@ FLEET = "tests/test_ray_fleet.py"
 #: a rollout node's, the store actor's and the owner node's death may not cost, each on a real cluster.
 MUTATIONS += (
     Mutation("fleet-resend-of-landed-chunk-refused", "kvckpt/transitions/progress_step.py",
-             "            if t.progress_chunk(gid, index, c.start) == c.value:\n                continue",
-             "            if False:\n                continue",
+             "        if not isinstance(exc, ForeignLease) and all(", "        if False and all(",
              (f"{FLEET}::test_the_store_actor_killed_mid_stream_loses_nothing_acknowledged_and_applies_nothing_twice",)),
     Mutation("progress-retry-of-landed-chunk-refused", "kvckpt/transitions/progress.py",
              "        if t.progress_chunk(gid, index, chunk.start) == chunk.value:\n", "        if False:\n",

@@ -73,15 +73,36 @@ def test_rollout_weights_behind_the_trainer_a_chunk_up_to_the_trainer_version_is
 
 # -- 2. the oldest version, also when versions go down ------------------------------------------------------
 
-def test_start_weight_is_the_oldest_when_a_recovery_rolls_the_weights_back_mid_sample(tmp_path):
-    """Admitted at weights 2; sample 0's prefix made by weights 2, then a recovery to version 1 and
-    the new attempt continues with the older weights 1 (versions go down); sample 1's prefix made
-    by weights 2 after the next step. The group's stamp is 1: the oldest, the last token of a prefix."""
+def test_start_weight_is_the_oldest_when_the_rollout_weights_go_down_mid_sample(tmp_path):
+    """Admitted at weights 2; sample 0's prefix made by weights 2, then the rollout weights go down
+    to 1 (behind the trainer) and the sample continues with them; sample 1's prefix made by
+    weights 2 again. The group's stamp is 1: the oldest, the last token of a prefix."""
     buf = make(tmp_path)
     buf.finish_step()
     buf.finish_step()
     [lease] = buf.admit([Prompt(0)])
     assert lease.start_weight == 2
+    chunk(buf, lease, 0, 0, [5, 6], version=2)
+    buf.finish_step(weight_version=1)  # trainer 3, rollout weights 1
+    chunk(buf, lease, 0, 2, [7], version=1)
+    chunk(buf, lease, 1, 0, [8, 9], version=2)
+    assert prefixes(buf, lease) == {0: ([5, 6, 7], [2, 2, 1]), 1: ([8, 9], [2, 2])}
+    buf.commit_sample(lease, 1, row([8, 9, 4], [2, 2, 2]))
+    buf.commit_sample(lease, 0, row([5, 6, 7], [2, 2, 1]))
+    group = buf.group(lease.group_id)
+    assert (group.start_weight, group.lineage_fork) == (1, None)
+    assert buf.store.read(check).ok
+
+
+def test_a_recovery_mid_sample_keeps_the_destroyed_weights_stamp_forked(tmp_path):
+    """Sample 0's prefix made by weights 2, then a recovery to version 1 (weights 2 are destroyed:
+    never an ancestor of what trains next) and the new attempt continues with weights 1, then 2 of
+    the new lineage. The oldest work in the version tree is the destroyed weights' prefix: the
+    group keeps stamp 2 forked at 1, lineage weight 0, older than every token made since."""
+    buf = make(tmp_path)
+    buf.finish_step()
+    buf.finish_step()
+    [lease] = buf.admit([Prompt(0)])
     chunk(buf, lease, 0, 0, [5, 6], version=2)
     plan = buf.recover(resume_version=1)  # the weights roll back with the trainer
     assert buf.state()["weight_version"] == 1
@@ -92,7 +113,24 @@ def test_start_weight_is_the_oldest_when_a_recovery_rolls_the_weights_back_mid_s
     assert prefixes(buf, new) == {0: ([5, 6, 7], [2, 2, 1]), 1: ([8, 9], [2, 2])}
     buf.commit_sample(new, 1, row([8, 9, 4], [2, 2, 2]))
     buf.commit_sample(new, 0, row([5, 6, 7], [2, 2, 1]))
-    assert buf.group(lease.group_id).start_weight == 1
+    group = buf.group(lease.group_id)
+    assert (group.start_weight, group.lineage_fork, group.lineage_weight) == (2, 1, 0)
+    assert buf.store.read(check).ok
+
+
+def test_an_aborted_forked_entry_keeps_its_fork_in_the_tombstone(tmp_path):
+    """A forked entry (kept progress of destroyed weights) that is aborted leaves a tombstone with
+    the entry's stamp and fork: the record still says which lineage its stamp is on."""
+    buf = make(tmp_path)
+    buf.finish_step()
+    buf.finish_step()
+    [lease] = buf.admit([Prompt(0)])
+    chunk(buf, lease, 0, 0, [5, 6], version=2)
+    [new] = buf.recover(resume_version=1).leases
+    assert (buf.ledger()[0].start_weight, buf.ledger()[0].lineage_fork) == (2, 1)
+    buf.abort(new.group_id, "test")
+    group = buf.group(new.group_id)
+    assert (group.state, group.start_weight, group.lineage_fork) == ("aborted", 2, 1)
     assert buf.store.read(check).ok
 
 

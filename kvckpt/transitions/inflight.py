@@ -33,8 +33,9 @@ def redispatch(t: Tables, store_id: str, group_id: str, start_weight: int | None
 
 
 def abort(t: Tables, group_ids: list[str], reason: str) -> None:
-    """Ledger entries -> aborted tombstones with ``reason``, their partial rows and token progress
-    deleted, and ``batch_shortfall[target_step]`` credited.
+    """Ledger entries -> aborted tombstones with ``reason`` (keeping the entry's stamp and
+    ``lineage_fork``), their partial rows and token progress deleted, and
+    ``batch_shortfall[target_step]`` credited.
 
     Raises:
         UnknownGroup: a group is not in flight.
@@ -51,7 +52,7 @@ def abort(t: Tables, group_ids: list[str], reason: str) -> None:
         t.put_group(GroupInfo(
             gid, entry.prompt_idx, entry.task_name, entry.admission_id, entry.seq, entry.group_size,
             ABORTED, entry.start_weight, -1, entry.target_step, entry.attempt, "", rows_stored=False,
-            reason=reason, timeline=entry.timeline))
+            reason=reason, timeline=entry.timeline, lineage_fork=entry.lineage_fork))
         if entry.target_step is not None:
             shortfall[str(entry.target_step)] = shortfall.get(str(entry.target_step), 0) + 1
     st["inflight"] -= len(group_ids)
