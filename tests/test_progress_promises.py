@@ -5,7 +5,10 @@ mutation of ``scripts/mutation_check.py``:
   when the rollout weights lag the trainer (``progress-future-reads-weights-only``);
 * a group's ``start_weight`` is the **oldest** version of its entry's stamp and every consumed
   token, also when versions go down (``progress-oldest-is-first-chunk``,
-  ``commit-forgets-sibling-token-weight``);
+  ``commit-forgets-sibling-token-weight``); after a recovery that destroyed the weights of a kept
+  prefix, oldest is counted in the version tree (issue 39): the stamp stays the destroyed
+  weights', forked at the resume version, and an abort's tombstone keeps the fork
+  (``abort-drops-the-entrys-fork``);
 * a prefix of exactly ``max_tokens`` is accepted, one more token refused (``progress-bound-off-by-one``);
 * a chunk read back is checked against its key on the live read path (``progress-read-skips-identity``);
 * committing one sample never touches a sibling's progress, whatever its index
