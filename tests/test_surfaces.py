@@ -24,6 +24,7 @@ DIFFERENCES: dict[str, dict[str, str]] = {
         "read_batch": "**kwargs passed through to ReplayBuffer.read_batch",
         "recover": "no checksums/deep: " + NOT_YET,
         "commit_encoded": NOT_YET, "row_encoder": NOT_YET, "trainer_version": NOT_YET,
+        "progress_encoder": "producers build their ProgressEncoder from the store's config, as their RowEncoder",
         "wait_for_change": "admit and advance_dispatch wait for the gate on the loop's own event (asyncio) instead",
     },
     "BufferActor": {
@@ -31,6 +32,10 @@ DIFFERENCES: dict[str, dict[str, str]] = {
         "open": "the actor is started on a store (start_buffer_actor), not opened by a call",
         "path": "a Ray actor has no properties: info() carries the path",
         "row_encoder": "producers build their RowEncoder from the actor's config",
+        "progress_encoder": "producers build their ProgressEncoder from the actor's config "
+                            "(BufferClient.progress_encoder)",
+        "record_progress_step": "one message per call is record_progress_steps([message]): a remote call carries a "
+                                "batch (BufferClient.record_progress_step batches them)",
         "checkpoint": "wait instead of background: returns when the file is complete, or with wait=False at once "
                       "(then checkpoint_status)",
         "finish_step": "session: refuses a step whose claims a restart returned",
@@ -50,7 +55,8 @@ DIFFERENCES: dict[str, dict[str, str]] = {
         "advance_dispatch": NOT_YET, "batch_shortfall": NOT_YET, "claim": NOT_YET, "commit_encoded": NOT_YET,
         "commit_many": NOT_YET, "count_for_target_step": NOT_YET, "group": NOT_YET, "progress": NOT_YET,
         "promote_ready_group": NOT_YET, "record_progress": NOT_YET, "record_progress_many": NOT_YET,
-        "redispatch": NOT_YET, "release_claims": NOT_YET,
+        "redispatch": NOT_YET, "release_claims": NOT_YET, "progress_encoder": NOT_YET,
+        "record_progress_step": NOT_YET, "record_progress_steps": NOT_YET,
     },
 }
 
@@ -90,8 +96,12 @@ def test_the_producer_client_offers_its_operations_shaped_as_the_buffers() -> No
 
     reference, members = _members(ReplayBuffer), _members(BufferClient)
     shared = [op for op in OPERATIONS if op in members]
-    assert shared == ["commit_sample", "record_progress", "record_progress_many", "progress"]
-    assert all(shape(members[op]) == shape(reference[op]) for op in shared)
+    assert shared == ["commit_sample", "record_progress", "record_progress_many", "progress_encoder",
+                      "record_progress_step", "progress"]
+    # record_progress_step queues one step (a message, or record_progress_many's items encoded at
+    # the edge) for a batched, pipelined call and returns a Future: its parameter is named ``step``
+    differs = {op for op in shared if shape(members[op]) != shape(reference[op])}
+    assert differs == {"record_progress_step"}, differs
 
 
 def test_claim_and_release_claims_run_through_the_async_facade(tmp_path: Any) -> None:
