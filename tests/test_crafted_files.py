@@ -42,17 +42,31 @@ def _limit(address_space: int) -> Callable[[], None]:
     return lambda: resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
 
 
+#: Runs ``argv[2:]`` as its child and writes that child's peak RSS (bytes) to the file ``argv[1]``,
+#: then exits as the child did (re-raising the signal that killed it). Linux carries a process's
+#: peak RSS across ``fork`` + ``exec`` from the process that forked it, so a reader forked straight
+#: from pytest reports at least pytest's own peak (which grows with every test run before this
+#: one); a grandchild forked from this small interpreter reports only its own.
+_MEASURE = ("import os, signal, subprocess, sys; child = subprocess.Popen(sys.argv[2:]); "
+            "_, status, usage = os.wait4(child.pid, 0); open(sys.argv[1], 'w').write(str(usage.ru_maxrss * 1024)); "
+            "code = os.waitstatus_to_exitcode(status); "
+            "code < 0 and (signal.signal(-code, signal.SIG_DFL), os.kill(os.getpid(), -code)); sys.exit(code)")
+
+
 def _run(cmd: list[str], cwd: str, address_space: int) -> tuple[int, str, str, int]:
-    """Run ``cmd`` under the limit; returns (status, stdout, stderr, peak RSS bytes) of that child."""
+    """Run ``cmd`` under the limit; returns (status, stdout, stderr, peak RSS bytes) of that command
+    alone (measured by :data:`_MEASURE`, not inherited from this process)."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    rss_file = os.path.join(cwd, "peak-rss")
     with open(os.path.join(cwd, "stdout"), "w+b") as out, open(os.path.join(cwd, "stderr"), "w+b") as err:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, preexec_fn=_limit(address_space))
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        proc = subprocess.Popen([sys.executable, "-c", _MEASURE, rss_file, *cmd], cwd=cwd, env=env, stdout=out,
+                                stderr=err, preexec_fn=_limit(address_space))
+        proc.wait()
         out.seek(0)
         err.seek(0)
-        return (proc.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"),
-                usage.ru_maxrss * 1024)
+        with open(rss_file) as f:
+            rss = int(f.read())
+        return proc.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"), rss
 
 
 def run_in_process_entries(path: str, work: str) -> list[dict[str, Any]]:
