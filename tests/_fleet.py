@@ -225,13 +225,15 @@ class Producer:
                     self._step(step)
         return self.resends
 
-    def zombie(self, leases: Sequence[Mapping[str, Any]], acked: Mapping[str, int]) -> list[str]:
+    def zombie(self, leases: Sequence[Mapping[str, Any]], acked: Mapping[str, int]) -> dict[str, str]:
         """A producer of a dead node back from a partition: it still holds ``leases`` and sends the
-        next chunk of every sequence after what it saw acknowledged. Returns each refusal's class name."""
+        next chunk of every sequence after what it saw acknowledged. Returns, per sequence, the
+        refusal's class name, or ``"landed N"`` where the store answered with a durable end ``N``
+        (a resend of a chunk whose first try landed: the same answer, nothing written)."""
         self.leases = {x["group_id"]: dict(x) for x in leases}
         items = self._items(0, starts=acked)
-        return [type(r).__name__ if isinstance(r, BaseException) else f"wrote {r}"
-                for r in send_step(self.client, items)]
+        return {_seq(it["lease"]["group_id"], it["index"]): type(r).__name__ if isinstance(r, BaseException)
+                else f"landed {r}" for it, r in zip(items, send_step(self.client, items), strict=True)}
 
     def resume(self, leases: Sequence[Mapping[str, Any]]) -> dict[str, int]:
         """A new attempt on a surviving node: read each sample's durable prefix, check it, generate
