@@ -197,10 +197,16 @@ def _durable_length(t: Tables, s: StepSequence, start: int) -> int:
     if last is None:
         return 0
     at, value = last
-    expected = f'{{"group_id":{s.gid_json},"index":{s.index},"start":{at},"length":{start - at},"version":'
+    expected = _meta_head(s.gid_json, s.index, at, start - at)
     if at < start and codec.meta_begins(value, expected, f"progress/{keys.row_id(s.lease.group_id, s.index)}@{at}"):
         return start
     return progress.durable_length(t, s.lease.group_id, s.index)
+
+
+def _meta_head(gid_json: str, index: int, start: int, length: int) -> str:
+    """A stored chunk's header as ``progress.encode_chunk`` writes it, up to its version: the one spelling
+    :func:`_chunk` builds and :func:`_durable_length` recognises."""
+    return f'{{"group_id":{gid_json},"index":{index},"start":{start},"length":{length},"version":'
 
 
 def _chunk(msg: DecodedMessage, gid_json: str, index: int, start: int, a: int, b: int, version: int) -> StepChunk:
@@ -208,7 +214,7 @@ def _chunk(msg: DecodedMessage, gid_json: str, index: int, start: int, a: int, b
     fields = [("tokens", "int64", msg.tokens[a:b]), ("logprobs", "float32", msg.logprobs[a:b])]
     fields += [(FIELD_PREFIX + name, msg.field_dtypes[name], values[a:b]) for name, values in msg.fields.items()]
     # the meta progress.encode_chunk stores, as the header's JSON (ints print as JSON ints)
-    meta = f'{{"group_id":{gid_json},"index":{index},"start":{start},"length":{b - a},"version":{version}}}'
+    meta = f"{_meta_head(gid_json, index, start, b - a)}{version}}}"
     return StepChunk(start, b - a, version, codec.encode_stored(fields, meta))
 
 
