@@ -9,10 +9,19 @@ integrations (:mod:`kvckpt.integrations`).
 Buffer rows, group metadata, the ledger of in-flight prompts and every cursor live in one LMDB
 file; every state transition is one durable write transaction; a checkpoint is one stamp
 transaction plus a background copy to one file; restore opens a fresh handle on a copy.
+
+What is exported here (``__all__``), with :mod:`kvckpt.errors`, :mod:`kvckpt.samplers` and
+:mod:`kvckpt.testing`, is the public API, the only part of kvckpt that integrations import
+(docs/architecture.md, "The public API"; ``tests/test_layers.py`` holds them to it). Besides the
+buffer, it holds what an adapter storing its own files needs: the durable-directory helpers
+(:func:`makedirs_durable`, :func:`fsync_dir`, :func:`fsync_file`), the record codec
+(:mod:`codec <kvckpt.storage.codec>`, docs/format.md) and the value-record helper :func:`write_id_of`,
+the group states, the sample-id spelling :func:`row_id`, and the row encoder producers use.
 """
 
 from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer, checkpoint, recover, restore
-from kvckpt.buffer.aio import AsyncReplayBuffer
+from kvckpt.buffer.aio import DEFAULT_WORKERS, AsyncReplayBuffer
+from kvckpt.buffer.batch import assemble_batch
 from kvckpt.buffer.values import ValueStore
 from kvckpt.durability.checkpoint import CheckpointHandle, CheckpointResult, keep_latest, read_stamp
 from kvckpt.durability.recovery import RecoveryPlan
@@ -48,25 +57,45 @@ from kvckpt.errors import (
     UnknownGroup,
     VerificationFailed,
 )
+from kvckpt.metrics import MetricsHook, sink_from_config
 from kvckpt.samplers import Sampler, create_sampler, register
+from kvckpt.storage import codec
+from kvckpt.storage.encoding import RowEncoder
+from kvckpt.storage.keys import row_id
 from kvckpt.storage.progress_message import ProgressEncoder, ProgressMessage
 from kvckpt.storage.schema import Field, RowSchema, split_padded
-from kvckpt.storage.store import Store
-from kvckpt.tables.records import CommitResult, GroupInfo, Lease, LedgerEntry, Progress, Prompt, Selection
+from kvckpt.storage.store import Store, fsync_dir, fsync_file, makedirs_durable
+from kvckpt.tables.records import (
+    ABORTED,
+    CLAIMED,
+    CONSUMED,
+    EVICTED,
+    READY,
+    Admission,
+    CommitResult,
+    GroupInfo,
+    Lease,
+    LedgerEntry,
+    Progress,
+    Prompt,
+    Selection,
+)
+from kvckpt.values.records import write_id_of
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AbandonedTimeline", "AsyncReplayBuffer", "BadArgument", "BadOffsets", "Batch", "BufferConfig",
+    "ABORTED", "CLAIMED", "CONSUMED", "DEFAULT_WORKERS", "EVICTED", "READY",
+    "AbandonedTimeline", "Admission", "AsyncReplayBuffer", "BadArgument", "BadOffsets", "Batch", "BufferConfig",
     "CapacityError",
     "CheckpointError", "CheckpointHandle", "CheckpointResult", "CommitResult", "CorruptRecord", "DiskFull",
     "DuplicateCommit", "FencedWrite", "Field", "ForeignLease", "FormatError", "FutureVersion", "GateTimeout",
     "GroupInfo", "InvariantViolation", "KvckptError", "Lease", "LeaseError", "LeaseMismatch", "LedgerEntry",
-    "MalformedMessage", "NotSelectable", "Progress", "ProgressEncoder", "ProgressMessage", "Prompt",
+    "MalformedMessage", "MetricsHook", "NotSelectable", "Progress", "ProgressEncoder", "ProgressMessage", "Prompt",
     "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer",
-    "Report", "RowSchema", "SampleCommitted", "Sampler", "SchemaMismatch", "Selection", "StaleAttempt",
-    "Store", "StoreLocked", "StoreNotFound", "UnknownGroup", "ValueStore", "VerificationFailed", "check",
-    "checkpoint",
-    "create_sampler", "keep_latest", "read_stamp", "recover", "register", "restore", "split_padded",
-    "verify_path",
+    "Report", "RowEncoder", "RowSchema", "SampleCommitted", "Sampler", "SchemaMismatch", "Selection", "StaleAttempt",
+    "Store", "StoreLocked", "StoreNotFound", "UnknownGroup", "ValueStore", "VerificationFailed", "assemble_batch",
+    "check", "checkpoint", "codec", "create_sampler", "fsync_dir", "fsync_file", "keep_latest", "makedirs_durable",
+    "read_stamp", "recover", "register", "restore", "row_id", "sink_from_config", "split_padded", "verify_path",
+    "write_id_of",
 ]

@@ -6,6 +6,10 @@ Prints each module's layer, size and kvckpt imports (``--graph``), then every ru
 * an import cycle between modules;
 * a reach into another module's private name (``from m import _x``, ``module._x``, or
   ``obj._x`` where ``_x`` is not defined in the module doing it);
+* an integration (a module of :data:`CONSUMERS`) importing past kvckpt's public API: anything of
+  kvckpt other than the names ``kvckpt`` exports in its ``__all__``, the :data:`PUBLIC_PACKAGES`, and
+  the consumers themselves (a layer-internal module such as ``kvckpt.storage.store`` is refused
+  even for a public-looking name: adapters import ``from kvckpt import fsync_dir``);
 * a module over :data:`MAX_LINES` lines whose docstring does not say why (the word "long", as in
   "the module is long because ...").
 
@@ -41,6 +45,11 @@ LAYERS = (
     ("cli", ("kvckpt.tools.cli",)),  # the command line: the tools' verbs and the demo
 )
 MAX_LINES = 400
+#: The packages held to kvckpt's public API: they use kvckpt as a user does (docs/architecture.md, "The public API").
+CONSUMERS = ("kvckpt.integrations",)
+#: Packages public as a whole (but for their ``_private`` parts), beside the names ``kvckpt`` exports: the error
+#: classes, the samplers and their registry (for sampler authors), and the shipped harnesses.
+PUBLIC_PACKAGES = ("kvckpt.errors", "kvckpt.samplers", "kvckpt.testing")
 #: Private names of other libraries' public API (namedtuple methods, ``os._exit``...).
 FOREIGN_PRIVATE_API = frozenset({"_replace", "_asdict", "_fields", "_make", "_exit", "_getframe", "_field_defaults"})
 #: A peer's private methods an adapter calls on purpose, each because the adapter must behave exactly as the peer
@@ -64,6 +73,10 @@ class Module:
     #: ``(module, names)`` of every ``from module import names``, resolved by :func:`resolve`.
     from_imports: list[tuple[str, list[str]]] = field(default_factory=list)
     privates: list[str] = field(default_factory=list)
+    #: The names of the module's ``__all__`` (a literal list or tuple); empty if it has none.
+    exports: frozenset[str] = frozenset()
+    #: Every kvckpt module named by ``import kvckpt.x`` and every ``kvckpt.x.y`` attribute chain, with its line.
+    dotted: list[tuple[str, int]] = field(default_factory=list)
 
 
 def layer_of(name: str) -> int:
@@ -93,6 +106,7 @@ def discover(sources: dict[str, Path] | None = None) -> dict[str, Module]:
             found[name] = Module(name, path, text.count("\n"), layer_of(name), ast.get_docstring(tree) or "")
             module = found[name]
             module.imports, module.from_imports, module.privates = _scan(tree, name, path.name == "__init__.py")
+            module.exports, module.dotted = _exports(tree), _dotted(tree)
     resolve(found)
     return found
 
@@ -146,6 +160,55 @@ def _scan(tree: ast.Module, name: str, is_package: bool) -> tuple[set[str], list
     return imports, from_imports, privates
 
 
+def _exports(tree: ast.Module) -> frozenset[str]:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            try:
+                return frozenset(ast.literal_eval(node.value))
+            except ValueError:  # a computed __all__ (a lazy package's): not a list this check can read
+                return frozenset()
+    return frozenset()
+
+
+def _dotted(tree: ast.Module) -> list[tuple[str, int]]:
+    """``import kvckpt.x`` targets and the longest ``kvckpt.x.y`` chains of names bound by ``import kvckpt``."""
+    found = [(alias.name, node.lineno) for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names if alias.name.startswith("kvckpt.")]
+    bound = any(isinstance(node, ast.Import) and any(a.name.split(".")[0] == "kvckpt" and a.asname is None
+                                                      for a in node.names) for node in ast.walk(tree))
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    for node in ast.walk(tree):
+        if bound and isinstance(node, ast.Attribute) and id(node) not in inner:
+            chain = ast.unparse(node)
+            if chain.startswith("kvckpt.") and all(part.isidentifier() for part in chain.split(".")):
+                found.append((chain, node.lineno))
+    return found
+
+
+def _public(name: str, exports: frozenset[str]) -> bool:
+    """Whether ``name`` (a dotted kvckpt path) is kvckpt's public API or a consumer's own."""
+    if any(part.startswith("_") for part in name.split(".")):
+        return False
+    if any(name == p or name.startswith(p + ".") for p in (*PUBLIC_PACKAGES, *CONSUMERS)):
+        return True
+    head = name.split(".")
+    return len(head) > 1 and head[0] == "kvckpt" and head[1] in exports
+
+
+def boundary(module: Module, exports: frozenset[str]) -> list[str]:
+    """What a consumer module imports past the public API (``exports``: ``kvckpt.__all__``), one line each."""
+    if not any(module.name == c or module.name.startswith(c + ".") for c in CONSUMERS):
+        return []
+    out = []
+    for base, names in module.from_imports:
+        for name in names:
+            dotted = f"{base}.{name}"
+            if not _public(dotted, exports) or name.startswith("_"):
+                out.append(f"from {base} import {name}")
+    out += [f"{chain} (line {line})" for chain, line in module.dotted if not _public(chain, exports)]
+    return [f"boundary: {module.name} reaches past the public API: {what}" for what in out]
+
+
 def resolve(modules: dict[str, Module]) -> None:
     """Keep only imports that name a module: ``from p import m`` imports module ``p.m`` when there is
     one, and ``from m import name`` imports ``m``."""
@@ -161,7 +224,9 @@ def resolve(modules: dict[str, Module]) -> None:
 def violations(modules: dict[str, Module]) -> list[str]:
     """Every broken rule, one line each."""
     out = []
+    exports = modules["kvckpt"].exports if "kvckpt" in modules else frozenset()
     for module in modules.values():
+        out += boundary(module, exports)
         if module.layer < 0:
             out.append(f"layer: {module.name} is in no layer (add its package to LAYERS)")
         for target in sorted(module.imports):

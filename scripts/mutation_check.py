@@ -392,6 +392,17 @@ MUTATIONS += (
 )
 
 
+LAYERS_TEST = "tests/test_layers.py"
+#: The integrations' boundary (issue 37): only kvckpt's public API, however the import is spelt.
+MUTATIONS += (
+    Mutation("boundary-takes-any-kvckpt-module-as-public", "scripts/layers.py",
+             'return len(head) > 1 and head[0] == "kvckpt" and head[1] in exports', "return True",
+             (f"{LAYERS_TEST}::test_an_integration_reaching_past_the_public_api_is_caught",)),
+    Mutation("boundary-ignores-dotted-imports", "scripts/layers.py",
+             "    out += [f\"{chain} (line {line})\" for chain, line in module.dotted if not _public(chain, exports)]\n",
+             "", (f"{LAYERS_TEST}::test_an_integration_reaching_past_the_public_api_is_caught",)),
+)
+
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and
     map ``integrations``/``tools`` into the package the way the build does."""

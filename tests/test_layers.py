@@ -25,7 +25,7 @@ def problems() -> list[str]:
     return layers.violations(layers.discover())
 
 
-@pytest.mark.parametrize("rule", ["layer", "cycle", "private", "size"])
+@pytest.mark.parametrize("rule", ["layer", "cycle", "private", "size", "boundary"])
 def test_the_tree_keeps_the_rule(problems: list[str], rule: str) -> None:
     broken = [p for p in problems if p.startswith(f"{rule}:")]
     assert not broken, "\n".join(broken)
@@ -85,3 +85,54 @@ def test_a_long_module_must_say_why(tmp_path: Path) -> None:
     found = _tree(tmp_path, {"storage/big.py": '"""Big."""\n' + body,
                              "storage/ok.py": '"""Big, and long because it must be."""\n' + body})
     assert found == [f"size: kvckpt.storage.big has {layers.MAX_LINES + 2} lines and its docstring does not say why"]
+
+
+def test_the_boundary_rule_covers_every_integration() -> None:
+    modules = layers.discover()
+    consumers = [m for m in modules if m.startswith(layers.CONSUMERS)]
+    assert len(consumers) > 40 and "kvckpt.integrations.transferqueue.client" in consumers
+    # the public API is what kvckpt exports, read from its __all__: the adapters' durable-dir helpers included
+    assert {"ReplayBuffer", "ValueStore", "makedirs_durable", "fsync_dir", "write_id_of"} <= modules["kvckpt"].exports
+
+
+def test_an_integration_reaching_past_the_public_api_is_caught(tmp_path: Path) -> None:
+    """An integration may import what ``kvckpt`` exports, the public packages and other integrations;
+    a layer-internal module (even for a name kvckpt also exports), an unexported name or a private
+    one is refused, however it is spelt."""
+    (tmp_path / "integrations" / "peer").mkdir(parents=True)
+    (tmp_path / "integrations" / "__init__.py").touch()
+    (tmp_path / "integrations" / "peer" / "__init__.py").touch()
+    (tmp_path / "integrations" / "peer" / "adapter.py").write_text(textwrap.dedent("""
+        import kvckpt
+        import kvckpt.storage.store
+        from kvckpt import ReplayBuffer, Store, _hidden
+        from kvckpt.errors import BadArgument
+        from kvckpt.integrations.peer import helper
+        from kvckpt.samplers import register
+        from kvckpt.storage.store import fsync_dir
+        from kvckpt.testing import workload
+
+        def f():
+            from kvckpt.tables.records import READY
+            return kvckpt.ReplayBuffer, kvckpt.tables.records.READY, kvckpt.errors.BadArgument
+        """))
+    (tmp_path / "integrations" / "peer" / "helper.py").write_text("X = 1\n")
+    files = {"__init__.py": '__all__ = ["ReplayBuffer", "Store"]\nReplayBuffer = Store = _hidden = 1\n',
+             "errors.py": "class BadArgument(Exception):\n    pass\n", "samplers/__init__.py": "def register(): ...\n",
+             "storage/store.py": "def fsync_dir(): ...\n", "tables/records.py": "READY = 'ready'\n",
+             "testing/workload.py": "X = 1\n"}
+    for name, text in files.items():
+        (tmp_path / "kvckpt" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "kvckpt" / name).write_text(text)
+    found = layers.violations(layers.discover({"kvckpt": tmp_path / "kvckpt",
+                                               "kvckpt.integrations": tmp_path / "integrations"}))
+    prefix = "boundary: kvckpt.integrations.peer.adapter reaches past the public API: "
+    assert sorted(p.removeprefix(prefix) for p in found if p.startswith("boundary:")) == [
+        "from kvckpt import _hidden",
+        "from kvckpt.storage.store import fsync_dir",
+        "from kvckpt.tables.records import READY",
+        "kvckpt.storage.store (line 3)",
+        "kvckpt.tables.records.READY (line 13)",
+    ]
+    # the same imports in a core module are no boundary matter (the layer rules judge them)
+    assert all(not p.startswith("boundary: kvckpt.storage") for p in found)

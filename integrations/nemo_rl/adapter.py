@@ -47,10 +47,8 @@ from kvckpt.integrations.nemo_rl.records import record_to_rows
 from kvckpt.integrations.nemo_rl.sampler import create_sampler
 from kvckpt.integrations.nemo_rl.steps import UNIDENTIFIED_TASK, StepDriver
 
-from kvckpt import Batch, CheckpointResult, Lease, Prompt, RecoveryPlan, ReplayBuffer
+from kvckpt import READY, Batch, CheckpointResult, Lease, Prompt, RecoveryPlan, ReplayBuffer, register
 from kvckpt.errors import BadArgument, SchemaMismatch
-from kvckpt.samplers import register
-from kvckpt.tables.records import READY
 
 
 class RoutedExpertsMissing(SchemaMismatch, RuntimeError):

@@ -18,9 +18,8 @@ from kvckpt.integrations.nemo_rl import envelope
 from kvckpt.integrations.nemo_rl.handle import BufferHandle
 from kvckpt.integrations.nemo_rl.steps import StepDriver
 
-from kvckpt import CheckpointResult, ReplayBuffer, restore
+from kvckpt import READY, CheckpointResult, ReplayBuffer, restore
 from kvckpt.errors import CapacityError, RecoveryError
-from kvckpt.tables.records import READY
 
 log = logging.getLogger("kvckpt.integrations.nemo_rl")
 

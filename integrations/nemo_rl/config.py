@@ -15,9 +15,8 @@ from typing import Any
 
 from kvckpt.integrations.common import check_keys
 
-from kvckpt import BufferConfig
+from kvckpt import BufferConfig, codec
 from kvckpt.errors import BadArgument
-from kvckpt.storage import codec
 
 #: The row fields of NeMo-RL's GRPO rollouts (``record_to_train_batch``); token fields are jagged.
 GRPO_SCHEMA: dict[str, tuple[str, str]] = {
@@ -44,7 +43,7 @@ def custom_sampler_class(target: Any) -> type:
         BadArgument: not ``module:Class``, the import fails, the module has no such class, or the
             class is not a kvckpt ``Sampler`` subclass with its own ``name``.
     """
-    from kvckpt.samplers import Sampler, register
+    from kvckpt import Sampler, register
 
     module_name, sep, class_name = str(target).partition(":")
     if not isinstance(target, str) or not sep or not module_name or not class_name:

@@ -41,10 +41,8 @@ from typing import Any, Protocol
 
 from kvckpt.integrations.nemo_rl.meta import ReplayMeta
 
-from kvckpt import ReplayBuffer
+from kvckpt import CLAIMED, READY, ReplayBuffer, row_id
 from kvckpt.errors import BadArgument, NotSelectable, SchemaMismatch
-from kvckpt.storage import keys
-from kvckpt.tables.records import CLAIMED, READY
 
 
 class ServedBuffer(Protocol):
@@ -67,7 +65,7 @@ def split_sample_id(sample_id: str) -> tuple[str, int]:
         BadArgument: not of that form.
     """
     group_id, sep, index = str(sample_id).rpartition("_g")
-    if not sep or not index.isdigit() or keys.row_id(group_id, int(index)) != sample_id:
+    if not sep or not index.isdigit() or row_id(group_id, int(index)) != sample_id:
         raise BadArgument(f"sample_id {sample_id!r} is not of the form '{{group_id}}_g{{i}}'")
     return group_id, int(index)
 
@@ -204,7 +202,7 @@ class KvckptDataPlane:
                 group = self.buffer.core.group(gid)
                 if group is None or group.state != CLAIMED or index >= group.group_size:
                     state = "unknown" if group is None else group.state
-                    raise BadArgument(f"put_samples: {keys.row_id(gid, index)!r} is not a row of a group claimed "
+                    raise BadArgument(f"put_samples: {row_id(gid, index)!r} is not a row of a group claimed "
                                       f"by the current step ({state}); committed rows are never rewritten")
             for i, (gid, index) in enumerate(ids):
                 row = self._derived.setdefault(gid, {}).setdefault(index, {})
@@ -244,7 +242,7 @@ class KvckptDataPlane:
         group_ids = list(dict.fromkeys(gid for gid, _ in ids))
         with self._lock:
             self._live(group_ids)
-            hidden = [keys.row_id(g, i) for g, i in ids if i in self._cleared.get(g, ())]
+            hidden = [row_id(g, i) for g, i in ids if i in self._cleared.get(g, ())]
             derived = {(g, i): dict(self._derived.get(g, {}).get(i, {})) for g, i in ids}
         if hidden:
             raise NotSelectable(f"rows {hidden[:4]} were cleared by clear_samples")
@@ -273,7 +271,7 @@ class KvckptDataPlane:
                     column.append(self._prompt_ids(row))
                 else:
                     raise BadArgument(f"field {name!r} is neither in the store's schema {list(stored)} nor "
-                                      f"put for sample {keys.row_id(gid, index)!r}")
+                                      f"put for sample {row_id(gid, index)!r}")
             out[name] = _stack_or_nest(column)
         return TensorDict(out, batch_size=(len(ids),))
 

@@ -17,10 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvckpt import CheckpointResult, ReplayBuffer
+from kvckpt import CLAIMED, READY, CheckpointResult, ReplayBuffer, row_id
 from kvckpt.errors import BadArgument
-from kvckpt.storage import keys
-from kvckpt.tables.records import CLAIMED, READY
 
 #: The envelope's version (2: groups carry ``sequence_lengths``).
 SCHEMA_VERSION = 2
@@ -34,7 +32,7 @@ def build(snapshot: ReplayBuffer, result: CheckpointResult, partition_id: str, s
     read-only): the groups ready once it is restored, i.e. ready or claimed by its step (a
     restore undoes those claims)."""
     groups = [{"group_id": g.group_id, "start_weight": g.start_weight, "end_weight": g.end_weight,
-               "target_step": g.target_step, "sample_ids": [keys.row_id(g.group_id, i) for i in range(g.group_size)],
+               "target_step": g.target_step, "sample_ids": [row_id(g.group_id, i) for i in range(g.group_size)],
                "sequence_lengths": _lengths(snapshot, g.group_id)}
               for g in snapshot.groups([READY, CLAIMED])]
     return {"backend": "kvckpt", "schema_version": SCHEMA_VERSION, "partition_id": partition_id,

@@ -24,9 +24,8 @@ from kvckpt.integrations.nemo_rl.config import AdapterConfig
 from kvckpt.integrations.nemo_rl.gate import GateSignal
 from kvckpt.integrations.nemo_rl.meta import ReplayMeta
 
-from kvckpt import Lease, Prompt, ReplayBuffer
+from kvckpt import READY, Admission, GroupInfo, Lease, Prompt, ReplayBuffer
 from kvckpt.errors import BadArgument
-from kvckpt.tables.records import READY, Admission, GroupInfo
 
 #: ``(group_id, ready, start_weight, end_weight, target_step, meta)``: one NeMo-RL slot.
 Slot = tuple[str, bool, int, int, int | None, ReplayMeta | None]

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 from kvckpt.integrations.nemo_rl.handle import BufferHandle
 
-from kvckpt import ReplayBuffer
+from kvckpt import LedgerEntry, Prompt, ReplayBuffer
 from kvckpt.errors import BadArgument, UnknownGroup
-from kvckpt.tables.records import LedgerEntry, Prompt
 
 
 class KvckptLedger:

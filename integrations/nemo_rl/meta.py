@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvckpt import row_id
 from kvckpt.errors import BadArgument
-from kvckpt.storage import keys
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class ReplayMeta:
                  lengths: Sequence[int]) -> ReplayMeta:
         """The metadata of one group's rows (``len(lengths)`` of them)."""
         n = len(lengths)
-        return cls(partition_id, [group_id], [keys.row_id(group_id, i) for i in range(n)], list(fields),
+        return cls(partition_id, [group_id], [row_id(group_id, i) for i in range(n)], list(fields),
                    [int(x) for x in lengths], [{"weight_version": int(start_weight)} for _ in range(n)])
 
     def with_fields(self, field_names: Sequence[str]) -> ReplayMeta:

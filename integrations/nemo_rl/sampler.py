@@ -300,7 +300,7 @@ def require_stored_sampler(buffer: SampledBuffer, cfg: dict[str, Any]) -> None:
     Raises:
         BadArgument: ``cfg`` names no known sampler, has a bad value, or differs from the store's.
     """
-    from kvckpt.samplers import create_sampler as core_sampler
+    from kvckpt import create_sampler as core_sampler
 
     wanted = core_sampler(cfg).config()
     stored = buffer.core.sampler.config()

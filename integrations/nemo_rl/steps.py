@@ -25,9 +25,8 @@ from kvckpt.integrations.nemo_rl.dataplane import KvckptDataPlane
 from kvckpt.integrations.nemo_rl.handle import BufferHandle
 from kvckpt.integrations.nemo_rl.meta import ReplayMeta
 
-from kvckpt import Lease, Prompt, RecoveryPlan
+from kvckpt import Admission, Lease, Prompt, RecoveryPlan
 from kvckpt.errors import BadArgument, RecoveryError
-from kvckpt.tables.records import Admission
 
 #: ``task_name`` of a prompt NeMo-RL reserved without saying which prompt it is (main's
 #: ``reserve`` carries no identity; pass ``prompt_idx=``/``task_name=`` or use the ledger).

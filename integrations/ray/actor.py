@@ -49,13 +49,20 @@ import ray
 from kvckpt.integrations.ray import LOOPBACK_ENV
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer, restore
-from kvckpt.buffer.aio import DEFAULT_WORKERS, AsyncReplayBuffer
-from kvckpt.durability.checkpoint import CheckpointHandle
-from kvckpt.durability.recovery import RecoveryPlan
-from kvckpt.durability.verify import check
+from kvckpt import (
+    DEFAULT_WORKERS,
+    Admission,
+    AsyncReplayBuffer,
+    Batch,
+    BufferConfig,
+    CheckpointHandle,
+    Lease,
+    RecoveryPlan,
+    ReplayBuffer,
+    check,
+    restore,
+)
 from kvckpt.errors import BadArgument, KvckptError, RecoveryError, StaleAttempt
-from kvckpt.tables.records import Admission, Lease
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_NAME = "kvckpt-buffer"

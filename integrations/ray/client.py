@@ -26,12 +26,18 @@ import ray
 from kvckpt.integrations.ray.actor import to_wire
 from ray.exceptions import ActorUnschedulableError, GetTimeoutError, RayActorError
 
-from kvckpt.buffer import Batch
-from kvckpt.durability.recovery import RecoveryPlan
+from kvckpt import (
+    Batch,
+    CommitResult,
+    GroupInfo,
+    Lease,
+    Progress,
+    ProgressEncoder,
+    ProgressMessage,
+    RecoveryPlan,
+    RowEncoder,
+)
 from kvckpt.errors import BadArgument, KvckptError
-from kvckpt.storage.encoding import RowEncoder
-from kvckpt.storage.progress_message import ProgressEncoder, ProgressMessage
-from kvckpt.tables.records import CommitResult, GroupInfo, Lease, Progress
 
 
 @dataclass

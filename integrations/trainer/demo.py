@@ -53,9 +53,8 @@ from kvckpt.integrations.trainer.report import (
     work_after_checkpoint,
 )
 
-from kvckpt.durability.safe_open import verify_path
+from kvckpt import Lease, verify_path
 from kvckpt.errors import BadArgument, KvckptError, LeaseError
-from kvckpt.tables.records import Lease
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from kvckpt.integrations.vllm.stream import SequenceState
 
-from kvckpt.tables.records import Lease
+from kvckpt import Lease
 
 POINTS = ("after_admit", "after_commit", "after_select", "after_optimizer_step", "after_finish_step",
           "after_model_save", "after_checkpoint")

@@ -63,10 +63,18 @@ from kvckpt.integrations.trainer.memory_buffer import MemoryReplayBuffer
 from kvckpt.integrations.vllm.tiny_model import AdditionTask, TinyModelSpec, ensure_tiny_model
 from kvckpt.integrations.vllm.worker import DEFAULT_SCHEMA, RolloutWorker
 
-from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer, restore
+from kvckpt import (
+    Batch,
+    BufferConfig,
+    GroupInfo,
+    Lease,
+    MetricsHook,
+    ReplayBuffer,
+    Selection,
+    restore,
+    sink_from_config,
+)
 from kvckpt.errors import BadArgument, GateTimeout
-from kvckpt.metrics import MetricsHook, sink_from_config
-from kvckpt.tables.records import GroupInfo, Lease, Selection
 
 logger = logging.getLogger(__name__)
 MODEL_FILE, BUFFER_FILE = "model.pt", "buffer.kvckpt"

@@ -22,23 +22,24 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from kvckpt.buffer import Batch, BufferConfig
-from kvckpt.buffer.batch import assemble_batch
-from kvckpt.errors import BadArgument, CapacityError, GateTimeout, StaleAttempt, UnknownGroup
-from kvckpt.storage.codec import Record
-from kvckpt.tables.records import (
+from kvckpt import (
     ABORTED,
     CLAIMED,
     CONSUMED,
     EVICTED,
     READY,
+    Batch,
+    BufferConfig,
     CommitResult,
     GroupInfo,
     Lease,
     LedgerEntry,
     Prompt,
     Selection,
+    assemble_batch,
+    codec,
 )
+from kvckpt.errors import BadArgument, CapacityError, GateTimeout, StaleAttempt, UnknownGroup
 
 
 class MemoryView:
@@ -231,7 +232,7 @@ class MemoryReplayBuffer:
             infos = [self._groups[g] for g in gids]
             rows = [(g, i, self._rows[g][i]) for g in gids for i in sorted(self._rows[g])]
         dtypes = self.schema.dtypes
-        decoded = [Record({k: v if isinstance(v, (str, bytes)) else v.copy() for k, v in arrays.items()
+        decoded = [codec.Record({k: v if isinstance(v, (str, bytes)) else v.copy() for k, v in arrays.items()
                            if fields is None or k in fields}, dtypes).tensors()  # bfloat16 bits -> bfloat16
                    for _, _, arrays in rows]
         return assemble_batch(self.schema, infos, [(g, i, b"") for g, i, _ in rows], decoded, layout, pad_value)

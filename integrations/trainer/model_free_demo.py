@@ -49,13 +49,18 @@ from typing import Any
 import numpy as np
 from kvckpt.integrations.trainer.report import audit, store_view, work_after_checkpoint
 
-from kvckpt.buffer import BufferConfig, ReplayBuffer, restore
-from kvckpt.durability.checkpoint import read_stamp
-from kvckpt.durability.safe_open import verify_path
+from kvckpt import (
+    BufferConfig,
+    Lease,
+    Prompt,
+    ReplayBuffer,
+    create_sampler,
+    fsync_dir,
+    read_stamp,
+    restore,
+    verify_path,
+)
 from kvckpt.errors import BadArgument, GateTimeout, KvckptError, LeaseError
-from kvckpt.samplers import create_sampler
-from kvckpt.storage.store import fsync_dir
-from kvckpt.tables.records import Lease, Prompt
 
 SAMPLERS = ("in_order", "weight_fifo", "windowed", "ready_first")
 RECOVERY_MODES = ("live", "checkpoint")

@@ -15,8 +15,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from kvckpt.buffer import ReplayBuffer
-from kvckpt.tables.records import ABORTED, CONSUMED, EVICTED
+from kvckpt import ABORTED, CONSUMED, EVICTED, ReplayBuffer
 
 
 # -- reading the stores ---------------------------------------------------------------------------

@@ -26,9 +26,8 @@ from kvckpt.integrations.transferqueue.owner import CHECKPOINT_FILE, CHECKPOINT_
 from kvckpt.integrations.transferqueue.values import decode_value, encode_value, new_write_id
 from transfer_queue.storage.clients.base import StorageClientFactory, StorageKVClient
 
-from kvckpt import ValueStore
+from kvckpt import ValueStore, codec
 from kvckpt.errors import BadArgument
-from kvckpt.storage import codec
 
 CLIENT_NAME = "KvckptStorageClient"
 #: Ray namespace of the owner actor (TransferQueue's own actors live there too).

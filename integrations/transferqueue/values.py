@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 from kvckpt.integrations.transferqueue.errors import WriteIdentityMismatch
 
+from kvckpt import codec
 from kvckpt.errors import BadArgument, CorruptRecord
-from kvckpt.storage import codec
 
 #: Numpy dtypes of stored text arrays: ``|S<n>`` (bytes) and ``<U<n>`` (UCS-4), 0 < n < 10**10.
 _TEXT_DTYPE = re.compile(r"(\|S|<U)([1-9][0-9]{0,9})")

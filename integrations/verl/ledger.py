@@ -51,10 +51,8 @@ from kvckpt.integrations.verl.records import (
     split_mark_index,
 )
 
-from kvckpt import ValueStore
+from kvckpt import ValueStore, makedirs_durable, write_id_of
 from kvckpt.errors import CheckpointError, FencedWrite
-from kvckpt.storage.store import makedirs_durable
-from kvckpt.values.records import write_id_of
 
 #: zstd level of the records the ledger itself encodes (run, checkpoint step, consumed marks).
 _LEVEL = 1

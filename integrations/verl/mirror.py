@@ -33,8 +33,8 @@ from kvckpt.integrations.transferqueue.values import encode_value, new_write_id
 from kvckpt.integrations.verl.records import FIELD, TAG, record_key, rows_of, state_from_json, state_to_json
 from omegaconf import flag_override, open_dict
 
+from kvckpt import fsync_dir, fsync_file
 from kvckpt.errors import CheckpointError
-from kvckpt.storage.store import fsync_dir, fsync_file
 
 #: The ledger file inside verl's ``global_step_N/transfer_queue`` directory, and its manifest.
 LEDGER_FILE = "kvckpt_verl.kv"

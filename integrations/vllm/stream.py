@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from kvckpt import Lease
 from kvckpt.errors import FutureVersion, KvckptError
-from kvckpt.tables.records import Lease
 
 #: ``(sequence number, new token ids, their logprobs)`` for one sequence in one engine step.
 Delta = tuple[int, list[int], list[float]]

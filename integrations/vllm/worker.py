@@ -24,8 +24,8 @@ from kvckpt.integrations.vllm.rows import make_row
 from kvckpt.integrations.vllm.stream import Continuation, ProgressRecorder, SequenceState, prefixes
 from kvckpt.integrations.vllm.tiny_model import AdditionTask
 
+from kvckpt import CommitResult, Lease
 from kvckpt.errors import KvckptError
-from kvckpt.tables.records import CommitResult, Lease
 
 #: The row schema the worker fills (NeMo-RL's field names). A store may declare fewer of these
 #: fields (the worker keeps only declared ones) or more (supply them with ``extra_fields``).
