@@ -399,8 +399,24 @@ MUTATIONS += (
              'return len(head) > 1 and head[0] == "kvckpt" and head[1] in exports', "return True",
              (f"{LAYERS_TEST}::test_an_integration_reaching_past_the_public_api_is_caught",)),
     Mutation("boundary-ignores-dotted-imports", "scripts/layers.py",
-             "    out += [f\"{chain} (line {line})\" for chain, line in module.dotted if not _public(chain, exports)]\n",
-             "", (f"{LAYERS_TEST}::test_an_integration_reaching_past_the_public_api_is_caught",)),
+             "for chain, line in module.dotted if not _public(chain, exports)]",
+             "for chain, line in module.dotted if False]",
+             (f"{LAYERS_TEST}::test_an_integration_reaching_past_the_public_api_is_caught",)),
+)
+
+CONFIGS = "tests/test_integration_configs.py"
+#: The integrations' one config loader (issue 37): unknown keys refused, only the peer's own keys let through.
+MUTATIONS += (
+    Mutation("config-loader-ignores-unknown-keys", "integrations/common/config.py",
+             "    check_keys(doc, fields, where)\n", "",
+             (f"{CONFIGS}::test_transferqueue_refuses_an_unknown_key_in_its_client_and_its_bootstrap",
+              f"{CONFIGS}::test_the_reference_trainer_refuses_an_unknown_key_naming_its_section_and_file")),
+    Mutation("config-tq-lets-any-key-through", "integrations/transferqueue/client.py",
+             "ignore=PEER_KEYS)", "ignore=config)",
+             (f"{CONFIGS}::test_transferqueue_refuses_an_unknown_key_in_its_client_and_its_bootstrap",)),
+    Mutation("config-nemo-rl-unchecked", "integrations/nemo_rl/config.py",
+             "    check_keys(config, KNOWN_KEYS, where)\n", "",
+             (f"{CONFIGS}::test_nemo_rl_refuses_an_unknown_key_naming_its_section_and_file",)),
 )
 
 def copy_tree(dest: Path, rev: str | None) -> None:

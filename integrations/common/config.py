@@ -59,7 +59,8 @@ def read_document(source: Source) -> tuple[Mapping[str, Any], str | None]:
     return doc, path
 
 
-def load_config(cls: type[T], source: Source, *, section: str | None = None) -> T:
+def load_config(cls: type[T], source: Source, *, section: str | None = None, within: str | None = None,
+                origin: str | None = None, ignore: Iterable[str] = ()) -> T:
     """``cls`` (a dataclass) built from ``source``, a dict or a YAML/JSON file path.
 
     Args:
@@ -68,19 +69,26 @@ def load_config(cls: type[T], source: Source, *, section: str | None = None) -> 
         source: the whole document (a mapping, or the path of a file holding one).
         section: a dotted key path inside the document (e.g. ``"async_rl.replay_buffer"``);
             ``None`` reads the whole document.
+        within: where ``source`` itself sits in the user's config, when a peer hands over a section
+            already cut out (TransferQueue's ``backend.kvckpt``): messages name the full path.
+        origin: what to call a mapping ``source`` in messages (``"the TransferQueue config"``); a
+            file is named by its path.
+        ignore: keys the peer itself writes into the section, accepted and not read (only these).
 
     Raises:
         BadArgument: an unknown key (named with its section and file), a missing section, a
             section that is not a mapping, a missing required key, or what ``cls`` itself refuses.
     """
-    doc, origin = read_document(source)
-    path: tuple[str, ...] = ()
+    doc, path_of_file = read_document(source)
+    origin = path_of_file or origin
+    path: tuple[str, ...] = tuple(within.split(".")) if within else ()
     for key in section.split(".") if section else ():
         path += (key,)
         doc = doc.get(key) if isinstance(doc, Mapping) else None
         if not isinstance(doc, Mapping):
             raise BadArgument(f"no config section {'.'.join(path)} (a mapping of keys) in {_where((), origin)}")
-    return _build(cls, doc, path, origin)
+    skipped = frozenset(ignore)
+    return _build(cls, {k: v for k, v in doc.items() if k not in skipped}, path, origin)
 
 
 def _where(path: tuple[str, ...], origin: str | None) -> str:
@@ -94,6 +102,10 @@ def _build(cls: type[T], doc: Mapping[str, Any], path: tuple[str, ...], origin: 
     where = _where(path, origin)
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     check_keys(doc, fields, where)
+    missing = sorted(f.name for f in dataclasses.fields(cls) if f.init and f.name not in doc
+                     and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    if missing:
+        raise BadArgument(f"bad config in {where}: missing config key(s) {missing}")
     try:
         hints = typing.get_type_hints(cls)
     except NameError:  # an annotation names a type only a function's scope knew: take what is a class

@@ -97,7 +97,7 @@ class AdapterConfig:
     checkpoint_dir: str | None = None
 
 
-def parse_config(config: Mapping[str, Any]) -> AdapterConfig:
+def parse_config(config: Mapping[str, Any], *, where: str = "the replay-buffer config") -> AdapterConfig:
     """Read NeMo-RL-style keys (see the module docstring) into an :class:`AdapterConfig`.
 
     Args:
@@ -110,13 +110,15 @@ def parse_config(config: Mapping[str, Any]) -> AdapterConfig:
             ``rollout_data``); ``backend`` (``kvckpt`` if given); ``checkpoint_dir`` (where
             ``state_dict`` writes its checkpoint files; defaults to ``<path>.checkpoints``); and
             kvckpt's own ``retain_consumed``, ``compression_level``, ``durable_checkpoints``.
+        where: the section and file ``config`` came from, for the unknown-key refusal (the
+            integrations' one, :func:`~kvckpt.integrations.common.check_keys`).
 
     Raises:
         BadArgument: a missing required key, an unknown key, another backend, or a capacity below
             ``sampler.required_buffer_capacity(num_prompts_per_step)`` (NeMo-RL refuses it too:
             the rollout pump would deadlock).
     """
-    check_keys(config, KNOWN_KEYS, "the replay-buffer config")
+    check_keys(config, KNOWN_KEYS, where)
     if config.get("backend", "kvckpt") != "kvckpt":
         raise BadArgument(f"this adapter is the kvckpt backend, not {config['backend']!r}")
     if not config.get("path"):
@@ -141,13 +143,14 @@ def _section(config: Any, key: str) -> Any:
     return value.model_dump() if hasattr(value, "model_dump") else value
 
 
-def from_master_config(master_config: Any) -> AdapterConfig:
+def from_master_config(master_config: Any, origin: str | None = None) -> AdapterConfig:
     """The kvckpt buffer a NeMo-RL master config selects with an ``async_rl.replay_buffer`` section.
 
     NeMo-RL's own keys are read where NeMo-RL keeps them: ``async_rl.sampler``,
     ``async_rl.max_buffered_rollouts``, ``grpo.num_generations_per_prompt`` and
     ``grpo.num_prompts_per_step``; ``async_rl.replay_buffer`` holds ``backend: kvckpt``, ``path``
     and any other :func:`parse_config` key (which then wins). Dicts and pydantic models both work.
+    ``origin`` names the file the master config was read from, for messages.
 
     Raises:
         BadArgument: no ``async_rl.replay_buffer`` section, another backend, or what
@@ -166,7 +169,8 @@ def from_master_config(master_config: Any) -> AdapterConfig:
         value = _section(source, name)
         if value is not None:
             merged[key] = value
-    return parse_config({**merged, **section})
+    return parse_config({**merged, **section},
+                        where=f"section async_rl.replay_buffer of {origin or 'the master config'}")
 
 
 _configured: list[AdapterConfig] = []

@@ -126,7 +126,7 @@ def prepare(argv: Sequence[str]) -> tuple[AdapterConfig, str, list[str]]:
     """
     args, overrides = parse_args(argv)
     master = build_master_config(args.config, overrides)
-    store = from_master_config(master)
+    store = from_master_config(master, origin=args.config)
     script = nemo_rl_script(args.nemo_rl_script)
     return store, script, [script, "--config", args.config, *overrides]
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from kvckpt.integrations.common import load_config
 from kvckpt.integrations.transferqueue.errors import ValueMissing
 from kvckpt.integrations.transferqueue.owner import CHECKPOINT_FILE, CHECKPOINT_GROUP
 from kvckpt.integrations.transferqueue.values import decode_value, encode_value, new_write_id
@@ -33,6 +34,9 @@ CLIENT_NAME = "KvckptStorageClient"
 #: Ray namespace of the owner actor (TransferQueue's own actors live there too).
 NAMESPACE = "transfer_queue"
 OWNERS = ("actor", "process")
+#: Keys of the ``backend.kvckpt`` section that are not kvckpt's: TransferQueue's ``client_name`` (the
+#: storage manager sets it) and the bootstrap's ``plugin`` (:class:`~.backend.PluginRef`).
+PEER_KEYS = ("client_name", "plugin")
 
 
 @dataclass(frozen=True)
@@ -50,29 +54,34 @@ class BackendSettings:
             values are short-lived, and level 1 costs more put time than it saves in bytes moved.
     """
 
-    path: str
+    path: str = ""  # required: the default only lets __post_init__ say so in its own words
     owner: str = "actor"
     actor_name: str = "KvckptValueStore"
     compression_level: int = 0
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise BadArgument("the kvckpt TransferQueue backend needs backend.kvckpt.path (the store file)")
+        if self.owner not in OWNERS:
+            raise BadArgument(f"backend.kvckpt.owner must be one of {OWNERS}, got {self.owner!r}")
+        if not isinstance(self.actor_name, str) or not self.actor_name:
+            raise BadArgument(f"backend.kvckpt.actor_name must be a non-empty string, got {self.actor_name!r}")
+        if (not isinstance(self.compression_level, int) or isinstance(self.compression_level, bool)
+                or not 0 <= self.compression_level <= codec.MAX_LEVEL):
+            raise BadArgument(f"backend.kvckpt.compression_level must be 0..{codec.MAX_LEVEL}, "
+                              f"got {self.compression_level!r}")
+
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> BackendSettings:
-        """Read the section, ignoring the keys TransferQueue itself adds (``client_name``...).
+        """Read the section through the integrations' one loader
+        (:func:`~kvckpt.integrations.common.load_config`); of the keys TransferQueue itself writes
+        there, only :data:`PEER_KEYS` are let through.
 
         Raises:
-            BadArgument: no ``path``, an unknown ``owner`` or a bad ``compression_level``.
+            BadArgument: an unknown key (named with ``backend.kvckpt``), no ``path``, an unknown
+                ``owner`` or a bad ``compression_level``.
         """
-        if not config.get("path"):
-            raise BadArgument("the kvckpt TransferQueue backend needs backend.kvckpt.path (the store file)")
-        settings = cls(str(config["path"]), str(config.get("owner", cls.owner)),
-                       str(config.get("actor_name", cls.actor_name)),
-                       config.get("compression_level", cls.compression_level))
-        if settings.owner not in OWNERS:
-            raise BadArgument(f"backend.kvckpt.owner must be one of {OWNERS}, got {settings.owner!r}")
-        if not isinstance(settings.compression_level, int) or not 0 <= settings.compression_level <= codec.MAX_LEVEL:
-            raise BadArgument(f"backend.kvckpt.compression_level must be 0..{codec.MAX_LEVEL}, "
-                              f"got {settings.compression_level!r}")
-        return settings
+        return load_config(cls, config, within="backend.kvckpt", origin="the TransferQueue config", ignore=PEER_KEYS)
 
 
 @StorageClientFactory.register(CLIENT_NAME)

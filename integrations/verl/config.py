@@ -7,12 +7,16 @@ so the ledger's settings live there and nowhere else.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
+from kvckpt.integrations.common import load_config
 from omegaconf import DictConfig, OmegaConf
 
 from kvckpt.errors import BadArgument
+
+#: Where the section sits in verl's trainer config.
+SECTION = "trainer.v1.sampler.sampler_kwargs.kvckpt"
 
 
 @dataclass(frozen=True)
@@ -27,28 +31,24 @@ class LedgerSettings:
     path: str
     actor_name: str = "kvckpt_verl_ledger"
 
+    def __post_init__(self) -> None:
+        for name in ("path", "actor_name"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise BadArgument(f"{SECTION}.{name} must be a non-empty string, got {value!r}")
+
     @classmethod
     def from_sampler_kwargs(cls, sampler_kwargs: DictConfig | Mapping[str, Any] | None) -> LedgerSettings:
-        """Read ``sampler_kwargs["kvckpt"]``.
+        """Read ``sampler_kwargs["kvckpt"]`` through the integrations' one loader
+        (:func:`~kvckpt.integrations.common.load_config`).
 
         Raises:
-            BadArgument: the section is missing, has unknown keys, or a value is not a non-empty string.
+            BadArgument: the section is missing, has unknown keys (each named with the section),
+                lacks ``path``, or a value is not a non-empty string.
         """
         if isinstance(sampler_kwargs, DictConfig):
             sampler_kwargs = OmegaConf.to_container(sampler_kwargs, resolve=True)  # type: ignore[assignment]
-        section = dict(sampler_kwargs or {}).get("kvckpt")
-        if not isinstance(section, Mapping):
-            raise BadArgument("the kvckpt verl buffer needs trainer.v1.sampler.sampler_kwargs.kvckpt.path "
-                              "(the ledger file, on a local disk)")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(section) - known)
-        if unknown:
-            raise BadArgument(f"unknown keys {unknown} in trainer.v1.sampler.sampler_kwargs.kvckpt; "
-                              f"known: {sorted(known)}")
-        for name, value in section.items():
-            if not isinstance(value, str) or not value:
-                raise BadArgument(f"trainer.v1.sampler.sampler_kwargs.kvckpt.{name} must be a non-empty string, "
-                                  f"got {value!r}")
-        if "path" not in section:
-            raise BadArgument("trainer.v1.sampler.sampler_kwargs.kvckpt.path is required (the ledger file)")
-        return cls(**section)
+        if not isinstance(dict(sampler_kwargs or {}).get("kvckpt"), Mapping):
+            raise BadArgument(f"the kvckpt verl buffer needs {SECTION}.path (the ledger file, on a local disk)")
+        return load_config(cls, sampler_kwargs, section="kvckpt", within=SECTION.rpartition(".")[0],
+                           origin="verl's trainer config")
