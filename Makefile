@@ -27,7 +27,7 @@ NOT_PEERS    := $(foreach p,$(PEERS),and not $(call peer_field,$(p),marker))
 # The peer venvs are built (mostly downloads), one after another, while the main suite runs; their
 # output follows the suite's, then each peer's tests run in its venv.
 test: $(STAMP)
-	$(BIN)/ruff check kvckpt integrations tools tests benchmarks
+	$(BIN)/ruff check kvckpt integrations reference tools tests benchmarks
 	bash scripts/setup_fuse.sh
 	bash scripts/setup_reflink.sh
 	( built=0; for p in $(PEERS); do bash scripts/setup_peer_env.sh $$p > $(VENV)/peer-$$p-setup.out 2>&1 || built=1; \

@@ -4,7 +4,7 @@ The public API is re-exported here; the packages below are layers, each importin
 before it (docs/architecture.md): :mod:`kvckpt.storage`, :mod:`kvckpt.tables`,
 :mod:`kvckpt.samplers`, :mod:`kvckpt.transitions`, :mod:`kvckpt.durability`, :mod:`kvckpt.buffer`,
 then the operations tools (:mod:`kvckpt.tools`), the harnesses (:mod:`kvckpt.testing`) and the
-integrations (:mod:`kvckpt.integrations`).
+integrations (:mod:`kvckpt.integrations`) and the reference trainer (:mod:`kvckpt.reference`).
 
 Buffer rows, group metadata, the ledger of in-flight prompts and every cursor live in one LMDB
 file; every state transition is one durable write transaction; a checkpoint is one stamp

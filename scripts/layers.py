@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Package folder of each installed prefix (``integrations/`` and ``tools/`` install under kvckpt).
-SOURCES = {"kvckpt": ROOT / "kvckpt", "kvckpt.tools": ROOT / "tools", "kvckpt.integrations": ROOT / "integrations"}
+#: Package folder of each installed prefix (``integrations/``, ``reference/`` and ``tools/`` install under kvckpt).
+SOURCES = {"kvckpt": ROOT / "kvckpt", "kvckpt.tools": ROOT / "tools", "kvckpt.integrations": ROOT / "integrations",
+           "kvckpt.reference": ROOT / "reference"}
 #: The layers, lowest first: a module may import modules of its own layer and of earlier ones.
 LAYERS = (
     ("common", ("kvckpt.errors", "kvckpt.args")),
@@ -42,11 +43,12 @@ LAYERS = (
     ("tools", ("kvckpt.tools",)),
     ("testing", ("kvckpt.testing",)),
     ("integrations", ("kvckpt.integrations",)),
+    ("reference", ("kvckpt.reference",)),  # the reference trainer and demo: a user of the integrations
     ("cli", ("kvckpt.tools.cli",)),  # the command line: the tools' verbs and the demo
 )
 MAX_LINES = 400
 #: The packages held to kvckpt's public API: they use kvckpt as a user does (docs/architecture.md, "The public API").
-CONSUMERS = ("kvckpt.integrations",)
+CONSUMERS = ("kvckpt.integrations", "kvckpt.reference")
 #: Packages public as a whole (but for their ``_private`` parts), beside the names ``kvckpt`` exports: the error
 #: classes, the samplers and their registry (for sampler authors), and the shipped harnesses.
 PUBLIC_PACKAGES = ("kvckpt.errors", "kvckpt.samplers", "kvckpt.testing")
@@ -99,7 +101,7 @@ def discover(sources: dict[str, Path] | None = None) -> dict[str, Module]:
             if parts[-1] == "__init__":
                 parts.pop()
             name = ".".join([prefix, *parts])
-            if prefix == "kvckpt" and parts[:1] in (["tools"], ["integrations"]):
+            if prefix == "kvckpt" and parts[:1] in (["tools"], ["integrations"], ["reference"]):
                 continue
             text = path.read_text()
             tree = ast.parse(text)

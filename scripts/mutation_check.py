@@ -52,7 +52,7 @@ NET = "tests/test_net.py"
 LAZY = "tests/test_lazy_rows.py"
 STRUCTURE = "tests/test_structure.py"
 #: Folders the build maps into the ``kvckpt`` package (pyproject's ``package-dir``).
-MAPPED = {"integrations": "kvckpt/integrations", "tools": "kvckpt/tools"}
+MAPPED = {"integrations": "kvckpt/integrations", "reference": "kvckpt/reference", "tools": "kvckpt/tools"}
 
 
 @dataclass(frozen=True)
@@ -309,7 +309,7 @@ MUTATIONS += (
 #: Issue 40: the demo parks its rollout mid-way through long completions, scored answer by answer.
 _DEMO = "tests/test_functional_recovery.py::"
 MUTATIONS += (
-    Mutation("demo-parks-before-mid-way", "integrations/trainer/demo.py",
+    Mutation("demo-parks-before-mid-way", "reference/demo.py",
              "max(s.generated for s in mine) >= self.park_tokens", "True",
              (f"{_DEMO}test_the_demo_parks_its_rollout_mid_way_through_generation",)),
     Mutation("repeat-reward-ignores-extra-words", "integrations/vllm/tiny_model.py",
@@ -421,7 +421,7 @@ MUTATIONS += (
 
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and
-    map ``integrations``/``tools`` into the package the way the build does."""
+    map ``integrations``/``reference``/``tools`` into the package the way the build does."""
     if rev is not None:
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Lower-case paths only: ``tests/test_NAME_a.py`` in docs/architecture.md is a placeholder.
 CITATION = re.compile(r"\btests/(?P<file>[a-z0-9_]+(?:/[a-z0-9_]+)*\.py)(?:::(?P<name>[A-Za-z_*][A-Za-z0-9_*]*))?")
 DEFINED = re.compile(r"^\s*(?:async\s+)?(?:def|class)\s+([A-Za-z_][A-Za-z0-9_]*)", re.MULTILINE)
-SOURCES = ("kvckpt", "integrations", "tools", "benchmarks")
+SOURCES = ("kvckpt", "integrations", "reference", "tools", "benchmarks")
 
 
 def cited_by() -> list[Path]:

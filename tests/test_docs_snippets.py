@@ -202,7 +202,7 @@ def test_block_runs_as_written(unit: Block, tmp_path: Path) -> None:
         doc = yaml.safe_load(unit.text)
         assert doc is not None, f"{unit.name}: empty YAML"
         if isinstance(doc, dict) and "output_dir" in doc:  # the reference trainer's config: every key checked
-            from kvckpt.integrations.trainer import TrainerConfig
+            from kvckpt.reference import TrainerConfig
 
             TrainerConfig.from_any(doc)
     else:

@@ -25,7 +25,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvckpt.integrations.trainer.demo import (
+from kvckpt.integrations.vllm import AdditionTask, ensure_tiny_model
+from kvckpt.integrations.vllm.stream import SequenceState
+from kvckpt.reference.demo import (
     PROGRESS_EVERY_TOKENS,
     DemoFailed,
     DemoHooks,
@@ -37,8 +39,8 @@ from kvckpt.integrations.trainer.demo import (
     spawn_child,
     wait_event,
 )
-from kvckpt.integrations.trainer.grpo import BUFFER_FILE, checkpoint_steps
-from kvckpt.integrations.trainer.report import (
+from kvckpt.reference.grpo import BUFFER_FILE, checkpoint_steps
+from kvckpt.reference.report import (
     audit,
     learning,
     reward_trend,
@@ -46,8 +48,6 @@ from kvckpt.integrations.trainer.report import (
     token_account,
     work_after_checkpoint,
 )
-from kvckpt.integrations.vllm import AdditionTask, ensure_tiny_model
-from kvckpt.integrations.vllm.stream import SequenceState
 
 from kvckpt.errors import BadArgument
 from kvckpt.tables.records import CONSUMED, EVICTED, Lease

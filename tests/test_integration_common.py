@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from kvckpt.integrations.common import PeerMissing, check_keys, load_config, require_peer
-from kvckpt.integrations.trainer.config import TrainerConfig
+from kvckpt.reference.config import TrainerConfig
 
 from kvckpt.errors import BadArgument, KvckptError
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 from kvckpt.integrations.nemo_rl.entry import prepare
-from kvckpt.integrations.trainer.config import TrainerConfig
 from kvckpt.integrations.transferqueue.backend import start_value_store
 from kvckpt.integrations.transferqueue.client import BackendSettings, KvckptStorageClient
+from kvckpt.reference.config import TrainerConfig
 from omegaconf import OmegaConf
 
 from kvckpt.errors import BadArgument

@@ -91,6 +91,9 @@ def test_the_boundary_rule_covers_every_integration() -> None:
     modules = layers.discover()
     consumers = [m for m in modules if m.startswith(layers.CONSUMERS)]
     assert len(consumers) > 40 and "kvckpt.integrations.transferqueue.client" in consumers
+    # the reference trainer is a user of kvckpt and its integrations: above them, and held to the public API too
+    assert "kvckpt.reference.memory_buffer" in consumers
+    assert modules["kvckpt.reference.grpo"].layer > modules["kvckpt.integrations.vllm.worker"].layer
     # the public API is what kvckpt exports, read from its __all__: the adapters' durable-dir helpers included
     assert {"ReplayBuffer", "ValueStore", "makedirs_durable", "fsync_dir", "write_id_of"} <= modules["kvckpt"].exports
 

@@ -12,11 +12,14 @@ import zipfile
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: Each source folder and where the build maps it in the package (pyproject's ``package-dir``).
+MAPPED = (("kvckpt", "kvckpt"), ("integrations", "kvckpt/integrations"), ("reference", "kvckpt/reference"),
+          ("tools", "kvckpt/tools"))
 
 
 def _source_packages() -> set[str]:
     found = set()
-    for top, prefix in (("kvckpt", "kvckpt"), ("integrations", "kvckpt/integrations"), ("tools", "kvckpt/tools")):
+    for top, prefix in MAPPED:
         for init in (ROOT / top).rglob("__init__.py"):
             found.add(f"{prefix}/{init.parent.relative_to(ROOT / top).as_posix()}".rstrip("/.") + "/__init__.py")
     return found
@@ -24,7 +27,7 @@ def _source_packages() -> set[str]:
 
 def _source_modules() -> set[str]:
     found = set()
-    for top, prefix in (("kvckpt", "kvckpt"), ("integrations", "kvckpt/integrations"), ("tools", "kvckpt/tools")):
+    for top, prefix in MAPPED:
         found |= {f"{prefix}/{path.relative_to(ROOT / top).as_posix()}" for path in (ROOT / top).rglob("*.py")}
     return found
 

@@ -358,7 +358,7 @@ def test_deep_verify_holds_rows_to_the_pins(buffer_factory):
 
 
 def test_the_in_memory_baseline_buffer_reads_text_and_bfloat16_like_the_store():
-    from kvckpt.integrations.trainer.memory_buffer import MemoryReplayBuffer
+    from kvckpt.reference.memory_buffer import MemoryReplayBuffer
 
     from kvckpt import BufferConfig
 

@@ -68,7 +68,7 @@ def _members(cls: type) -> dict[str, Any]:
 
 def _surfaces() -> dict[str, type]:
     from kvckpt.integrations.ray.actor import BufferActor
-    from kvckpt.integrations.trainer.memory_buffer import MemoryReplayBuffer
+    from kvckpt.reference.memory_buffer import MemoryReplayBuffer
 
     return {"AsyncReplayBuffer": AsyncReplayBuffer, "BufferActor": BufferActor.__ray_actor_class__,
             "MemoryReplayBuffer": MemoryReplayBuffer}

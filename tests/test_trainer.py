@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 import torch
-from kvckpt.integrations.trainer import GRPOTrainer, ParkRollout, grpo_loss
-from kvckpt.integrations.trainer.grpo import BUFFER_FILE, MODEL_FILE, checkpoint_steps
 from kvckpt.integrations.vllm import ensure_tiny_model
+from kvckpt.reference import GRPOTrainer, ParkRollout, grpo_loss
+from kvckpt.reference.grpo import BUFFER_FILE, MODEL_FILE, checkpoint_steps
 
 from kvckpt import ReplayBuffer
 from kvckpt.buffer import Batch
@@ -190,7 +190,7 @@ def test_crash_then_resume_in_a_fresh_process_trains_every_prompt_once(tmp_path,
     cfg = _config(tmp_path, cache_dir, train={"steps": 6}, checkpoint={"resume_from": resume_from})
     cfg_path = tmp_path / "config.json"
     cfg_path.write_text(json.dumps(cfg))
-    module = "kvckpt.integrations.trainer.grpo"
+    module = "kvckpt.reference.grpo"
     crashed = subprocess.run([sys.executable, "-m", module, str(cfg_path), "--crash-at", "after_finish_step:4"],
                              capture_output=True, text=True, timeout=300)
     assert crashed.returncode == -9, crashed.stderr[-3000:]
@@ -258,7 +258,7 @@ def test_metrics_hook_gets_buffer_stats_and_the_step_record_every_step(tmp_path,
 
     seen: list[tuple[int, dict[str, float]]] = []
     cfg = _config(tmp_path, cache_dir, replay_buffer={"retain_consumed": True})
-    with caplog.at_level(logging.INFO, logger="kvckpt.integrations.trainer.grpo"):
+    with caplog.at_level(logging.INFO, logger="kvckpt.reference.grpo"):
         summary = GRPOTrainer(cfg, metrics=MetricsHook(lambda m, step: seen.append((step, dict(m))))).run()
     assert summary["steps_done"] == 3
     assert [step for step, _ in seen] == [0, 1, 2]
@@ -266,10 +266,10 @@ def test_metrics_hook_gets_buffer_stats_and_the_step_record_every_step(tmp_path,
     assert [m["kvckpt/trainer_version"] for _, m in seen] == [1, 2, 3]
     rows = _metrics(summary)
     assert [m["train/reward_mean"] for _, m in seen] == [r["reward_mean"] for r in rows]
-    messages = [r.getMessage() for r in caplog.records if r.name == "kvckpt.integrations.trainer.grpo"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "kvckpt.reference.grpo"]
     assert any(m.startswith("checkpoint step_2 written") for m in messages)
     assert any(m.startswith("run ended at step 3") for m in messages)
-    assert logging.getLogger("kvckpt.integrations.trainer.grpo").handlers == []
+    assert logging.getLogger("kvckpt.reference.grpo").handlers == []
     with ReplayBuffer.open(os.path.join(cfg["output_dir"], "buffer.kvckpt"), readonly=True) as buf:
         assert buf.config.retain_consumed is True  # the trainer config reaches the store
         assert all(g.rows_stored for g in buf.groups([CONSUMED]))

@@ -451,11 +451,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 # -- demo ----------------------------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvckpt.integrations.trainer.report import render
+    from kvckpt.reference.report import render
 
     log = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
     if args.no_model:
-        from kvckpt.integrations.trainer.model_free_demo import run_demo as run_model_free
+        from kvckpt.reference.model_free_demo import run_demo as run_model_free
 
         from kvckpt.errors import BadArgument
 
@@ -463,7 +463,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             raise BadArgument("--steps is an option of the model demo, not of --no-model")
         report = run_model_free(args.out, fast=args.fast, sampler=args.sampler, recovery=args.recovery, log=log)
     else:
-        from kvckpt.integrations.trainer.demo import run_demo
+        from kvckpt.reference.demo import run_demo
 
         report = run_demo(args.out, fast=args.fast, steps=args.steps, sampler=args.sampler,
                           recovery=args.recovery, backend=args.backend, log=log)
@@ -508,7 +508,7 @@ def _require_file(path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvckpt`` argument parser (one subparser per command)."""
-    from kvckpt.integrations.trainer.model_free_demo import RECOVERY_MODES, SAMPLERS
+    from kvckpt.reference.model_free_demo import RECOVERY_MODES, SAMPLERS
     from kvckpt.tools.export import FORMATS
 
     from kvckpt import __version__

@@ -14,7 +14,7 @@
    regenerated), the time to the first batch after the restart, an exactly-once audit of every
    prompt over both runs, and a PNG: the learning curve beside the tokens kept and regenerated.
 
-The children run :func:`child_main` (``python -m kvckpt.integrations.trainer.demo child ...``),
+The children run :func:`child_main` (``python -m kvckpt.reference.demo child ...``),
 whose :class:`DemoHooks` are the trainer's test-only hooks (:mod:`.faults`), passed in by the
 parent on the command line, never through environment variables. tests/test_functional_recovery.py
 drives the same children.
@@ -43,8 +43,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvckpt.integrations.trainer.faults import Hooks, ParkRollout
-from kvckpt.integrations.trainer.report import (
+from kvckpt.reference.faults import Hooks, ParkRollout
+from kvckpt.reference.report import (
     audit,
     learning,
     plot_learning_curve,
@@ -232,7 +232,7 @@ class DemoHooks(Hooks):
 # -- child processes ------------------------------------------------------------------------------
 def child_main(argv: Sequence[str]) -> int:
     """One training process: the trainer with :class:`DemoHooks`; writes its summary as JSON."""
-    parser = argparse.ArgumentParser(prog="kvckpt.integrations.trainer.demo child")
+    parser = argparse.ArgumentParser(prog="kvckpt.reference.demo child")
     parser.add_argument("config")
     parser.add_argument("events")
     parser.add_argument("--summary")
@@ -242,7 +242,7 @@ def child_main(argv: Sequence[str]) -> int:
     parser.add_argument("--park-at", choices=("commit", "generation"), default="commit")
     parser.add_argument("--park-tokens", type=int, default=1)
     args = parser.parse_args(argv)
-    from kvckpt.integrations.trainer.grpo import GRPOTrainer
+    from kvckpt.reference.grpo import GRPOTrainer
 
     hooks = DemoHooks(args.events, park_prompt=args.park_prompt, crash_step=args.crash_step,
                       stop_step=args.stop_step, park_at=args.park_at, park_tokens=args.park_tokens)
@@ -260,7 +260,7 @@ def spawn_child(config_path: str, events: str, *, summary: str | None = None, pa
                 park_tokens: int | None = None, stderr: str | None = None) -> subprocess.Popen[bytes]:
     """Start a training process running :func:`child_main` (its stderr to the file ``stderr``; its
     stdout a pipe carrying one byte per logged event, the doorbell :func:`wait_event` waits on)."""
-    cmd = [sys.executable, "-m", "kvckpt.integrations.trainer.demo", "child", config_path, events]
+    cmd = [sys.executable, "-m", "kvckpt.reference.demo", "child", config_path, events]
     for flag, value in (("--summary", summary), ("--park-prompt", park_prompt), ("--crash-step", crash_step),
                         ("--stop-step", stop_step), ("--park-at", park_at), ("--park-tokens", park_tokens)):
         if value is not None:
@@ -372,7 +372,7 @@ def run_demo(out: str | None = None, *, fast: bool = False, steps: int | None = 
             ``backend="vllm"`` without vLLM installed (the message says how to get it).
         DemoFailed: a training process ended early (the message quotes its stderr).
     """
-    from kvckpt.integrations.trainer.grpo import BUFFER_FILE, checkpoint_steps
+    from kvckpt.reference.grpo import BUFFER_FILE, checkpoint_steps
 
     if sampler not in SAMPLERS or recovery not in RECOVERY_MODES:
         raise BadArgument(f"sampler must be one of {sorted(SAMPLERS)}, recovery one of {RECOVERY_MODES}")
@@ -493,10 +493,10 @@ def _metrics(out: str) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvckpt.integrations.trainer.demo child ...``: one training process of the demo."""
+    """``python -m kvckpt.reference.demo child ...``: one training process of the demo."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] != ["child"]:
-        print("usage: python -m kvckpt.integrations.trainer.demo child CONFIG EVENTS [options]; "
+        print("usage: python -m kvckpt.reference.demo child CONFIG EVENTS [options]; "
               "run the demo with `kvckpt demo`", file=sys.stderr)
         return 2
     return child_main(argv[1:])

@@ -30,9 +30,9 @@ kvckpt buffer, as a :class:`~kvckpt.integrations.ray.BufferActor` — in Ray act
 Per-step numbers go to ``metrics_path`` (JSON lines) and, through a
 :class:`kvckpt.metrics.MetricsHook` (``metrics=`` or the config's ``metrics`` section: TensorBoard,
 W&B), together with the buffer's ``stats()``. Progress is logged on the
-``kvckpt.integrations.trainer.grpo`` logger (no handler installed: configure :mod:`logging` to see it).
+``kvckpt.reference.grpo`` logger (no handler installed: configure :mod:`logging` to see it).
 
-Run it: ``python -m kvckpt.integrations.trainer.grpo CONFIG.yaml`` (``--crash-at POINT[:COUNT]``
+Run it: ``python -m kvckpt.reference.grpo CONFIG.yaml`` (``--crash-at POINT[:COUNT]``
 SIGKILLs it at a fault point, for recovery tests).
 
 The module is long (about 700 lines) because it is the whole reference trainer in one readable
@@ -57,11 +57,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from kvckpt.integrations.trainer.config import TrainerConfig
-from kvckpt.integrations.trainer.faults import CrashAt, Hooks
-from kvckpt.integrations.trainer.memory_buffer import MemoryReplayBuffer
 from kvckpt.integrations.vllm.tiny_model import AdditionTask, TinyModelSpec, ensure_tiny_model
 from kvckpt.integrations.vllm.worker import DEFAULT_SCHEMA, RolloutWorker
+from kvckpt.reference.config import TrainerConfig
+from kvckpt.reference.faults import CrashAt, Hooks
+from kvckpt.reference.memory_buffer import MemoryReplayBuffer
 
 from kvckpt import (
     Batch,
@@ -714,7 +714,7 @@ def _configured_hook(config: TrainerConfig) -> MetricsHook | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvckpt.integrations.trainer.grpo CONFIG.yaml [--crash-at POINT[:COUNT]]``: run and
+    """``python -m kvckpt.reference.grpo CONFIG.yaml [--crash-at POINT[:COUNT]]``: run and
     print the summary (a test crashes the trainer in a fresh process with ``--crash-at``)."""
     import argparse
 

@@ -1,5 +1,5 @@
 """The model-free demo (``kvckpt demo --no-model``): a real producer/consumer run, SIGKILLed
-mid-step, recovered; the reference-trainer demo (:mod:`kvckpt.integrations.trainer.demo`) without a
+mid-step, recovered; the reference-trainer demo (:mod:`kvckpt.reference.demo`) without a
 model, in seconds. It shows, on a small but real run, what kvckpt is for:
 
 1. **Run.** A child process owns a buffer store. A dispatcher thread admits dataloader batches,
@@ -20,9 +20,9 @@ The "model" is the list of prompts each step trained on, saved atomically with e
 checkpoint: exactly what a real trainer's weights would have absorbed. Consumption after the
 last model checkpoint is lost with the model; recovery makes those groups ready again.
 
-It reads the stores with the model demo's readers (:func:`~kvckpt.integrations.trainer.report.store_view`,
+It reads the stores with the model demo's readers (:func:`~kvckpt.reference.report.store_view`,
 ``work_after_checkpoint``, ``audit``) and reports in its shape, so one
-:func:`~kvckpt.integrations.trainer.report.render` prints both; :func:`run_demo` is its whole interface.
+:func:`~kvckpt.reference.report.render` prints both; :func:`run_demo` is its whole interface.
 
 Why this module is long (about 520 lines): the model-free run is a small trainer of its own (a
 dispatcher, generator threads and a training loop over one buffer, :class:`_Run`, about 160 lines)
@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-from kvckpt.integrations.trainer.report import audit, store_view, work_after_checkpoint
+from kvckpt.reference.report import audit, store_view, work_after_checkpoint
 
 from kvckpt import (
     BufferConfig,
@@ -327,7 +327,7 @@ def _run_child(out: str, cfg: DemoConfig, log: Callable[[str], None]) -> dict[st
     args = json.dumps({"out": out, "config": asdict(cfg)})
     stderr_path = os.path.join(out, "child.stderr")
     with open(stderr_path, "w") as stderr:
-        child = subprocess.Popen([sys.executable, "-m", "kvckpt.integrations.trainer.model_free_demo", args],
+        child = subprocess.Popen([sys.executable, "-m", "kvckpt.reference.model_free_demo", args],
                                  stdout=subprocess.PIPE, stderr=stderr, text=True)
     seen: dict[str, Any] = {"pid": child.pid, "steps": 0, "checkpoints": []}
     log(f"run       child pid {child.pid}: {cfg.workers} generator threads, trainer, checkpoint every "

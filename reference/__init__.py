@@ -9,10 +9,10 @@
 See docs/trainer.md.
 """
 
-from kvckpt.integrations.trainer.config import TrainerConfig
-from kvckpt.integrations.trainer.faults import CrashAt, Hooks, ParkRollout
-from kvckpt.integrations.trainer.grpo import GRPOTrainer, group_advantages, grpo_loss, sft_warmup
-from kvckpt.integrations.trainer.memory_buffer import MemoryReplayBuffer
+from kvckpt.reference.config import TrainerConfig
+from kvckpt.reference.faults import CrashAt, Hooks, ParkRollout
+from kvckpt.reference.grpo import GRPOTrainer, group_advantages, grpo_loss, sft_warmup
+from kvckpt.reference.memory_buffer import MemoryReplayBuffer
 
 __all__ = ["CrashAt", "GRPOTrainer", "Hooks", "MemoryReplayBuffer", "ParkRollout", "TrainerConfig",
            "group_advantages", "grpo_loss", "sft_warmup"]

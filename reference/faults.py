@@ -6,7 +6,7 @@ The trainer calls ``hooks.at(point, **info)`` at named points of its loop,
 and get :class:`Hooks`, whose methods do nothing. Tests pass one of the classes below, or run the
 trainer as a program that crashes in a fresh process::
 
-    python -m kvckpt.integrations.trainer.grpo CONFIG.yaml --crash-at after_finish_step:5
+    python -m kvckpt.reference.grpo CONFIG.yaml --crash-at after_finish_step:5
 
 Points, in the order one step meets them (``step`` is the trainer version the point belongs to):
 

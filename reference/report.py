@@ -3,8 +3,8 @@ checkpoint-only recovery would lose (:func:`work_after_checkpoint`), the exactly
 prompt (:func:`audit`), the reward curve of the model that survived (:func:`learning`,
 :func:`plot_learning_curve`) and the recovery report (:func:`render`).
 
-:mod:`kvckpt.integrations.trainer.demo` (the reference-trainer demo) and
-:mod:`kvckpt.integrations.trainer.model_free_demo` (``kvckpt demo --no-model``) both report in the
+:mod:`kvckpt.reference.demo` (the reference-trainer demo) and
+:mod:`kvckpt.reference.model_free_demo` (``kvckpt demo --no-model``) both report in the
 shape :func:`render` reads; the model-free one has no learning curve (``learning`` is ``None``).
 """
 
@@ -198,7 +198,7 @@ def _size(n: int) -> str:
 
 def render(doc: dict[str, Any]) -> list[str]:
     """The report a person reads at a glance, as lines: of this demo's :func:`run_demo`, or of the
-    model-free one's (:func:`kvckpt.integrations.trainer.model_free_demo.run_demo`, ``backend``
+    model-free one's (:func:`kvckpt.reference.model_free_demo.run_demo`, ``backend``
     ``"model-free"``), which reports in the same shape."""
     run, rec, check, fin = doc["run"], doc["recovery"], doc["check"], doc["finish"]
     work, kill = rec["work_after_checkpoint"], run["at_kill"]
