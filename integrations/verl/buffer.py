@@ -39,6 +39,7 @@ the first checkpoint a sampled group is deleted: a restart then starts from scra
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from typing import Any
@@ -70,6 +71,10 @@ class _LedgerBacked:
 
     def _attach(self, sampler_kwargs: DictConfig | dict | None) -> None:
         settings = LedgerSettings.from_sampler_kwargs(sampler_kwargs)
+        if settings.progress_every_tokens and importlib.util.find_spec("vllm") is not None:
+            from kvckpt.integrations.verl import server
+
+            server.install()  # before verl starts its vLLM replicas (server.py says why at import)
         self.ledger = ledger_actor(settings.path, settings.actor_name, NAMESPACE)
         run = ray.get(self.ledger.open_run.remote())
         self.run = run["run"]
