@@ -172,3 +172,27 @@ def test_the_interval_is_one_key_of_sampler_kwargs_kvckpt() -> None:
                                               ).progress_every_tokens == 64
     with pytest.raises(BadArgument, match="progress_every_tokens"):
         LedgerSettings.from_sampler_kwargs({"kvckpt": {"path": "/x", "progress_every_tokens": "64"}})
+
+
+def test_the_documented_agent_loop_configuration_selects_kvckpts_agent_loop() -> None:
+    """docs/integrations.md's two blocks: the interval parses, the agent-loop file's target is kvckpt's loop, which
+    verl's own registry knows by the name ``default_agent_loop`` gives."""
+    import importlib
+    import re
+
+    import yaml
+
+    text = (Path(__file__).parents[1] / "docs" / "integrations.md").read_text()
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "kvckpt_single_turn" in b]
+    config, registration = blocks
+    name = config["actor_rollout_ref"]["rollout"]["agent"]["default_agent_loop"]
+    settings = LedgerSettings.from_sampler_kwargs(config["trainer"]["v1"]["sampler"]["sampler_kwargs"])
+    assert settings.progress_every_tokens == 256
+    module, cls = registration[0]["_target_"].rsplit(".", 1)
+    client = importlib.import_module(module)
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+    from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+    assert registration[0]["name"] == name == client.AGENT_LOOP
+    assert _agent_loop_registry[name]["_target_"] == registration[0]["_target_"]
+    assert issubclass(getattr(client, cls), SingleTurnAgentLoop)

@@ -95,7 +95,7 @@ class ProgressClient:
         key = SampleKey(mirror.actor_name, mirror.token, uid, session, len(prompt_ids), self.every)
         params = dict(sampling_params)
         limit = "max_new_tokens" if "max_new_tokens" in params else "max_tokens"
-        budget = params.get(limit) or self.inner._configured_response_length()
+        budget = params.get(limit) or _response_length(self.inner.config)
         if prefix["tokens"]:
             self.stats["samples_resumed"] += 1
             self.stats["tokens_resumed"] += len(prefix["tokens"])
@@ -124,6 +124,13 @@ class ProgressClient:
         output.extra_fields = extra
         await ledger.record_progress.remote(mirror.token, [{"uid": uid, "session": session, "drop": True}])
         return output
+
+
+def _response_length(config: Any) -> int | None:
+    """``actor_rollout_ref.rollout.response_length``: the budget verl's client pins when a call names none."""
+    rollout = getattr(getattr(config, "actor_rollout_ref", None), "rollout", None)
+    length = getattr(rollout, "response_length", None)
+    return length if isinstance(length, int) and length > 0 else None
 
 
 @register(AGENT_LOOP)
