@@ -125,10 +125,11 @@ class ServerProgress:
         self.samples.add(sample)
         return sample
 
-    async def observe(self, sample: Sample, token_ids: Sequence[int], logprobs: Sequence[float] | None,
+    async def observe(self, sample: Sample, token_ids: Sequence[int], logprobs: Any,
                       version: int | None) -> None:
-        """Take the request's cumulative output: its new tokens join the sample's unrecorded tail, stamped with
-        ``version``. Waits only while the sample holds :data:`BACKLOG` intervals unrecorded."""
+        """Take the request's cumulative output (``logprobs``: aligned with ``token_ids``, sliceable, or ``None``):
+        its new tokens join the sample's unrecorded tail, stamped with ``version``. Waits only while the sample
+        holds :data:`BACKLOG` intervals unrecorded."""
         new = list(token_ids[sample.seen:])
         if not new:
             return

@@ -32,6 +32,17 @@ from verl.workers.rollout.vllm_rollout import vllm_async_server
 _SAMPLE: contextvars.ContextVar[Sample | None] = contextvars.ContextVar("kvckpt_verl_sample", default=None)
 
 
+class _Logprobs:
+    """A completion's sampled-token logprobs, read only for the slice asked (the new tokens of one output)."""
+
+    def __init__(self, completion: Any) -> None:
+        self.completion = completion
+
+    def __getitem__(self, part: slice) -> list[float]:
+        ids, entries = self.completion.token_ids[part], self.completion.logprobs[part]
+        return [entry[token].logprob for token, entry in zip(ids, entries, strict=True)]
+
+
 class EngineTap:
     """verl's ``self.engine`` (vLLM's ``AsyncLLM``) with ``generate``'s outputs observed for the current sample."""
 
@@ -46,9 +57,7 @@ class EngineTap:
         async for output in self._engine.generate(*args, **kwargs):
             if sample is not None and output.outputs:
                 completion = output.outputs[0]
-                logprobs = None if completion.logprobs is None else [
-                    entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs,
-                                                                 strict=False)]
+                logprobs = None if completion.logprobs is None else _Logprobs(completion)
                 await self._server.kvckpt_progress.observe(sample, completion.token_ids, logprobs,
                                                            self._server.global_steps)
             yield output
