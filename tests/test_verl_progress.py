@@ -196,3 +196,18 @@ def test_the_documented_agent_loop_configuration_selects_kvckpts_agent_loop() ->
     assert registration[0]["name"] == name == client.AGENT_LOOP
     assert _agent_loop_registry[name]["_target_"] == registration[0]["_target_"]
     assert issubclass(getattr(client, cls), SingleTurnAgentLoop)
+
+
+def test_a_restart_keeps_progress_only_of_the_prompts_it_reissues(tmp_path: Path) -> None:
+    from kvckpt.integrations.verl.errors import StaleRun
+
+    ledger, old = _ledger(tmp_path)
+    chunk = {"session": 0, "start": 0, "tokens": [1, 2], "logprobs": [0.0, 0.0], "versions": [0, 0]}
+    ledger.record_progress(old, [{**chunk, "uid": "kept"}, {**chunk, "uid": "done"}, {**chunk, "uid": "kept",
+                                                                                       "session": 1}])
+    token = ledger.open_run()["token"]
+    with pytest.raises(StaleRun):
+        ledger.settle_progress(old, ["kept"])
+    assert ledger.settle_progress(token, ["kept"]) == 3  # the finished prompt's chunk: three records
+    assert ledger.progress("done", 0) is None
+    assert ledger.progress("kept", 0)["tokens"] == [1, 2] and ledger.progress("kept", 1)["tokens"] == [1, 2]

@@ -285,6 +285,17 @@ class VerlLedger:
         self._write(token, keys, values, deletes)
         return out
 
+    def settle_progress(self, token: str, inflight_uids: list[str]) -> int:
+        """At a restart: delete the progress of every prompt not in ``inflight_uids`` (one transaction); returns
+        how many records went.
+
+        Raises:
+            StaleRun: ``token`` is not the current run's; nothing is deleted.
+        """
+        doomed = progress_store.stale(self._values, set(inflight_uids))
+        self._write(token, [], [], doomed)
+        return len(doomed)
+
     def progress(self, uid: str, session: int) -> dict[str, Any] | None:
         """The durable progress of sample ``session`` of prompt ``uid`` (:func:`.progress_store.read`)."""
         return progress_store.read(self._values, uid, session)

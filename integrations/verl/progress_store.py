@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from kvckpt.integrations.transferqueue.values import decode_value, encode_value, new_write_id
 from kvckpt.integrations.verl.errors import ProgressGap
-from kvckpt.integrations.verl.records import CHUNK_FIELDS, DONE, chunk_key, progress_prefix
+from kvckpt.integrations.verl.records import CHUNK_FIELDS, DONE, PROGRESS, chunk_key, progress_prefix
 
 from kvckpt import ValueStore
 from kvckpt.errors import BadArgument, CorruptRecord
@@ -95,6 +95,12 @@ def read(values: ValueStore, uid: str, session: int) -> dict[str, Any] | None:
             raise CorruptRecord(f"verl ledger: the progress of {uid}/{session} has a gap at token {start}")
         columns[name] += decode_value(key, raw, write_id_of(raw, key)).tolist()
     return {"tokens": columns["t"], "logprobs": columns["l"], "versions": columns["v"], "done": done}
+
+
+def stale(values: ValueStore, keep_uids: set[str]) -> list[str]:
+    """The progress records of every prompt not in ``keep_uids`` (a restart's in-flight prompts): what a restart
+    deletes, so a sample that will never resume (its prompt finished, failed or was dropped) leaves nothing."""
+    return [k for k in values.keys(PROGRESS) if k[len(PROGRESS):].split("/", 1)[0] not in keep_uids]
 
 
 def durable_length(values: ValueStore, uid: str, session: int) -> int:
