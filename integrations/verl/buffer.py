@@ -39,6 +39,7 @@ the first checkpoint a sampled group is deleted: a restart then starts from scra
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from typing import Any
@@ -70,6 +71,10 @@ class _LedgerBacked:
 
     def _attach(self, sampler_kwargs: DictConfig | dict | None) -> None:
         settings = LedgerSettings.from_sampler_kwargs(sampler_kwargs)
+        if settings.progress_every_tokens and importlib.util.find_spec("vllm") is not None:
+            from kvckpt.integrations.verl import server
+
+            server.install()  # before verl starts its vLLM replicas (server.py says why at import)
         self.ledger = ledger_actor(settings.path, settings.actor_name, NAMESPACE)
         run = ray.get(self.ledger.open_run.remote())
         self.run = run["run"]
@@ -85,6 +90,8 @@ class _LedgerBacked:
             self.restored = 0
         else:
             self.restored = self.mirror.refill(ray.get(self.ledger.resume.remote(run["token"])))
+        # token progress is kept only for the prompts _reissue_inflight_prompts will dispatch again
+        ray.get(self.ledger.settle_progress.remote(run["token"], _inflight_prompts(RAW["kv_list"]() or {})))
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
         """verl's ``sample``; in async modes (once the ledger has a checkpoint) the groups it hands out are marked
@@ -155,6 +162,12 @@ def _trainer_loads_a_checkpoint(trainer: Any) -> bool:
     else:
         return True  # verl fails on an unknown mode or a missing folder before it loads anything
     return folder is not None and os.path.exists(os.path.join(folder, "transfer_queue"))
+
+
+def _inflight_prompts(listing: dict[str, dict[str, dict]]) -> list[str]:
+    """The prompt uids ``_reissue_inflight_prompts`` re-issues (its own filter: ``is_prompt``, pending or running)."""
+    return [key for key, tag in listing.get("train", {}).items()
+            if tag.get("is_prompt", False) and tag.get("status") in ("pending", "running")]
 
 
 def _dataloader_state(trainer: Any) -> Any:

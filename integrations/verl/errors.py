@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvckpt.errors import StaleAttempt
+from kvckpt.errors import BadArgument, StaleAttempt
 
 
 class StaleRun(StaleAttempt):
@@ -21,3 +21,7 @@ class StaleRun(StaleAttempt):
 
     def __reduce__(self) -> tuple[type, tuple[str, str, str | None]]:
         return (type(self), (self.path, self.run, self.current))
+
+
+class ProgressGap(BadArgument):
+    """A progress chunk that does not start where the sample's durable tokens end (nothing of it is written)."""

@@ -35,7 +35,8 @@ from typing import Any
 
 import ray
 from kvckpt.integrations.transferqueue.values import decode_value, encode_value, new_write_id
-from kvckpt.integrations.verl.errors import StaleRun
+from kvckpt.integrations.verl import progress_store
+from kvckpt.integrations.verl.errors import ProgressGap, StaleRun
 from kvckpt.integrations.verl.records import (
     CHECKPOINT_KEY,
     CONSUMED,
@@ -267,6 +268,35 @@ class VerlLedger:
     def close(self) -> None:
         """Close the file (idempotent)."""
         self._values.close()
+
+    # -- token progress ----------------------------------------------------------------------------
+    def record_progress(self, token: str, items: list[dict[str, Any]]) -> list[int | ProgressGap]:
+        """One flush of a rollout server's token progress, in ONE write transaction of run ``token``
+        (:func:`.progress_store.stage`: chunks appended, finished samples dropped). Returns per item the sample's
+        durable token count after it, or the :class:`ProgressGap` refusing that chunk (nothing of it written).
+
+        Raises:
+            StaleRun: ``token`` is not the current run's; nothing is written.
+            BadArgument: an item is malformed; nothing is written.
+        """
+        keys, values, deletes, out = progress_store.stage(self._values, items)
+        self._write(token, keys, values, deletes)
+        return out
+
+    def settle_progress(self, token: str, inflight_uids: list[str]) -> int:
+        """At a restart: delete the progress of every prompt not in ``inflight_uids`` (one transaction); returns
+        how many records went.
+
+        Raises:
+            StaleRun: ``token`` is not the current run's; nothing is deleted.
+        """
+        doomed = progress_store.stale(self._values, set(inflight_uids))
+        self._write(token, [], [], doomed)
+        return len(doomed)
+
+    def progress(self, uid: str, session: int) -> dict[str, Any] | None:
+        """The durable progress of sample ``session`` of prompt ``uid`` (:func:`.progress_store.read`)."""
+        return progress_store.read(self._values, uid, session)
 
     # -- reading -----------------------------------------------------------------------------------
     def _get(self, key: str) -> Any:

@@ -131,3 +131,26 @@ def state_from_json(value: Any) -> Any:
     if isinstance(value, list):
         return [state_from_json(v) for v in value]
     return value
+
+
+#: Token progress of in-flight samples: ``verl/progress/{uid}/{session}/{start:010d}/{t|l|v}`` (one chunk's
+#: token ids, logprobs and weight versions, each appended once, never rewritten) and ``.../done`` (the sample
+#: finished: its last chunk is in).
+PROGRESS = "verl/progress/"
+CHUNK_FIELDS = ("t", "l", "v")
+DONE = "done"
+
+
+def progress_prefix(uid: str, session: int) -> str:
+    """The prefix of every progress record of sample ``session`` of prompt ``uid``."""
+    item_prefix("train", uid)  # the same refusal of a '/' in the uid
+    if type(session) is not int or session < 0:
+        raise BadArgument(f"verl ledger: a session id is an integer >= 0, got {session!r}")
+    return f"{PROGRESS}{uid}/{session}/"
+
+
+def chunk_key(uid: str, session: int, start: int, name: str) -> str:
+    """The ledger key of field ``name`` (one of :data:`CHUNK_FIELDS`) of the chunk starting at token ``start``."""
+    if type(start) is not int or not 0 <= start < 10**10:
+        raise BadArgument(f"verl ledger: a chunk's start is an integer in [0, 10**10), got {start!r}")
+    return f"{progress_prefix(uid, session)}{start:010d}/{name}"
