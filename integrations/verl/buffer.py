@@ -30,17 +30,20 @@ built that way by a verl trainer, the buffer computes DAPO's metric, ``sync_refi
 the batch sizes and ``max_inflight_gen_batches`` from that trainer's config as verl does for its own classes
 (:func:`builtin_arguments`), so these settings work as with verl's buffer instead of being dropped.
 
-In async modes, once the ledger has a checkpoint, a group the trainer samples is marked consumed by
-that step, not deleted: a crash before a checkpoint covers the step gives it back, since the weights
-that trained on it are lost too. The marks are dropped by the checkpoint that covers them
-(``tq.save_checkpoint``), so the ledger holds at most the groups sampled since the last one. Before
-the first checkpoint a sampled group is deleted: a restart then starts from scratch and needs none.
+In async modes, once the ledger has a checkpoint, a group the trainer samples, or that sampling
+evicts (stale, DAPO-filtered, failed, surplus), is marked consumed by that step, not deleted: a crash
+before a checkpoint covers the step gives it back, since the weights that trained on it (or that it
+was judged stale against) are lost too. The marks are dropped by the checkpoint that covers them
+(``tq.save_checkpoint``), so the ledger holds at most the groups taken since the last one. Before
+the first checkpoint such a group is deleted: a restart then starts from scratch and needs none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -77,7 +80,6 @@ class _LedgerBacked:
         self.mirror = install(Mirror(settings.actor_name, run["token"], cursor=lambda: _dataloader_state(trainer),
                                      restore_cursor=lambda state: _restore_dataloader(trainer, state)))
         publish(MirrorRef(settings.actor_name, run["token"]))
-        self._sampling_step: int | None = None
         if (self.trainer_mode == "sync" or ray.get(self.ledger.info.remote())["checkpoint_step"] is None
                 or not _trainer_loads_a_checkpoint(trainer)):
             listing = RAW["kv_list"]() or {}
@@ -87,19 +89,22 @@ class _LedgerBacked:
             self.restored = self.mirror.refill(ray.get(self.ledger.resume.remote(run["token"])))
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
-        """verl's ``sample``; in async modes (once the ledger has a checkpoint) the groups it hands out are marked
-        consumed by ``global_steps`` (sync mode and validation delete them: nothing of theirs is restored after a
-        restart)."""
-        self._sampling_step = None if partition_id == "val" or self.trainer_mode == "sync" else global_steps
-        try:
+        """verl's ``sample``; in async modes (once the ledger has a checkpoint) every group it takes out of the
+        buffer, sampled or evicted (stale, DAPO-filtered, failed, surplus), is marked consumed by ``global_steps``
+        instead of deleted (:meth:`_taking`). Sync mode and validation delete them: nothing of theirs is restored
+        after a restart."""
+        with self._taking(global_steps, partition_id):
             return super().sample(global_steps, partition_id, batch_size)  # type: ignore[misc]
-        finally:
-            self._sampling_step = None
 
-    def _materialize_batch(self, partition_id: str, selected_prompt_uids: list[str],
-                           partition_snapshot: dict[str, dict]) -> KVBatchMeta:
-        with self.mirror.consuming(self._sampling_step):
-            return super()._materialize_batch(partition_id, selected_prompt_uids, partition_snapshot)  # type: ignore[misc]
+    @contextlib.contextmanager
+    def _taking(self, global_steps: int, partition_id: str) -> Iterator[None]:
+        """Within it, this thread's ``kv_clear`` marks groups consumed by ``global_steps`` (async training
+        partition only): a restart, or a load of a checkpoint before that step, gives them back as they were,
+        judged again by verl's buffer against the trainer version resumed, so a group evicted as stale against
+        weights the restart rolls back is not lost."""
+        step = None if partition_id == "val" or self.trainer_mode == "sync" else global_steps
+        with self.mirror.consuming(step):
+            yield
 
 
 #: What verl's ``_build_replay_buffer`` hands its built-in classes and never a custom sampler.
@@ -183,3 +188,9 @@ class KvckptReplayBufferAsync(_LedgerBacked, ReplayBufferAsync):
     Takes verl's constructor arguments; ``sampler_kwargs.kvckpt`` configures the ledger
     (:class:`~.config.LedgerSettings`).
     """
+
+    def wait_for_sampleable(self, global_steps: int, partition_id: str, target_count: int) -> tuple[set[str], dict]:
+        """verl's ``wait_for_sampleable`` (``separate_async`` calls it before a step switch); the groups it evicts
+        are marked consumed by ``global_steps``, as :meth:`sample`'s."""
+        with self._taking(global_steps, partition_id):
+            return super().wait_for_sampleable(global_steps, partition_id, target_count)

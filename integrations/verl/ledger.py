@@ -11,8 +11,10 @@ a time. Each call that changes state is one durable write transaction:
   returns groups consumed after it to the buffer;
 * :meth:`checkpoint`: a one-file snapshot (the value store's stamp-and-copy recipe), then the
   checkpoint's step and the purge of the groups it covers;
-* :meth:`load`: the checkpoint file replaces the live store, unless the live store descends from
-  it (then what was finished after the checkpoint is kept); the current run's token is written back.
+* :meth:`load`: the checkpoint plus what finished since: when the live store descends from it, the
+  checkpoint's groups the live store no longer holds are put back (one transaction) and every live
+  group is kept; otherwise the checkpoint file replaces the live store and the current run's token
+  is written back.
 
 Every call that changes state carries the caller's run token and is refused with
 :class:`~.errors.StaleRun`, before anything changes, when it is not the current run's. The fence
@@ -44,6 +46,7 @@ from kvckpt.integrations.verl.records import (
     MARKS,
     RUN_KEY,
     TAG,
+    groups_lacking,
     item_prefix,
     mark_index_key,
     record_key,
@@ -242,13 +245,19 @@ class VerlLedger:
         return stamp
 
     def load(self, source: str, checkpoint_id: str, token: str) -> bool:
-        """Make the ledger the checkpoint ``source`` (stamp ``checkpoint_id``), for the run ``token``.
+        """Make the ledger the checkpoint ``source`` (stamp ``checkpoint_id``) plus what finished since, for the
+        run ``token``. Returns whether the file was copied in.
 
         If the live store's last stamp is ``checkpoint_id`` and the live store still descends from it
-        (it has a checkpoint record: :meth:`retain` drops it when a run starts over), nothing after it
-        was checkpointed: the live store is kept, with every trajectory finished since. Otherwise the
-        file (validated first) replaces it. Either way the run record is then the current run's (one transaction).
-        Returns whether the file was copied in.
+        (it has a checkpoint record: :meth:`retain` drops it when a run starts over), every prompt group
+        of the checkpoint the live store no longer holds is put back, in one write transaction (the file
+        opened untrusted, the run's fence checked inside that transaction); a group the live store holds
+        keeps its live records (every trajectory finished since), and so do the dispatch cursor and the
+        run. So a group cleared after the save (evicted as stale against a trainer version the load rolls
+        back, or wiped) comes back as the checkpoint held it, and consumed marks it held come back for
+        :meth:`resume` to settle. Otherwise the live store moved past the checkpoint (a later one was
+        stamped from it, or it started over): the file (validated first) replaces it, and the run record
+        is then the current run's (one transaction).
 
         Raises:
             StaleRun: ``token`` is not the current run's; nothing changes.
@@ -256,15 +265,20 @@ class VerlLedger:
             FormatError / CorruptRecord / RecoveryError: the file is not a valid ledger checkpoint.
         """
         self._check(token)
+        if self._values.stamp_id() == checkpoint_id and self._get(CHECKPOINT_KEY) is not None:
+            try:
+                self._values.merge_checkpoint(source, groups_lacking, checkpoint_id=checkpoint_id,
+                                              fence=(RUN_KEY, token))
+            except FencedWrite as exc:
+                raise StaleRun(self.path, token, exc.found) from None
+            return False
         run = self._get(RUN_KEY) or {}
-        copied = self._values.stamp_id() != checkpoint_id or self._get(CHECKPOINT_KEY) is None
-        if copied:
-            stamp = self._values.load(source)
-            if stamp.get("checkpoint_id") != checkpoint_id:
-                raise CheckpointError(f"verl ledger checkpoint {source!r} holds stamp {stamp.get('checkpoint_id')!r}, "
-                                      f"but its manifest names {checkpoint_id!r}")
+        stamp = self._values.load(source)
+        if stamp.get("checkpoint_id") != checkpoint_id:
+            raise CheckpointError(f"verl ledger checkpoint {source!r} holds stamp {stamp.get('checkpoint_id')!r}, "
+                                  f"but its manifest names {checkpoint_id!r}")
         self._values.put([RUN_KEY], [encode_value(RUN_KEY, {"run": run.get("run", 0)}, token, _LEVEL)])
-        return copied
+        return True
 
     def close(self) -> None:
         """Close the file (idempotent)."""

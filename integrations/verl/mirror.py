@@ -13,8 +13,8 @@ TransferQueue's controller hands every process that calls ``tq.init()`` (verl's
 the run token of the run that started that worker.
 
 ``tq.save_checkpoint(dir)`` writes the ledger as one file, ``dir/kvckpt_verl.kv``, with a small JSON
-manifest beside it; ``tq.load_checkpoint(dir)`` makes the ledger that checkpoint (or keeps the live
-store if it descends from it) and fills TransferQueue from the ledger.
+manifest beside it; ``tq.load_checkpoint(dir)`` makes the ledger that checkpoint plus what finished
+since (:meth:`VerlLedger.load`) and fills TransferQueue from the ledger.
 """
 
 from __future__ import annotations
@@ -75,12 +75,14 @@ class Mirror:
 
     @contextlib.contextmanager
     def consuming(self, step: int | None) -> Iterator[None]:
-        """Within it, this thread's ``kv_clear`` marks the keys consumed by training step ``step``."""
+        """Within it, this thread's ``kv_clear`` marks the keys consumed by training step ``step`` (nested
+        uses restore the outer step on exit)."""
+        outer = getattr(self._consuming, "step", None)
         self._consuming.step = step
         try:
             yield
         finally:
-            self._consuming.step = None
+            self._consuming.step = outer
 
     # -- what each call becomes --------------------------------------------------------------------
     def _put_call(self, keys: list[str], partition_id: str, fields: Any, tags: list[dict] | None,
