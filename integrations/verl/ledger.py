@@ -2,8 +2,11 @@
 
 :class:`VerlLedger` owns the file (a TransferQueue value store, :class:`ValueStore`, with the key
 layout of :mod:`.records`) and runs as one named Ray actor (:data:`VerlLedgerActor`), so every
-process of a verl job (the trainer, each agent-loop worker) writes through one writer, one call at
-a time. Each call that changes state is one durable write transaction:
+process of a verl job (the trainer, each agent-loop worker) writes through one writer. The actor runs
+every call one at a time (its default concurrency group) except :meth:`checkpoint`, which runs in a
+group of its own (:data:`CHECKPOINT_GROUP`), as the TransferQueue backend's owner actor does: a
+checkpoint blocks puts only for its stamp transaction, and puts keep landing while the snapshot copies.
+Each call that changes state is one durable write transaction:
 
 * :meth:`open_run`: a new run token (the restart's fence);
 * :meth:`put` / :meth:`clear`: one TransferQueue put or clear of verl's;
@@ -21,6 +24,11 @@ Every call that changes state carries the caller's run token and is refused with
 is checked inside the call's write transaction (the value store's ``fence``: the run record's
 write identity is the token), so no run can open between the check and the write; a checkpoint
 checks it inside its stamp transaction, and a load (a file copy, not a transaction) before the copy.
+
+What a checkpoint does after its copy (its step record and the purge of the marks it covers, one
+transaction) may interleave with the default group's calls. The purge lists the marks before its write,
+which is sound because only the trainer's ``sample`` makes marks at a step, and the trainer is inside
+``tq.save_checkpoint`` until the checkpoint returns; a worker's put makes none.
 
 Consumed marks are bounded: a mark is only kept while a checkpoint exists that a restart could
 resume from with the mark's step after it. Before the ledger's first checkpoint a restart trains from
@@ -55,7 +63,7 @@ from kvckpt.integrations.verl.records import (
 )
 
 from kvckpt import ValueStore
-from kvckpt.errors import CheckpointError, FencedWrite
+from kvckpt.errors import FencedWrite
 from kvckpt.storage.store import makedirs_durable
 from kvckpt.values.records import write_id_of
 
@@ -261,8 +269,8 @@ class VerlLedger:
 
         Raises:
             StaleRun: ``token`` is not the current run's; nothing changes.
-            CheckpointError: the file's stamp is not ``checkpoint_id``.
-            FormatError / CorruptRecord / RecoveryError: the file is not a valid ledger checkpoint.
+            CheckpointError: the file's stamp is not ``checkpoint_id``; nothing changes.
+            FormatError / CorruptRecord / RecoveryError: the file is not a valid ledger checkpoint; nothing changes.
         """
         self._check(token)
         if self._values.stamp_id() == checkpoint_id and self._get(CHECKPOINT_KEY) is not None:
@@ -273,10 +281,7 @@ class VerlLedger:
                 raise StaleRun(self.path, token, exc.found) from None
             return False
         run = self._get(RUN_KEY) or {}
-        stamp = self._values.load(source)
-        if stamp.get("checkpoint_id") != checkpoint_id:
-            raise CheckpointError(f"verl ledger checkpoint {source!r} holds stamp {stamp.get('checkpoint_id')!r}, "
-                                  f"but its manifest names {checkpoint_id!r}")
+        self._values.load(source, checkpoint_id=checkpoint_id)
         self._values.put([RUN_KEY], [encode_value(RUN_KEY, {"run": run.get("run", 0)}, token, _LEVEL)])
         return True
 
@@ -316,8 +321,12 @@ class VerlLedger:
         return items, marks
 
 
-#: :class:`VerlLedger` as a Ray actor; one call at a time, the file's only writer.
-VerlLedgerActor = ray.remote(num_cpus=0)(VerlLedger)
+#: The ledger actor's concurrency group for :meth:`VerlLedger.checkpoint` (one at a time, beside every other call).
+CHECKPOINT_GROUP = "checkpoint"
+
+#: :class:`VerlLedger` as a Ray actor, the file's only writer: every call one at a time, except a checkpoint,
+#: called with ``.options(concurrency_group=CHECKPOINT_GROUP)`` so puts keep landing while it copies.
+VerlLedgerActor = ray.remote(num_cpus=0, concurrency_groups={CHECKPOINT_GROUP: 1})(VerlLedger)
 
 
 def ledger_actor(path: str, name: str, namespace: str) -> Any:

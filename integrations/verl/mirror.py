@@ -30,6 +30,7 @@ from typing import Any
 import ray
 import transfer_queue as tq
 from kvckpt.integrations.transferqueue.values import encode_value, new_write_id
+from kvckpt.integrations.verl.ledger import CHECKPOINT_GROUP
 from kvckpt.integrations.verl.records import FIELD, TAG, record_key, rows_of, state_from_json, state_to_json
 from omegaconf import flag_override, open_dict
 
@@ -165,7 +166,8 @@ class Mirror:
         step = int((metadata or {}).get("global_steps", 0))
         checkpoint_dir = os.fspath(checkpoint_dir)
         # the actor creates the directory once the run token passed: a stale run's call leaves no trace
-        stamp = ray.get(self.actor.checkpoint.remote(self.token, os.path.join(checkpoint_dir, LEDGER_FILE), step))
+        checkpoint = self.actor.checkpoint.options(concurrency_group=CHECKPOINT_GROUP)  # puts land while it copies
+        stamp = ray.get(checkpoint.remote(self.token, os.path.join(checkpoint_dir, LEDGER_FILE), step))
         manifest = {"checkpoint_id": stamp["checkpoint_id"], "global_steps": step, "metadata": metadata or {}}
         tmp = os.path.join(checkpoint_dir, f".{MANIFEST_FILE}.{uuid.uuid4().hex[:8]}")
         with open(tmp, "w") as f:

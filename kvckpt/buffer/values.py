@@ -23,13 +23,11 @@ Guarantees:
   record's checksum are verified, then it is renamed over the live file and reopened.
   :meth:`merge_checkpoint` reads a checkpoint through the same private copy and checks, and puts
   the records its caller picks back into the live store in one write transaction.
-* **A read-modify-write is one transaction**: :meth:`update` computes its puts and deletes from
-  reads inside the write transaction that applies them, so a writer on another thread cannot
-  land between the read and the write.
 
-Thread safety: data operations may run on several threads; :meth:`checkpoint`, :meth:`load` and
-:meth:`close` exclude each other, and :meth:`load` must not run beside a data operation (the
-TransferQueue actor runs data operations and loads one at a time, checkpoints in their own group).
+Thread safety: data operations may run on several threads; :meth:`checkpoint`, :meth:`load`,
+:meth:`merge_checkpoint` and :meth:`close` exclude each other, and :meth:`load` must not run beside a
+data operation (the TransferQueue actor and the verl ledger's run data operations and loads one at a
+time, checkpoints in their own group).
 """
 
 from __future__ import annotations
@@ -88,26 +86,6 @@ class ValueStore:
         pairs = [(records.store_key(k), v) for k, v in zip(keys, values, strict=True)]
         gone = [records.store_key(k) for k in deletes]
         self._store.write(lambda txn: records.write(txn, self.path, pairs, gone, fence))
-
-    def update(self, plan: Callable[[ValueView], tuple[list[str], list[bytes], list[str]]], *,
-               fence: tuple[str, str] | None = None) -> tuple[list[str], list[bytes], list[str]]:
-        """One durable write transaction whose change ``plan`` computes from what it reads inside it:
-        ``plan(view)`` returns ``(keys, values, deletes)``, applied as :meth:`write` applies them (the
-        fence checked first). Returns what ``plan`` returned.
-
-        Raises:
-            FencedWrite: the fence does not hold; nothing was written (``plan`` is not called).
-        """
-        def apply(txn: Txn) -> tuple[list[str], list[bytes], list[str]]:
-            records.check_fence(txn, self.path, fence)
-            keys, values, deletes = plan(ValueView(txn))
-            if len(keys) != len(values):
-                raise ValueError(f"{len(keys)} keys but {len(values)} values")
-            records.write(txn, self.path, [(records.store_key(k), v) for k, v in zip(keys, values, strict=True)],
-                          [records.store_key(k) for k in deletes], None)
-            return keys, values, deletes
-
-        return self._store.write(apply)
 
     def get(self, keys: list[str]) -> list[bytes | None]:
         """The stored records of ``keys`` (``None`` where absent), from one consistent snapshot."""
@@ -174,17 +152,21 @@ class ValueStore:
             result = handle.wait()
         return {**stamped, "values": result.details["values"], "file_bytes": result.file_bytes, "how": result.how}
 
-    def load(self, source: str) -> dict[str, Any]:
+    def load(self, source: str, *, checkpoint_id: str | None = None) -> dict[str, Any]:
         """Replace the live values with a checkpoint file written by :meth:`checkpoint`; returns its stamp.
 
         The file's used pages are copied under a private name and the copy validated before
         anything changes (structure without mapping it, kind, stamp, every record's checksum and
         key); then it is renamed over the live file and reopened through a fresh handle.
 
+        Args:
+            checkpoint_id: the stamp the file must hold (checked before anything changes).
+
         Raises:
             FileNotFoundError: no file at ``source``.
             FormatError / CorruptRecord / RecoveryError: the file is not a valid value-store
                 checkpoint; the live store is untouched.
+            CheckpointError: its stamp is not ``checkpoint_id``; the live store is untouched.
         """
         source = os.path.abspath(source)
         if not os.path.isfile(source):
@@ -192,7 +174,9 @@ class ValueStore:
 
         def check(copy: str) -> dict[str, Any]:
             with open_readonly(copy, name=source) as store:
-                return store.read(lambda txn: records.validate_checkpoint(txn, source))
+                stamp = store.read(lambda txn: records.validate_checkpoint(txn, source))
+            _expect(stamp, checkpoint_id, source)
+            return stamp
 
         with self._swap:
             self._store.close()
@@ -229,8 +213,7 @@ class ValueStore:
         with _private_copy(source, self.path) as copy, open_readonly(copy, name=source) as checkpoint, \
                 checkpoint.reader() as saved:
             stamp = records.validate_checkpoint(saved, source)
-            if checkpoint_id is not None and stamp.get("checkpoint_id") != checkpoint_id:
-                raise CheckpointError(f"{source!r} holds stamp {stamp.get('checkpoint_id')!r}, not {checkpoint_id!r}")
+            _expect(stamp, checkpoint_id, source)
             saved_keys = records.keys(saved)
 
             def put_back(txn: Txn) -> int:
@@ -253,24 +236,23 @@ class ValueStore:
             self._store.close()
 
 
+def _expect(stamp: dict[str, Any], checkpoint_id: str | None, source: str) -> None:
+    """Refuse a checkpoint whose stamp is not the one its caller names."""
+    if checkpoint_id is not None and stamp.get("checkpoint_id") != checkpoint_id:
+        raise CheckpointError(f"the value store checkpoint {source!r} holds stamp {stamp.get('checkpoint_id')!r}, "
+                              f"not {checkpoint_id!r}")
+
+
 class ValueView:
-    """A read view of the live store inside one write transaction (:meth:`ValueStore.update`,
-    :meth:`ValueStore.merge_checkpoint`): what it reads is what that transaction commits over."""
+    """A read view of the live store inside one write transaction (:meth:`ValueStore.merge_checkpoint`'s):
+    what it reads is what that transaction commits over."""
 
     def __init__(self, txn: Txn) -> None:
         self._txn = txn
 
-    def keys(self, prefix: str = "") -> list[str]:
-        """The keys stored under ``prefix``, in key order."""
-        return records.keys(self._txn, prefix)
-
     def has(self, prefix: str) -> bool:
         """Whether any key is stored under ``prefix`` (reads one key at most)."""
         return next(self._txn.iter_keys("rows", records.store_key(prefix)), None) is not None
-
-    def get(self, keys: list[str]) -> list[bytes | None]:
-        """The stored records of ``keys`` (``None`` where absent)."""
-        return [self._txn.get("rows", records.store_key(k)) for k in keys]
 
 
 @contextlib.contextmanager
