@@ -108,23 +108,21 @@ class _KvckptSwitch:
             request.getfixturevalue("tq_init")
             self._build_async_buffer()
 
-    def _configured(self, trainer_mode: str) -> type:
-        """The class verl's ``load_extern_type`` loads from the user's config, its ledger section added to the
-        ``sampler_kwargs`` the caller passes."""
+    def _configured(self, trainer_mode: str) -> Any:
+        """What verl's ``load_extern_type`` loads from the user's config, called with its ledger section added to
+        the ``sampler_kwargs`` the caller passes."""
         from omegaconf import OmegaConf
         from verl.utils.import_utils import load_extern_type
 
         config = OmegaConf.create({"sampler_kwargs": {}})
         _user_sampler_config(config, trainer_mode, self.ledger)
-        cls = load_extern_type(config.custom_sampler.path, config.custom_sampler.name)
+        build = load_extern_type(config.custom_sampler.path, config.custom_sampler.name)
         section = config.sampler_kwargs
 
-        class Configured(cls):  # type: ignore[misc, valid-type]
-            def __init__(self, *args: Any, sampler_kwargs: Any = None, **kwargs: Any) -> None:
-                super().__init__(*args, sampler_kwargs={**(sampler_kwargs or {}), **section}, **kwargs)
+        def configured(*args: Any, sampler_kwargs: Any = None, **kwargs: Any) -> Any:
+            return build(*args, sampler_kwargs={**(sampler_kwargs or {}), **section}, **kwargs)
 
-        Configured.__name__ = Configured.__qualname__ = cls.__name__
-        return Configured
+        return configured
 
     def _build_async_buffer(self) -> None:
         from omegaconf import OmegaConf
