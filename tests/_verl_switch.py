@@ -7,8 +7,9 @@ runs them as verl does; ``--verl-buffer=kvckpt`` selects the kvckpt buffer the w
 trainer mode, and ``trainer.v1.sampler.sampler_kwargs.kvckpt`` names the ledger. Where verl's tests
 go through the trainer (``PPOTrainer._build_replay_buffer``) that is the config they build, written
 into before verl's own method runs; where they construct ``ReplayBuffer`` / ``ReplayBufferAsync``
-themselves (``test_replay_buffer_on_cpu.py``), the class verl's ``load_extern_type`` loads from that
-config is constructed instead, with the ledger section added to the ``sampler_kwargs`` they pass; and
+themselves (``test_replay_buffer_on_cpu.py``), what verl's ``load_extern_type`` loads from that config
+builds it instead (an instance of verl's own class, the ledger attached), with the ledger section added to
+the ``sampler_kwargs`` they pass; and
 a test that makes TransferQueue calls with no buffer at all (``test_reissue_inflight_on_cpu.py``)
 runs after a trainer built one, as a verl trainer builds its buffer before its first call.
 
