@@ -1,7 +1,9 @@
 """Producer put latency through the value store's Ray actor, during a checkpoint and without one.
 
 The TransferQueue backend's owner actor (:data:`kvckpt.integrations.transferqueue.owner.ValueStoreActor`)
-serves every put of a job. A producer in the driver puts one ~28 KB record per call
+serves every put of a job; with ``--actor verl-ledger`` the verl ledger's actor
+(:data:`kvckpt.integrations.verl.ledger.VerlLedgerActor`, in the verl venv) is measured instead, its puts
+and checkpoints carrying the run token as the mirror's do. A producer in the driver puts one ~28 KB record per call
 (``ray.get`` each, as TransferQueue's client does), for ``--seconds`` per phase, into a store holding
 ``--fill-mb`` MB of values. In the same run, one after the other:
 
@@ -16,8 +18,8 @@ checkpoint" when its call overlaps one. Reported per phase: puts, p50 and p99 of
 (ms), the checkpoints and their mean seconds, and the ratio of each phase's p99 during checkpoints
 to ``none``'s p99. The machines are shared and noisy: read the ratios, not the absolutes.
 
-Run: ``python -m benchmarks.value_store_actor [--fill-mb 256] [--seconds 8] [--phases none,serial,group]
-[--json out.json]``.
+Run: ``python -m benchmarks.value_store_actor [--actor value-store|verl-ledger] [--fill-mb 256] [--seconds 8]
+[--phases none,serial,group] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -46,23 +48,48 @@ def _record(key: str, payload: bytes) -> bytes:
     return codec.encode({"v": np.frombuffer(payload, np.uint8)}, {"k": key, "w": "bench", "t": "bytes"}, 0)
 
 
-def _fill(actor: Any, megabytes: int, rng: np.random.Generator) -> None:
+class _Owner:
+    """The actor under test, called as its users call it: ``put(keys, records)`` and ``checkpoint(dest)``
+    (the value store's), or with the run token first and a step last (the verl ledger's)."""
+
+    def __init__(self, kind: str, path: str) -> None:
+        if kind == "verl-ledger":
+            from kvckpt.integrations.verl.ledger import VerlLedgerActor
+
+            self.actor = VerlLedgerActor.remote(path)
+            self.head: tuple[Any, ...] = (ray.get(self.actor.open_run.remote())["token"],)
+            self.tail: tuple[Any, ...] = (0,)
+        else:
+            self.actor, self.head, self.tail = ValueStoreActor.remote(path), (), ()
+        self.kind = kind
+
+    def key(self, name: str) -> str:
+        return f"p/train/{name}/f/responses" if self.kind == "verl-ledger" else name
+
+    def put(self, keys: list[str], records: list[bytes]) -> None:
+        ray.get(self.actor.put.remote(*self.head, keys, records))
+
+    def checkpoint(self, dest: str, *, grouped: bool) -> None:
+        call = self.actor.checkpoint.options(concurrency_group="checkpoint") if grouped else self.actor.checkpoint
+        ray.get(call.remote(*self.head, dest, *self.tail))
+
+
+def _fill(owner: _Owner, megabytes: int, rng: np.random.Generator) -> None:
     for start in range(0, megabytes, 16):
-        keys = [f"fill-{i}" for i in range(start, min(megabytes, start + 16))]
-        ray.get(actor.put.remote(keys, [_record(k, rng.bytes(FILL_VALUE_BYTES)) for k in keys]))
+        keys = [owner.key(f"fill-{i}") for i in range(start, min(megabytes, start + 16))]
+        owner.put(keys, [_record(k, rng.bytes(FILL_VALUE_BYTES)) for k in keys])
 
 
-def _phase(actor: Any, phase: str, seconds: float, directory: str, payload: bytes) -> dict[str, Any]:
+def _phase(owner: _Owner, phase: str, seconds: float, directory: str, payload: bytes) -> dict[str, Any]:
     """Put for ``seconds`` while (unless ``none``) another thread checkpoints back to back."""
     windows: list[tuple[float, float]] = []
     stop = threading.Event()
 
     def checkpoints() -> None:
-        call = actor.checkpoint if phase == "serial" else actor.checkpoint.options(concurrency_group="checkpoint")
         n = 0
         while not stop.is_set():
             t0 = time.perf_counter()
-            ray.get(call.remote(os.path.join(directory, f"{phase}-{n % 2}.kv")))
+            owner.checkpoint(os.path.join(directory, f"{phase}-{n % 2}.kv"), grouped=phase != "serial")
             windows.append((t0, time.perf_counter()))
             n += 1
 
@@ -73,9 +100,9 @@ def _phase(actor: Any, phase: str, seconds: float, directory: str, payload: byte
     end = time.perf_counter() + seconds
     i = 0
     while time.perf_counter() < end or (thread is not None and not windows):
-        key = f"{phase}-{i % 512}"
+        key = owner.key(f"{phase}-{i % 512}")
         t0 = time.perf_counter()
-        ray.get(actor.put.remote([key], [_record(key, payload)]))
+        owner.put([key], [_record(key, payload)])
         puts.append((t0, time.perf_counter()))
         i += 1
     stop.set()
@@ -90,6 +117,8 @@ def _phase(actor: Any, phase: str, seconds: float, directory: str, payload: byte
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--actor", choices=("value-store", "verl-ledger"), default="value-store",
+                        help="the TransferQueue backend's owner actor (default) or the verl ledger's actor")
     parser.add_argument("--fill-mb", type=int, default=256, help="MB of values in the store (default 256)")
     parser.add_argument("--seconds", type=float, default=8.0, help="seconds of puts per phase (default 8)")
     parser.add_argument("--work", default=None, help="directory for the store (default: a temporary one)")
@@ -102,12 +131,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"settings": vars(args), "phases": {}}
     try:
         with tempfile.TemporaryDirectory(dir=args.work) as tmp:
-            actor = ValueStoreActor.remote(os.path.join(tmp, "live.kv"))
-            _fill(actor, args.fill_mb, rng)
+            owner = _Owner(args.actor, os.path.join(tmp, "live.kv"))
+            _fill(owner, args.fill_mb, rng)
             payload = rng.bytes(VALUE_BYTES)
             for phase in ["none", *(p for p in args.phases.split(",") if p in PHASES and p != "none")]:
-                results["phases"][phase] = _phase(actor, phase, args.seconds, tmp, payload)
-            ray.get(actor.close.remote())
+                results["phases"][phase] = _phase(owner, phase, args.seconds, tmp, payload)
+            ray.get(owner.actor.close.remote())
     finally:
         ray.shutdown()
     base = results["phases"]["none"]["p99_ms"]

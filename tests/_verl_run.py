@@ -61,7 +61,7 @@ def lines(name: str) -> list[list[str]]:
 def main() -> None:
     from kvckpt.integrations.ray import init_local_ray
 
-    init_local_ray(num_cpus=8, object_store_memory=256 << 20, namespace="kvckpt-verl-crash")
+    init_local_ray(num_cpus=8, object_store_memory=256 << 20, namespace="kvckpt-verl-crash", address="local")
     import ray
     import torch
     import transfer_queue as tq

@@ -25,15 +25,16 @@ class StubTrainer(PPOTrainer):
 
 @contextlib.contextmanager
 def transferqueue(namespace: str, ledger_actor: str | None = None) -> Iterator[None]:
-    """A loopback Ray with 8 logical CPUs (TransferQueue's default actors hang ``tq.init`` with 3 on a
-    2-core machine) and ``tq.init()``; afterwards the mirror is removed, the ledger actor stopped,
+    """A loopback Ray of its own (``address="local"``: never another process's cluster on a shared machine)
+    with 8 logical CPUs (TransferQueue's default actors hang ``tq.init`` with 3 on a 2-core machine) and
+    ``tq.init()``; afterwards the mirror is removed, the ledger actor stopped,
     TransferQueue closed and Ray shut down."""
     import ray
     import transfer_queue as tq
     from kvckpt.integrations.ray import init_local_ray
     from kvckpt.integrations.verl.mirror import NAMESPACE, uninstall
 
-    init_local_ray(num_cpus=8, object_store_memory=256 << 20, namespace=namespace)
+    init_local_ray(num_cpus=8, object_store_memory=256 << 20, namespace=namespace, address="local")
     tq.init()
     try:
         yield

@@ -7,8 +7,9 @@ runs them as verl does; ``--verl-buffer=kvckpt`` selects the kvckpt buffer the w
 trainer mode, and ``trainer.v1.sampler.sampler_kwargs.kvckpt`` names the ledger. Where verl's tests
 go through the trainer (``PPOTrainer._build_replay_buffer``) that is the config they build, written
 into before verl's own method runs; where they construct ``ReplayBuffer`` / ``ReplayBufferAsync``
-themselves (``test_replay_buffer_on_cpu.py``), the class verl's ``load_extern_type`` loads from that
-config is constructed instead, with the ledger section added to the ``sampler_kwargs`` they pass; and
+themselves (``test_replay_buffer_on_cpu.py``), what verl's ``load_extern_type`` loads from that config
+builds it instead (an instance of verl's own class, the ledger attached), with the ledger section added to
+the ``sampler_kwargs`` they pass; and
 a test that makes TransferQueue calls with no buffer at all (``test_reissue_inflight_on_cpu.py``)
 runs after a trainer built one, as a verl trainer builds its buffer before its first call.
 
@@ -108,23 +109,21 @@ class _KvckptSwitch:
             request.getfixturevalue("tq_init")
             self._build_async_buffer()
 
-    def _configured(self, trainer_mode: str) -> type:
-        """The class verl's ``load_extern_type`` loads from the user's config, its ledger section added to the
-        ``sampler_kwargs`` the caller passes."""
+    def _configured(self, trainer_mode: str) -> Any:
+        """What verl's ``load_extern_type`` loads from the user's config, called with its ledger section added to
+        the ``sampler_kwargs`` the caller passes."""
         from omegaconf import OmegaConf
         from verl.utils.import_utils import load_extern_type
 
         config = OmegaConf.create({"sampler_kwargs": {}})
         _user_sampler_config(config, trainer_mode, self.ledger)
-        cls = load_extern_type(config.custom_sampler.path, config.custom_sampler.name)
+        build = load_extern_type(config.custom_sampler.path, config.custom_sampler.name)
         section = config.sampler_kwargs
 
-        class Configured(cls):  # type: ignore[misc, valid-type]
-            def __init__(self, *args: Any, sampler_kwargs: Any = None, **kwargs: Any) -> None:
-                super().__init__(*args, sampler_kwargs={**(sampler_kwargs or {}), **section}, **kwargs)
+        def configured(*args: Any, sampler_kwargs: Any = None, **kwargs: Any) -> Any:
+            return build(*args, sampler_kwargs={**(sampler_kwargs or {}), **section}, **kwargs)
 
-        Configured.__name__ = Configured.__qualname__ = cls.__name__
-        return Configured
+        return configured
 
     def _build_async_buffer(self) -> None:
         from omegaconf import OmegaConf

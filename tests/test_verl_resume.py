@@ -51,6 +51,7 @@ from kvckpt.integrations.verl import ledger as ledger_module
 from kvckpt.integrations.verl.mirror import LEDGER_FILE, MANIFEST_FILE, RAW, MirrorRef, active, install, publish
 from kvckpt.integrations.verl.records import TAG, item_prefix, record_key
 from omegaconf import OmegaConf
+from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.utils import tensordict_utils as tu
 
@@ -372,7 +373,7 @@ def test_the_documented_configuration_builds_the_buffer(buffer: Any) -> None:
                                                                   "max_off_policy_strategy": "drop"}}}}),
         documented)
     rb = trainer._build_replay_buffer()
-    assert type(rb) is KvckptReplayBufferAsync and rb.trainer_mode == "separate_async"
+    assert type(rb) is ReplayBufferAsync and rb.trainer_mode == "separate_async"
     assert ray.get(rb.ledger.info.remote())["run"] >= 2  # it opened a run of its own
 
 

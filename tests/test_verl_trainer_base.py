@@ -31,8 +31,9 @@ pytest.importorskip("transfer_queue")
 
 import ray
 from _verl_support import StubTrainer, transferqueue
-from kvckpt.integrations.verl import KvckptReplayBuffer, KvckptReplayBufferAsync
+from kvckpt.integrations.verl import KvckptReplayBuffer
 from omegaconf import OmegaConf
+from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 
 pytestmark = pytest.mark.verl
 ACTOR = f"kvckpt_verl_trainer_base_{uuid.uuid4().hex[:8]}"
@@ -63,8 +64,9 @@ def _trainer_with_filter_groups(ledger_path: str, filter_groups: dict, trainer_m
 
 
 def test_kvckpt_sampler_class_follows_trainer_mode(ledger_path: str) -> None:
-    """verl ``test_builtin_sampler_class_follows_trainer_mode`` (line 60): the sync class for ``sync``, the
-    async class for both async modes, each a new run of the one ledger; the async ones get DAPO's metric from
+    """verl ``test_builtin_sampler_class_follows_trainer_mode`` (line 60): verl's own sync class for ``sync``, its
+    async class for both async modes (the kvckpt buffer is an instance of verl's class, not a subclass), each on
+    a new run of the one ledger; the async ones get DAPO's metric from
     the trainer's config as verl's built-ins do, and the batch sizes stay ``None`` as verl's async ones."""
     sync_trainer = _trainer_with_filter_groups(ledger_path, {"enable": False}, trainer_mode="sync")
     sync_sampler = sync_trainer._build_replay_buffer()
@@ -72,8 +74,8 @@ def test_kvckpt_sampler_class_follows_trainer_mode(ledger_path: str) -> None:
         _trainer_with_filter_groups(ledger_path, {"enable": True, "metric": "acc"}, trainer_mode=mode)
         ._build_replay_buffer() for mode in ("colocate_async", "separate_async")]
 
-    assert type(sync_sampler) is KvckptReplayBuffer
-    assert all(type(sampler) is KvckptReplayBufferAsync for sampler in async_samplers)
+    assert type(sync_sampler) is ReplayBuffer
+    assert all(type(sampler) is ReplayBufferAsync for sampler in async_samplers)
     assert all(sampler.filter_groups_metric == "acc" for sampler in async_samplers)
     assert all(sampler.train_batch_size is None for sampler in async_samplers)
     assert all(sampler.gen_batch_size is None for sampler in async_samplers)
@@ -90,7 +92,7 @@ def test_the_kvckpt_sampler_runs_verls_filter_groups_validation(ledger_path: str
     with patch.object(trainer, "_resolve_filter_groups_metric", return_value="acc") as resolve_filter_groups_metric:
         sampler = trainer._build_replay_buffer()
     resolve_filter_groups_metric.assert_called_once_with()
-    assert isinstance(sampler, KvckptReplayBuffer) and sampler.refill_fn == trainer._add_prompts_to_generate
+    assert type(sampler) is ReplayBuffer and sampler.refill_fn == trainer._add_prompts_to_generate
 
     runs = ray.get(sampler.ledger.info.remote())["run"]
     no_metric = _trainer_with_filter_groups(ledger_path, {"enable": True})
@@ -185,5 +187,5 @@ def test_total_generation_limit_is_warned_about_for_the_kvckpt_sampler(ledger_pa
     warning.assert_called_once_with(
         "algorithm.filter_groups.max_num_gen_batches=%s is ignored by the built-in V1 ReplayBuffer; "
         "use max_inflight_gen_batches to bound concurrent Sync DAPO generation.", 10)
-    assert type(sampler) is KvckptReplayBuffer
+    assert type(sampler) is ReplayBuffer
     assert ray.get(sampler.ledger.info.remote())["run"] == sampler.run

@@ -1,9 +1,11 @@
 """verl's V1 replay buffers over the kvckpt verl ledger: ``KvckptReplayBuffer`` (sync) and
 ``KvckptReplayBufferAsync`` (colocate_async / separate_async).
 
-They are verl's own classes (``verl.trainer.ppo.v1.replay_buffer.ReplayBuffer`` and
-``ReplayBufferAsync``), so every public call, return type and sampling decision is verl's. What
-they add is where the state lives. Constructing one
+Each builds an instance of verl's own class (``verl.trainer.ppo.v1.replay_buffer.ReplayBuffer`` or
+``ReplayBufferAsync``, not a subclass: ``type(buffer)`` is verl's class), so every public call, return
+type and sampling decision is verl's. What they add is where the state lives (:func:`attach`).
+``trainer.v1.sampler.custom_sampler`` names them as verl names a class: verl calls what it loads with
+the constructor's arguments. Building one
 
 1. starts (or finds) the ledger actor for ``sampler_kwargs.kvckpt.path`` and opens a new run in
    it, which fences every process of the previous run;
@@ -30,18 +32,21 @@ built that way by a verl trainer, the buffer computes DAPO's metric, ``sync_refi
 the batch sizes and ``max_inflight_gen_batches`` from that trainer's config as verl does for its own classes
 (:func:`builtin_arguments`), so these settings work as with verl's buffer instead of being dropped.
 
-In async modes, once the ledger has a checkpoint, a group the trainer samples is marked consumed by
-that step, not deleted: a crash before a checkpoint covers the step gives it back, since the weights
-that trained on it are lost too. The marks are dropped by the checkpoint that covers them
-(``tq.save_checkpoint``), so the ledger holds at most the groups sampled since the last one. Before
-the first checkpoint a sampled group is deleted: a restart then starts from scratch and needs none.
+In async modes, once the ledger has a checkpoint, a group the trainer samples, or that sampling
+evicts (stale, DAPO-filtered, failed, surplus), is marked consumed by that step, not deleted: a crash
+before a checkpoint covers the step gives it back, since the weights that trained on it (or that it
+was judged stale against) are lost too. The marks are dropped by the checkpoint that covers them
+(``tq.save_checkpoint``), so the ledger holds at most the groups taken since the last one. Before
+the first checkpoint such a group is deleted: a restart then starts from scratch and needs none.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -49,64 +54,71 @@ from kvckpt.integrations.verl.config import LedgerSettings
 from kvckpt.integrations.verl.ledger import ledger_actor
 from kvckpt.integrations.verl.mirror import NAMESPACE, RAW, Mirror, MirrorRef, install, publish
 from omegaconf import DictConfig
-from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
 
-class _LedgerBacked:
-    """What both buffers add to verl's: the ledger, the mirror, the resume (see the module docstring)."""
+def _ledger_backed(cls: type[ReplayBuffer], trainer_mode: str, trainer_config: DictConfig,
+                   max_off_policy_threshold: int | None, max_off_policy_strategy: str,
+                   sampler_kwargs: DictConfig, **kwargs: Any) -> ReplayBuffer:
+    """verl's ``cls`` built with verl's arguments (plus :func:`builtin_arguments` where a verl trainer built it
+    through ``custom_sampler``), then :func:`attach`'d to the ledger."""
+    trainer = getattr(kwargs.get("refill_fn"), "__self__", None)
+    if _is_verl_trainer(trainer) and not BUILTIN_ONLY & kwargs.keys():
+        kwargs.update(builtin_arguments(trainer, sync=cls is ReplayBuffer))
+    buffer = cls(trainer_mode, trainer_config, max_off_policy_threshold, max_off_policy_strategy, sampler_kwargs,
+                 **kwargs)
+    return attach(buffer, sampler_kwargs)
 
-    trainer_mode: str
-    refill_fn: Any
 
-    def __init__(self, trainer_mode: str, trainer_config: DictConfig, max_off_policy_threshold: int | None,
-                 max_off_policy_strategy: str, sampler_kwargs: DictConfig, **kwargs: Any) -> None:
-        trainer = getattr(kwargs.get("refill_fn"), "__self__", None)
-        if _is_verl_trainer(trainer) and not BUILTIN_ONLY & kwargs.keys():
-            kwargs.update(builtin_arguments(trainer, sync=not isinstance(self, ReplayBufferAsync)))
-        super().__init__(trainer_mode, trainer_config, max_off_policy_threshold,  # type: ignore[call-arg]
-                         max_off_policy_strategy, sampler_kwargs, **kwargs)
-        self._attach(sampler_kwargs)
+def attach(buffer: ReplayBuffer, sampler_kwargs: DictConfig | dict | None) -> ReplayBuffer:
+    """Put verl's ``buffer`` (an instance of verl's own class, which stays its class) on the ledger
+    ``sampler_kwargs.kvckpt`` names: steps 1-3 of the module docstring, then its ``sample`` (and
+    ``ReplayBufferAsync.wait_for_sampleable``) take groups under the training step (:func:`_taking`).
+    Sets ``buffer.ledger`` (the actor), ``buffer.run``, ``buffer.mirror`` and ``buffer.restored`` (the
+    keys refilled from the live ledger). Returns ``buffer``."""
+    settings = LedgerSettings.from_sampler_kwargs(sampler_kwargs)
+    if settings.progress_every_tokens and importlib.util.find_spec("vllm") is not None:
+        from kvckpt.integrations.verl import server
 
-    def _attach(self, sampler_kwargs: DictConfig | dict | None) -> None:
-        settings = LedgerSettings.from_sampler_kwargs(sampler_kwargs)
-        if settings.progress_every_tokens and importlib.util.find_spec("vllm") is not None:
-            from kvckpt.integrations.verl import server
+        server.install()  # before verl starts its vLLM replicas (server.py says why at import)
+    buffer.ledger = ledger_actor(settings.path, settings.actor_name, NAMESPACE)
+    run = ray.get(buffer.ledger.open_run.remote())
+    buffer.run = run["run"]
+    trainer = getattr(buffer.refill_fn, "__self__", None)
+    buffer.mirror = install(Mirror(settings.actor_name, run["token"], cursor=lambda: _dataloader_state(trainer),
+                                   restore_cursor=lambda state: _restore_dataloader(trainer, state)))
+    publish(MirrorRef(settings.actor_name, run["token"]))
+    if (buffer.trainer_mode == "sync" or ray.get(buffer.ledger.info.remote())["checkpoint_step"] is None
+            or not _trainer_loads_a_checkpoint(trainer)):
+        listing = RAW["kv_list"]() or {}
+        ray.get(buffer.ledger.retain.remote(run["token"], {p: list(items) for p, items in listing.items()}))
+        buffer.restored = 0
+    else:
+        buffer.restored = buffer.mirror.refill(ray.get(buffer.ledger.resume.remote(run["token"])))
+    # token progress is kept only for the prompts _reissue_inflight_prompts will dispatch again
+    ray.get(buffer.ledger.settle_progress.remote(run["token"], _inflight_prompts(RAW["kv_list"]() or {})))
+    for name in ("sample", "wait_for_sampleable"):
+        if hasattr(buffer, name):
+            setattr(buffer, name, _taking(buffer, getattr(buffer, name)))
+    return buffer
 
-            server.install()  # before verl starts its vLLM replicas (server.py says why at import)
-        self.ledger = ledger_actor(settings.path, settings.actor_name, NAMESPACE)
-        run = ray.get(self.ledger.open_run.remote())
-        self.run = run["run"]
-        trainer = getattr(self.refill_fn, "__self__", None)
-        self.mirror = install(Mirror(settings.actor_name, run["token"], cursor=lambda: _dataloader_state(trainer),
-                                     restore_cursor=lambda state: _restore_dataloader(trainer, state)))
-        publish(MirrorRef(settings.actor_name, run["token"]))
-        self._sampling_step: int | None = None
-        if (self.trainer_mode == "sync" or ray.get(self.ledger.info.remote())["checkpoint_step"] is None
-                or not _trainer_loads_a_checkpoint(trainer)):
-            listing = RAW["kv_list"]() or {}
-            ray.get(self.ledger.retain.remote(run["token"], {p: list(items) for p, items in listing.items()}))
-            self.restored = 0
-        else:
-            self.restored = self.mirror.refill(ray.get(self.ledger.resume.remote(run["token"])))
-        # token progress is kept only for the prompts _reissue_inflight_prompts will dispatch again
-        ray.get(self.ledger.settle_progress.remote(run["token"], _inflight_prompts(RAW["kv_list"]() or {})))
 
-    def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[KVBatchMeta, dict]:
-        """verl's ``sample``; in async modes (once the ledger has a checkpoint) the groups it hands out are marked
-        consumed by ``global_steps`` (sync mode and validation delete them: nothing of theirs is restored after a
-        restart)."""
-        self._sampling_step = None if partition_id == "val" or self.trainer_mode == "sync" else global_steps
-        try:
-            return super().sample(global_steps, partition_id, batch_size)  # type: ignore[misc]
-        finally:
-            self._sampling_step = None
+def _taking(buffer: ReplayBuffer, method: Callable[..., Any]) -> Callable[..., Any]:
+    """verl's bound ``method`` (``sample`` or ``wait_for_sampleable``, whose first two arguments are the training
+    step and the partition), run with this thread's ``kv_clear`` marking groups consumed by that step (async
+    training partition only, once the ledger has a checkpoint): every group it takes out of the buffer, sampled
+    or evicted (stale, DAPO-filtered, failed, surplus), is marked instead of deleted, and a restart or a load of
+    a checkpoint before that step gives it back as it was, judged again by verl's buffer against the trainer
+    version resumed. Sync mode and validation delete them: nothing of theirs is restored after a restart."""
 
-    def _materialize_batch(self, partition_id: str, selected_prompt_uids: list[str],
-                           partition_snapshot: dict[str, dict]) -> KVBatchMeta:
-        with self.mirror.consuming(self._sampling_step):
-            return super()._materialize_batch(partition_id, selected_prompt_uids, partition_snapshot)  # type: ignore[misc]
+    @functools.wraps(method)
+    def take(global_steps: int, partition_id: str, *args: Any, **kwargs: Any) -> Any:
+        step = None if partition_id == "val" or buffer.trainer_mode == "sync" else global_steps
+        with buffer.mirror.consuming(step):
+            return method(global_steps, partition_id, *args, **kwargs)
+
+    return take
 
 
 #: What verl's ``_build_replay_buffer`` hands its built-in classes and never a custom sampler.
@@ -182,17 +194,24 @@ def _restore_dataloader(trainer: Any, state: Any) -> None:
         trainer.train_dataloader_it = None  # the next fetch starts a fresh iterator from that state
 
 
-class KvckptReplayBuffer(_LedgerBacked, ReplayBuffer):
-    """verl's sync ``ReplayBuffer`` with its state in a kvckpt ledger (``trainer_mode: sync``).
+def KvckptReplayBuffer(trainer_mode: str, trainer_config: DictConfig, max_off_policy_threshold: int | None,
+                       max_off_policy_strategy: str, sampler_kwargs: DictConfig, **kwargs: Any) -> ReplayBuffer:
+    """verl's sync ``ReplayBuffer`` with its state in a kvckpt ledger (``trainer_mode: sync``): an instance of
+    verl's own class, built with verl's constructor arguments, then :func:`attach`'d.
 
-    Takes verl's constructor arguments; ``sampler_kwargs.kvckpt`` configures the ledger
-    (:class:`~.config.LedgerSettings`).
+    ``sampler_kwargs.kvckpt`` configures the ledger (:class:`~.config.LedgerSettings`).
     """
+    return _ledger_backed(ReplayBuffer, trainer_mode, trainer_config, max_off_policy_threshold,
+                          max_off_policy_strategy, sampler_kwargs, **kwargs)
 
 
-class KvckptReplayBufferAsync(_LedgerBacked, ReplayBufferAsync):
-    """verl's ``ReplayBufferAsync`` with its state in a kvckpt ledger (``colocate_async`` / ``separate_async``).
+def KvckptReplayBufferAsync(trainer_mode: str, trainer_config: DictConfig, max_off_policy_threshold: int | None,
+                            max_off_policy_strategy: str, sampler_kwargs: DictConfig,
+                            **kwargs: Any) -> ReplayBufferAsync:
+    """verl's ``ReplayBufferAsync`` with its state in a kvckpt ledger (``colocate_async`` / ``separate_async``): an
+    instance of verl's own class, built with verl's constructor arguments, then :func:`attach`'d.
 
-    Takes verl's constructor arguments; ``sampler_kwargs.kvckpt`` configures the ledger
-    (:class:`~.config.LedgerSettings`).
+    ``sampler_kwargs.kvckpt`` configures the ledger (:class:`~.config.LedgerSettings`).
     """
+    return _ledger_backed(ReplayBufferAsync, trainer_mode, trainer_config,  # type: ignore[return-value]
+                          max_off_policy_threshold, max_off_policy_strategy, sampler_kwargs, **kwargs)

@@ -2,8 +2,11 @@
 
 :class:`VerlLedger` owns the file (a TransferQueue value store, :class:`ValueStore`, with the key
 layout of :mod:`.records`) and runs as one named Ray actor (:data:`VerlLedgerActor`), so every
-process of a verl job (the trainer, each agent-loop worker) writes through one writer, one call at
-a time. Each call that changes state is one durable write transaction:
+process of a verl job (the trainer, each agent-loop worker) writes through one writer. The actor runs
+every call one at a time (its default concurrency group) except :meth:`checkpoint`, which runs in a
+group of its own (:data:`CHECKPOINT_GROUP`), as the TransferQueue backend's owner actor does: a
+checkpoint blocks puts only for its stamp transaction, and puts keep landing while the snapshot copies.
+Each call that changes state is one durable write transaction:
 
 * :meth:`open_run`: a new run token (the restart's fence);
 * :meth:`put` / :meth:`clear`: one TransferQueue put or clear of verl's;
@@ -11,14 +14,21 @@ a time. Each call that changes state is one durable write transaction:
   returns groups consumed after it to the buffer;
 * :meth:`checkpoint`: a one-file snapshot (the value store's stamp-and-copy recipe), then the
   checkpoint's step and the purge of the groups it covers;
-* :meth:`load`: the checkpoint file replaces the live store, unless the live store descends from
-  it (then what was finished after the checkpoint is kept); the current run's token is written back.
+* :meth:`load`: the checkpoint plus what finished since: when the live store descends from it, the
+  checkpoint's groups the live store no longer holds are put back (one transaction) and every live
+  group is kept; otherwise the checkpoint file replaces the live store and the current run's token
+  is written back.
 
 Every call that changes state carries the caller's run token and is refused with
 :class:`~.errors.StaleRun`, before anything changes, when it is not the current run's. The fence
 is checked inside the call's write transaction (the value store's ``fence``: the run record's
 write identity is the token), so no run can open between the check and the write; a checkpoint
 checks it inside its stamp transaction, and a load (a file copy, not a transaction) before the copy.
+
+What a checkpoint does after its copy (its step record and the purge of the marks it covers, one
+transaction) may interleave with the default group's calls. The purge lists the marks before its write,
+which is sound because only the trainer's ``sample`` makes marks at a step, and the trainer is inside
+``tq.save_checkpoint`` until the checkpoint returns; a worker's put makes none.
 
 Consumed marks are bounded: a mark is only kept while a checkpoint exists that a restart could
 resume from with the mark's step after it. Before the ledger's first checkpoint a restart trains from
@@ -45,6 +55,7 @@ from kvckpt.integrations.verl.records import (
     MARKS,
     RUN_KEY,
     TAG,
+    groups_lacking,
     item_prefix,
     mark_index_key,
     record_key,
@@ -53,7 +64,7 @@ from kvckpt.integrations.verl.records import (
 )
 
 from kvckpt import ValueStore, makedirs_durable, write_id_of
-from kvckpt.errors import CheckpointError, FencedWrite
+from kvckpt.errors import FencedWrite
 
 #: zstd level of the records the ledger itself encodes (run, checkpoint step, consumed marks).
 _LEVEL = 1
@@ -241,29 +252,37 @@ class VerlLedger:
         return stamp
 
     def load(self, source: str, checkpoint_id: str, token: str) -> bool:
-        """Make the ledger the checkpoint ``source`` (stamp ``checkpoint_id``), for the run ``token``.
+        """Make the ledger the checkpoint ``source`` (stamp ``checkpoint_id``) plus what finished since, for the
+        run ``token``. Returns whether the file was copied in.
 
         If the live store's last stamp is ``checkpoint_id`` and the live store still descends from it
-        (it has a checkpoint record: :meth:`retain` drops it when a run starts over), nothing after it
-        was checkpointed: the live store is kept, with every trajectory finished since. Otherwise the
-        file (validated first) replaces it. Either way the run record is then the current run's (one transaction).
-        Returns whether the file was copied in.
+        (it has a checkpoint record: :meth:`retain` drops it when a run starts over), every prompt group
+        of the checkpoint the live store no longer holds is put back, in one write transaction (the file
+        opened untrusted, the run's fence checked inside that transaction); a group the live store holds
+        keeps its live records (every trajectory finished since), and so do the dispatch cursor and the
+        run. So a group cleared after the save (evicted as stale against a trainer version the load rolls
+        back, or wiped) comes back as the checkpoint held it, and consumed marks it held come back for
+        :meth:`resume` to settle. Otherwise the live store moved past the checkpoint (a later one was
+        stamped from it, or it started over): the file (validated first) replaces it, and the run record
+        is then the current run's (one transaction).
 
         Raises:
             StaleRun: ``token`` is not the current run's; nothing changes.
-            CheckpointError: the file's stamp is not ``checkpoint_id``.
-            FormatError / CorruptRecord / RecoveryError: the file is not a valid ledger checkpoint.
+            CheckpointError: the file's stamp is not ``checkpoint_id``; nothing changes.
+            FormatError / CorruptRecord / RecoveryError: the file is not a valid ledger checkpoint; nothing changes.
         """
         self._check(token)
+        if self._values.stamp_id() == checkpoint_id and self._get(CHECKPOINT_KEY) is not None:
+            try:
+                self._values.merge_checkpoint(source, groups_lacking, checkpoint_id=checkpoint_id,
+                                              fence=(RUN_KEY, token))
+            except FencedWrite as exc:
+                raise StaleRun(self.path, token, exc.found) from None
+            return False
         run = self._get(RUN_KEY) or {}
-        copied = self._values.stamp_id() != checkpoint_id or self._get(CHECKPOINT_KEY) is None
-        if copied:
-            stamp = self._values.load(source)
-            if stamp.get("checkpoint_id") != checkpoint_id:
-                raise CheckpointError(f"verl ledger checkpoint {source!r} holds stamp {stamp.get('checkpoint_id')!r}, "
-                                      f"but its manifest names {checkpoint_id!r}")
+        self._values.load(source, checkpoint_id=checkpoint_id)
         self._values.put([RUN_KEY], [encode_value(RUN_KEY, {"run": run.get("run", 0)}, token, _LEVEL)])
-        return copied
+        return True
 
     def close(self) -> None:
         """Close the file (idempotent)."""
@@ -330,8 +349,12 @@ class VerlLedger:
         return items, marks
 
 
-#: :class:`VerlLedger` as a Ray actor; one call at a time, the file's only writer.
-VerlLedgerActor = ray.remote(num_cpus=0)(VerlLedger)
+#: The ledger actor's concurrency group for :meth:`VerlLedger.checkpoint` (one at a time, beside every other call).
+CHECKPOINT_GROUP = "checkpoint"
+
+#: :class:`VerlLedger` as a Ray actor, the file's only writer: every call one at a time, except a checkpoint,
+#: called with ``.options(concurrency_group=CHECKPOINT_GROUP)`` so puts keep landing while it copies.
+VerlLedgerActor = ray.remote(num_cpus=0, concurrency_groups={CHECKPOINT_GROUP: 1})(VerlLedger)
 
 
 def ledger_actor(path: str, name: str, namespace: str) -> Any:

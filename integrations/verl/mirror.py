@@ -13,8 +13,8 @@ TransferQueue's controller hands every process that calls ``tq.init()`` (verl's
 the run token of the run that started that worker.
 
 ``tq.save_checkpoint(dir)`` writes the ledger as one file, ``dir/kvckpt_verl.kv``, with a small JSON
-manifest beside it; ``tq.load_checkpoint(dir)`` makes the ledger that checkpoint (or keeps the live
-store if it descends from it) and fills TransferQueue from the ledger.
+manifest beside it; ``tq.load_checkpoint(dir)`` makes the ledger that checkpoint plus what finished
+since (:meth:`VerlLedger.load`) and fills TransferQueue from the ledger.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any
 import ray
 import transfer_queue as tq
 from kvckpt.integrations.transferqueue.values import encode_value, new_write_id
+from kvckpt.integrations.verl.ledger import CHECKPOINT_GROUP
 from kvckpt.integrations.verl.records import FIELD, TAG, record_key, rows_of, state_from_json, state_to_json
 from omegaconf import flag_override, open_dict
 
@@ -75,12 +76,14 @@ class Mirror:
 
     @contextlib.contextmanager
     def consuming(self, step: int | None) -> Iterator[None]:
-        """Within it, this thread's ``kv_clear`` marks the keys consumed by training step ``step``."""
+        """Within it, this thread's ``kv_clear`` marks the keys consumed by training step ``step`` (nested
+        uses restore the outer step on exit)."""
+        outer = getattr(self._consuming, "step", None)
         self._consuming.step = step
         try:
             yield
         finally:
-            self._consuming.step = None
+            self._consuming.step = outer
 
     # -- what each call becomes --------------------------------------------------------------------
     def _put_call(self, keys: list[str], partition_id: str, fields: Any, tags: list[dict] | None,
@@ -163,7 +166,8 @@ class Mirror:
         step = int((metadata or {}).get("global_steps", 0))
         checkpoint_dir = os.fspath(checkpoint_dir)
         # the actor creates the directory once the run token passed: a stale run's call leaves no trace
-        stamp = ray.get(self.actor.checkpoint.remote(self.token, os.path.join(checkpoint_dir, LEDGER_FILE), step))
+        checkpoint = self.actor.checkpoint.options(concurrency_group=CHECKPOINT_GROUP)  # puts land while it copies
+        stamp = ray.get(checkpoint.remote(self.token, os.path.join(checkpoint_dir, LEDGER_FILE), step))
         manifest = {"checkpoint_id": stamp["checkpoint_id"], "global_steps": step, "metadata": metadata or {}}
         tmp = os.path.join(checkpoint_dir, f".{MANIFEST_FILE}.{uuid.uuid4().hex[:8]}")
         with open(tmp, "w") as f:

@@ -73,6 +73,37 @@ def split_mark_index(index_key: str) -> tuple[int, str, str]:
     return int(parts[0]), parts[1], parts[2]
 
 
+def group_of(ledger_key: str) -> tuple[str, str] | None:
+    """``(partition_id, uid)`` of the prompt group an item record or a consumed-mark index entry belongs to
+    (a prompt ``{uid}`` and its trajectories ``{uid}_{session}_{index}`` are one group); ``None`` for the
+    run's own records (run, cursor, checkpoint)."""
+    if ledger_key.startswith(ITEMS):
+        partition_id, key, _, _ = split(ledger_key)
+    elif ledger_key.startswith(MARKS):
+        _, partition_id, key = split_mark_index(ledger_key)
+    else:
+        return None
+    return partition_id, key.split("_", 1)[0]
+
+
+def groups_lacking(saved_keys: list[str], live: Any) -> list[str]:
+    """The keys of ``saved_keys`` (a checkpoint's) whose whole group the live ledger no longer holds: not one
+    record of its prompt or of any of its trajectories (``live.has(prefix)``). A group the live ledger holds
+    keeps its live records only, so a group is never a mixture of two moments."""
+    held: dict[tuple[str, str], bool] = {}
+    chosen = []
+    for ledger_key in saved_keys:
+        group = group_of(ledger_key)
+        if group is None:
+            continue
+        if group not in held:
+            partition_id, uid = group
+            held[group] = live.has(item_prefix(partition_id, uid)) or live.has(f"{ITEMS}{partition_id}/{uid}_")
+        if not held[group]:
+            chosen.append(ledger_key)
+    return chosen
+
+
 def rows_of(fields: TensorDict | Mapping[str, Any] | None, count: int, *, single: bool) -> list[dict[str, Any]]:
     """The per-key field values of a put, as TransferQueue splits them.
 

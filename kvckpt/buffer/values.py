@@ -21,21 +21,28 @@ Guarantees:
   (:func:`kvckpt.durability.checkpoint.install_checkpoint`), the copy is structure-checked before
   it is mapped (:func:`kvckpt.durability.safe_open.open_readonly`), its kind, stamp and every
   record's checksum are verified, then it is renamed over the live file and reopened.
+  :meth:`merge_checkpoint` reads a checkpoint through the same private copy and checks, and puts
+  the records its caller picks back into the live store in one write transaction.
 
-Thread safety: data operations may run on several threads; :meth:`checkpoint`, :meth:`load` and
-:meth:`close` exclude each other, and :meth:`load` must not run beside a data operation (the
-TransferQueue actor runs data operations and loads one at a time, checkpoints in their own group).
+Thread safety: data operations may run on several threads; :meth:`checkpoint`, :meth:`load`,
+:meth:`merge_checkpoint` and :meth:`close` exclude each other, and :meth:`load` must not run beside a
+data operation (the TransferQueue actor and the verl ledger's run data operations and loads one at a
+time, checkpoints in their own group).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from kvckpt.durability.checkpoint import install_checkpoint, snapshot_to_file
-from kvckpt.durability.safe_open import open_readonly
+from kvckpt.durability.checkpoint import PARTIAL_SUFFIX, install_checkpoint, snapshot_to_file
+from kvckpt.durability.safe_open import check_header, copy_used, open_readonly
+from kvckpt.errors import CheckpointError
 from kvckpt.storage.store import Store
 from kvckpt.storage.txn import Txn
 from kvckpt.values import records
@@ -145,17 +152,21 @@ class ValueStore:
             result = handle.wait()
         return {**stamped, "values": result.details["values"], "file_bytes": result.file_bytes, "how": result.how}
 
-    def load(self, source: str) -> dict[str, Any]:
+    def load(self, source: str, *, checkpoint_id: str | None = None) -> dict[str, Any]:
         """Replace the live values with a checkpoint file written by :meth:`checkpoint`; returns its stamp.
 
         The file's used pages are copied under a private name and the copy validated before
         anything changes (structure without mapping it, kind, stamp, every record's checksum and
         key); then it is renamed over the live file and reopened through a fresh handle.
 
+        Args:
+            checkpoint_id: the stamp the file must hold (checked before anything changes).
+
         Raises:
             FileNotFoundError: no file at ``source``.
             FormatError / CorruptRecord / RecoveryError: the file is not a valid value-store
                 checkpoint; the live store is untouched.
+            CheckpointError: its stamp is not ``checkpoint_id``; the live store is untouched.
         """
         source = os.path.abspath(source)
         if not os.path.isfile(source):
@@ -163,7 +174,9 @@ class ValueStore:
 
         def check(copy: str) -> dict[str, Any]:
             with open_readonly(copy, name=source) as store:
-                return store.read(lambda txn: records.validate_checkpoint(txn, source))
+                stamp = store.read(lambda txn: records.validate_checkpoint(txn, source))
+            _expect(stamp, checkpoint_id, source)
+            return stamp
 
         with self._swap:
             self._store.close()
@@ -172,10 +185,87 @@ class ValueStore:
             finally:
                 self._store = _open(self.path)
 
+    def merge_checkpoint(self, source: str, choose: Callable[[list[str], ValueView], list[str]], *,
+                         checkpoint_id: str | None = None, fence: tuple[str, str] | None = None) -> dict[str, Any]:
+        """Put back into the live store the records of the checkpoint file ``source`` that ``choose`` picks,
+        in one durable write transaction; every other live record is left as it is. Returns the file's stamp
+        with ``merged``, how many records were put back.
+
+        ``source`` is untrusted: its used pages are copied under a private name, the copy is structure-checked
+        before it is mapped, and its kind, stamp and every record's checksum and key are verified before the
+        live store changes. ``choose(checkpoint_keys, live)`` runs inside the write transaction with the
+        checkpoint's keys (in key order) and a read view of the live store; it returns the keys to put back.
+
+        Args:
+            checkpoint_id: the stamp the file must hold.
+            fence: as :meth:`write`'s, checked inside the write transaction.
+
+        Raises:
+            FileNotFoundError: no file at ``source``.
+            FormatError / CorruptRecord / RecoveryError: the file is not a valid value-store checkpoint.
+            CheckpointError: its stamp is not ``checkpoint_id``.
+            FencedWrite: the fence does not hold.
+            In every case the live store is untouched.
+        """
+        source = os.path.abspath(source)
+        if not os.path.isfile(source):
+            raise FileNotFoundError(f"no value store checkpoint at {source!r}")
+        with _private_copy(source, self.path) as copy, open_readonly(copy, name=source) as checkpoint, \
+                checkpoint.reader() as saved:
+            stamp = records.validate_checkpoint(saved, source)
+            _expect(stamp, checkpoint_id, source)
+            saved_keys = records.keys(saved)
+
+            def put_back(txn: Txn) -> int:
+                records.check_fence(txn, self.path, fence)
+                chosen = choose(saved_keys, ValueView(txn))
+                for key in chosen:
+                    raw = saved.get("rows", records.store_key(key))
+                    if raw is None:
+                        raise ValueError(f"{key!r} is not a key of the checkpoint {source!r}")
+                    txn.put("rows", records.store_key(key), raw)
+                return len(chosen)
+
+            with self._swap:
+                merged = self._store.write(put_back)
+        return {**stamp, "merged": merged}
+
     def close(self) -> None:
         """Close the store (idempotent); waits for a checkpoint being copied."""
         with self._swap:
             self._store.close()
+
+
+def _expect(stamp: dict[str, Any], checkpoint_id: str | None, source: str) -> None:
+    """Refuse a checkpoint whose stamp is not the one its caller names."""
+    if checkpoint_id is not None and stamp.get("checkpoint_id") != checkpoint_id:
+        raise CheckpointError(f"the value store checkpoint {source!r} holds stamp {stamp.get('checkpoint_id')!r}, "
+                              f"not {checkpoint_id!r}")
+
+
+class ValueView:
+    """A read view of the live store inside one write transaction (:meth:`ValueStore.merge_checkpoint`'s):
+    what it reads is what that transaction commits over."""
+
+    def __init__(self, txn: Txn) -> None:
+        self._txn = txn
+
+    def has(self, prefix: str) -> bool:
+        """Whether any key is stored under ``prefix`` (reads one key at most)."""
+        return next(self._txn.iter_keys("rows", records.store_key(prefix)), None) is not None
+
+
+@contextlib.contextmanager
+def _private_copy(source: str, beside: str) -> Iterator[str]:
+    """The used pages of ``source`` copied to a private file next to ``beside`` (removed on exit)."""
+    used = check_header(source)
+    copy = f"{beside}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
+    try:
+        copy_used(source, copy, used)
+        yield copy
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(copy)
 
 
 def _open(path: str) -> Store:
