@@ -1,4 +1,4 @@
-"""A real vLLM OpenAI-compatible server on CPU, on loopback, for the TRL server-path tests.
+"""A real vLLM OpenAI-compatible server on CPU, on loopback, for the TRL server-path tests and benchmark.
 
 TRL 1.16's async GRPO talks to a plain ``vllm serve`` (``/v1/completions``, and ``/pause`` /
 ``/resume`` with ``VLLM_SERVER_DEV_MODE=1``). vLLM's CPU build pins its own torch and transformers,
@@ -15,7 +15,7 @@ import subprocess
 import time
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def vllm_python() -> str | None:
