@@ -4,9 +4,10 @@
 
 CONFIG_JSON: ``workdir``, ``model``, ``server`` (the vLLM server's base URL), ``max_steps``,
 ``save_steps``, ``every`` (progress interval, tokens), ``max_tokens`` (``max_completion_length``),
-``kill_after_step`` (SIGKILL this process mid-generation once that step's checkpoint is complete
-(TRL's ``trainer_state.json`` and kvckpt's file both written) and a sample of the batch being
-generated has durable tokens and tokens generated since its last record; 0: never), ``resume``
+``kill_after_step`` (SIGKILL this process mid-generation after that step: in the first batch after
+the step where a sample has durable tokens and tokens generated since its last record, the
+generation thread waits until the step's checkpoint is complete (TRL's ``trainer_state.json`` and
+kvckpt's file both written; the batch's states cannot change meanwhile), then dies; 0: never), ``resume``
 (a checkpoint directory or null), ``log`` (a JSON-lines file, each event fsynced: the sequences in
 flight at the kill, the recovery plan, the worker's progress counters at the end).
 
@@ -21,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,13 +60,13 @@ def main() -> None:
     def kill_mid_generation(states):
         """SIGKILL once ``kill_after_step``'s checkpoint is complete and a sample of the batch in
         flight has a durable prefix and tokens after it, logging every sequence of the batch first."""
-        if not cfg.get("kill_after_step"):
-            return
-        checkpoint = os.path.join(args.output_dir, f"checkpoint-{cfg['kill_after_step']}")
-        if not all(os.path.isfile(os.path.join(checkpoint, name)) for name in ("trainer_state.json", BUFFER_FILE)):
+        if not cfg.get("kill_after_step") or trainer.state.global_step < cfg["kill_after_step"]:
             return
         if not any(0 < s.durable < s.generated for s in states):
             return
+        checkpoint = os.path.join(args.output_dir, f"checkpoint-{cfg['kill_after_step']}")
+        while not all(os.path.isfile(os.path.join(checkpoint, name)) for name in ("trainer_state.json", BUFFER_FILE)):
+            time.sleep(0.05)  # the trainer saves it without waiting for this batch (its groups are ready)
         log({"killed": trainer.state.global_step,
              "in_flight": [{"group": s.lease.group_id, "prompt_idx": s.lease.prompt_idx, "index": s.index,
                             "attempt": s.lease.attempt, "generated": s.generated, "durable": s.durable}
