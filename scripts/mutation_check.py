@@ -368,7 +368,8 @@ MUTATIONS += (
     Mutation("progress-ignores-completion-mask", "kvckpt/transitions/progress.py",
              'MASK_FIELDS = ("token_mask", "completion_mask")', 'MASK_FIELDS = ("token_mask",)',
              (f"{TRL_SERVER}::test_a_trl_row_is_held_against_its_durable_prefix_by_its_completion_mask",)),
-    # run with --python .venv-vllm/bin/python (a real vLLM server and TRL beside it)
+    # run with --python "$PWD/.venv-vllm/bin/python" and KVCKPT_VLLM_PYTHON="$PWD/.venv-vllm/bin/python" (the
+    # copy has no .venv-vllm: without it the server test skips and every mutant survives)
     Mutation("trl-server-resume-drops-prefix", "integrations/trl/server.py",
              "self.payload(seq.prompt_ids + seq.prefix_ids, left, temperature)",
              "self.payload(seq.prompt_ids, left, temperature)", TRL_SERVER_CRASH),
