@@ -354,6 +354,32 @@ MUTATIONS += (
              (f"{TRL_STAMPS}::test_a_crash_before_the_first_save_recovers_the_live_store_at_step_0",)),
 )
 
+TRL_SERVER = "tests/test_trl_server_request.py"
+TRL_SERVER_CRASH = ("tests/test_trl_server.py::test_kill_mid_generation_resumes_each_sample_from_its_durable_prefix",)
+#: TRL's vLLM-server path (issue 39): TRL's own request, streamed; a TRL row held against its
+#: durable prefix; a redispatched sample resumed from prompt + prefix with the remaining budget.
+MUTATIONS += (
+    Mutation("trl-server-request-drops-token-ids", "integrations/trl/server.py",
+             '"n": 1, "return_token_ids": True,', '"n": 1,',
+             (f"{TRL_SERVER}::test_the_request_is_trls_own_streamed",)),
+    Mutation("trl-server-event-logprobs-unchecked", "integrations/trl/server.py",
+             "    if len(lps) != len(ids):\n", "    if False:\n",
+             (f"{TRL_SERVER}::test_stream_events_are_read_as_vllm_writes_them",)),
+    Mutation("progress-ignores-completion-mask", "kvckpt/transitions/progress.py",
+             'MASK_FIELDS = ("token_mask", "completion_mask")', 'MASK_FIELDS = ("token_mask",)',
+             (f"{TRL_SERVER}::test_a_trl_row_is_held_against_its_durable_prefix_by_its_completion_mask",)),
+    # run with --python "$PWD/.venv-vllm/bin/python" and KVCKPT_VLLM_PYTHON="$PWD/.venv-vllm/bin/python" (the
+    # copy has no .venv-vllm: without it the server test skips and every mutant survives)
+    Mutation("trl-server-resume-drops-prefix", "integrations/trl/server.py",
+             "self.payload(seq.prompt_ids + seq.prefix_ids, left, temperature)",
+             "self.payload(seq.prompt_ids, left, temperature)", TRL_SERVER_CRASH),
+    Mutation("trl-server-resume-full-budget", "integrations/trl/server.py",
+             "self.payload(seq.prompt_ids + seq.prefix_ids, left, temperature)",
+             "self.payload(seq.prompt_ids + seq.prefix_ids, max_tokens, temperature)", TRL_SERVER_CRASH),
+    Mutation("trl-worker-ignores-prefixes", "integrations/vllm/stream.py",
+             "    return sink.progress(lease) if lease.attempt > 0 else {}", "    return {}", TRL_SERVER_CRASH),
+)
+
 STEP = "tests/test_progress_step.py"
 #: The progress step message (issue 36): retry dedupe, the per-sequence checks, per-sequence isolation.
 MUTATIONS += (

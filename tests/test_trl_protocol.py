@@ -45,7 +45,8 @@ def setup(tmp_path, model_path):
     def reward(completions, answer, **_):
         return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
 
-    worker = KvckptRolloutWorker(str(tmp_path / "buffer.kv"), model_path, dataset, [reward], args)
+    worker = KvckptRolloutWorker(str(tmp_path / "buffer.kv"), model_path, dataset, [reward], args,
+                                 backend="transformers")
     trainer_model = AutoModelForCausalLM.from_pretrained(model_path)
     yield worker, args, TrainerState(), TrainerControl(), trainer_model
     worker.close()
@@ -151,7 +152,8 @@ def test_resume_without_live_store_restores_the_checkpoint_file(setup, tmp_path,
     assert (tmp_path / "out" / "checkpoint-1" / BUFFER_FILE).is_file()
     worker.close()
 
-    again = KvckptRolloutWorker(worker.store_path, model_path, worker.dataset, worker.reward_funcs, args)
+    again = KvckptRolloutWorker(worker.store_path, model_path, worker.dataset, worker.reward_funcs, args,
+                                backend="transformers")
     state.global_step = 0  # a fresh start over a store that has trained: refused, nothing touched
     with pytest.raises(RecoveryError, match="starts from step 0"):
         again.callback.on_train_begin(args, state, control)

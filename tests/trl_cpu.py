@@ -12,6 +12,9 @@ TRL 1.16.0's ``AsyncGRPOTrainer`` assumes a GPU in exactly two places on the pat
    bottom-right (flash-attn's convention when a segment has fewer queries than keys), grouped
    KV heads repeated.
 
+On the vLLM-server path (tests/test_trl_server.py) a third: TRL's NCCL weight transfer into the
+server (:class:`ServerWeightTransferOnCPU`; its readiness wait, ``/pause`` and ``/resume`` stay TRL's).
+
 Nothing else is replaced: the trainer, its dataloader, batcher, collator, loss, optimizer,
 checkpointing and ``resume_from_checkpoint`` are TRL's and transformers' own. The integration
 (``kvckpt.integrations.trl``) never imports this module.
@@ -107,3 +110,44 @@ def default_like_worker(generate_group, dataset_len: int, log):
                 self._thread.join()
 
     return DefaultLikeWorker()
+
+
+class ServerWeightTransferOnCPU:
+    """TRL's ``WeightTransferClient`` for a CPU vLLM server, standing in for its NCCL calls only.
+
+    TRL's client moves weights over NCCL (``init_weight_transfer``: an NCCL rendezvous with the
+    server, ``/init_weight_transfer_engine``; ``send_weights``: ``/start_weight_update``, a packed
+    NCCL broadcast, ``/finish_weight_update``): GPU-only, and its constructor refuses to run without
+    them. This keeps every other call TRL's own, through TRL's ``VLLMClient`` on the same server:
+    ``wait_for_server_ready`` at init, ``pause`` (``/pause?mode=keep``: in-flight requests wait) and
+    ``resume``. ``send_weights`` consumes the trainer's parameter stream (TRL's ``_streaming_iter``)
+    and sends nothing, so the server keeps the weights it started with: the tests that use it train
+    with ``learning_rate=0``, where those are the trainer's weights exactly.
+    """
+
+    def __init__(self, server_url: str) -> None:
+        from trl.experimental.async_grpo.vllm_client import VLLMClient
+
+        self.vllm = VLLMClient(server_url, 120.0)
+        self.syncs = 0
+
+    def init_weight_transfer(self) -> None:
+        """TRL's readiness wait; the NCCL rendezvous is stood in (nothing to set up)."""
+        self.vllm.wait_for_server_ready()
+
+    def pause(self) -> None:
+        """TRL's ``/pause`` (keep mode)."""
+        self.vllm.pause()
+
+    def send_weights(self, iterator) -> None:
+        """Stands in for the NCCL broadcast: the parameters are read and not sent (module docstring)."""
+        for _ in iterator:
+            pass
+        self.syncs += 1
+
+    def resume(self) -> None:
+        """TRL's ``/resume``."""
+        self.vllm.resume()
+
+    def destroy(self) -> None:
+        """Nothing to tear down without NCCL."""

@@ -149,7 +149,7 @@ def main() -> None:
 
     if cfg["mode"] == "kvckpt":
         worker = KvckptRolloutWorker(os.path.join(cfg["workdir"], "buffer.kv"), cfg["model"], dataset, [reward], args,
-                                     capacity=8, retain_consumed=True)
+                                     backend="transformers", capacity=8, retain_consumed=True)
         worker.engine_lock = WatchedLock()
         extra = {"rollout_worker": worker, "weight_transfer": worker.weight_transfer}
         callbacks = [worker.callback, Probe()]

@@ -7,10 +7,13 @@ async_grpo_trainer.py, TRL 1.16.0): ``rollout_worker.rollout_buffer`` once in ``
 in ``log()``; ``stop()`` when training ends. Its ``weight_transfer`` gets ``init_weight_transfer()``,
 then per sync ``pause()``, ``send_weights(iterator)``, ``resume()``, and ``destroy()`` at the end.
 
-:class:`KvckptRolloutWorker` generates in a thread of the trainer's process: it admits dataset
+:class:`KvckptRolloutWorker` runs in a thread of the trainer's process: it admits dataset
 positions through :meth:`kvckpt.ReplayBuffer.admit` (the position after them is the admission's
 dataloader state, so the ledger owns the cursor and every in-flight prompt), samples
-``num_generations`` completions per prompt with a kvckpt generation backend, scores them with the
+``num_generations`` completions per prompt — by default from the user's vLLM server with TRL's own
+request, streamed, each sample's tokens recorded durably every K tokens so a redispatched sample
+resumes from its durable prefix (:mod:`~kvckpt.integrations.trl.server`); or in process with a
+kvckpt generation backend — scores them with the
 trainer's reward functions as TRL's own worker does (group-normalised advantage), and commits each
 group in one transaction. The store is opened by :class:`~kvckpt.integrations.trl.callback.KvckptCallback`
 on train begin, which also recovers it on a resume; the worker only generates once it is open.
@@ -22,14 +25,15 @@ import json
 import math
 import queue
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from kvckpt.integrations.trl.peer import rollout_sample_class
 from kvckpt.integrations.trl.queue import BufferQueue, VersionClock
-from kvckpt.integrations.vllm import create_backend
+from kvckpt.integrations.trl.server import SAMPLING_FIELDS, VLLMServerBackend
+from kvckpt.integrations.vllm import PROGRESS_EVERY_TOKENS, SequenceState, create_backend, stream_leases
 
 from kvckpt import BufferConfig, GateTimeout, KvckptError, Lease, Prompt, ReplayBuffer
 from kvckpt.errors import BadArgument, InvariantViolation
@@ -42,7 +46,8 @@ def trl_schema() -> dict[str, tuple[str, str]]:
 
 
 class KvckptRolloutWorker:
-    """TRL's rollout worker on kvckpt: admission, in-process generation, durable group commits.
+    """TRL's rollout worker on kvckpt: admission, generation on TRL's vLLM server (or in process),
+    durable token progress, durable group commits.
 
     Guarantees: every dataset position leaves the cursor in the same transaction that makes it a
     ledger entry; every group is committed whole in one durable transaction before the trainer can
@@ -60,8 +65,19 @@ class KvckptRolloutWorker:
             **other columns)``, returning one float (or ``None``) per completion; summed.
         args: the trainer's ``AsyncGRPOConfig`` (``num_generations``, ``max_staleness``,
             ``weight_sync_steps``, ``max_completion_length``, ``temperature``).
-        backend: a kvckpt generation backend name (``"transformers"`` or ``"vllm"``). Defaults to
-            ``"transformers"``.
+        backend: ``"server"`` (TRL's own path: the vLLM server at ``args.vllm_server_base_url``, asked
+            with TRL's request, streamed, see :mod:`~kvckpt.integrations.trl.server`; weights synced
+            by TRL's own weight transfer) or a kvckpt in-process backend (``"transformers"``,
+            ``"vllm"``; weights synced by :class:`InProcessWeightTransfer`). Defaults to ``"server"``.
+        progress_every_tokens: record each sample's tokens, logprobs and weight version durably every
+            this many tokens (one ``record_progress_many`` per batch of engine steps or stream
+            events); a redispatched sample resumes from its durable prefix. 0 turns it off.
+            Defaults to :data:`~kvckpt.integrations.vllm.PROGRESS_EVERY_TOKENS` with ``"server"``,
+            0 with an in-process backend.
+        progress_every_seconds: also record a sample's tokens once this long passed since its last
+            record. Defaults to None (by count only).
+        after_step: called with the :class:`~kvckpt.integrations.vllm.SequenceState` list after each
+            batch's progress records (a test and fault-injection hook). Defaults to None.
         capacity: ``max_buffered_rollouts`` of a new store (prompts in flight plus ready groups).
             Defaults to ``(max_staleness + 1) * 4`` prompts.
         prompts_per_admit: prompts admitted and generated per engine call. Defaults to 1.
@@ -70,8 +86,10 @@ class KvckptRolloutWorker:
     """
 
     def __init__(self, store_path: str, model_path: str, dataset: Sequence[Any], reward_funcs: Any, args: Any, *,
-                 backend: str = "transformers", capacity: int | None = None, prompts_per_admit: int = 1,
-                 retain_consumed: bool = False, seed: int = 0) -> None:
+                 backend: str = "server", capacity: int | None = None, prompts_per_admit: int = 1,
+                 retain_consumed: bool = False, seed: int = 0, progress_every_tokens: int | None = None,
+                 progress_every_seconds: float | None = None,
+                 after_step: Callable[[Sequence[SequenceState]], None] | None = None) -> None:
         self._sample_cls = rollout_sample_class()
         if len(dataset) == 0:
             raise BadArgument("the TRL worker needs a non-empty dataset")
@@ -90,11 +108,25 @@ class KvckptRolloutWorker:
         self.clock = VersionClock(weight_sync_steps=int(args.weight_sync_steps), max_staleness=int(args.max_staleness))
         self.rollout_buffer = BufferQueue(self._samples, self.clock)
         self.metrics_queue: queue.Queue = queue.Queue()
-        self.backend = create_backend(backend, model_path, seed=seed)
+        if backend == "server":
+            self.backend: Any = VLLMServerBackend(
+                model_path, server_url=args.vllm_server_base_url, request_timeout=args.request_timeout, seed=seed,
+                sampling={name: getattr(args, name, None) for name in SAMPLING_FIELDS})
+        else:
+            self.backend = create_backend(backend, model_path, seed=seed)
         self.tokenizer = self.backend.tokenizer
+        self.progress_every_tokens = int(progress_every_tokens if progress_every_tokens is not None
+                                         else PROGRESS_EVERY_TOKENS if backend == "server" else 0)
+        self.progress_every_seconds = progress_every_seconds
+        self.after_step = after_step
+        #: Cumulative counts of the streaming path: tokens generated, tokens resumed from durable
+        #: prefixes, progress appends and ``record_progress_many`` calls.
+        self.progress_stats = {"tokens_generated": 0, "tokens_resumed": 0, "appends": 0, "append_calls": 0}
         self.engine_lock = threading.Lock()
         self.buffer: ReplayBuffer | None = None
-        self.weight_transfer = InProcessWeightTransfer(self)
+        #: TRL's ``weight_transfer=``: None on the server path (TRL then builds its own, NCCL into the
+        #: server), :class:`InProcessWeightTransfer` for an in-process backend.
+        self.weight_transfer = None if backend == "server" else InProcessWeightTransfer(self)
         self._redispatch: list[Lease] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -210,12 +242,22 @@ class KvckptRolloutWorker:
     def _generate(self, leases: list[Lease]) -> None:
         rows = [self._row(lease.prompt_idx) for lease in leases]
         prompts = [self._prompt_ids(row["prompt"]) for row in rows]
+        refused: dict[str, Any] = {}
         with self.engine_lock:
             weights = self.clock.weights_step
             leases = [self._stamped(lease, weights) for lease in leases]
-            groups = self.backend.generate(prompts, [len(lease.missing) for lease in leases], self.max_tokens,
-                                           self.temperature)
+            if self.progress_every_tokens > 0 or self.progress_every_seconds is not None:
+                groups, recorder = stream_leases(
+                    self.buffer, self.backend, leases, prompts, max_tokens=self.max_tokens,
+                    temperature=self.temperature, weight_version=weights, every_tokens=self.progress_every_tokens,
+                    every_seconds=self.progress_every_seconds, after_step=self.after_step, stats=self.progress_stats)
+                refused = recorder.refused
+            else:
+                groups = self.backend.generate(prompts, [len(lease.missing) for lease in leases], self.max_tokens,
+                                               self.temperature)
         for lease, row, samples in zip(leases, rows, groups, strict=True):
+            if lease.group_id in refused:  # fenced by a recovery or aborted: its new owner generates it
+                continue
             if len(lease.missing) != self.num_generations:
                 raise InvariantViolation(f"lease {lease.group_id} misses {len(lease.missing)} of "
                                          f"{self.num_generations} rows; this worker commits whole groups only")

@@ -21,11 +21,11 @@ from kvckpt.integrations.vllm.backends import (
 from kvckpt.integrations.vllm.rows import TEXT_FIELDS, make_row, rows_from_vllm, sampled_logprobs
 from kvckpt.integrations.vllm.stream import Continuation, ProgressRecorder, SequenceState
 from kvckpt.integrations.vllm.tiny_model import AdditionTask, TinyModelSpec, ensure_tiny_model, train_tokenizer
-from kvckpt.integrations.vllm.worker import DEFAULT_SCHEMA, PROGRESS_EVERY_TOKENS, RolloutWorker
+from kvckpt.integrations.vllm.worker import DEFAULT_SCHEMA, PROGRESS_EVERY_TOKENS, RolloutWorker, stream_leases
 
 __all__ = [
     "BACKENDS", "DEFAULT_SCHEMA", "PROGRESS_EVERY_TOKENS", "TEXT_FIELDS", "AdditionTask", "Continuation",
     "GenerationBackend", "ProgressRecorder", "RolloutWorker", "Sample", "SequenceState",
     "TinyModelSpec", "TransformersBackend", "VLLMBackend", "create_backend", "ensure_tiny_model", "make_row",
-    "rows_from_vllm", "sampled_logprobs", "train_tokenizer",
+    "rows_from_vllm", "sampled_logprobs", "stream_leases", "train_tokenizer",
 ]

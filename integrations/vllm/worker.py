@@ -226,29 +226,15 @@ class RolloutWorker:
     def _stream(self, sink: Any, leases: Sequence[Lease],
                 after_step: Callable[[Sequence[SequenceState]], None] | None,
                 ) -> tuple[list[list[Sample]], int, dict[str, KvckptError]]:
-        seqs, owners = [], []
-        for lease in leases:
-            prompt, known = tuple(self.prompt_ids(lease)), prefixes(sink, lease)
-            for index in lease.missing:
-                done = known.get(index)
-                seqs.append(Continuation(prompt, tuple(done.tokens.tolist()), tuple(done.logprobs.tolist()),
-                                         tuple(done.versions.tolist()))
-                            if done is not None else Continuation(prompt))
-                owners.append((lease, index))
+        prompts = [self.prompt_ids(lease) for lease in leases]
         with self._lock:
             version = self._version
-            recorder = ProgressRecorder(sink, owners, [len(s.prefix_ids) for s in seqs], version,
-                                        every_tokens=self.progress_every_tokens,
-                                        every_seconds=self.progress_every_seconds, after_step=after_step)
-            flat = self.backend.stream(seqs, self.max_tokens, self.temperature, recorder.on_step,
-                                       step_tokens=self.progress_every_tokens or None)
-        resumed = sum(len(s.prefix_ids) for s in seqs)
-        stats = self.progress_stats
-        stats["tokens_resumed"] += resumed
-        stats["tokens_generated"] += sum(len(s.completion_ids) for s in flat) - resumed
-        stats["appends"] += recorder.appends
-        stats["append_calls"] += recorder.calls
-        return grouped(flat, [len(lease.missing) for lease in leases]), version, recorder.refused
+            groups, recorder = stream_leases(sink, self.backend, leases, prompts, max_tokens=self.max_tokens,
+                                             temperature=self.temperature, weight_version=version,
+                                             every_tokens=self.progress_every_tokens,
+                                             every_seconds=self.progress_every_seconds, after_step=after_step,
+                                             stats=self.progress_stats)
+        return groups, version, recorder.refused
 
     def _commit_all(self, sink: Any, leases: Sequence[Lease], samples: Sequence[Sequence[Sample]], version: int,
                     before_commit: Callable[[Lease], None] | None) -> list[CommitResult | KvckptError]:
@@ -279,6 +265,46 @@ class RolloutWorker:
             if isinstance(result, BaseException) and not isinstance(result, KvckptError):
                 raise result
         return per_lease
+
+
+def stream_leases(sink: Any, backend: Any, leases: Sequence[Lease], prompts: Sequence[Sequence[int]], *,
+                  max_tokens: int, temperature: float, weight_version: int, every_tokens: int,
+                  every_seconds: float | None, after_step: Callable[[Sequence[SequenceState]], None] | None = None,
+                  stats: dict[str, int] | None = None) -> tuple[list[list[Sample]], ProgressRecorder]:
+    """Generate every missing row of ``leases`` (``prompts[i]``: lease ``i``'s prompt ids) through
+    ``backend.stream``, recording durable progress in ``sink`` as it goes.
+
+    A lease of a later attempt first reads its durable prefixes (``sink.progress``): each of its
+    samples continues from prompt + prefix with the remaining budget, and its sample carries the
+    prefix's tokens, logprobs and versions. While generating, a :class:`ProgressRecorder` appends
+    every due sequence's new tokens (``every_tokens`` / ``every_seconds``), stamped
+    ``weight_version``, in one ``record_progress_many`` call per engine step (or per batch of a
+    server's stream events). ``stats`` (the worker's counters, if given) gains ``tokens_generated``,
+    ``tokens_resumed``, ``appends`` and ``append_calls``.
+
+    Returns:
+        The samples per lease (``len(lease.missing)`` each, in ``lease.missing`` order) and the
+        recorder (its ``refused``: group id -> the error that fenced a lease; commit none of those).
+    """
+    seqs, owners = [], []
+    for lease, prompt in zip(leases, prompts, strict=True):
+        known = prefixes(sink, lease)
+        for index in lease.missing:
+            done = known.get(index)
+            seqs.append(Continuation(tuple(prompt), tuple(done.tokens.tolist()), tuple(done.logprobs.tolist()),
+                                     tuple(done.versions.tolist()))
+                        if done is not None else Continuation(tuple(prompt)))
+            owners.append((lease, index))
+    recorder = ProgressRecorder(sink, owners, [len(s.prefix_ids) for s in seqs], weight_version,
+                                every_tokens=every_tokens, every_seconds=every_seconds, after_step=after_step)
+    flat = backend.stream(seqs, max_tokens, temperature, recorder.on_step, step_tokens=every_tokens or None)
+    if stats is not None:
+        resumed = sum(len(s.prefix_ids) for s in seqs)
+        stats["tokens_resumed"] += resumed
+        stats["tokens_generated"] += sum(len(s.completion_ids) for s in flat) - resumed
+        stats["appends"] += recorder.appends
+        stats["append_calls"] += recorder.calls
+    return grouped(flat, [len(lease.missing) for lease in leases]), recorder
 
 
 def _is_actor(buffer: Any) -> bool:

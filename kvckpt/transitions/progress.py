@@ -12,8 +12,8 @@ redispatch keep it: the ledger entry, not the chunk, carries the fencing, so a n
 continues from the prefix and the old attempt's appends are refused.
 
 The row fields a commit holds against the prefix (the vLLM worker's rows, NeMo-RL's names):
-:data:`TOKENS_FIELD` (prompt + completion), :data:`MASK_FIELD` (1 on completion tokens; without
-it the whole token field is the completion) and, when the schema declares it,
+:data:`TOKENS_FIELD` (prompt + completion), the first of :data:`MASK_FIELDS` the row has (1 on
+completion tokens; without one the whole token field is the completion) and, when the schema declares it,
 :data:`VERSIONS_FIELD` (the weight version of every completion token).
 """
 
@@ -45,8 +45,9 @@ from kvckpt.transitions.fencing import check_against_entry, fence
 
 #: The row field holding a row's tokens (prompt + completion).
 TOKENS_FIELD = "input_ids"
-#: The row field that is non-zero exactly on completion tokens (optional in a schema).
-MASK_FIELD = "token_mask"
+#: The row fields that are non-zero exactly on completion tokens, by name: NeMo-RL's and the vLLM
+#: worker's ``token_mask``, TRL's ``completion_mask`` (optional in a schema; the first present is used).
+MASK_FIELDS = ("token_mask", "completion_mask")
 #: The row field holding each token's weight version (optional in a schema; int64, per token).
 VERSIONS_FIELD = "token_versions"
 #: Fields of a stored chunk; the schema's generation fields are stored as ``FIELD_PREFIX + name``.
@@ -257,7 +258,8 @@ def consume(t: Tables, schema: RowSchema, group_id: str, index: int, row: bytes)
     if TOKENS_FIELD not in arrays:
         raise BadArgument(f"commit of {sample} refused: the sample has {len(tokens)} tokens of durable progress but "
                           f"the row has no {TOKENS_FIELD!r} to hold them against; nothing was written")
-    picked = np.asarray(arrays[MASK_FIELD]).reshape(-1) != 0 if MASK_FIELD in arrays else slice(None)
+    mask = next((name for name in MASK_FIELDS if name in arrays), None)
+    picked = np.asarray(arrays[mask]).reshape(-1) != 0 if mask is not None else slice(None)
     completion = np.asarray(arrays[TOKENS_FIELD])[picked]
     if len(completion) < len(tokens) or not np.array_equal(completion[:len(tokens)], tokens):
         raise BadArgument(f"commit of {sample} refused: the row's completion does not begin with the sample's "
