@@ -19,7 +19,7 @@ SECTION = r"section trainer\.v1\.sampler\.sampler_kwargs\.kvckpt of verl's train
 def test_verl_refuses_an_unknown_key_naming_its_section() -> None:
     kwargs = OmegaConf.create({"kvckpt": {"path": "/tmp/l.kv", "actor_nmae": "x"}})
     with pytest.raises(BadArgument, match=r"unknown config key\(s\) \['actor_nmae'\] in " + SECTION
-                                          + r"; valid: \['actor_name', 'path'\]"):
+                                          + r"; valid: \['actor_name', 'path', 'progress_every_tokens'\]"):
         LedgerSettings.from_sampler_kwargs(kwargs)
 
 
@@ -32,3 +32,5 @@ def test_verl_reads_its_section_and_refuses_what_it_cannot_use() -> None:
         LedgerSettings.from_sampler_kwargs({"kvckpt": {"path": "/l.kv", "actor_name": ""}})
     with pytest.raises(BadArgument, match=r"needs trainer\.v1\.sampler\.sampler_kwargs\.kvckpt\.path"):
         LedgerSettings.from_sampler_kwargs(None)
+    with pytest.raises(BadArgument, match=r"sampler_kwargs\.kvckpt\.progress_every_tokens must be an integer >= 0"):
+        LedgerSettings.from_sampler_kwargs({"kvckpt": {"path": "/l.kv", "progress_every_tokens": "64"}})
