@@ -240,3 +240,27 @@ def test_groups_that_sampling_evicts_after_a_checkpoint_come_back_on_its_load(tm
         assert set(listed) == set(taken)
         assert {uid: listed[uid]["status"] for uid in ("stale", "freshone", "freshtwo")} == dict.fromkeys(
             ("stale", "freshone", "freshtwo"), "finished")
+
+
+def test_a_checkpoint_copies_beside_other_calls_and_purges_between_them(tmp_path: Path) -> None:
+    """The ledger's checkpoint runs in its own Ray concurrency group, beside the default group's calls. Its
+    snapshot copy must not wait for them (puts land while it copies), and its purge (read the marks, then one
+    write transaction) must not interleave with them. The test holds the ledger's mutex, as a default-group call
+    between its read and its write does: the copy still lands, the step record and purge wait for the release."""
+    import threading
+
+    ledger = VerlLedger(str(tmp_path / "live.kv"))
+    token = ledger.open_run()["token"]
+    dest = str(tmp_path / "ckpt" / LEDGER_FILE)
+    done: list[Any] = []
+    worker = threading.Thread(target=lambda: done.append(ledger.checkpoint(token, dest, 3)), daemon=True)
+    with ledger._mutex:  # a call of the default group, between its read and its write
+        worker.start()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(dest) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert os.path.exists(dest), "the snapshot copy waited for another call"
+        assert ledger.info()["checkpoint_step"] is None, "the purge ran between another call's read and write"
+    worker.join(60)
+    assert done and ledger.info()["checkpoint_step"] == 3
+    ledger.close()

@@ -26,9 +26,10 @@ write identity is the token), so no run can open between the check and the write
 checks it inside its stamp transaction, and a load (a file copy, not a transaction) before the copy.
 
 What a checkpoint does after its copy (its step record and the purge of the marks it covers, one
-transaction) may interleave with the default group's calls. The purge lists the marks before its write,
-which is sound because only the trainer's ``sample`` makes marks at a step, and the trainer is inside
-``tq.save_checkpoint`` until the checkpoint returns; a worker's put makes none.
+transaction) lists the marks before its write, as :meth:`~VerlLedger.clear`, :meth:`~VerlLedger.resume` and
+the other state-changing calls read what they then write. Each of them holds the ledger's one mutex from
+its first read to its commit (:func:`_exclusive`), so no call lands between another's read and its write,
+whichever concurrency group runs it; the snapshot copy itself holds no mutex, so puts land while it copies.
 
 Consumed marks are bounded: a mark is only kept while a checkpoint exists that a restart could
 resume from with the mark's step after it. Before the ledger's first checkpoint a restart trains from
@@ -39,9 +40,12 @@ deletes the marks it covers, so at most the groups sampled since the last checkp
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from collections import defaultdict
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import ray
 from kvckpt.integrations.transferqueue.values import decode_value, encode_value, new_write_id
@@ -66,6 +70,20 @@ from kvckpt.integrations.verl.records import (
 from kvckpt import ValueStore, makedirs_durable, write_id_of
 from kvckpt.errors import FencedWrite
 
+_Call = TypeVar("_Call", bound=Callable[..., Any])
+
+
+def _exclusive(method: _Call) -> _Call:
+    """``method`` run holding the ledger's mutex: its reads and its write transaction see no other call's write
+    between them (the checkpoint group runs beside the default group)."""
+
+    @functools.wraps(method)
+    def run(self: VerlLedger, *args: Any, **kwargs: Any) -> Any:
+        with self._mutex:
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
 #: zstd level of the records the ledger itself encodes (run, checkpoint step, consumed marks).
 _LEVEL = 1
 
@@ -84,6 +102,7 @@ class VerlLedger:
     def __init__(self, path: str) -> None:
         self._values = ValueStore(path)
         self.path = self._values.path
+        self._mutex = threading.Lock()
 
     def info(self) -> dict[str, Any]:
         """The live file's path, its run number, the step of its last checkpoint (``None`` before the first)
@@ -95,6 +114,7 @@ class VerlLedger:
                 "consumed_marks": len(self._values.keys(MARKS))}
 
     # -- the run -----------------------------------------------------------------------------------
+    @_exclusive
     def open_run(self) -> dict[str, Any]:
         """Start a new run (one transaction): every token handed out before is fenced from now on.
 
@@ -120,6 +140,7 @@ class VerlLedger:
             raise StaleRun(self.path, token, exc.found) from None
 
     # -- verl's TransferQueue calls -----------------------------------------------------------------
+    @_exclusive
     def put(self, token: str, keys: list[str], values: list[bytes]) -> None:
         """One TransferQueue put of a process of run ``token``: its encoded records, one transaction.
 
@@ -128,6 +149,7 @@ class VerlLedger:
         """
         self._write(token, keys, values, [])
 
+    @_exclusive
     def clear(self, token: str, partition_id: str, keys: list[str], consumed_step: int | None = None) -> int:
         """One TransferQueue clear of run ``token`` (one transaction); returns how many keys it removed.
 
@@ -160,11 +182,13 @@ class VerlLedger:
         self._write(token, write_keys, values, deletes)
         return len(keys)
 
+    @_exclusive
     def set_cursor(self, token: str, state: Any, keys: list[str], values: list[bytes]) -> None:
         """A dispatch: the prompts' records and the dataloader state after fetching them, one transaction."""
         cursor = encode_value(CURSOR_KEY, state, new_write_id(), _LEVEL)
         self._write(token, [*keys, CURSOR_KEY], [*values, cursor], [])
 
+    @_exclusive
     def retain(self, token: str, listing: dict[str, list[str]]) -> int:
         """Keep only the items TransferQueue lists (``{partition: [key, ...]}``), in one transaction, and
         drop the dispatch cursor and the last checkpoint's record: a restart that resumes nothing (sync
@@ -184,6 +208,7 @@ class VerlLedger:
         return len(doomed)
 
     # -- restart -----------------------------------------------------------------------------------
+    @_exclusive
     def resume(self, token: str, step: int | None = None) -> dict[str, Any]:
         """Settle consumed groups against the checkpoint at ``step`` (the ledger's last one by default),
         in one transaction, and return what TransferQueue must hold.
@@ -241,16 +266,18 @@ class VerlLedger:
             stamp = self._values.checkpoint(dest, fence=(RUN_KEY, token))
         except FencedWrite as exc:
             raise StaleRun(self.path, token, exc.found) from None
-        deletes = []
-        for index in self._values.keys(MARKS):
-            mark_step, partition_id, key = split_mark_index(index)
-            if mark_step > step:
-                break  # the index is in step order
-            deletes += [index, *self._values.keys(item_prefix(partition_id, key))]
-        record = encode_value(CHECKPOINT_KEY, {"step": int(step)}, new_write_id(), _LEVEL)
-        self._write(token, [CHECKPOINT_KEY], [record], deletes)
+        with self._mutex:  # the purge reads the marks it deletes: no call lands in between
+            deletes = []
+            for index in self._values.keys(MARKS):
+                mark_step, partition_id, key = split_mark_index(index)
+                if mark_step > step:
+                    break  # the index is in step order
+                deletes += [index, *self._values.keys(item_prefix(partition_id, key))]
+            record = encode_value(CHECKPOINT_KEY, {"step": int(step)}, new_write_id(), _LEVEL)
+            self._write(token, [CHECKPOINT_KEY], [record], deletes)
         return stamp
 
+    @_exclusive
     def load(self, source: str, checkpoint_id: str, token: str) -> bool:
         """Make the ledger the checkpoint ``source`` (stamp ``checkpoint_id``) plus what finished since, for the
         run ``token``. Returns whether the file was copied in.
@@ -289,6 +316,7 @@ class VerlLedger:
         self._values.close()
 
     # -- token progress ----------------------------------------------------------------------------
+    @_exclusive
     def record_progress(self, token: str, items: list[dict[str, Any]]) -> list[int | ProgressGap]:
         """One flush of a rollout server's token progress, in ONE write transaction of run ``token``
         (:func:`.progress_store.stage`: chunks appended, finished samples dropped). Returns per item the sample's
@@ -302,6 +330,7 @@ class VerlLedger:
         self._write(token, keys, values, deletes)
         return out
 
+    @_exclusive
     def settle_progress(self, token: str, inflight_uids: list[str]) -> int:
         """At a restart: delete the progress of every prompt not in ``inflight_uids`` (one transaction); returns
         how many records went.
