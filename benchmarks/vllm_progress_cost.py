@@ -216,7 +216,7 @@ def run(quick: bool, directory: str, log: Any = print) -> dict[str, Any]:
                    "paired_on_over_off": statistics.median(a / b for a, b in zip(rates["on"], rates["off"],
                                                                                  strict=True)),
                    "rates": rates, "engine_steps": on_docs[-1]["steps"], "messages": on_docs[-1]["messages"],
-                   "step_ms_off": 1e3 * on_docs[-1]["tokens"] / off / sequences,
+                   "step_ms_off": 1e3 * on_docs[-1]["tokens"] / off / on_docs[-1]["steps"],
                    "edge_us_per_step": 1e6 * cpu / steps, "edge_us_per_message": 1e6 * cpu / max(1, messages),
                    "edge_share_of_wall": cpu / wall}
         result["runs"][f"{kind}-every-{every}"] = run_doc
