@@ -35,23 +35,21 @@ read the ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
-import shutil
 import socket
 import statistics
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
 
 import numpy as np
 
+from benchmarks.scratch import run_in_scratch
 from kvckpt import BufferConfig, ProgressEncoder, ReplayBuffer
 from kvckpt.tables.records import Lease
 
@@ -240,16 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         serve(int(args.serve[0]), args.serve[1])
         return 0
-    work = args.work or tempfile.mkdtemp(prefix="kvckpt-vllm-progress-", dir="/var/tmp")
-    os.makedirs(work, exist_ok=True)
-    try:
-        result = run(args.quick, work)
-    finally:
-        if not args.work:
-            shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1, sort_keys=True)
+    run_in_scratch("kvckpt-vllm-progress-", args.work, args.json, lambda work: run(args.quick, work))
     return 0
 
 
