@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import random
@@ -49,7 +48,6 @@ import shutil
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -58,6 +56,7 @@ import torch
 
 from benchmarks import baselines
 from benchmarks.ingest_bench import cpu_seconds, remove_store, run_threads
+from benchmarks.scratch import run_in_scratch
 from kvckpt import BufferConfig, ReplayBuffer
 from kvckpt.storage import codec
 
@@ -447,16 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-only", action="store_true", help="part (a) only")
     parser.add_argument("--profile", help="write a py-spy profile (raw, folded stacks) of the actor here")
     args = parser.parse_args(argv)
-    work = args.work or tempfile.mkdtemp(prefix="kvckpt-progress-bench-", dir="/var/tmp")
-    os.makedirs(work, exist_ok=True)
-    try:
-        result = run(args.quick, work, stream_only=args.stream_only, profile=args.profile)
-    finally:
-        if not args.work:
-            shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1, sort_keys=True)
+    run_in_scratch("kvckpt-progress-bench-", args.work, args.json,
+                   lambda work: run(args.quick, work, stream_only=args.stream_only, profile=args.profile))
     return 0
 
 

@@ -33,7 +33,9 @@ from kvckpt import (
     MalformedMessage,
     ProgressEncoder,
     ReplayBuffer,
+    SampleCommitted,
     SchemaMismatch,
+    StaleAttempt,
     check,
 )
 from kvckpt.storage import codec, keys
@@ -201,6 +203,22 @@ def test_the_transactions_refusals_are_per_sequence_too(tmp_path):
     assert got[4] == 1
     assert isinstance(got[5], BadArgument) and "durable prefix is 2 tokens long" in str(got[5])  # a gap after a chunk
     assert tokens_of(buf, lease) == {0: [0, 1], 3: [400]}
+
+
+def test_fencing_is_judged_per_lease_and_a_committed_row_per_sequence(tmp_path):
+    """One group's sequences under two leases (a redispatch fenced the first) and a row committed
+    since: the owner judges the fencing once per lease of the message, so the fenced lease's
+    sequence and the committed row's are refused while the new lease's others land."""
+    buf = make(tmp_path)
+    [old] = buf.admit([0])
+    new = buf.redispatch(old.group_id)
+    buf.commit_sample(new, 2, {"input_ids": torch.tensor([1, 2]), "token_mask": torch.tensor([0, 1]),
+                               "spec_accepted": torch.tensor([False, True]), "hidden": torch.zeros(2, 2)})
+    got = buf.record_progress_step(step(buf.progress_encoder(), [new, old, new, new], [0, 1, 2, 3], [0] * 4, [2] * 4))
+    assert got[0] == 2 and got[3] == 2, got
+    assert isinstance(got[1], StaleAttempt) and "attempt 0" in str(got[1]), got[1]
+    assert isinstance(got[2], SampleCommitted) and "already committed" in str(got[2]), got[2]
+    assert tokens_of(buf, new) == {0: [0, 1], 3: [300, 301]}
 
 
 def test_a_malformed_message_is_refused_whole_and_writes_nothing(tmp_path):

@@ -34,6 +34,7 @@ the encoder writes (:data:`_STORED`) and one set of size rules, so they cannot d
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
@@ -351,13 +352,26 @@ def encode_stored(fields: Iterable[tuple[str, str, np.ndarray]], meta_json: str)
             transforms = '["bitpack"]'
         else:
             data, transforms = np.ascontiguousarray(arr).data.cast("B"), "[]"
-        shape = ",".join(map(str, arr.shape))
-        specs.append(f'[{_HEADER_ENCODER.encode(name)},"{dtype}",[{shape}],{transforms},{data.nbytes}]')
+        shape = str(arr.shape[0]) if arr.ndim == 1 else ",".join(map(str, arr.shape))
+        specs.append(f'[{_name_json(name)},"{dtype}",[{shape}],{transforms},{data.nbytes}]')
         chunks.append(data)
-    body = b"".join(chunks)
-    header = f'{{"z":0,"raw":{len(body)},"meta":{meta_json},"fields":[{",".join(specs)}]}}'.encode()
-    tail = struct.pack("<I", len(header)) + header + body
-    return struct.pack("<4sI", MAGIC, zlib.crc32(tail)) + tail
+    header = f'{{"z":0,"raw":{sum(c.nbytes for c in chunks)},"meta":{meta_json},"fields":[{",".join(specs)}]}}'.encode()
+    head = _HEADER_LEN.pack(len(header)) + header
+    crc = zlib.crc32(head)
+    for data in chunks:  # the checksum of header and body, without first joining them
+        crc = zlib.crc32(data, crc)
+    return b"".join((_MAGIC_CRC.pack(MAGIC, crc), head, *chunks))
+
+
+#: The prefix of every record: the magic, then the crc32 of the rest; then the header's length.
+_MAGIC_CRC = struct.Struct("<4sI")
+_HEADER_LEN = struct.Struct("<I")
+
+
+@functools.lru_cache(maxsize=1024)
+def _name_json(name: str) -> str:
+    """A field name as a header's JSON holds it (the same few names, record after record)."""
+    return _HEADER_ENCODER.encode(name)
 
 
 def json_text(value: Any) -> str:

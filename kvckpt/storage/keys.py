@@ -60,7 +60,12 @@ def row_key(group_id: str, index: int) -> bytes:
 def progress_key(group_id: str, index: int, start: int) -> bytes:
     """Key of the progress chunk of row ``index`` of a group that begins at token ``start``: the
     row's key, then ``start`` (so a sample's chunks sort by position, after its group's)."""
-    return row_key(group_id, index) + u64(start)
+    return chunk_key(row_key(group_id, index), start)
+
+
+def chunk_key(row: bytes, start: int) -> bytes:
+    """:func:`progress_key` from the row's key (:func:`row_key`), for a caller that built it once."""
+    return row + u64(start)
 
 
 def row_id(group_id: str, index: int) -> str:

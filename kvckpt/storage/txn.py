@@ -55,10 +55,15 @@ class Txn:
     def has(self, table: str, key: bytes) -> bool:
         """Whether a lookup of ``key`` finds it (a cursor seek: the value is not copied)."""
         db, stored = self.layout.place(table, key)
+        return self._lookup(db).set_key(stored)
+
+    def _lookup(self, db: Any) -> lmdb.Cursor:
+        """This transaction's cursor on ``db`` for one-shot seeks (:meth:`has`, :meth:`last`): each
+        positions it afresh and is done with it before returning."""
         cur = self._lookups.get(db)
         if cur is None:
             cur = self._lookups[db] = self.raw.cursor(db=db)
-        return cur.set_key(stored)
+        return cur
 
     def get_json(self, table: str, key: bytes) -> dict[str, Any] | None:
         """Decode a JSON record, verifying its checksum; ``None`` if absent."""
@@ -118,7 +123,7 @@ class Txn:
         if not self.layout.holds(table):
             return None
         db, stored_prefix = self.layout.region(table, prefix)
-        cur = self.raw.cursor(db=db)
+        cur = self._lookup(db)
         bound = _successor(stored_prefix)
         found = cur.prev() if bound and cur.set_range(bound) else cur.last()
         while found and cur.key().startswith(stored_prefix):

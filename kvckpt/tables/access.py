@@ -193,16 +193,28 @@ class Tables:
 
     def last_progress_chunk(self, group_id: str, index: int) -> tuple[int, bytes] | None:
         """``(start, stored chunk)`` of the last progress chunk of a sample, or ``None``."""
-        found = self.txn.last("progress", keys.row_key(group_id, index))
+        return self.last_progress_chunk_of(keys.row_key(group_id, index))
+
+    def last_progress_chunk_of(self, row: bytes) -> tuple[int, bytes] | None:
+        """:meth:`last_progress_chunk` of the sample whose row key (``keys.row_key``) is ``row``."""
+        found = self.txn.last("progress", row)
         return None if found is None else (int.from_bytes(found[0][-8:], "big"), found[1])
 
     def progress_chunk(self, group_id: str, index: int, start: int) -> bytes | None:
         """The progress chunk of a sample that begins at token ``start``, or ``None``."""
-        return self.txn.get("progress", keys.progress_key(group_id, index, start))
+        return self.progress_chunk_of(keys.row_key(group_id, index), start)
+
+    def progress_chunk_of(self, row: bytes, start: int) -> bytes | None:
+        """:meth:`progress_chunk` of the sample whose row key (``keys.row_key``) is ``row``."""
+        return self.txn.get("progress", keys.chunk_key(row, start))
 
     def put_progress_chunk(self, group_id: str, index: int, start: int, value: bytes) -> None:
         """Store one progress chunk."""
-        self.txn.put("progress", keys.progress_key(group_id, index, start), value)
+        self.put_progress_chunk_of(keys.row_key(group_id, index), start, value)
+
+    def put_progress_chunk_of(self, row: bytes, start: int, value: bytes) -> None:
+        """:meth:`put_progress_chunk` of the sample whose row key (``keys.row_key``) is ``row``."""
+        self.txn.put("progress", keys.chunk_key(row, start), value)
 
     def delete_progress(self, group_id: str, index: int | None = None) -> int:
         """Delete the progress of a group (or of its row ``index``); returns how many chunks there were."""

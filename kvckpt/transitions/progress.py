@@ -159,6 +159,17 @@ def check_writable(t: Tables, store_id: str, lease: Lease, index: int, where: st
         UnknownGroup: the group is neither in flight nor committed (or was aborted or evicted).
         SampleCommitted: the sample's row (or its whole group) is already committed.
     """
+    check_holds(t, store_id, lease, where, entry)
+    check_row_open(lease.group_id, index, where, entry)
+
+
+def check_holds(t: Tables, store_id: str, lease: Lease, where: str, entry: LedgerEntry | None) -> None:
+    """The part of :func:`check_writable` that is the same for every sample of the group: the
+    lease holds ``entry`` (so ``entry`` is not ``None`` when this returns).
+
+    Raises:
+        As :func:`check_writable`, except a committed row of an in-flight group.
+    """
     gid = lease.group_id
     if entry is None:
         group = t.group(gid)
@@ -170,8 +181,16 @@ def check_writable(t: Tables, store_id: str, lease: Lease, index: int, where: st
                               "nothing was written")
     fence(lease, store_id, entry.timeline, entry.attempt, "in flight", _WHAT)
     check_against_entry(lease, entry, _WHAT)
+
+
+def check_row_open(group_id: str, index: int, where: str, entry: LedgerEntry) -> None:
+    """Refuse progress of sample ``index`` of an in-flight group (``entry``) whose row is committed.
+
+    Raises:
+        SampleCommitted: the row is already committed.
+    """
     if index in entry.siblings:
-        raise SampleCommitted(f"{where} refused: row {keys.row_id(gid, index)} is already committed; "
+        raise SampleCommitted(f"{where} refused: row {keys.row_id(group_id, index)} is already committed; "
                               "nothing was written")
 
 

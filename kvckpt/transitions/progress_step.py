@@ -23,8 +23,7 @@ as fenced (:class:`~kvckpt.errors.AbandonedTimeline`, :class:`~kvckpt.errors.Sta
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -48,8 +47,7 @@ from kvckpt.transitions import progress
 from kvckpt.transitions.fencing import check_lease
 
 
-@dataclass(frozen=True)
-class StepChunk:
+class StepChunk(NamedTuple):
     """One stored chunk of a sequence: where it starts, its length, weight version and record."""
 
     start: int
@@ -58,15 +56,17 @@ class StepChunk:
     value: bytes
 
 
-@dataclass(frozen=True)
-class StepSequence:
-    """One sequence of a message, judged and encoded: its lease, row, chunks and result (``end``)."""
+class StepSequence(NamedTuple):
+    """One sequence of a message, judged and encoded: its lease, row, chunks and result (``end``).
+    (A named tuple, not a dataclass: one is built per sequence of every message the owner takes.)"""
 
     lease: Lease
     index: int
     end: int
     chunks: tuple[StepChunk, ...]
     gid_json: str  # the group id as the chunk headers' JSON holds it
+    row: bytes  # the row's key (keys.row_key), its chunks' keys' prefix
+    version: int  # the newest weight version of its chunks
 
 
 def prepare(schema: RowSchema, group_size: int, msg: DecodedMessage) -> list[StepSequence | KvckptError]:
@@ -84,35 +84,36 @@ def prepare(schema: RowSchema, group_size: int, msg: DecodedMessage) -> list[Ste
     n, total = len(msg), len(msg.tokens)
     if not n:
         return []
-    lo, hi = msg.offsets[:-1], msg.offsets[1:]
-    ended = np.maximum.accumulate(np.concatenate([[0], hi[:-1]]))  # where the earlier sequences end
-    bad = (hi <= lo) | (lo < ended) | (lo < 0) | (hi > total)
-    bad[0] |= lo[0] != 0
-    bad[-1] |= hi[-1] != total
-    too_long = msg.starts + (hi - lo) > schema.max_tokens
-    refused = bad | too_long | (msg.starts < 0) | (msg.indices < 0) | (msg.indices >= group_size)
     leases = _leases(msg.leases, group_size)
     gid_json = [codec.json_text(lease.group_id) if isinstance(lease, Lease) else "" for lease in leases]
     cuts = None if msg.token_versions is None else np.flatnonzero(np.diff(msg.token_versions)) + 1
     versions = msg.versions.tolist() if cuts is None else None
+    offsets, max_tokens = msg.offsets.tolist(), schema.max_tokens
     out: list[StepSequence | KvckptError] = []
-    for i, (a, b, index, start, at, no) in enumerate(zip(lo.tolist(), hi.tolist(), msg.indices.tolist(),
-                                                         msg.starts.tolist(), msg.lease_of.tolist(), refused.tolist(),
-                                                         strict=True)):
+    ended = 0  # where the earlier sequences' tokens end
+    # one loop of Python ints: a message holds a few sequences, for which numpy's per-call cost is more
+    for i, (index, start, at) in enumerate(zip(msg.indices.tolist(), msg.starts.tolist(), msg.lease_of.tolist(),
+                                               strict=True)):
+        a, b = offsets[i], offsets[i + 1]
+        bad = b <= a or a < ended or a < 0 or b > total or (i == 0 and a != 0) or (i == n - 1 and b != total)
         lease = leases[at] if 0 <= at < len(leases) else BadArgument(
             f"sequence {i} of a progress message points at lease {at}, but the message has {len(leases)}; "
             "nothing of it was written")
         if isinstance(lease, KvckptError):
             out.append(lease)
-        elif no:
-            out.append(_refusal(schema, lease, i, n, a, b, index, start, int(ended[i]), total, bool(bad[i])))
+        elif bad or start + b - a > max_tokens or start < 0 or not 0 <= index < group_size:
+            out.append(_refusal(schema, lease, i, n, a, b, index, start, ended, total, bad))
+        elif cuts is None:  # one weight version per sequence: one chunk
+            chunk = _chunk(msg, gid_json[at], index, start, a, b, versions[i])
+            out.append(StepSequence(lease, index, start + b - a, (chunk,), gid_json[at],
+                                    keys.row_key(lease.group_id, index), chunk.version))
         else:
-            runs = [a, *cuts[np.searchsorted(cuts, a, "right"):np.searchsorted(cuts, b, "left")].tolist(), b] \
-                if cuts is not None else [a, b]
-            chunks = tuple(_chunk(msg, gid_json[at], index, start + x - a, x, y,
-                                  versions[i] if cuts is None else int(msg.token_versions[x]))
+            runs = [a, *cuts[np.searchsorted(cuts, a, "right"):np.searchsorted(cuts, b, "left")].tolist(), b]
+            chunks = tuple(_chunk(msg, gid_json[at], index, start + x - a, x, y, int(msg.token_versions[x]))
                            for x, y in itertools.pairwise(runs))
-            out.append(StepSequence(lease, index, start + b - a, chunks, gid_json[at]))
+            out.append(StepSequence(lease, index, start + b - a, chunks, gid_json[at],
+                                    keys.row_key(lease.group_id, index), max(c.version for c in chunks)))
+        ended = max(ended, b)
     return out
 
 
@@ -145,55 +146,65 @@ def record(t: Tables, store_id: str, sequences: list[StepSequence | KvckptError]
     st = t.state()
     newest = max(st["trainer_version"], st["weight_version"])
     entries: dict[str, Any] = {}
+    holding: set[int] = set()  # the message's leases (by id) already found to hold their entry
     for s in sequences:
         if isinstance(s, KvckptError):
             out.append(s)
             continue
         try:
-            out.append(_record_one(t, store_id, s, newest, entries))
+            out.append(_record_one(t, store_id, s, newest, entries, holding))
         except KvckptError as exc:
             out.append(exc)
     return out
 
 
-def _record_one(t: Tables, store_id: str, s: StepSequence, newest: int, entries: dict[str, Any]) -> int:
-    gid, index = s.lease.group_id, s.index
-    where = f"progress of {keys.row_id(gid, index)} at token {s.chunks[0].start}"
+def _record_one(t: Tables, store_id: str, s: StepSequence, newest: int, entries: dict[str, Any],
+                holding: set[int]) -> int:
+    gid = s.lease.group_id
     if gid not in entries:
         entries[gid] = t.entry(gid)
+    held = id(s.lease)  # the lease object: a message decodes each of its distinct leases once
     try:
-        progress.check_writable(t, store_id, s.lease, index, where, entries[gid])
+        if held not in holding:  # the fencing is the lease's: judged once per lease and message
+            progress.check_holds(t, store_id, s.lease, _where(s), entries[gid])
+            holding.add(held)
+        if s.index in entries[gid].siblings:
+            progress.check_row_open(gid, s.index, _where(s), entries[gid])
     except StaleAttempt as exc:
         if not isinstance(exc, ForeignLease) and all(
-                t.progress_chunk(gid, index, c.start) == c.value for c in s.chunks):
+                t.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks):
             return s.end  # a retry of a message whose first try landed: the identical bytes are durable
         raise
-    version = max(c.version for c in s.chunks)
-    if version > newest:
-        raise FutureVersion(f"{where} refused: weight version {version} is from the future (the buffer's newest "
-                            f"trainer or weight version is {newest}); nothing was written")
+    if s.version > newest:
+        raise FutureVersion(f"{_where(s)} refused: weight version {s.version} is from the future (the buffer's "
+                            f"newest trainer or weight version is {newest}); nothing was written")
     length = _durable_length(t, s, s.chunks[0].start)
     puts = []
     for c in s.chunks:
         if c.start < length:
-            if t.progress_chunk(gid, index, c.start) == c.value:
+            if t.progress_chunk_of(s.row, c.start) == c.value:
                 continue  # a retry of an acknowledged chunk
-            raise DuplicateCommit(f"{where} refused: tokens from {c.start} are already recorded with other content "
-                                  f"(the durable prefix is {length} tokens); nothing was written")
+            raise DuplicateCommit(f"{_where(s)} refused: tokens from {c.start} are already recorded with other "
+                                  f"content (the durable prefix is {length} tokens); nothing was written")
         if c.start > length:
-            raise BadArgument(f"{where} refused: the durable prefix is {length} tokens long, so the next chunk starts "
-                              f"at {length} (a gap); nothing was written")
+            raise BadArgument(f"{_where(s)} refused: the durable prefix is {length} tokens long, so the next chunk "
+                              f"starts at {length} (a gap); nothing was written")
         puts.append(c)
         length = c.start + c.length
     for c in puts:
-        t.put_progress_chunk(gid, index, c.start, c.value)
+        t.put_progress_chunk_of(s.row, c.start, c.value)
     return s.end
+
+
+def _where(s: StepSequence) -> str:
+    """How a refusal of sequence ``s`` names it (built only when one is raised)."""
+    return f"progress of {keys.row_id(s.lease.group_id, s.index)} at token {s.chunks[0].start}"
 
 
 def _durable_length(t: Tables, s: StepSequence, start: int) -> int:
     """:func:`kvckpt.transitions.progress.durable_length`, without parsing the last chunk's header
     in the common case: a chunk kvckpt wrote (checksum verified) that ends exactly at ``start``."""
-    last = t.last_progress_chunk(s.lease.group_id, s.index)
+    last = t.last_progress_chunk_of(s.row)
     if last is None:
         return 0
     at, value = last

@@ -1,0 +1,246 @@
+"""What streaming progress costs the generating engine, measured with vLLM (issue 36's third target).
+
+    .venv-vllm/bin/python -m benchmarks.vllm_progress_cost          # a few minutes on 2 shared cores
+    .venv-vllm/bin/python -m benchmarks.vllm_progress_cost --quick  # about a minute: proves it runs
+    .venv-vllm/bin/python -m benchmarks.vllm_progress_cost --json benchmarks/results/vllm-progress-DATE.json
+
+Build ``.venv-vllm`` first (``bash scripts/setup_peer_env.sh vllm``). It has no Ray, and needs
+none here: the engine side of a fleet's progress is the producer's edge, which this measures
+without importing Ray. vLLM's CPU engine (:class:`kvckpt.integrations.vllm.backends.VLLMBackend`,
+in-process, the tiny model of :mod:`kvckpt.integrations.vllm.tiny_model`) generates ``sequences``
+sequences greedily, one token per sequence per engine step, with an ``on_step`` hook:
+
+* ``off``: no hook (vLLM alone);
+* ``on``: the producer's edge per engine step, as a fleet's engine runs it: take the step's new
+  tokens, and when sequences are due (``every`` unrecorded tokens) encode ONE progress step
+  message of them (:class:`kvckpt.ProgressEncoder`, cast + concatenate + checksum) and send its
+  bytes over a loopback TCP socket, pipelined (a reader thread takes the acknowledgements, as
+  Ray's client threads do; the engine waits for the last one before its clock stops).
+
+The other end is a separate process, one of two kinds, each a row of the table:
+
+* ``sink``: it reads each message and acknowledges it: the engine-side cost alone (on a fleet
+  the owner runs on another node);
+* ``owner``: it records each message with :meth:`kvckpt.ReplayBuffer.record_progress_steps` on a
+  real store and acknowledges once durable; on this 2-core box it takes CPU from the engine, so
+  this is an upper bound of the engine-side cost, not the cost itself.
+
+Reported per interval: generated tokens/s with progress on and off (interleaved repetitions,
+median), their ratio (the target: ``on`` keeps >= 97% of ``off``), the engine step time, and the
+producer's CPU per message and per step (``time.thread_time`` of the hook). Greedy sampling
+generates the same tokens in both modes. Absolute rates move with the shared machine's load;
+read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from benchmarks.scratch import run_in_scratch
+from kvckpt import BufferConfig, ProgressEncoder, ReplayBuffer
+from kvckpt.tables.records import Lease
+
+GROUP = 8
+#: a message's frame: its length, then its bytes; an acknowledgement: the sequences it recorded
+_FRAME = struct.Struct("<I")
+
+
+def serve(port: int, store: str) -> None:
+    """The other end (a separate process): accept one connection, then per message frame
+    acknowledge it: read only (``store`` empty) or recorded on the store at ``store``, every
+    message available at once in one ``record_progress_steps`` (durable before the acknowledgement)."""
+    buf = ReplayBuffer.open(store) if store else None
+    with socket.create_server(("127.0.0.1", port)) as server:
+        print("ready", flush=True)
+        conn, _ = server.accept()
+    data = bytearray()
+    with conn:
+        while chunk := conn.recv(1 << 20):
+            data += chunk
+            frames, pos, done = [], 0, False
+            while len(data) - pos >= _FRAME.size:
+                (size,) = _FRAME.unpack_from(data, pos)
+                done = size == 0  # the engine is done
+                if done or len(data) - pos - _FRAME.size < size:
+                    break
+                frames.append(bytes(data[pos + _FRAME.size:pos + _FRAME.size + size]))
+                pos += _FRAME.size + size
+            del data[:pos]
+            results = buf.record_progress_steps(frames) if buf is not None else [[0]] * len(frames)
+            for result in results:
+                if isinstance(result, BaseException) or any(isinstance(r, BaseException) for r in result):
+                    raise SystemExit(f"the owner refused a message: {result}")
+            conn.sendall(b"".join(_FRAME.pack(len(r)) for r in results) + (_FRAME.pack(0) if done else b""))
+            if done:
+                break
+    if buf is not None:
+        buf.close()
+
+
+class Edge:
+    """The producer's edge of one engine: per engine step, the due sequences' new tokens as one
+    progress message, sent pipelined to the other end."""
+
+    def __init__(self, encoder: ProgressEncoder, owners: list[tuple[Lease, int]], every: int, port: int) -> None:
+        self.encoder, self.owners, self.every = encoder, owners, every
+        self.pending: list[list[int]] = [[] for _ in owners]
+        self.pending_logprobs: list[list[float]] = [[] for _ in owners]
+        self.durable = [0] * len(owners)
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sent = self.acked = self.steps = 0
+        self.cpu = 0.0
+        self._reader = threading.Thread(target=self._read_acks, daemon=True)
+        self._reader.start()
+
+    def _read_acks(self) -> None:
+        with self.sock.makefile("rb") as f:
+            while (head := f.read(_FRAME.size)) and len(head) == _FRAME.size:
+                if _FRAME.unpack(head)[0] == 0:
+                    return
+                self.acked += 1
+
+    def on_step(self, deltas: Any) -> tuple[()]:
+        """vLLM's ``on_step``: one engine step's ``(sequence, new ids, logprobs)``."""
+        c0 = time.thread_time()
+        self.steps += 1
+        for i, ids, logprobs in deltas:
+            self.pending[i] += ids
+            self.pending_logprobs[i] += logprobs
+        self._send([i for i, p in enumerate(self.pending) if len(p) >= self.every])
+        self.cpu += time.thread_time() - c0
+        return ()
+
+    def _send(self, due: list[int]) -> None:
+        if not due:
+            return
+        lengths = [len(self.pending[i]) for i in due]
+        message = self.encoder.encode(
+            [self.owners[i][0] for i in due], [self.owners[i][1] for i in due], [self.durable[i] for i in due],
+            np.fromiter((t for i in due for t in self.pending[i]), np.int64, sum(lengths)),
+            np.fromiter((x for i in due for x in self.pending_logprobs[i]), np.float32, sum(lengths)),
+            np.concatenate([[0], np.cumsum(lengths)]), versions=0)
+        self.sock.sendall(_FRAME.pack(len(message.value)) + message.value)
+        self.sent += 1
+        for i, n in zip(due, lengths, strict=True):
+            self.durable[i] += n
+            self.pending[i], self.pending_logprobs[i] = [], []
+
+    def finish(self) -> None:
+        """Send what is pending (the sequences' last chunks), then wait for every acknowledgement."""
+        c0 = time.thread_time()
+        self._send([i for i, p in enumerate(self.pending) if p])
+        self.cpu += time.thread_time() - c0
+        self.sock.sendall(_FRAME.pack(0))
+        self._reader.join()
+        self.sock.close()
+
+
+def start_other_end(directory: str, kind: str, config: BufferConfig, prompts: int) -> tuple[Any, int, list[Lease]]:
+    """Start the other end; returns the process, its port and the leases to stream under."""
+    store = os.path.join(directory, f"owner-{time.monotonic_ns()}.kv")
+    with ReplayBuffer.create(store, config) as buf:
+        leases = buf.admit(list(range(prompts)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.vllm_progress_cost", "--serve", str(port),
+                             store if kind == "owner" else ""], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if proc.stdout.readline().strip() != "ready":
+        raise RuntimeError("the other end did not start")
+    return proc, port, leases
+
+
+def run(quick: bool, directory: str, log: Any = print) -> dict[str, Any]:
+    """Every interval and kind, ``off`` and ``on`` interleaved; returns the results document."""
+    from kvckpt.integrations.vllm import DEFAULT_SCHEMA, ensure_tiny_model
+    from kvckpt.integrations.vllm.backends import VLLMBackend
+    from kvckpt.integrations.vllm.stream import Continuation
+
+    sequences, max_tokens, reps = (16, 48, 2) if quick else (32, 128, 5)
+    configs = (("sink", 1), ("owner", 16)) if quick else (("sink", 1), ("sink", 16), ("sink", 64), ("owner", 16))
+    model = ensure_tiny_model(os.path.join(directory, "tiny-model"))
+    backend = VLLMBackend(model, seed=1)
+    prompt_ids = backend.tokenizer.encode("12+34=")
+    seqs = [Continuation((*prompt_ids, i % 7)) for i in range(sequences)]
+    config = BufferConfig(group_size=GROUP, schema=DEFAULT_SCHEMA, max_buffered_rollouts=sequences // GROUP)
+    encoder = ProgressEncoder.from_config(config.to_dict())
+    backend.stream(seqs, max_tokens, 0.0)  # warm-up: the first engine steps compile and allocate
+    result: dict[str, Any] = {"argv": " ".join(shlex.quote(a) for a in sys.argv), "quick": quick,
+                              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                          "loadavg_start": os.getloadavg()[0]},
+                              "sequences": sequences, "max_tokens": max_tokens, "reps": reps, "runs": {}}
+    for kind, every in configs:
+        rates: dict[str, list[float]] = {"off": [], "on": []}
+        on_docs = []
+        for rep in range(reps):
+            for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
+                edge = proc = None
+                if mode == "on":
+                    proc, port, leases = start_other_end(directory, kind, config, sequences // GROUP)
+                    edge = Edge(encoder, [(leases[i // GROUP], i % GROUP) for i in range(sequences)], every, port)
+                t0 = time.perf_counter()
+                samples = backend.stream(seqs, max_tokens, 0.0, None if edge is None else edge.on_step)
+                if edge is not None:
+                    edge.finish()
+                wall = time.perf_counter() - t0
+                generated = sum(len(s.completion_ids) for s in samples)
+                rates[mode].append(generated / wall)
+                if edge is not None:
+                    proc.wait(timeout=60)
+                    if proc.returncode:
+                        raise RuntimeError(f"the {kind} process failed ({proc.returncode})")
+                    on_docs.append({"steps": edge.steps, "messages": edge.sent, "acked": edge.acked,
+                                    "edge_cpu_s": edge.cpu, "wall_s": wall, "tokens": generated})
+        off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
+        cpu, wall = sum(d["edge_cpu_s"] for d in on_docs), sum(d["wall_s"] for d in on_docs)
+        steps, messages = sum(d["steps"] for d in on_docs), sum(d["messages"] for d in on_docs)
+        run_doc = {"kind": kind, "every": every, "tokens_per_s_off": off, "tokens_per_s_on": on,
+                   "on_over_off": on / off,
+                   "paired_on_over_off": statistics.median(a / b for a, b in zip(rates["on"], rates["off"],
+                                                                                 strict=True)),
+                   "rates": rates, "engine_steps": on_docs[-1]["steps"], "messages": on_docs[-1]["messages"],
+                   "step_ms_off": 1e3 * on_docs[-1]["tokens"] / off / on_docs[-1]["steps"],
+                   "edge_us_per_step": 1e6 * cpu / steps, "edge_us_per_message": 1e6 * cpu / max(1, messages),
+                   "edge_share_of_wall": cpu / wall}
+        result["runs"][f"{kind}-every-{every}"] = run_doc
+        log(f"{kind}, every {every} tokens: {on:.0f} tokens/s with progress, {off:.0f} without: "
+            f"{100 * on / off:.1f}% (paired {100 * run_doc['paired_on_over_off']:.1f}%); "
+            f"edge {run_doc['edge_us_per_message']:.0f} us per message, "
+            f"{100 * run_doc['edge_share_of_wall']:.2f}% of the engine's wall time; "
+            f"{run_doc['messages']} messages over {run_doc['engine_steps']} engine steps")
+    result["machine"]["loadavg_end"] = os.getloadavg()[0]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.vllm_progress_cost [--quick] [--json PATH] [--work DIR]``."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.vllm_progress_cost")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json")
+    parser.add_argument("--work", help="scratch directory, kept (default: a new one under /var/tmp, removed)")
+    parser.add_argument("--serve", nargs=2, metavar=("PORT", "STORE"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        serve(int(args.serve[0]), args.serve[1])
+        return 0
+    run_in_scratch("kvckpt-vllm-progress-", args.work, args.json, lambda work: run(args.quick, work))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
