@@ -50,13 +50,9 @@ DIFFERENCES: dict[str, dict[str, str]] = {
         "path": "an in-memory buffer has no file", "row_encoder": "nothing is encoded in memory",
         "checkpoint": "(*args, **kwargs) raising NotImplementedError: the state lives only in this process",
         "recover": "(*args, **kwargs) raising NotImplementedError: nothing survives the process",
-        "admit": "no admission= (the caller's admission record): " + NOT_YET,
-        "evict": "no group_ids: evicts by the sampler's window only; " + NOT_YET,
-        "advance_dispatch": NOT_YET, "batch_shortfall": NOT_YET, "claim": NOT_YET, "commit_encoded": NOT_YET,
-        "commit_many": NOT_YET, "count_for_target_step": NOT_YET, "group": NOT_YET, "progress": NOT_YET,
-        "promote_ready_group": NOT_YET, "record_progress": NOT_YET, "record_progress_many": NOT_YET,
-        "redispatch": NOT_YET, "release_claims": NOT_YET, "progress_encoder": NOT_YET,
-        "record_progress_step": NOT_YET, "record_progress_steps": NOT_YET,
+        "commit_encoded": "nothing is encoded in memory", "progress_encoder": "nothing is encoded in memory",
+        "record_progress_step": "takes an encoded progress message: nothing is encoded in memory",
+        "record_progress_steps": "takes encoded progress messages: nothing is encoded in memory",
     },
 }
 
