@@ -44,7 +44,7 @@ def read_everything(buf: Any) -> dict[str, Any]:
 
 def build(directory: str) -> tuple[str, dict[str, Any]]:
     """Write the golden checkpoint into ``directory``; its path and what it reads as."""
-    from conftest import SCHEMA, make_group
+    from _buffers import SCHEMA, make_group
 
     from kvckpt import BufferConfig, Prompt, ReplayBuffer
 

@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import SCHEMA, make_group
+from _buffers import SCHEMA, make_group
 
 from kvckpt import BufferConfig, GateTimeout, Prompt, StaleAttempt, UnknownGroup, check, read_stamp, verify_path
 from kvckpt.buffer.aio import AsyncReplayBuffer

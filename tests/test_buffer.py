@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from conftest import SCHEMA, dump_store, make_group, make_row, refused
+from _buffers import SCHEMA, dump_store, make_group, make_row, refused
 
 from kvckpt import (
     AbandonedTimeline,

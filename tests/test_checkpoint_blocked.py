@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from conftest import make_group
+from _buffers import make_group
 
 from benchmarks import baselines, blocked_bench
 from kvckpt import CheckpointError, Prompt

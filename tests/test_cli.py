@@ -18,25 +18,16 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from _cli import kv
 from kvckpt.tools.cli import main
 
 from kvckpt import BufferConfig, Prompt, ReplayBuffer
 from kvckpt.storage import codec, keys
 from kvckpt.storage.store import FORMAT_VERSION, Store
 
-SCRIPT = shutil.which("kvckpt", path=os.path.dirname(sys.executable))
-KVCKPT = [SCRIPT] if SCRIPT else [sys.executable, "-m", "kvckpt.tools.cli"]
 SCHEMA = {"input_ids": ("int64", "token"), "generation_logprobs": ("float32", "token"),
           "ref_logprobs": ("bfloat16", "token"), "token_mask": ("bool", "token"),
           "total_reward": ("float32", "row"), "prompt_shape": ("int32", "row")}
-
-
-def kv(*args: str, check: int | None = 0) -> subprocess.CompletedProcess[str]:
-    """Run ``kvckpt ARGS``; assert the exit status unless ``check`` is None."""
-    proc = subprocess.run([*KVCKPT, *map(str, args)], capture_output=True, text=True, timeout=120)
-    if check is not None:
-        assert proc.returncode == check, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
-    return proc
 
 
 def kv_json(*args: str, check: int = 0) -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import struct
 import zlib
 
@@ -10,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 import zstandard
+from _codec_bytes import body_of, header_of, seal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from kvckpt.errors import BadArgument, CorruptRecord
 from kvckpt.storage import codec
-from kvckpt.storage.codec import DTYPES, MAGIC, Record, as_numpy, decode, decode_meta, encode, encode_json
+from kvckpt.storage.codec import DTYPES, Record, as_numpy, decode, decode_meta, encode, encode_json
 
 LEVELS = [0, 1, 3, 19]
 NUMPY_DTYPES = [name for name in DTYPES if name != "bfloat16"]  # numpy has no bfloat16
@@ -27,24 +27,6 @@ TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 def same(a: np.ndarray, b: np.ndarray) -> bool:
     """Bit-exact equality (NaN payloads and -0.0 included), same dtype and shape."""
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-
-
-def seal(header: dict | bytes, body: bytes = b"", *, hlen: int | None = None) -> bytes:
-    """A record with a *valid* checksum around an arbitrary header and body (a crafted value)."""
-    hbytes = header if isinstance(header, bytes) else json.dumps(header, separators=(",", ":")).encode()
-    tail = struct.pack("<I", len(hbytes) if hlen is None else hlen) + hbytes + body
-    return MAGIC + struct.pack("<I", zlib.crc32(tail)) + tail
-
-
-def header_of(value: bytes) -> dict:
-    (hlen,) = struct.unpack_from("<I", value, 8)
-    return json.loads(value[12:12 + hlen])
-
-
-def body_of(value: bytes) -> bytes:
-    (hlen,) = struct.unpack_from("<I", value, 8)
-    body = value[12 + hlen:]
-    return zstandard.ZstdDecompressor().decompress(body) if header_of(value)["z"] else body
 
 
 def sample_array(dtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:

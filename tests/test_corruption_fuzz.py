@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _damage import raise_rows_separators
 
 from kvckpt import (
     CorruptRecord,
@@ -29,7 +30,6 @@ from kvckpt import (
 )
 from kvckpt.durability.safe_open import check_structure, verify_path, verify_untrusted
 from kvckpt.storage import codec, keys
-from kvckpt.storage.layout import split, stored_key
 from kvckpt.storage.store import Txn
 from kvckpt.tables.digest import group_digest, row_digest
 from kvckpt.testing.fuzz import build_base, build_foreign, run_fuzz_campaign
@@ -196,29 +196,6 @@ def test_a_row_that_passes_its_checksum_but_not_the_schema(store: ReplayBuffer, 
         restored.close()
 
 
-def _raise_rows_separators(path: Path) -> set[bytes]:
-    """Raise the second separator key of each branch page of the ``rows`` B-tree by one in its
-    last byte: the page stays sorted and LMDB's structure check passes, iteration still finds every
-    row, but a lookup of the child's first key is routed to its left sibling and misses. Every
-    such page is changed, the tree's and any stale copy among a page copy's free pages."""
-    data = bytearray(path.read_bytes())
-    keys = set()
-    for off in range(2 * PAGE, len(data), PAGE):
-        flags = int.from_bytes(data[off + 10:off + 12], "little")
-        lower = int.from_bytes(data[off + 12:off + 14], "little")
-        if not flags & 0x01 or (lower - 16) // 2 < 3:  # a branch page with at least three children
-            continue
-        node = off + int.from_bytes(data[off + 18:off + 20], "little")
-        ksize = int.from_bytes(data[node + 6:node + 8], "little")
-        key = bytes(data[node + 8:node + 8 + ksize])
-        if ksize > 5 and key[-5] == 0 and key.startswith(stored_key("rows", b"a0-p")) and key[-1] < 0xFF:
-            data[node + 8 + ksize - 1] += 1
-            keys.add(split(key)[1])  # the row's key, as the verifier names it
-    assert keys, "no branch page of the rows table found"
-    path.write_bytes(bytes(data))
-    return keys
-
-
 def test_a_damaged_branch_separator_is_refused(tmp_path: Path) -> None:
     """Found by the 10,000-case soak (3 cases): a flipped byte in a branch page's separator key
     passed every check, and the restored store silently lost rows to lookups."""
@@ -228,7 +205,7 @@ def test_a_damaged_branch_separator_is_refused(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt.kvckpt"
     buf.checkpoint(str(ckpt), background=False).wait()
     buf.close()
-    keys = _raise_rows_separators(ckpt)
+    keys = raise_rows_separators(ckpt)
     check_structure(str(ckpt))  # LMDB's own structure check does not see it
     with pytest.raises(VerificationFailed, match=r"\[unreachable\] rows/") as caught:
         restore(str(ckpt), str(tmp_path / "restored.kv"))

@@ -160,7 +160,7 @@ def _said(result: dict[str, Any], paths: dict[str, str]) -> str:
 @pytest.mark.slow
 def test_every_crafted_file_in_formats_1_and_2_at_every_entry_point_fails_closed_as_format_3(crafted, tmp_path):
     """The whole campaign of ``tests/test_crafted_files.py``, each file in every format."""
-    from test_crafted_files import ENTRIES, _judge, run_cli, run_in_process_entries
+    from _crafted_runs import ENTRIES, judge, run_cli, run_in_process_entries
 
     cases = {c.name: c for c in _crafted.CASES}
     jobs = [(v, name, entry) for v in VERSIONS for name in crafted[v] for entry in ("python", *ENTRIES[2:])]
@@ -178,7 +178,7 @@ def test_every_crafted_file_in_formats_1_and_2_at_every_entry_point_fails_closed
         results = {(v, n, r["entry"]): r for batch in pool.map(job, jobs) for v, n, r in batch}
     violations = []
     for (version, name, entry), result in sorted(results.items()):
-        why = _judge(cases.get(name), result)
+        why = judge(cases.get(name), result)
         if why:
             violations.append(f"format {version} {name} / {entry}: {why}")
         twin = results[(FORMAT_VERSION, name, entry)]

@@ -8,8 +8,8 @@ import zlib
 
 import pytest
 import torch
-from conftest import SCHEMA, dump_store, make_group, make_row
-from test_codec import body_of, header_of, seal
+from _buffers import SCHEMA, dump_store, make_group, make_row
+from _codec_bytes import body_of, header_of, seal
 
 from kvckpt import BufferConfig, Prompt, ReplayBuffer, RowSchema, SchemaMismatch, check
 from kvckpt.storage import codec

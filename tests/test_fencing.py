@@ -16,8 +16,8 @@ import sys
 
 import pytest
 import torch
+from _buffers import make_group, refused
 from _old_format import rewrite_as_named_tables
-from conftest import make_group, refused
 
 from kvckpt import (
     AbandonedTimeline,

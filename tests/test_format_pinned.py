@@ -22,7 +22,7 @@ from pathlib import Path
 import _golden
 import lmdb
 import pytest
-from test_cli import kv
+from _cli import kv
 
 from kvckpt import ReplayBuffer, restore
 
@@ -160,7 +160,7 @@ def test_format4_progress_chunks_sit_between_the_group_record_and_the_ledger_ent
     """A progress chunk's key is ``g`` + group id + ``0x00`` + row index (u32 BE) + start (u64 BE) +
     ``0x02``, its record meta names exactly that chunk, and it sorts between its prompt's group
     record (``0x00``) and ledger entry (``0x01``) (docs/format.md, "The layout")."""
-    from conftest import SCHEMA
+    from _buffers import SCHEMA
 
     from kvckpt import BufferConfig, Prompt
 

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from conftest import dump_store, make_group
+from _buffers import dump_store, make_group
 
 from kvckpt import AbandonedTimeline, CommitResult, DuplicateCommit, Prompt, SchemaMismatch, check
 from kvckpt.tables.access import Tables

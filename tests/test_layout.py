@@ -14,9 +14,9 @@ from pathlib import Path
 
 import lmdb
 import pytest
+from _buffers import dump_store, make_group
+from _cli import kv
 from _old_format import rewrite_as_named_tables
-from conftest import dump_store, make_group
-from test_cli import kv
 
 from kvckpt import FormatError, Prompt, ReplayBuffer, check, restore
 from kvckpt.storage import codec

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from _crafted import _branch_child_self, _overflow_header_pages
-from test_corruption_fuzz import _raise_rows_separators
+from _damage import raise_rows_separators
 
 from kvckpt import Prompt, ReplayBuffer
 from kvckpt.durability.structure import is_sound, proven_keys
@@ -98,7 +98,7 @@ def test_a_live_file_the_proof_refuses_is_looked_up_and_refused(live: Path) -> N
     """A raised separator key in the rows tree's branch pages: iteration still finds every row,
     lookups miss some. The proof does not accept the file, so recovery looks every key up and
     refuses the store, naming the rows, and writes nothing."""
-    _raise_rows_separators(live)
+    raise_rows_separators(live)
     assert not is_sound(live, headers=False)
     before = live.read_bytes()
     out = _fresh(_RECOVER, path=str(live))
@@ -162,7 +162,7 @@ def test_the_crash_path_proves_the_file_the_store_has_open_not_what_its_path_nam
     recover the damaged file as sound."""
     intact = live.parent / "intact.kv"
     intact.write_bytes(live.read_bytes())
-    _raise_rows_separators(live)
+    raise_rows_separators(live)
     out = _fresh("""
         import os
         from kvckpt import ReplayBuffer, VerificationFailed

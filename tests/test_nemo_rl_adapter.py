@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 import pytest
-from conftest import SCHEMA, dump_store, make_group
+from _buffers import SCHEMA, dump_store, make_group
 from kvckpt.integrations.nemo_rl import (
     TQReplayBuffer,
     configure,

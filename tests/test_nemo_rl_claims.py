@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from _nemo_rl import N_GENS, SAMPLERS, add_group, run, stamp, store_config
 from kvckpt.integrations.nemo_rl import (
     InOrderSampler,
     KvckptSampler,
@@ -19,7 +20,6 @@ from kvckpt.integrations.nemo_rl import (
     WindowedSampler,
     configure,
 )
-from test_nemo_rl_surface import N_GENS, SAMPLERS, add_group, run, stamp, store_config
 
 from kvckpt.errors import BadArgument
 

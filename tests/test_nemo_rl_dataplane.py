@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import dump_store
+from _buffers import dump_store
 from kvckpt.integrations.nemo_rl import KvckptDataPlane, TQReplayBuffer, configure, create_sampler
 from tensordict import TensorDict
 

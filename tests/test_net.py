@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SCHEMA, make_group
+from _buffers import SCHEMA, make_group
 
 from kvckpt import Lease, Prompt, ReplayBuffer, StaleAttempt
 from kvckpt.buffer import restore

@@ -10,16 +10,13 @@ fresh process and asserts what a resumed attempt does next.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import lmdb
 import pytest
 import torch
-from conftest import refused
+from _buffers import refused
+from _fresh import run_fresh
 
 from kvckpt import (
     AbandonedTimeline,
@@ -238,15 +235,6 @@ def test_the_group_stamp_is_the_oldest_tokens_weight_and_the_row_keeps_each_toke
 
 
 # -- resume in a fresh process ------------------------------------------------------------------------------
-
-def run_fresh(code: str, **kwargs) -> dict:
-    """Run ``code`` in a fresh interpreter (``ARGS`` holds ``kwargs``); its last stdout line is JSON."""
-    prelude = "import json, os, signal, sys, torch\nfrom kvckpt import *\nARGS = json.loads(sys.argv[1])\n"
-    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code), json.dumps(kwargs)],
-                          capture_output=True, text=True, timeout=120)
-    return {"rc": proc.returncode, "out": json.loads(proc.stdout.splitlines()[-1]) if proc.stdout else None,
-            "err": proc.stderr}
-
 
 PRODUCER = """
     buf = ReplayBuffer.open(ARGS["path"])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import _crafted
 import pytest
 import torch
-from conftest import refused
+from _buffers import refused
 
 from kvckpt import BufferConfig, CorruptRecord, FutureVersion, Prompt, ReplayBuffer, SchemaMismatch, check
 from kvckpt.storage import keys

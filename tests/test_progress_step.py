@@ -19,8 +19,8 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from conftest import dump_store, refused
-from test_progress import run_fresh  # a fresh interpreter, its last stdout line JSON
+from _buffers import dump_store, refused
+from _fresh import run_fresh  # a fresh interpreter, its last stdout line JSON
 
 from kvckpt import (
     AbandonedTimeline,

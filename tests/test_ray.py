@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SCHEMA, make_group
+from _buffers import SCHEMA, make_group
 
 # Imported before ray, so Ray's loopback setting is read with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0.
 kray = pytest.importorskip("kvckpt.integrations.ray")

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import SCHEMA, make_group
+from _buffers import SCHEMA, make_group
 
 from kvckpt import BufferConfig, ReplayBuffer, restore
 from kvckpt.durability.safe_open import check_header, copy_used

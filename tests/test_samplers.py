@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import make_group
+from _buffers import make_group
 
 from kvckpt import (
     BadArgument,

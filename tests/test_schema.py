@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import dump_store, make_group
+from _buffers import dump_store, make_group
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

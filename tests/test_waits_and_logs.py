@@ -7,7 +7,7 @@ import logging
 import math
 
 import pytest
-from conftest import make_group
+from _buffers import make_group
 
 from kvckpt import BadArgument, BufferConfig, GateTimeout, Prompt, ReplayBuffer
 from kvckpt.buffer import replay_buffer as buffer_module
