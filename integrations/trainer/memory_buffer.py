@@ -22,6 +22,9 @@ different rows are a :class:`~kvckpt.DuplicateCommit`); token progress is kept p
 committed row must begin with it, as in the kvckpt buffer.
 
 Queries scan the buffer (O(buffered groups) per select): fine at the sizes it is meant for.
+
+Long (over 400 lines): one class holds the buffer's whole surface on dicts, each operation beside the
+state it changes, as :class:`kvckpt.ReplayBuffer` holds it on one file.
 """
 
 from __future__ import annotations
