@@ -1,5 +1,5 @@
 """Running crafted hostile files (tests/_crafted.py) through every entry point, each in a fresh,
-memory-limited process, and judging each outcome (tests/test_crafted_files.py states the rules)."""
+memory-limited process, and judging each outcome (tests/durability/test_crafted_files.py states the rules)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ With nothing to roll back to, consumed rows are dropped when their step finishes
 
 Otherwise it conforms to the buffer's semantics: the conformance suite
 (:mod:`kvckpt.testing.buffer_conformance`) runs on it with the capabilities it lacks declared
-(``tests/test_buffer_conformance.py``). Leases are fenced by a store id and timeline of its own
+(``tests/core/test_buffer_conformance.py``). Leases are fenced by a store id and timeline of its own
 (random per buffer) and the attempt; commits are idempotent (an identical retry is ``replayed``,
 different rows are a :class:`~kvckpt.DuplicateCommit`); token progress is kept per sample and a
 committed row must begin with it, as in the kvckpt buffer.
