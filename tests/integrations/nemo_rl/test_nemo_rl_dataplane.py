@@ -8,6 +8,7 @@ after the chunk. The code is this project's own; the call shapes and keywords ar
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import pytest
@@ -300,7 +301,8 @@ def test_a_ray_actor_inner_client_has_the_batch_when_select_returns(tmp_path: An
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
         kray.init_local_ray(num_cpus=2, object_store_memory=128 << 20, namespace="kvckpt-nemo-rl",
-                            runtime_env={"env_vars": {"PYTHONPATH": child_env()["PYTHONPATH"]}})
+                            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                                [os.path.dirname(__file__), child_env()["PYTHONPATH"]])}})
     try:
         inner = ray.remote(num_cpus=0)(InnerClient).remote(failures=1)
         buf, sampler, _ = controller(tmp_path, KvckptDataPlane(inner=inner))
