@@ -12,7 +12,7 @@ transaction plus a background copy to one file; restore opens a fresh handle on 
 
 What is exported here (``__all__``), with :mod:`kvckpt.errors`, :mod:`kvckpt.samplers` and
 :mod:`kvckpt.testing`, is the public API, the only part of kvckpt that integrations import
-(docs/architecture.md, "The public API"; ``tests/test_layers.py`` holds them to it). Besides the
+(docs/architecture.md, "The public API"; ``tests/tools/test_layers.py`` holds them to it). Besides the
 buffer, it holds what an adapter storing its own files needs: the durable-directory helpers
 (:func:`makedirs_durable`, :func:`fsync_dir`, :func:`fsync_file`), the record codec
 (:mod:`codec <kvckpt.storage.codec>`, docs/format.md) and the value-record helper :func:`write_id_of`,

@@ -16,7 +16,7 @@
 
 The children run :func:`child_main` (``python -m kvckpt.reference.demo child ...``),
 whose :class:`DemoHooks` are the trainer's test-only hooks (:mod:`.faults`), passed in by the
-parent on the command line, never through environment variables. tests/test_functional_recovery.py
+parent on the command line, never through environment variables. tests/trainer/test_functional_recovery.py
 drives the same children.
 
 Why this module is long (about 500 lines): it is the whole demo, the parent (:func:`run_demo`) and

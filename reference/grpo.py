@@ -23,7 +23,7 @@ and redispatched — no generation lost) or restores ``buffer.kvckpt`` over it (
 checkpoint``). The dataloader resumes from the state stored with the last admission, so no
 prompt is served twice or skipped.
 
-``replay_buffer.backend: memory`` swaps in :class:`~.memory_buffer.MemoryReplayBuffer` (same
+``replay_buffer.backend: memory`` swaps in :class:`~kvckpt.testing.memory_buffer.MemoryReplayBuffer` (same
 samplers, nothing durable) for comparison; ``generation.ray: true`` hosts the workers — and the
 kvckpt buffer, as a :class:`~kvckpt.integrations.ray.BufferActor` — in Ray actors.
 
@@ -61,7 +61,6 @@ from kvckpt.integrations.vllm.tiny_model import AdditionTask, TinyModelSpec, ens
 from kvckpt.integrations.vllm.worker import DEFAULT_SCHEMA, RolloutWorker
 from kvckpt.reference.config import TrainerConfig
 from kvckpt.reference.faults import CrashAt, Hooks
-from kvckpt.reference.memory_buffer import MemoryReplayBuffer
 
 from kvckpt import (
     Batch,
@@ -75,6 +74,7 @@ from kvckpt import (
     sink_from_config,
 )
 from kvckpt.errors import BadArgument, GateTimeout
+from kvckpt.testing.memory_buffer import MemoryReplayBuffer
 
 logger = logging.getLogger(__name__)
 MODEL_FILE, BUFFER_FILE = "model.pt", "buffer.kvckpt"

@@ -14,7 +14,7 @@ Prints each module's layer, size and kvckpt imports (``--graph``), then every ru
   "the module is long because ...").
 
 Every import counts, including those inside functions (a lazy import still ties the layers).
-``--check`` exits 1 if a rule is broken; ``tests/test_layers.py`` runs the same checks.
+``--check`` exits 1 if a rule is broken; ``tests/tools/test_layers.py`` runs the same checks.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ A JSON mutation object has the keys ``name``, ``file``, ``old``, ``new``, ``test
 ``count``, for example::
 
     [{"name": "fence-ignores-timeline", "file": "kvckpt/buffer.py",
-      "old": "if lease.timeline != timeline:", "new": "if False:", "tests": ["tests/test_fencing.py"]}]
+      "old": "if lease.timeline != timeline:", "new": "if False:", "tests": ["tests/core/test_fencing.py"]}]
 
 The exit status is 0 only if every mutation was killed (1 otherwise, 2 if the baseline fails).
 """
@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-NET = "tests/test_net.py"
-LAZY = "tests/test_lazy_rows.py"
-STRUCTURE = "tests/test_structure.py"
+NET = "tests/core/test_net.py"
+LAZY = "tests/core/test_lazy_rows.py"
+STRUCTURE = "tests/durability/test_structure.py"
 #: Folders the build maps into the ``kvckpt`` package (pyproject's ``package-dir``).
 MAPPED = {"integrations": "kvckpt/integrations", "reference": "kvckpt/reference", "tools": "kvckpt/tools"}
 
@@ -84,7 +84,7 @@ class Outcome:
     failed: list[str] = field(default_factory=list)
 
 
-#: The bugs issue 16 lists as caught only by chance before ``tests/test_net.py``, and the lazy row
+#: The bugs issue 16 lists as caught only by chance before ``tests/core/test_net.py``, and the lazy row
 #: checks on read that restore relies on (issue 28).
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation("row-prefix-without-separator", "kvckpt/storage/keys.py",
@@ -93,7 +93,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("checkpoint-copies-live-state", "kvckpt/storage/store.py",
              "compact=True, txn=txn.raw)", "compact=True)",
              (f"{NET}::test_a_commit_after_the_stamp_stays_out_of_the_checkpoint",
-              "tests/test_store.py::test_copy_snapshot_is_a_consistent_point_in_time"), count=None),
+              "tests/core/test_store.py::test_copy_snapshot_is_a_consistent_point_in_time"), count=None),
     Mutation("checkpoint-snapshot-taken-at-copy-time", "kvckpt/durability/checkpoint.py",
              "store.copy_snapshot(fd, snapshot.txn)",
              "store.read(lambda live: store.copy_snapshot(fd, live))",
@@ -102,44 +102,44 @@ MUTATIONS: tuple[Mutation, ...] = (
              "os.pwrite(fd, _twin_metas(snapshot.metas, psize), 0)",
              'os.pwrite(fd, _twin_metas(open(self.path, "rb").read(2 * psize), psize), 0)',
              (f"{NET}::test_a_commit_after_the_stamp_stays_out_of_the_checkpoint",
-              "tests/test_store.py::test_copy_pinned_is_the_pinned_state_page_for_page_whatever_commits_after_it")),
+              "tests/core/test_store.py::test_copy_pinned_is_the_pinned_state_page_for_page_whatever_commits_after_it")),
     Mutation("checkpoint-page-copy-keeps-the-older-meta", "kvckpt/storage/store.py",
              "os.pwrite(fd, _twin_metas(snapshot.metas, psize), 0)", "os.pwrite(fd, snapshot.metas, 0)",
-             ("tests/test_checkpoint_meta_damage.py",)),
+             ("tests/durability/test_checkpoint_meta_damage.py",)),
     Mutation("checkpoint-keeps-unused-bytes", "kvckpt/durability/checkpoint.py",
              "            self.zeroed += os.pwrite(self.fd, self.zeros[:min(ZERO_CHUNK, offset + length - pos)]"
              ", pos)\n",
              "            self.zeroed += min(ZERO_CHUNK, offset + length - pos)\n",
-             ("tests/test_checkpoint_free_pages.py",)),
+             ("tests/durability/test_checkpoint_free_pages.py",)),
     Mutation("checkpoint-without-reservation", "kvckpt/durability/checkpoint.py",
              "        reservation = _reserve(partial, dest)\n",
              "        reservation = os.open(partial, os.O_RDWR | os.O_CREAT, FILE_MODE)\n",
-             ("tests/test_value_store.py::test_a_value_store_checkpoint_takes_the_reservation_first",)),
+             ("tests/core/test_value_store.py::test_a_value_store_checkpoint_takes_the_reservation_first",)),
     Mutation("value-store-checkpoint-keeps-unused-bytes", "kvckpt/durability/checkpoint.py",
              "            self.zeroed += os.pwrite(self.fd, self.zeros[:min(ZERO_CHUNK, offset + length - pos)]"
              ", pos)\n",
              "            self.zeroed += min(ZERO_CHUNK, offset + length - pos)\n",
-             ("tests/test_value_store.py::test_a_value_store_checkpoint_is_a_page_copy_that_carries_nothing_but_its"
+             ("tests/core/test_value_store.py::test_a_value_store_checkpoint_is_a_page_copy_that_carries_nothing_but_its"
               "_snapshot",)),
     Mutation("value-store-write-skips-its-fence", "kvckpt/values/records.py",
              "    check_fence(txn, path, fence)\n    for key in deletes:", "    for key in deletes:",
-             ("tests/test_value_store.py::test_a_fenced_write_is_refused_inside_its_transaction_and_leaves_everything",)),
+             ("tests/core/test_value_store.py::test_a_fenced_write_is_refused_inside_its_transaction_and_leaves_everything",)),
     # run with --python .venv-verl/bin/python (the verl ledger's tests need verl)
     Mutation("verl-ledger-write-unfenced", "integrations/verl/ledger.py",
              "self._values.write(keys, values, deletes, fence=(RUN_KEY, token))",
              "self._values.write(keys, values, deletes, fence=None)",
-             ("tests/test_verl_resume.py::test_a_superseded_run_can_neither_checkpoint_nor_load_nor_resume",)),
+             ("tests/integrations/verl/test_verl_resume.py::test_a_superseded_run_can_neither_checkpoint_nor_load_nor_resume",)),
     Mutation("value-store-clear-ignores-write-id", "kvckpt/values/records.py",
              "if raw is None or (wid is not None and write_id_of(raw, key) != wid):", "if raw is None:",
-             ("tests/test_campaign.py::test_a_short_campaign_crashes_the_value_store_beside_the_buffer",)),
+             ("tests/campaigns/test_campaign.py::test_a_short_campaign_crashes_the_value_store_beside_the_buffer",)),
     Mutation("async-facade-loses-claim", "kvckpt/buffer/aio.py",
              "    async def claim(self, group_ids: Iterable[str]) -> Selection:",
              "    async def _claim(self, group_ids: Iterable[str]) -> Selection:",
-             ("tests/test_surfaces.py::test_every_surface_offers_every_operation_shaped_the_same_or_says_why",)),
+             ("tests/core/test_surfaces.py::test_every_surface_offers_every_operation_shaped_the_same_or_says_why",)),
     Mutation("ray-actor-reshapes-release-claims", "integrations/ray/actor.py",
              "    async def release_claims(self, group_ids: Iterable[str]) -> list[str]:",
              "    async def release_claims(self, groups: Iterable[str]) -> list[str]:",
-             ("tests/test_surfaces.py::test_every_surface_offers_every_operation_shaped_the_same_or_says_why",)),
+             ("tests/core/test_surfaces.py::test_every_surface_offers_every_operation_shaped_the_same_or_says_why",)),
     Mutation("finish-step-two-transactions", "kvckpt/buffer/replay_buffer.py",
              "        return self._write(lambda t: training.finish_step(t, self.config, weight_version))\n",
              "        version = self._write(lambda t: training.finish_step(t, self.config, weight_version))\n"
@@ -168,7 +168,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              (f"{STRUCTURE}::test_no_damaged_page_is_proven_sound_unless_lmdb_verify_accepts_it",)),
     Mutation("structure-skips-separator-bounds", "kvckpt/durability/structure.py",
              "                _need(not n or ((low is None", "                bool(not n or ((low is None",
-             ("tests/test_corruption_fuzz.py::test_a_damaged_branch_separator_is_refused",)),
+             ("tests/durability/test_corruption_fuzz.py::test_a_damaged_branch_separator_is_refused",)),
     Mutation("restore-names-private-copy", "kvckpt/durability/checkpoint.py",
              "            _name_user_file(exc, tmp, checkpoint_file)\n", "            pass\n",
              (f"{STRUCTURE}::test_restore_refuses_a_bad_page_before_liblmdb_maps_it_naming_the_file_passed"
@@ -188,24 +188,24 @@ MUTATIONS += (
              "                    return result\n"
              "                return run\n"
              "            fns = [acked(p) for p in batch]\n",
-             ("tests/test_group_commit.py::"
+             ("tests/core/test_group_commit.py::"
               "test_inside_a_batch_nothing_acknowledged_is_missing_from_another_process_snapshot",)),
     Mutation("format3-suffixes-swapped", "kvckpt/storage/layout.py",
              'SUFFIXES = {"groups": b"\\x00", "ledger": b"\\x01",',
-             'SUFFIXES = {"groups": b"\\x01", "ledger": b"\\x00",', ("tests/test_format_pinned.py",)),
+             'SUFFIXES = {"groups": b"\\x01", "ledger": b"\\x00",', ("tests/durability/test_format_pinned.py",)),
     Mutation("sparse-check-disabled", "kvckpt/durability/safe_open.py",
              "    if holes > max(MAX_HOLE_BYTES, used // 4):", "    if False:",
-             ("tests/test_sparse_refusal.py",)),
+             ("tests/durability/test_sparse_refusal.py",)),
     Mutation("makedirs-skips-parent-fsync", "kvckpt/storage/store.py",
              "        fsync_dir(os.path.dirname(directory))\n", "",
-             ("tests/test_powercut.py::test_a_new_store_in_new_directories_survives_a_power_cut",)),
+             ("tests/campaigns/test_powercut.py::test_a_new_store_in_new_directories_survives_a_power_cut",)),
 )
 
 #: Issue 35: one realistic slip per promise of token progress, the lazy row checks, verify's new
 #: checks and the TRL queue, each killed by the deterministic test aimed at that promise.
-PROGRESS, PROMISES = "kvckpt/transitions/progress.py", "tests/test_progress_promises.py"
-VERIFY, VERIFY_TESTS = "kvckpt/durability/verify.py", "tests/test_verify_progress.py"
-READS = "tests/test_read_promises.py"
+PROGRESS, PROMISES = "kvckpt/transitions/progress.py", "tests/core/test_progress_promises.py"
+VERIFY, VERIFY_TESTS = "kvckpt/durability/verify.py", "tests/durability/test_verify_progress.py"
+READS = "tests/core/test_read_promises.py"
 MUTATIONS += (
     Mutation("progress-future-reads-weights-only", PROGRESS,
              'newest = max(st["trainer_version"], st["weight_version"])', 'newest = st["weight_version"]',
@@ -267,24 +267,24 @@ MUTATIONS += (
     Mutation("trl-queue-evicts-at-the-bound", "integrations/trl/queue.py",
              "if self._clock.staleness(info.lineage_weight) > self._clock.max_staleness:",
              "if self._clock.staleness(info.lineage_weight) >= self._clock.max_staleness:",
-             ("tests/test_trl_queue_staleness.py",)),
+             ("tests/integrations/trl/test_trl_queue_staleness.py",)),
     Mutation("trl-staleness-rounds-down", "integrations/trl/queue.py",
              "return max(0, math.ceil(behind / self.weight_sync_steps))",
              "return max(0, behind // self.weight_sync_steps)",
-             ("tests/test_trl_queue_staleness.py",)),
+             ("tests/integrations/trl/test_trl_queue_staleness.py",)),
 )
 
 
-FLEET = "tests/test_ray_fleet.py"
+FLEET = "tests/integrations/ray/test_ray_fleet.py"
 #: A fleet streaming progress through the buffer actor on a multi-node Ray cluster (issue 36): what
 #: a rollout node's, the store actor's and the owner node's death may not cost, each on a real cluster.
 MUTATIONS += (
     Mutation("step-resend-of-landed-chunk-refused", "kvckpt/transitions/progress_step.py",
              "            if t.progress_chunk_of(s.row, c.start) == c.value:\n                continue",
-             "            if False:\n                continue", ("tests/test_progress_step.py",)),
+             "            if False:\n                continue", ("tests/core/test_progress_step.py",)),
     Mutation("progress-retry-of-landed-chunk-refused", "kvckpt/transitions/progress.py",
              "        if t.progress_chunk(gid, index, chunk.start) == chunk.value:\n", "        if False:\n",
-             ("tests/test_progress.py::test_chunks_append_a_retry_is_a_noop_and_a_conflict_or_gap_is_refused",)),
+             ("tests/core/test_progress.py::test_chunks_append_a_retry_is_a_noop_and_a_conflict_or_gap_is_refused",)),
     Mutation("fleet-restart-leaves-leases-valid", "kvckpt/durability/recovery.py",
              '{**entry.to_dict(), "attempt": entry.attempt + 1,\n'
              '                                            "timeline": st["timeline"], **stamps})',
@@ -307,7 +307,7 @@ MUTATIONS += (
 )
 
 #: Issue 40: the demo parks its rollout mid-way through long completions, scored answer by answer.
-_DEMO = "tests/test_functional_recovery.py::"
+_DEMO = "tests/trainer/test_functional_recovery.py::"
 MUTATIONS += (
     Mutation("demo-parks-before-mid-way", "reference/demo.py",
              "max(s.generated for s in mine) >= self.park_tokens", "True",
@@ -318,8 +318,8 @@ MUTATIONS += (
 )
 
 #: Stamps after a rollback (issue 39): each rule of the version tree, killed by an aimed test.
-LINEAGE = "tests/test_lineage.py"
-TRL_STAMPS = "tests/test_trl_stamps.py"
+LINEAGE = "tests/core/test_lineage.py"
+TRL_STAMPS = "tests/integrations/trl/test_trl_stamps.py"
 MUTATIONS += (
     Mutation("recovery-keeps-destroyed-stamp", "kvckpt/durability/recovery.py",
              '        return {"start_weight": version, "lineage_fork": None}\n', "        return {}\n", (LINEAGE,)),
@@ -336,10 +336,10 @@ MUTATIONS += (
              ", lineage_fork=entry.lineage_fork)", ")", (LINEAGE,)),
     Mutation("verify-allows-fork-at-stamp", "kvckpt/durability/verify.py",
              '    if fork is not None and fork >= doc["start_weight"]:', "    if False:",
-             ("tests/test_corruption_fuzz.py::test_verifier_flags_each_inconsistency",)),
+             ("tests/durability/test_corruption_fuzz.py::test_verifier_flags_each_inconsistency",)),
     Mutation("verify-indexes-the-stamp", "kvckpt/durability/verify.py",
              "    return lineage_weight(doc[\"start_weight\"], fork)", "    return doc[\"start_weight\"]",
-             ("tests/test_corruption_fuzz.py::test_verifier_flags_each_inconsistency",)),
+             ("tests/durability/test_corruption_fuzz.py::test_verifier_flags_each_inconsistency",)),
     Mutation("redispatch-restamps-forked-entry", "kvckpt/transitions/inflight.py",
              "if start_weight is None or entry.lineage_fork is not None", "if start_weight is None", (LINEAGE,)),
     Mutation("trl-queue-reads-step-numbers", "integrations/trl/queue.py",
@@ -354,8 +354,9 @@ MUTATIONS += (
              (f"{TRL_STAMPS}::test_a_crash_before_the_first_save_recovers_the_live_store_at_step_0",)),
 )
 
-TRL_SERVER = "tests/test_trl_server_request.py"
-TRL_SERVER_CRASH = ("tests/test_trl_server.py::test_kill_mid_generation_resumes_each_sample_from_its_durable_prefix",)
+TRL_SERVER = "tests/integrations/trl/test_trl_server_request.py"
+TRL_SERVER_CRASH = ("tests/integrations/trl/test_trl_server.py::"
+                    "test_kill_mid_generation_resumes_each_sample_from_its_durable_prefix",)
 #: TRL's vLLM-server path (issue 39): TRL's own request, streamed; a TRL row held against its
 #: durable prefix; a redispatched sample resumed from prompt + prefix with the remaining budget.
 MUTATIONS += (
@@ -380,7 +381,7 @@ MUTATIONS += (
              "    return sink.progress(lease) if lease.attempt > 0 else {}", "    return {}", TRL_SERVER_CRASH),
 )
 
-STEP = "tests/test_progress_step.py"
+STEP = "tests/core/test_progress_step.py"
 #: The progress step message (issue 36): retry dedupe, the per-sequence checks, per-sequence isolation.
 MUTATIONS += (
     Mutation("step-retry-not-recognised-under-a-fenced-lease", "kvckpt/transitions/progress_step.py",
@@ -415,7 +416,7 @@ MUTATIONS += (
              (f"{STEP}::test_fencing_is_judged_per_lease_and_a_committed_row_per_sequence",)),
     Mutation("vllm-bench-owner-acknowledges-without-recording", "benchmarks/vllm_progress_cost.py",
              "results = buf.record_progress_steps(frames) if buf is not None else", "results =",
-             ("tests/test_vllm_progress_cost.py",)),
+             ("tests/tools/test_vllm_progress_cost.py",)),
     Mutation("step-stored-checksum-skips-the-body", "kvckpt/storage/codec.py",
              "        crc = zlib.crc32(data, crc)\n", "        pass\n",
              (f"{STEP}::test_encode_stored_is_byte_equal_to_encode_at_level_0",)),
@@ -425,12 +426,12 @@ MUTATIONS += (
     Mutation("step-client-resends-to-the-wrong-method", "integrations/ray/client.py",
              "call.result = getattr(self.actor, call.method).remote(call.payload)",
              "call.result = self.actor.commit_many.remote(call.payload)",
-             ("tests/test_ray_progress_step.py::test_a_killed_owner_keeps_each_acknowledged_sequence_once_and_a_resend"
+             ("tests/integrations/ray/test_ray_progress_step.py::test_a_killed_owner_keeps_each_acknowledged_sequence_once_and_a_resend"
               "_returns_the_same",)),
 )
 
 
-LAYERS_TEST = "tests/test_layers.py"
+LAYERS_TEST = "tests/tools/test_layers.py"
 #: The integrations' boundary (issue 37): only kvckpt's public API, however the import is spelt.
 MUTATIONS += (
     Mutation("boundary-takes-any-kvckpt-module-as-public", "scripts/layers.py",
@@ -442,7 +443,7 @@ MUTATIONS += (
              (f"{LAYERS_TEST}::test_an_integration_reaching_past_the_public_api_is_caught",)),
 )
 
-CONFIGS = "tests/test_integration_configs.py"
+CONFIGS = "tests/integrations/common/test_integration_configs.py"
 #: The integrations' one config loader (issue 37): unknown keys refused, only the peer's own keys let through.
 MUTATIONS += (
     Mutation("config-loader-ignores-unknown-keys", "integrations/common/config.py",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what tests/test_reflink.py needs to make XFS (reflink=1) and btrfs loop images: mkfs.xfs
+# Install what tests/durability/test_reflink.py needs to make XFS (reflink=1) and btrfs loop images: mkfs.xfs
 # (xfsprogs) and mkfs.btrfs (btrfs-progs), about 2 MB. Idempotent: does nothing when both are
 # there, and nothing (the tests then skip, saying which tool is missing) without root or apt-get.
 set -euo pipefail

@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Any
 
-from conftest import SCHEMA, dump_store, make_group
+from _buffers import SCHEMA, dump_store, make_group
 
 from kvckpt import BufferConfig, KvckptError, Lease, Prompt, ReplayBuffer, check, restore
 

@@ -1,4 +1,4 @@
-"""Support of tests/test_ray_fleet.py: a rollout fleet that streams token progress through the
+"""Support of tests/integrations/ray/test_ray_fleet.py: a rollout fleet that streams token progress through the
 buffer actor on a real multi-node Ray cluster (loopback), and the means to kill its parts.
 
 * :func:`expected_tokens` is the generation model: the token at position ``p`` of sample ``i``

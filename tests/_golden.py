@@ -1,7 +1,7 @@
 """The golden format-3 file: a small checkpoint written by the kvckpt that introduced format 3,
 committed as ``tests/golden/format3.kvckpt`` with what it must read as (``format3.json``).
 
-Every later kvckpt must open it, verify it and read it identically (``tests/test_format_pinned.py``),
+Every later kvckpt must open it, verify it and read it identically (``tests/durability/test_format_pinned.py``),
 as formats 1 and 2 still are: a change to the on-disk layout that is consistent with itself (every
 test writes and reads through the same code) still fails there.
 
@@ -44,7 +44,7 @@ def read_everything(buf: Any) -> dict[str, Any]:
 
 def build(directory: str) -> tuple[str, dict[str, Any]]:
     """Write the golden checkpoint into ``directory``; its path and what it reads as."""
-    from conftest import SCHEMA, make_group
+    from _buffers import SCHEMA, make_group
 
     from kvckpt import BufferConfig, Prompt, ReplayBuffer
 

@@ -1,4 +1,5 @@
-"""A verl-shaped async run in one process, for tests/test_verl_crash.py: ``python _verl_run.py A|B WORKDIR``.
+"""A verl-shaped async run in one process, for tests/integrations/verl/test_verl_crash.py:
+``python _verl_run.py A|B WORKDIR``.
 
 The trainer is verl's ``PPOTrainer`` (its own ``_build_replay_buffer``, ``_next_train_batch``,
 ``_submit_batch_to_rollout``, ``_add_async_warmup_batches``, ``_save_checkpoint``,

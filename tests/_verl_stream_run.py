@@ -1,6 +1,6 @@
 """verl's generation path with token progress, in one process: ``python _verl_stream_run.py crash|resume WORKDIR``.
 
-For tests/test_verl_stream_crash.py. verl's ``FullyAsyncLLMServerClient`` (wrapped in kvckpt's
+For tests/integrations/verl/test_verl_stream_crash.py. verl's ``FullyAsyncLLMServerClient`` (wrapped in kvckpt's
 ``ProgressClient``, as kvckpt's agent loop wraps it) drives verl's ``vLLMHttpServer`` request path
 (``KvckptHttpServer``) over kvckpt's tiny step-wise engine (tests/_verl_engine.py says why not vLLM), through an
 in-process stand-in of verl's load balancer; the ledger is the real Ray actor on a real file.

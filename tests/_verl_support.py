@@ -1,6 +1,6 @@
 """What the verl tests share: verl's trainer-base test stub and one loopback Ray with TransferQueue.
 
-Imported by tests/test_verl_*.py and by tests/_verl_run.py (the crash test's child program), only
+Imported by tests/integrations/verl/test_verl_*.py and by tests/_verl_run.py (the crash test's child program), only
 inside ``.venv-verl``.
 """
 

@@ -14,7 +14,7 @@ Selected at import, not by configuration: verl 0.9.1 declares ``rollout.custom_a
 it, and its ``vLLMReplica`` builds ``ray.remote(vLLMHttpServer)`` from its module's global name when a replica
 starts. :func:`install` (run by the kvckpt replay buffer, built before verl starts its replicas, when
 ``progress_every_tokens`` is set) points that name at :class:`KvckptHttpServer`.
-``tests/test_verl_stream_crash.py`` fails if verl moves the name.
+``tests/integrations/verl/test_verl_stream_crash.py`` fails if verl moves the name.
 """
 
 from __future__ import annotations

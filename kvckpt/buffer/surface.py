@@ -4,7 +4,7 @@
 definition of what the buffer offers. Every other surface of the buffer (:class:`~kvckpt.AsyncReplayBuffer`,
 the Ray actor ``kvckpt.integrations.ray.BufferActor`` and its producer client ``BufferClient``, the
 reference trainer's in-memory buffer) offers each operation with the same parameter names, or
-declares why not; ``tests/test_surfaces.py`` fails on any operation missing or shaped differently
+declares why not; ``tests/core/test_surfaces.py`` fails on any operation missing or shaped differently
 that is not declared, and on a declared difference that no longer exists. :func:`shape` is what
 "the same parameters" means.
 """

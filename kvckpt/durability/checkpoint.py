@@ -23,7 +23,7 @@ version; :func:`kvckpt.restore` then opens a fresh buffer handle on it.
 
 The module is long (about 590 lines) because checkpoint and restore are one protocol: the
 reservation, the pinned snapshot, the low-priority copy and the fsync/rename order are shared by
-both directions and tested together (tests/test_powercut.py checks the order).
+both directions and tested together (tests/campaigns/test_powercut.py checks the order).
 """
 
 from __future__ import annotations

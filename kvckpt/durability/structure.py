@@ -27,7 +27,7 @@ It answers only "sound" or "not proven". A file it cannot prove - damaged, or of
 does not write now (named databases of formats 1 and 2, DUPSORT trees, unknown node flags) - goes
 to ``lmdb.verify`` (:func:`kvckpt.durability.safe_open.check_structure`), which gives the verdict
 and names the problem. So it makes a sound file cheaper to accept and can never accept a file
-``lmdb.verify`` refuses: ``tests/test_structure.py`` checks that on every crafted file and on
+``lmdb.verify`` refuses: ``tests/durability/test_structure.py`` checks that on every crafted file and on
 hundreds of damaged pages.
 
 The module is long (about 440 lines) because it is one walk of one file format: the meta pages,

@@ -338,7 +338,7 @@ def encode_stored(fields: Iterable[tuple[str, str, np.ndarray]], meta_json: str)
     given as its JSON text (:func:`json_text`): the same bytes, without :func:`encode`'s per-value
     conversion and checks and without a generic JSON pass over the header. For an owner that
     re-encodes slices of a record it has just verified (a progress message's sequences);
-    ``tests/test_progress_step.py`` holds it byte-equal to :func:`encode`.
+    ``tests/core/test_progress_step.py`` holds it byte-equal to :func:`encode`.
 
     Raises:
         BadArgument: an array that is not its dtype's stored form.

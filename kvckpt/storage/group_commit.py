@@ -17,7 +17,7 @@ Guarantees:
 
 :attr:`GroupCommitter.before_commit` is a test seam into the batch: it runs inside the batch's
 write transaction, after its transitions and before its durable commit, and sees which of them
-have been acknowledged so far (none may be, by the first guarantee; ``tests/test_group_commit.py``
+have been acknowledged so far (none may be, by the first guarantee; ``tests/core/test_group_commit.py``
 checks that against another process's snapshot taken at exactly that point).
 """
 

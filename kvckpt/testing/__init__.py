@@ -16,6 +16,9 @@ library itself, and the harness uses only kvckpt's public API (``from kvckpt imp
   :mod:`kvckpt.testing.image_check` checks the image that survives.
 * :mod:`kvckpt.testing.harness`: what the campaigns share (scratch directory, cycle loop, fork
   server, reporting).
+* :mod:`kvckpt.testing.buffer_conformance`: the buffer state machine against a pure-Python model, run
+  on any surface of the buffer (:class:`~kvckpt.testing.buffer_conformance.BufferSurface`: a factory and
+  the capabilities it lacks, each with its reason).
 * :mod:`kvckpt.testing.conformance`: the sampler contract as plain functions a custom sampler's
   own tests call (:func:`~kvckpt.testing.conformance.assert_sampler_conforms`).
 """

@@ -274,6 +274,19 @@ def consume(t: Tables, schema: RowSchema, group_id: str, index: int, row: bytes)
     tokens = np.concatenate([c.arrays[_TOKENS] for c in chunks])
     versions = np.concatenate([np.full(c.meta["length"], c.meta["version"], np.int64) for c in chunks])
     arrays = codec.decode(row, f"rows/{sample}", limits=schema.limits(t.shape_pins())).arrays
+    hold_row_against_prefix(sample, arrays, tokens, versions)
+    t.delete_progress(group_id, index)
+    return int(versions.min())
+
+
+def hold_row_against_prefix(sample: str, arrays: Mapping[str, Any], tokens: np.ndarray, versions: np.ndarray) -> None:
+    """Refuse a committed row (its decoded ``arrays``) of ``sample`` whose completion tokens (the ones the first of
+    :data:`MASK_FIELDS` it has marks) or ``token_versions`` do not begin with the durable prefix's ``tokens`` and
+    per-token ``versions``.
+
+    Raises:
+        BadArgument: naming the sample and the first completion token that differs.
+    """
     if TOKENS_FIELD not in arrays:
         raise BadArgument(f"commit of {sample} refused: the sample has {len(tokens)} tokens of durable progress but "
                           f"the row has no {TOKENS_FIELD!r} to hold them against; nothing was written")
@@ -290,8 +303,6 @@ def consume(t: Tables, schema: RowSchema, group_id: str, index: int, row: bytes)
             raise BadArgument(f"commit of {sample} refused: the row's {VERSIONS_FIELD} differ from the weight "
                               f"versions recorded with its durable prefix (first difference at completion token "
                               f"{_first_difference(stamped, versions)}); nothing was written")
-    t.delete_progress(group_id, index)
-    return int(versions.min())
 
 
 def _first_difference(have: np.ndarray, want: np.ndarray) -> int:

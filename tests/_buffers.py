@@ -1,0 +1,33 @@
+"""Shared test helpers: a tiny row schema, a deterministic row factory, store dumps and refusals.
+
+Import them directly (``from _buffers import SCHEMA, make_row, make_group, dump_store, refused``); tests/
+is on ``sys.path`` (pyproject's pytest ``pythonpath``). The schema, rows and dumps are the buffer
+conformance suite's (:mod:`kvckpt.testing.buffer_conformance`), so the suite and the tests build the same rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from kvckpt import ReplayBuffer
+from kvckpt.testing.buffer_conformance import SCHEMA, dump_store, make_row
+
+__all__ = ["SCHEMA", "dump_store", "make_group", "make_row", "refused"]
+
+
+def make_group(group_size: int, seed: int, length: int = 4) -> list[dict[str, torch.Tensor]]:
+    """``group_size`` rows of distinct lengths (``length + i``), all derived from ``seed``."""
+    return [make_row(length + i, seed * 1000 + i) for i in range(group_size)]
+
+
+def refused(buf: ReplayBuffer, error: type[Exception], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Exception:
+    """Run ``fn``, expect ``error``, and prove the store is byte-for-byte unchanged; the error."""
+    before = dump_store(buf)
+    with pytest.raises(error) as info:
+        fn(*args, **kwargs)
+    assert dump_store(buf) == before
+    return info.value

@@ -1,0 +1,69 @@
+"""The buffer conformance suite (kvckpt.testing.buffer_conformance) on the surfaces other than
+ReplayBuffer itself (tests/core/test_buffer_stateful.py runs that one): the asyncio facade through a
+synchronous shim, and the reference trainer's in-memory buffer (which lacks durability by design).
+Each surface's missing capabilities are declared with their reason; the Ray actor's run is in
+tests/integrations/ray/test_ray_conformance.py. A surface with a bug fails the suite.
+
+CI runs derandomized profiles: the same examples every run.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+
+from kvckpt.testing.buffer_conformance import ASYNC_SURFACE, BufferSurface, run_buffer_conformance
+from kvckpt.testing.memory_buffer import MemoryReplayBuffer
+
+SAMPLERS = ["in_order", "weight_fifo", "windowed", "ready_first"]
+#: Smaller than the buffer's own profile: the facade adds only its event loop hop to each call.
+SMALL = settings(max_examples=20, stateful_step_count=40, deadline=None, database=None, derandomize=True,
+                 print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_the_async_facade_conforms(sampler: str) -> None:
+    run_buffer_conformance(ASYNC_SURFACE, sampler, SMALL)
+
+
+#: The reference trainer's in-memory buffer: what it lacks is the point of the comparison.
+MEMORY_SURFACE = BufferSurface(
+    "MemoryReplayBuffer", create=lambda path, config: MemoryReplayBuffer(config),
+    lacks={"durability": "nothing survives the process: checkpoint and recover raise NotImplementedError",
+           "reopen": "an in-memory buffer has no file to open again",
+           "store_file": "an in-memory buffer has no file: refusals are held to every public read instead"})
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_the_in_memory_buffer_conforms(sampler: str) -> None:
+    run_buffer_conformance(MEMORY_SURFACE, sampler)  # the ci profile: no file, so quick
+
+
+def test_the_in_memory_buffer_lacks_durability_as_declared() -> None:
+    """The declared lack is real: a memory buffer neither checkpoints nor recovers."""
+    from kvckpt import BufferConfig
+
+    buf = MemoryReplayBuffer(BufferConfig(group_size=2, schema={"input_ids": ("int64", "token")}))
+    for call in (lambda: buf.checkpoint("/nonexistent/ckpt.kv"), buf.recover):
+        with pytest.raises(NotImplementedError):
+            call()
+
+
+class _WeightsFollowTheTrainer(MemoryReplayBuffer):
+    """A buffer with one bug: finish_step ignores the rollout weights' version."""
+
+    def finish_step(self, *, weight_version: int | None = None) -> int:
+        return super().finish_step()
+
+
+def test_the_suite_fails_a_surface_with_a_bug() -> None:
+    broken = BufferSurface("broken", create=lambda path, config: _WeightsFollowTheTrainer(config),
+                           lacks=MEMORY_SURFACE.lacks)
+    quick = settings(SMALL, phases=[Phase.generate])  # the failure, unshrunk
+    with pytest.raises(AssertionError):
+        run_buffer_conformance(broken, "in_order", quick)
+
+
+def test_an_unknown_capability_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown capabilities"):
+        BufferSurface("typo", create=lambda path, config: None, lacks={"durablity": "spelt wrong"})

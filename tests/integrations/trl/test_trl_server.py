@@ -1,0 +1,126 @@
+"""TRL's AsyncGRPOTrainer through kvckpt's worker on TRL's own vLLM-server path, killed mid-generation.
+
+A real vLLM OpenAI-compatible server (vLLM's CPU build, ``.venv-vllm``) on 127.0.0.1; the trainer
+(tests/integrations/trl/trl_server_run.py) runs in a fresh process per run, with TRL beside vLLM in ``.venv-vllm``
+(scripts/peer_envs/vllm.txt). Its NCCL weight transfer is the only TRL call stood in
+(tests/integrations/trl/trl_cpu.py: ``ServerWeightTransferOnCPU``). Completions are 64 tokens, greedy, with progress
+every 8 tokens.
+
+Run 1 is SIGKILLed mid-stream once checkpoint-1 is complete; run 2 resumes from the last complete
+checkpoint with TRL's ``resume_from_checkpoint``. The reference is each interrupted prompt generated
+uninterrupted by the same server with the same request (greedy: ``top_k=1``). Skipped where TRL,
+vLLM or ``.venv-vllm`` is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvckpt import ReplayBuffer
+from kvckpt.testing.vllm_server import VLLMServer, vllm_python
+
+pytestmark = [pytest.mark.vllm, pytest.mark.trl,
+              pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL not installed"),
+              pytest.mark.skipif(vllm_python() is None,
+                                 reason="no .venv-vllm for the server (bash scripts/setup_peer_env.sh vllm)")]
+
+RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_server_run.py")
+EVERY, MAX_TOKENS, MAX_STEPS = 8, 64, 3
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from kvckpt.integrations.vllm import ensure_tiny_model
+
+    work = tmp_path_factory.mktemp("trl-server")
+    model = ensure_tiny_model(str(work / "model"))
+    with VLLMServer(model, str(work / "server.log")) as srv:
+        yield model, srv
+
+
+def _run(workdir, model, srv, *, kill_after_step=0, resume=None):
+    cfg = {"workdir": str(workdir), "model": model, "server": srv.url, "max_steps": MAX_STEPS, "save_steps": 1,
+           "every": EVERY, "max_tokens": MAX_TOKENS, "kill_after_step": kill_after_step, "resume": resume,
+           "log": str(workdir / "log.jsonl")}
+    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, RUN, json.dumps(cfg)], capture_output=True, text=True, timeout=600,
+                          env=env)
+
+
+def _events(workdir):
+    with open(workdir / "log.jsonl") as fh:
+        return [json.loads(line) for line in fh]
+
+
+def _last_complete_checkpoint(workdir):
+    """The newest ``checkpoint-N`` both TRL (``trainer_state.json``) and kvckpt finished writing."""
+    out = workdir / "out"
+    done = [p for p in out.glob("checkpoint-*")
+            if (p / "trainer_state.json").is_file() and (p / "kvckpt_buffer.kvckpt").is_file()]
+    return max(done, key=lambda p: int(p.name.split("-")[1]))
+
+
+def _completions_by_prompt(store):
+    """prompt_idx -> the committed completions of its group (token ids and their logprobs)."""
+    out = {}
+    with ReplayBuffer.open(str(store), readonly=True) as buf:
+        for info in buf.groups(["ready", "claimed", "consumed"]):
+            rows = buf.read_batch([info.group_id], layout="list").rows
+            masks = [row["completion_mask"].bool() for row in rows]
+            out[info.prompt_idx] = [(row["input_ids"][m].tolist(), row["old_log_probs"][m].tolist())
+                                    for row, m in zip(rows, masks, strict=True)]
+    return out
+
+
+def _uninterrupted(model, srv, prompt_idx):
+    """The prompt's completion from the same server, same request, in one uninterrupted stream."""
+    from kvckpt.integrations.trl.server import VLLMServerBackend
+    from kvckpt.integrations.vllm import AdditionTask, Continuation
+
+    backend = VLLMServerBackend(model, server_url=srv.url, sampling={"top_k": 1})
+    ids = backend.tokenizer(AdditionTask().prompt(prompt_idx), add_special_tokens=False)["input_ids"]
+    (sample,) = backend.stream([Continuation(tuple(ids))], MAX_TOKENS, 1.0)
+    return list(sample.completion_ids), list(sample.logprobs)
+
+
+def test_kill_mid_generation_resumes_each_sample_from_its_durable_prefix(tmp_path, server):
+    model, srv = server
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    first = _run(crashed, model, srv, kill_after_step=1)
+    assert first.returncode == -9, first.stderr[-3000:] + srv.tail()
+    (killed,) = [e for e in _events(crashed) if "killed" in e]
+    in_flight = killed["in_flight"]
+    second = _run(crashed, model, srv, resume=str(_last_complete_checkpoint(crashed)))
+    assert second.returncode == 0, second.stderr[-3000:]
+    (done,) = [e for e in _events(crashed) if "done" in e]
+
+    generated = sum(s["generated"] for s in in_flight)
+    durable = sum(s["durable"] for s in in_flight)
+    # Every sample of the batch in flight kept its durable prefix through the recovery, and the
+    # resumed run read each prefix once and continued from it.
+    assert done["plan"]["progress_tokens"] == durable > 0
+    assert done["stats"]["tokens_resumed"] == durable
+    # What the crash cost: the tokens generated since each sample's last record, under one
+    # interval per sequence in flight.
+    regenerated = generated - durable
+    assert all(s["generated"] - s["durable"] < EVERY for s in in_flight)
+    assert regenerated < EVERY * len(in_flight)
+    # Greedy: every completion of the interrupted prompts, durable prefix and resumed tail, is
+    # bit-exact (tokens and logprobs) against the same prompt generated uninterrupted.
+    got = _completions_by_prompt(crashed / "buffer.kv")
+    compared = sorted({s["prompt_idx"] for s in in_flight})
+    assert set(compared) <= set(got), (compared, sorted(got))
+    for prompt_idx in compared:
+        expected = _uninterrupted(model, srv, prompt_idx)
+        assert len(expected[0]) == MAX_TOKENS
+        assert got[prompt_idx] == [expected] * len(got[prompt_idx]), prompt_idx
+    print(json.dumps({"sequences_in_flight": len(in_flight), "tokens_in_flight": generated, "durable": durable,
+                      "resumed": done["stats"]["tokens_resumed"], "regenerated": regenerated,
+                      "interval": EVERY, "prompts_compared": len(compared)}))

@@ -1,0 +1,91 @@
+"""One AsyncGRPOTrainer run through kvckpt's worker on TRL's vLLM-server path, in its own process.
+
+    python tests/integrations/trl/trl_server_run.py CONFIG_JSON
+
+CONFIG_JSON: ``workdir``, ``model``, ``server`` (the vLLM server's base URL), ``max_steps``,
+``save_steps``, ``every`` (progress interval, tokens), ``max_tokens`` (``max_completion_length``),
+``kill_after_step`` (SIGKILL this process mid-generation after that step: in the first batch after
+the step where a sample has durable tokens and tokens generated since its last record, the
+generation thread waits until the step's checkpoint is complete (TRL's ``trainer_state.json`` and
+kvckpt's file both written; the batch's states cannot change meanwhile), then dies; 0: never), ``resume``
+(a checkpoint directory or null), ``log`` (a JSON-lines file, each event fsynced: the sequences in
+flight at the kill, the recovery plan, the worker's progress counters at the end).
+
+Greedy (``top_k=1``: TRL's loss divides by the temperature, so ``temperature=0`` is refused, and vLLM
+raises a temperature under 0.01 to 0.01) and ``learning_rate=0``: the CPU stand-in for TRL's NCCL weight transfer
+(tests/integrations/trl/trl_cpu.py) sends no weights, so the server's startup weights are the trainer's exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from trl_cpu import ServerWeightTransferOnCPU, install_cpu_stand_ins
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    install_cpu_stand_ins()
+    from datasets import Dataset
+    from kvckpt.integrations.trl import BUFFER_FILE, KvckptRolloutWorker
+    from kvckpt.integrations.vllm import AdditionTask
+    from transformers import AutoTokenizer
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    task = AdditionTask()
+    dataset = Dataset.from_list([{"prompt": task.prompt(i), "answer": task.answer(i)} for i in range(task.size)])
+    log_fh = open(cfg["log"], "a")  # noqa: SIM115 - appended to until the process ends or is killed
+
+    def log(event):
+        log_fh.write(json.dumps(event) + "\n")
+        log_fh.flush()
+        os.fsync(log_fh.fileno())
+
+    def reward(completions, answer, **_):
+        return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+    args = AsyncGRPOConfig(
+        output_dir=os.path.join(cfg["workdir"], "out"), max_steps=cfg["max_steps"], save_steps=cfg["save_steps"],
+        save_strategy="steps", per_device_train_batch_size=4, gradient_accumulation_steps=1, num_generations=2,
+        max_completion_length=cfg["max_tokens"], token_budget=0, use_cpu=True, bf16=False, report_to=[],
+        logging_steps=1, max_staleness=4, learning_rate=0.0, top_k=1, seed=0, save_only_model=False,
+        dataloader_num_workers=0, vllm_server_base_url=cfg["server"])
+
+    def kill_mid_generation(states):
+        """SIGKILL once ``kill_after_step``'s checkpoint is complete and a sample of the batch in
+        flight has a durable prefix and tokens after it, logging every sequence of the batch first."""
+        if not cfg.get("kill_after_step") or trainer.state.global_step < cfg["kill_after_step"]:
+            return
+        if not any(0 < s.durable < s.generated for s in states):
+            return
+        checkpoint = os.path.join(args.output_dir, f"checkpoint-{cfg['kill_after_step']}")
+        while not all(os.path.isfile(os.path.join(checkpoint, name)) for name in ("trainer_state.json", BUFFER_FILE)):
+            time.sleep(0.05)  # the trainer saves it without waiting for this batch (its groups are ready)
+        log({"killed": trainer.state.global_step,
+             "in_flight": [{"group": s.lease.group_id, "prompt_idx": s.lease.prompt_idx, "index": s.index,
+                            "attempt": s.lease.attempt, "generated": s.generated, "durable": s.durable}
+                           for s in states]})
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    worker = KvckptRolloutWorker(os.path.join(cfg["workdir"], "buffer.kv"), cfg["model"], dataset, [reward], args,
+                                 capacity=8, retain_consumed=True, progress_every_tokens=cfg["every"],
+                                 after_step=kill_mid_generation)
+    trainer = AsyncGRPOTrainer(model=cfg["model"], reward_funcs=[reward], args=args, train_dataset=dataset,
+                               processing_class=AutoTokenizer.from_pretrained(cfg["model"]), rollout_worker=worker,
+                               weight_transfer=ServerWeightTransferOnCPU(cfg["server"]),
+                               callbacks=[worker.callback])
+    trainer.train(resume_from_checkpoint=cfg.get("resume"))
+    plan = worker.callback.plan
+    log({"done": trainer.state.global_step, "plan": plan.report() if plan else None,
+         "stats": worker.progress_stats})
+    worker.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""The verl rollout server's token progress recorder (``ServerProgress``) against a real ledger file, in-process.
+
+The recorder is what ``KvckptHttpServer`` runs from verl's streaming loop
+(tests/integrations/verl/test_verl_stream_crash.py drives it through verl's own server and client); here each
+guarantee is checked alone: one ledger call per flush across requests, nothing dropped when the ledger is slow
+(coalesced, then waited for), a request's tail durable before it returns, each token's own weight version, a stale
+run's flushes refused and counted, a gap refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _paths import ROOT
+
+pytestmark = pytest.mark.verl
+
+from kvckpt.integrations.verl.config import LedgerSettings  # noqa: E402
+from kvckpt.integrations.verl.errors import ProgressGap  # noqa: E402
+from kvckpt.integrations.verl.ledger import VerlLedger  # noqa: E402
+from kvckpt.integrations.verl.progress import BACKLOG, SampleKey, ServerProgress  # noqa: E402
+
+from kvckpt.errors import BadArgument  # noqa: E402
+
+EVERY = 4
+
+
+class LedgerSink:
+    """``VerlLedger.record_progress`` awaited, optionally held at a gate (a slow ledger), calls counted."""
+
+    def __init__(self, ledger: VerlLedger) -> None:
+        self.ledger, self.calls = ledger, []
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def __call__(self, run: str, items: list[dict[str, Any]]) -> list[Any]:
+        await self.gate.wait()
+        self.calls.append([(i["uid"], i["session"], i["start"], len(i["tokens"])) for i in items])
+        return self.ledger.record_progress(run, items)
+
+
+def _ledger(tmp_path: Path) -> tuple[VerlLedger, str]:
+    ledger = VerlLedger(str(tmp_path / "ledger.kv"))
+    return ledger, ledger.open_run()["token"]
+
+
+def _key(token: str, uid: str, session: int = 0, every: int = EVERY) -> SampleKey:
+    return SampleKey("kvckpt_verl_ledger", token, uid, session, prompt_len=3, every=every)
+
+
+async def _settle(progress: ServerProgress) -> None:
+    await progress.idle()
+
+
+def test_due_samples_of_all_requests_go_in_one_ledger_call(tmp_path: Path) -> None:
+    ledger, token = _ledger(tmp_path)
+    sink = LedgerSink(ledger)
+
+    async def run() -> None:
+        progress = ServerProgress(sink)
+        samples = [progress.open(_key(token, f"u{i}"), 3) for i in range(4)]
+        for n in range(1, EVERY + 1):  # one engine step: every request gains a token, then the flusher runs
+            for s in samples:
+                await progress.observe(s, list(range(n)), [-0.5] * n, 7)
+        await _settle(progress)
+        assert progress.stats["calls"] == 1 and progress.stats["chunks"] == 4
+
+    asyncio.run(run())
+    assert len(sink.calls) == 1
+    for i in range(4):
+        assert ledger.progress(f"u{i}", 0) == {"tokens": [0, 1, 2, 3], "logprobs": [-0.5] * 4, "versions": [7] * 4,
+                                               "done": False}
+
+
+def test_a_slow_ledger_coalesces_then_waits_and_drops_nothing(tmp_path: Path) -> None:
+    ledger, token = _ledger(tmp_path)
+    sink = LedgerSink(ledger)
+    total = (BACKLOG + 3) * EVERY
+
+    async def run() -> None:
+        progress = ServerProgress(sink)
+        sample = progress.open(_key(token, "u"), 3)
+        sink.gate.clear()  # the ledger is behind: the first flush hangs
+        streamed = 0
+
+        async def stream() -> None:
+            nonlocal streamed
+            for n in range(1, total + 1):  # one engine step per token
+                await progress.observe(sample, list(range(n)), [0.0] * n, n)
+                streamed = n
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(stream())
+        for _ in range(200):
+            await asyncio.sleep(0)
+        # the first chunk is in flight; the stream waits once BACKLOG intervals more are unsent: nothing is dropped
+        assert not task.done() and streamed == (BACKLOG + 1) * EVERY - 1 and progress.stats["waits"] == 1
+        sink.gate.set()
+        await task
+        await progress.close(sample, final=True)
+
+    asyncio.run(run())
+    got = ledger.progress("u", 0)
+    assert got["tokens"] == list(range(total)) and got["versions"] == list(range(1, total + 1)) and got["done"]
+    assert [c[0][2:] for c in sink.calls][:2] == [(0, EVERY), (EVERY, BACKLOG * EVERY)]  # coalesced into one chunk
+
+
+def test_close_makes_an_aborted_requests_tail_durable_before_it_returns(tmp_path: Path) -> None:
+    ledger, token = _ledger(tmp_path)
+
+    async def run() -> None:
+        progress = ServerProgress(LedgerSink(ledger))
+        sample = progress.open(_key(token, "u"), 3 + 2)  # a resumed request: 2 tokens of the sample were sent back
+        ledger.record_progress(token, [{"uid": "u", "session": 0, "start": 0, "tokens": [9, 9], "logprobs": [0, 0],
+                                        "versions": [0, 0]}])
+        await progress.observe(sample, [5, 6, 7], [-1.0, -2.0, -3.0], 1)  # fewer than EVERY: not due
+        assert ledger.progress("u", 0)["tokens"] == [9, 9]
+        await progress.close(sample, final=False)  # the weight-sync abort
+        assert ledger.progress("u", 0) == {"tokens": [9, 9, 5, 6, 7], "logprobs": [0, 0, -1.0, -2.0, -3.0],
+                                           "versions": [0, 0, 1, 1, 1], "done": False}
+
+    asyncio.run(run())
+
+
+def test_each_token_keeps_the_version_that_made_it(tmp_path: Path) -> None:
+    ledger, token = _ledger(tmp_path)
+
+    async def run() -> None:
+        progress = ServerProgress(LedgerSink(ledger))
+        sample = progress.open(_key(token, "u", every=100), 3)
+        await progress.observe(sample, [1, 2], None, 3)
+        await progress.observe(sample, [1, 2, 3], None, 4)  # new weights arrived between the two outputs
+        await progress.close(sample, final=True)
+
+    asyncio.run(run())
+    assert ledger.progress("u", 0)["versions"] == [3, 3, 4]
+
+
+def test_a_zombie_of_a_replaced_run_writes_nothing_and_is_counted(tmp_path: Path) -> None:
+    ledger, old = _ledger(tmp_path)
+    ledger.open_run()  # the restart
+
+    async def run() -> dict[str, int]:
+        progress = ServerProgress(LedgerSink(ledger))
+        sample = progress.open(_key(old, "u"), 3)
+        for n in range(1, 3 * EVERY + 1):
+            await progress.observe(sample, list(range(n)), None, 0)
+            await asyncio.sleep(0)
+        await progress.close(sample, final=True)
+        return progress.stats
+
+    stats = asyncio.run(run())
+    assert ledger.progress("u", 0) is None
+    assert stats["chunks"] == 0 and stats["refused_calls"] == 1 and stats["refused_tokens"] == 3 * EVERY
+
+
+def test_a_chunk_that_does_not_start_at_the_durable_end_is_refused(tmp_path: Path) -> None:
+    ledger, token = _ledger(tmp_path)
+    chunk = {"uid": "u", "session": 1, "tokens": [1], "logprobs": [0.0], "versions": [0]}
+    assert ledger.record_progress(token, [{**chunk, "start": 0}, {**chunk, "uid": "v", "start": 0}]) == [1, 1]
+    results = ledger.record_progress(token, [{**chunk, "start": 2}, {**chunk, "uid": "v", "start": 1}])
+    assert isinstance(results[0], ProgressGap) and results[1] == 2
+    assert ledger.progress("u", 1)["tokens"] == [1] and ledger.progress("v", 1)["tokens"] == [1, 1]
+    assert ledger.record_progress(token, [{"uid": "u", "session": 1, "drop": True}]) == [0]
+    assert ledger.progress("u", 1) is None
+
+
+def test_the_interval_is_one_key_of_sampler_kwargs_kvckpt() -> None:
+    assert LedgerSettings.from_sampler_kwargs({"kvckpt": {"path": "/x"}}).progress_every_tokens == 256
+    assert LedgerSettings.from_sampler_kwargs({"kvckpt": {"path": "/x", "progress_every_tokens": 64}}
+                                              ).progress_every_tokens == 64
+    with pytest.raises(BadArgument, match="progress_every_tokens"):
+        LedgerSettings.from_sampler_kwargs({"kvckpt": {"path": "/x", "progress_every_tokens": "64"}})
+
+
+def test_the_documented_agent_loop_configuration_selects_kvckpts_agent_loop() -> None:
+    """docs/integrations.md's two blocks: the interval parses, the agent-loop file's target is kvckpt's loop, which
+    verl's own registry knows by the name ``default_agent_loop`` gives."""
+    import importlib
+    import re
+
+    import yaml
+
+    text = (ROOT / "docs" / "integrations.md").read_text()
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "kvckpt_single_turn" in b]
+    config, registration = blocks
+    name = config["actor_rollout_ref"]["rollout"]["agent"]["default_agent_loop"]
+    settings = LedgerSettings.from_sampler_kwargs(config["trainer"]["v1"]["sampler"]["sampler_kwargs"])
+    assert settings.progress_every_tokens == 256
+    module, cls = registration[0]["_target_"].rsplit(".", 1)
+    client = importlib.import_module(module)
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+    from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+    assert registration[0]["name"] == name == client.AGENT_LOOP
+    assert _agent_loop_registry[name]["_target_"] == registration[0]["_target_"]
+    assert issubclass(getattr(client, cls), SingleTurnAgentLoop)
+
+
+def test_a_restart_keeps_progress_only_of_the_prompts_it_reissues(tmp_path: Path) -> None:
+    from kvckpt.integrations.verl.errors import StaleRun
+
+    ledger, old = _ledger(tmp_path)
+    chunk = {"session": 0, "start": 0, "tokens": [1, 2], "logprobs": [0.0, 0.0], "versions": [0, 0]}
+    ledger.record_progress(old, [{**chunk, "uid": "kept"}, {**chunk, "uid": "done"}, {**chunk, "uid": "kept",
+                                                                                       "session": 1}])
+    token = ledger.open_run()["token"]
+    with pytest.raises(StaleRun):
+        ledger.settle_progress(old, ["kept"])
+    assert ledger.settle_progress(token, ["kept"]) == 3  # the finished prompt's chunk: three records
+    assert ledger.progress("done", 0) is None
+    assert ledger.progress("kept", 0)["tokens"] == [1, 2] and ledger.progress("kept", 1)["tokens"] == [1, 2]
