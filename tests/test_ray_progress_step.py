@@ -173,3 +173,37 @@ def test_a_lost_predecessor_holds_a_call_back_only_for_the_bounded_wait_then_the
         assert isinstance(refused, BadArgument) and "durable prefix is 0 tokens long" in str(refused)
     assert parked(actor) == (1, 1)
     ray.kill(actor)
+
+
+@ray.remote(max_restarts=1)
+class _TagRecorder:
+    """Stands where the buffer actor stands, answering each message ``[[0]]``: it appends the order
+    tag of each record_progress_steps call to a file, and its first incarnation dies on call 1."""
+
+    def __init__(self, record: str) -> None:
+        self.record = record
+
+    def info(self) -> dict:
+        return {}
+
+    def record_progress_steps(self, messages, client=None, seq=0, oldest=0, wait=60.0):
+        with open(self.record, "a") as f:
+            f.write(f"{client} {seq} {oldest} {wait}\n")
+        if seq == 1 and not ray.get_runtime_context().was_current_actor_reconstructed:
+            os._exit(1)
+        return [[0] for _ in messages]
+
+
+def test_the_client_tags_each_progress_call_with_its_number_and_its_oldest_unacknowledged_one(ray_local, tmp_path):
+    record = tmp_path / "tags"
+    recorder = _TagRecorder.remote(str(record))
+    client = kray.BufferClient(recorder, max_in_flight=2, restart_timeout=30, encode_at_edge=False)
+    futures = [client.record_progress_step(b"step %d" % n) for n in range(2)]
+    client.flush()  # call 1 killed the recorder: it is resent to the restarted one, as the oldest in flight
+    futures += [client.record_progress_step(b"step 2"), client.record_progress_step(b"step 3")]
+    client.flush()
+    assert [f.result() for f in futures] == [[0]] * 4
+    tags = [line.split() for line in record.read_text().splitlines()]
+    assert len({t[0] for t in tags}) == 1 and tags[0][0] != "None" and {t[3] for t in tags} == {"30"}
+    assert [(int(t[1]), int(t[2])) for t in tags] == [(0, 0), (1, 0), (1, 1), (2, 2), (3, 2)]
+    ray.kill(recorder)
