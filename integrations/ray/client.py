@@ -120,6 +120,11 @@ class BufferClient:
         the per-sequence list of :meth:`kvckpt.ReplayBuffer.record_progress_step` (where each chunk
         ends, or the error that refused that sequence). Call :meth:`flush` before waiting on it.
 
+        In order: each call carries this client's id, its sequence number and the oldest call still
+        unacknowledged, and the actor queues this client's calls for the store in that order (an
+        async Ray actor may run them out of submission order), so an engine step's chunks are never
+        judged before the previous step's.
+
         Exactly-once across an actor restart: a call the actor died under is resent with the same
         bytes; the sequences whose first try had landed return the same result, the others are
         refused as fenced (:class:`~kvckpt.AbandonedTimeline`: resume them from :meth:`progress`
