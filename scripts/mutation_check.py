@@ -400,8 +400,8 @@ MUTATIONS += (
              "any(len(arrays[k]) != t for k in per_token)", "False",
              (f"{STEP}::test_a_malformed_message_is_refused_whole_and_writes_nothing",)),
     Mutation("step-client-resends-to-the-wrong-method", "integrations/ray/client.py",
-             "call.result = getattr(self.actor, call.method).remote(call.payload)",
-             "call.result = self.actor.commit_many.remote(call.payload)",
+             "                call.result = self._remote(call)",
+             "                call.result = self.actor.commit_many.remote(call.payload)",
              ("tests/test_ray_progress_step.py::test_a_killed_owner_keeps_each_acknowledged_sequence_once_and_a_resend"
               "_returns_the_same",)),
     Mutation("ray-step-order-tag-ignored", "integrations/ray/actor.py",
