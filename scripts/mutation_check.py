@@ -51,6 +51,9 @@ ROOT = Path(__file__).resolve().parent.parent
 NET = "tests/core/test_net.py"
 LAZY = "tests/core/test_lazy_rows.py"
 STRUCTURE = "tests/durability/test_structure.py"
+RAY_STEP = "tests/integrations/ray/test_ray_progress_step.py"
+PARK = ('                calls["step_calls_parked"] += 1\n                try:\n'
+        "                    await asyncio.wait_for(order.ready.wait_for(lambda: ")
 #: Folders the build maps into the ``kvckpt`` package (pyproject's ``package-dir``).
 MAPPED = {"integrations": "kvckpt/integrations", "reference": "kvckpt/reference", "tools": "kvckpt/tools"}
 
@@ -424,10 +427,32 @@ MUTATIONS += (
              "any(len(arrays[k]) != t for k in per_token)", "False",
              (f"{STEP}::test_a_malformed_message_is_refused_whole_and_writes_nothing",)),
     Mutation("step-client-resends-to-the-wrong-method", "integrations/ray/client.py",
-             "call.result = getattr(self.actor, call.method).remote(call.payload)",
-             "call.result = self.actor.commit_many.remote(call.payload)",
+             "                call.result = self._remote(call)",
+             "                call.result = self.actor.commit_many.remote(call.payload)",
              ("tests/integrations/ray/test_ray_progress_step.py::test_a_killed_owner_keeps_each_acknowledged_sequence_once_and_a_resend"
               "_returns_the_same",)),
+    Mutation("ray-step-order-tag-ignored", "integrations/ray/actor.py",
+             "        if client is None:\n            return await self._abuf.record_progress_steps(",
+             "        if True:\n            return await self._abuf.record_progress_steps(",
+             (f"{RAY_STEP}::test_a_clients_later_step_that_arrives_first_waits_for_the_earlier_one",)),
+    Mutation("ray-step-order-resend-waits-for-its-turn", "integrations/ray/actor.py",
+             "            if seq > order.expected:\n" + PARK + "seq <= order.expected)",
+             "            if seq != order.expected:\n" + PARK + "seq == order.expected)",
+             (f"{RAY_STEP}::test_a_resend_below_the_expected_number_goes_at_once_and_is_answered_as_the_first_try",)),
+    Mutation("ray-step-order-ignores-the-callers-oldest", "integrations/ray/actor.py",
+             "            order.expected = max(order.expected, oldest)\n", "",
+             (f"{RAY_STEP}::test_the_oldest_unacknowledged_call_is_where_a_caller_resumes",)),
+    Mutation("ray-step-order-wait-expiry-not-caught", "integrations/ray/actor.py",
+             "                except asyncio.TimeoutError:  # a predecessor was lost",
+             "                except ZeroDivisionError:  # a predecessor was lost",
+             (f"{RAY_STEP}::test_a_lost_predecessor_holds_a_call_back_only_for_the_bounded_wait_then_the_gap_is_refused",)),
+    Mutation("ray-step-client-sends-no-order-tag", "integrations/ray/client.py",
+             'if method == "record_progress_steps":  # tagged', "if False:  # tagged",
+             (f"{RAY_STEP}::test_the_client_tags_each_progress_call_with_its_number_and_its_oldest_unacknowledged_one",)),
+    Mutation("ray-step-client-oldest-is-the-call-itself", "integrations/ray/client.py",
+             "oldest = min([call.seq] + [c.seq for c in self._in_flight if c.seq is not None])",
+             "oldest = call.seq",
+             (f"{RAY_STEP}::test_the_client_tags_each_progress_call_with_its_number_and_its_oldest_unacknowledged_one",)),
 )
 
 

@@ -29,9 +29,10 @@ kvckpt's) is refused with :class:`~kvckpt.ForeignLease`. The driver fetches the 
 with :meth:`BufferActor.recovery_plan`. A restart never creates a store: if the file is gone (the
 actor landed on another node), the restart fails instead of silently starting empty.
 
-The module is long (about 520 lines) because the actor mirrors the buffer's whole public API as
+The module is long (about 580 lines) because the actor mirrors the buffer's whole public API as
 async methods, each with its wire conversion (leases, batches, plans as plain dicts) and its
-restart behaviour; the client side is :mod:`kvckpt.integrations.ray.client`.
+restart behaviour (and the per-caller order of progress calls); the client side is
+:mod:`kvckpt.integrations.ray.client`.
 """
 
 from __future__ import annotations
@@ -150,6 +151,18 @@ def batch_to_dict(batch: Batch) -> dict[str, Any]:
             "rows": to_wire(batch.rows), "groups": [g.to_dict() for g in batch.groups]}
 
 
+#: Seconds a tagged record_progress_steps call waits for its client's earlier calls before it goes ahead.
+ORDER_WAIT_S = 60.0
+
+
+@dataclasses.dataclass
+class _ClientOrder:
+    """One caller's next expected sequence number, and the condition its parked calls wait on."""
+
+    expected: int
+    ready: asyncio.Condition
+
+
 # -- the actor -------------------------------------------------------------------------------------
 @ray.remote
 class BufferActor:
@@ -190,7 +203,10 @@ class BufferActor:
         self._plan: dict[str, Any] | None = None
         #: commit_many calls of this incarnation: calls, commits they carried, calls running now and at most;
         #: record_progress_steps calls and the messages they carried.
-        self._calls = {"calls": 0, "commits": 0, "running": 0, "most_running": 0, "step_calls": 0, "step_messages": 0}
+        self._calls = {"calls": 0, "commits": 0, "running": 0, "most_running": 0, "step_calls": 0, "step_messages": 0,
+                       "step_calls_parked": 0, "step_calls_unparked_by_timeout": 0}
+        #: Per record_progress_steps caller: the next sequence number to queue, and its waiters.
+        self._order: dict[str, _ClientOrder] = {}
         if os.path.exists(self.path):
             buffer = ReplayBuffer.open(self.path)
             try:
@@ -324,17 +340,46 @@ class BufferActor:
         results = iter(await self._abuf.record_progress_many(good))
         return [p if isinstance(p, BaseException) else next(results) for p in parsed]
 
-    async def record_progress_steps(self, messages: Sequence[bytes]) -> list[list[int | BaseException] | BaseException]:
+    async def record_progress_steps(self, messages: Sequence[bytes], client: str | None = None, seq: int = 0,
+                                    oldest: int = 0, wait: float = ORDER_WAIT_S,
+                                    ) -> list[list[int | BaseException] | BaseException]:
         """Record progress step messages (:class:`~kvckpt.ProgressMessage` bytes, one engine step of
         one producer each) in one call and one durable transaction (group commit), each sequence its
         own transition (see :meth:`kvckpt.ReplayBuffer.record_progress_steps`). Returns, per message,
         its per-sequence results (where each chunk ends, or the exception that refused the sequence)
         or the :class:`~kvckpt.MalformedMessage` that refused it whole. Resending the same bytes
-        after a restart returns the same results for the sequences that had landed."""
+        after a restart returns the same results for the sequences that had landed.
+
+        Per-caller order: Ray may run an async actor's calls out of submission order, so a caller
+        that pipelines calls tags each with its ``client`` id, its sequence number ``seq`` and the
+        ``oldest`` sequence number it still has unacknowledged. Calls of one client are queued for
+        the store in ``seq`` order: a call waits (at most ``wait`` seconds, then goes ahead) until
+        every earlier call of its client was queued, or is at or below the ``oldest`` the client
+        still awaits (a restarted actor starts there). A call below the next expected number (a
+        resend of one that ran) goes at once; the store answers it as it answered the first try.
+        Without ``client`` the call is queued as it arrives."""
         calls = self._calls
         calls["step_calls"] += 1
         calls["step_messages"] += len(messages)
-        return await self._abuf.record_progress_steps(list(messages))
+        if client is None:
+            return await self._abuf.record_progress_steps(list(messages))
+        order = self._order.get(client)
+        if order is None:
+            order = self._order[client] = _ClientOrder(oldest, asyncio.Condition())
+        async with order.ready:
+            order.expected = max(order.expected, oldest)
+            if seq > order.expected:
+                calls["step_calls_parked"] += 1
+                try:
+                    await asyncio.wait_for(order.ready.wait_for(lambda: seq <= order.expected), wait)
+                except asyncio.TimeoutError:  # a predecessor was lost: go ahead, the gap refusal tells the truth
+                    calls["step_calls_unparked_by_timeout"] += 1
+            # The task queues the messages in the batcher at its first step, which the loop runs
+            # before any call woken below can queue its own (the ready queue is FIFO).
+            queued = asyncio.ensure_future(self._abuf.record_progress_steps(list(messages)))
+            order.expected = max(order.expected, seq + 1)
+            order.ready.notify_all()
+        return await queued
 
     async def record_progress(self, lease: Mapping[str, Any], index: int, start: int, tokens: Any, logprobs: Any,
                               weight_version: int, fields: Mapping[str, Any] | None = None) -> int:
@@ -456,12 +501,15 @@ class BufferActor:
         ``actor_commit_calls_most_running`` (the most calls in progress at once: calls overlap
         when above 1) and ``actor_max_workers`` (threads that run them); and its
         :meth:`record_progress_steps` calls and the messages they carried (``actor_step_calls``,
-        ``actor_step_messages``)."""
+        ``actor_step_messages``), the calls that waited for an earlier call of their client
+        (``actor_step_calls_parked``) and those of them whose wait expired
+        (``actor_step_calls_unparked_by_timeout``)."""
         calls = self._calls
         return {**await self._abuf.stats(), "actor_commit_calls": calls["calls"],
                 "actor_commit_call_commits": calls["commits"], "actor_commit_calls_most_running": calls["most_running"],
                 "actor_max_workers": self.max_workers, "actor_step_calls": calls["step_calls"],
-                "actor_step_messages": calls["step_messages"]}
+                "actor_step_messages": calls["step_messages"], "actor_step_calls_parked": calls["step_calls_parked"],
+                "actor_step_calls_unparked_by_timeout": calls["step_calls_unparked_by_timeout"]}
 
     async def state(self) -> dict[str, Any]:
         """Cursors, counts and counters (see :meth:`kvckpt.ReplayBuffer.state`)."""

@@ -15,6 +15,7 @@ from the actor's ``recovery_plan()``. """
 
 from __future__ import annotations
 
+import uuid
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -47,6 +48,7 @@ class _Call:
     result: Any  # ObjectRef of the reply
     attempts: int = 1
     method: str = "commit_many"  # the actor method the payload is (re)sent to
+    seq: int | None = None  # a progress call's sequence number (record_progress_steps' order tag)
 
 
 class BufferClient:
@@ -94,6 +96,9 @@ class BufferClient:
         self.restart_timeout = restart_timeout
         self._pending: list[tuple[dict[str, Any], Future[CommitResult]]] = []
         self._in_flight: deque[_Call] = deque()
+        #: record_progress_steps' order tag: this client's id and its next call's sequence number.
+        self._client_id = uuid.uuid4().hex
+        self._next_seq = 0
         self._encoder = RowEncoder.from_config(wait_for_actor(actor, restart_timeout)["config"]) \
             if encode_at_edge else None
 
@@ -120,6 +125,11 @@ class BufferClient:
         with whatever else the owner is writing), pipelined like commits; the future's result is
         the per-sequence list of :meth:`kvckpt.ReplayBuffer.record_progress_step` (where each chunk
         ends, or the error that refused that sequence). Call :meth:`flush` before waiting on it.
+
+        In order: each call carries this client's id, its sequence number and the oldest call still
+        unacknowledged, and the actor queues this client's calls for the store in that order (an
+        async Ray actor may run them out of submission order), so an engine step's chunks are never
+        judged before the previous step's.
 
         Exactly-once across an actor restart: a call the actor died under is resent with the same
         bytes; the sequences whose first try had landed return the same result, the others are
@@ -225,9 +235,22 @@ class BufferClient:
         while len(self._in_flight) >= self.max_in_flight:
             self._reap(self._in_flight.popleft())
         items, futures = [i for i, _ in pending], [f for _, f in pending]
+        call = _Call(items, futures, None, method=method)
+        if method == "record_progress_steps":  # tagged: the actor queues this client's calls in order
+            call.seq, self._next_seq = self._next_seq, self._next_seq + 1
         # By value, not ray.put: Ray inlines small items in the call (a put costs a round trip to the
         # object store and a fetch on the actor's side) and puts large ones in its store itself.
-        self._in_flight.append(_Call(items, futures, getattr(self.actor, method).remote(items), method=method))
+        call.result = self._remote(call)
+        self._in_flight.append(call)
+
+    def _remote(self, call: _Call) -> Any:
+        """(Re)send ``call``; a progress call carries its order tag, with the oldest progress call
+        still unacknowledged (``call`` itself or one in flight: where a restarted actor starts)."""
+        if call.seq is None:
+            return getattr(self.actor, call.method).remote(call.payload)
+        oldest = min([call.seq] + [c.seq for c in self._in_flight if c.seq is not None])
+        return getattr(self.actor, call.method).remote(call.payload, self._client_id, call.seq, oldest,
+                                                       self.restart_timeout)
 
     def _reap(self, call: _Call) -> None:
         while True:
@@ -239,7 +262,7 @@ class BufferClient:
                     _fail(call, exc)
                     return
                 call.attempts += 1
-                call.result = getattr(self.actor, call.method).remote(call.payload)
+                call.result = self._remote(call)
             except Exception as exc:  # the whole call was refused (e.g. its payload did not deserialise)
                 _fail(call, exc)
                 return

@@ -36,6 +36,8 @@ DIFFERENCES: dict[str, dict[str, str]] = {
                             "(BufferClient.progress_encoder)",
         "record_progress_step": "one message per call is record_progress_steps([message]): a remote call carries a "
                                 "batch (BufferClient.record_progress_step batches them)",
+        "record_progress_steps": "client, seq, oldest, wait: a pipelining caller's order tag (Ray may run an async "
+                                 "actor's calls out of order; BufferClient tags its calls)",
         "checkpoint": "wait instead of background: returns when the file is complete, or with wait=False at once "
                       "(then checkpoint_status)",
         "finish_step": "session: refuses a step whose claims a restart returned",
