@@ -6,6 +6,9 @@ config loader: an unknown key is refused naming it and the section, as verl hand
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("verl")  # runs in .venv-verl (scripts/peer_envs/verl.txt)
+
 from kvckpt.integrations.verl.config import LedgerSettings
 from omegaconf import OmegaConf
 

@@ -17,6 +17,7 @@ import pytest
 from _paths import ROOT
 
 pytestmark = pytest.mark.verl
+pytest.importorskip("verl")  # runs in .venv-verl (scripts/peer_envs/verl.txt)
 
 from kvckpt.integrations.verl.config import LedgerSettings  # noqa: E402
 from kvckpt.integrations.verl.errors import ProgressGap  # noqa: E402
