@@ -36,6 +36,8 @@ resume from with the mark's step after it. Before the ledger's first checkpoint 
 scratch, as verl's (``_load_checkpoint``: no ``global_step_N``, step 0, the initial weights, the
 dataloader from its start), so a sampled group is deleted, not marked; after it, each checkpoint
 deletes the marks it covers, so at most the groups sampled since the last checkpoint are marked.
+
+Long (over 400 lines): the ledger is one actor class, every verl call it serves beside the records it changes.
 """
 
 from __future__ import annotations
