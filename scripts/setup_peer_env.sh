@@ -9,7 +9,8 @@
 #   # import: mod mod                imported once installed, as a smoke check (optional)
 #   # tests: tests/a.py tests/b.py   what `make test` runs in the venv ...
 #   # marker: NAME                   ... with -m "NAME and not slow"; the main suite excludes the marker
-# kvckpt itself (editable), pytest and pyyaml are installed into every peer venv.
+# kvckpt itself (editable), pytest, pyyaml and hypothesis (tests/conftest.py's helpers use kvckpt.testing's
+# conformance suite) are installed into every peer venv.
 # A peer's pins conflict with the main .venv, so each peer lives apart. Downloads resume after a
 # dropped connection (pip's --resume-retries) and a failed install is tried 3 times. Idempotent: a
 # stamp file records a finished install; it is redone when NAME.txt, pyproject.toml or this script
@@ -66,7 +67,7 @@ if [[ -n "$UNINSTALL" ]]; then
     # shellcheck disable=SC2086  # a list of package names
     "$VENV/bin/python" -m pip uninstall -q -y $UNINSTALL >> "$LOG" 2>&1 || true
 fi
-pip_quiet install -q -e . "pytest>=8" "pyyaml>=6"
+pip_quiet install -q -e . "pytest>=8" "pyyaml>=6" "hypothesis>=6.100"
 "$VENV/bin/python" - "$(header import)" <<'PY'
 import importlib
 import sys
