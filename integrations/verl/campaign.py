@@ -237,6 +237,8 @@ def check(run: str, ops: list[dict[str, Any]], scratch: str, bad: Callable[[str]
             pending = op["state"]
         elif "state" in op:
             acked, pending = op["state"], None
+            if op["op"] == "lsettle" and both(acked):
+                bad(f"after a restart's settle, prompts {both(acked)} are a finished group and in flight")
     ledger = VerlLedger(os.path.join(run, LEDGER_FILE))
     try:
         now = state_of(ledger)
