@@ -22,9 +22,6 @@ import copy
 import glob
 import os
 import random
-import threading
-import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +31,7 @@ from kvckpt.integrations.verl.ledger import VerlLedger
 from kvckpt.integrations.verl.records import FIELD, TAG, record_key
 
 from kvckpt import KvckptError, ValueStore, keep_latest
+from kvckpt.testing.harness import start_writer
 from kvckpt.testing.sides import Side
 
 LEDGER_FILE = "verl.kv"
@@ -199,22 +197,12 @@ class LedgerWriter:
         self.log.append(op="lckptid", path=name, id=stamp["checkpoint_id"])
         keep_latest(self.ckdir, CHECKPOINT_GLOB, keep=2)
 
-    def run(self) -> None:
-        """The restart, then operations until the process dies (the campaign kills it); any error ends the process."""
-        try:
-            self.restart()
-            while True:
-                self.step()
-                time.sleep(self.rng.random() * 0.02)
-        except BaseException:
-            traceback.print_exc()
-            os._exit(3)
-
 
 def start(run: str, log: Any, seed: int) -> None:
-    """Open the run's ledger and start its writer on a daemon thread."""
+    """Open the run's ledger and start its writer on a daemon thread: the restart, then operations until the
+    process dies (:func:`~kvckpt.testing.harness.start_writer`)."""
     writer = LedgerWriter(run, log, seed)
-    threading.Thread(target=writer.run, name="kvckpt-campaign-verl", daemon=True).start()
+    start_writer("kvckpt-campaign-verl", writer.step, writer.rng, first=writer.restart)
 
 
 def check(run: str, ops: list[dict[str, Any]], scratch: str, bad: Callable[[str], None]) -> int:
