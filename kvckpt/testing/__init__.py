@@ -9,6 +9,8 @@ library itself, and the harness uses only kvckpt's public API (``from kvckpt imp
 * :mod:`kvckpt.testing.history`: the checker: the store kept every acknowledged operation,
   exactly-once prompts, every row is its producer's.
 * :mod:`kvckpt.testing.kill`: the SIGKILL crash campaign.
+* :mod:`kvckpt.testing.sides`: the hook an integration plugs its own store's workload and checker into the
+  kill campaign with (``--side MODULE``); the verl ledger's is ``kvckpt.integrations.verl.campaign``.
 * :mod:`kvckpt.testing.fuzz`: the corruption fuzzing of checkpoint files.
 * :mod:`kvckpt.testing.powerfs`: a FUSE filesystem that forgets what was not synced when the power
   is cut (Linux, ``/dev/fuse``, ``fusermount3`` and the ``mfusepy`` package).

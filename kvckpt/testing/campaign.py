@@ -33,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "child":
         parser.add_argument("run")
         parser.add_argument("--recover", action="store_true")
+        parser.add_argument("--side", action="append", default=[])
         opts = parser.parse_args(args)
-        child_main(opts.run, opts.seed, opts.recover, lambda: print("ready", flush=True))
+        child_main(opts.run, opts.seed, opts.recover, lambda: print("ready", flush=True), opts.side)
         return 0
     if command == "fuzz-worker":
         parser.add_argument("directory")
@@ -56,10 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--kills", type=int, default=200)
         parser.add_argument("--chain", type=int, default=25, help="kills per live store before a fresh one")
         parser.add_argument("--exec", action="store_true", help="start each child as a fresh interpreter")
+        parser.add_argument("--side", action="append", default=[],
+                            help="module of a side workload to run and check too (kvckpt.testing.sides)")
         opts = parser.parse_args(args)
         result = run_crash_campaign(opts.kills, seed=opts.seed, directory=opts.dir, chain=opts.chain,
                                     fresh_interpreter=opts.exec, minutes=opts.minutes,
-                                    progress=every(100, lambda r: r.kills))
+                                    progress=every(100, lambda r: r.kills), sides=opts.side)
     else:
         parser.error(f"unknown command {command!r} (use fuzz, powercut, or --kills N)")
     return report(result)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
@@ -98,6 +100,25 @@ class CampaignRun:
             cycle()
         except Exception as exc:
             bad(f"the {what} raised {type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}")
+
+
+def start_writer(name: str, step: Callable[[], None], rng: random.Random,
+                 first: Callable[[], None] | None = None) -> None:
+    """Start the daemon thread ``name`` of a campaign child's writer: ``first()`` (when given), then ``step()``
+    with a random pause of up to 20 ms after each (a share of the disk that leaves the buffer its pace), until
+    the process dies (the campaign kills it); any error prints its traceback and ends the process (status 3)."""
+    def run() -> None:
+        try:
+            if first is not None:
+                first()
+            while True:
+                step()
+                time.sleep(rng.random() * 0.02)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(3)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
 
 
 _FORK_SERVER: Any = None

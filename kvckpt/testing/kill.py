@@ -19,7 +19,8 @@ parent SIGKILLs the child at a random moment, then, in its own process:
    the same digest;
 3. checks the value store beside it against its logged operations and loads every value-store
    checkpoint (:func:`kvckpt.testing.values_workload.check_values`);
-4. recovers the live store (:meth:`ReplayBuffer.recover`; sometimes the next child does it) and
+4. runs the check of each side workload an integration plugged in (:mod:`kvckpt.testing.sides`);
+5. recovers the live store (:meth:`ReplayBuffer.recover`; sometimes the next child does it) and
    lets the next child resume the workload on it, so a campaign is a chain of crashes.
 """
 
@@ -36,7 +37,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ from kvckpt import ReplayBuffer, restore
 from kvckpt.durability.safe_open import verify_untrusted
 from kvckpt.testing.harness import CampaignRun, fork_server, tally
 from kvckpt.testing.history import Holdings, WorkloadFindings, check_buffer, check_history, compare_checkpoint
+from kvckpt.testing.sides import load_side
 from kvckpt.testing.values_workload import check_values
 from kvckpt.testing.workload import CHECKPOINT_GLOB, SAMPLERS, OpLog, read_log, run_workload, workload_config
 
@@ -66,10 +68,14 @@ class CampaignResult(WorkloadFindings):
                 f"violations found {len(self.violations)}, {self.seconds:.0f}s")
 
 
-def child_main(run: str, seed: int, recover_first: bool, ready: Callable[[], None]) -> None:
-    """The workload of one child on the chain directory ``run``; calls ``ready`` once it runs."""
+def child_main(run: str, seed: int, recover_first: bool, ready: Callable[[], None],
+               sides: Sequence[str] = ()) -> None:
+    """The workload of one child on the chain directory ``run`` (and each side workload of ``sides``,
+    :mod:`kvckpt.testing.sides`); calls ``ready`` once it runs."""
     buf = ReplayBuffer.open(os.path.join(run, "live.kv"))
     log = OpLog(os.path.join(run, "ops.jsonl"))
+    for side in sides:
+        load_side(side).start(run, log, seed)
     ckdir = os.path.join(run, "ckpt")
     if recover_first:
         plan = buf.recover()
@@ -77,12 +83,12 @@ def child_main(run: str, seed: int, recover_first: bool, ready: Callable[[], Non
     run_workload(buf, log, ckdir, seed, ready)
 
 
-def _forked_child(run: str, seed: int, recover_first: bool, ready: Any) -> None:
+def _forked_child(run: str, seed: int, recover_first: bool, ready: Any, sides: Sequence[str]) -> None:
     """Entry of a child forked by the fork server: stderr to the chain's file, readiness on a pipe."""
     fd = os.open(os.path.join(run, "child.stderr"), os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 2)
     try:
-        child_main(run, seed, recover_first, lambda: ready.send(True))
+        child_main(run, seed, recover_first, lambda: ready.send(True), sides)
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
@@ -97,6 +103,7 @@ class Chain:
     ops_counted: int = 0
     recovered: bool = True  # a fresh store needs no recovery
     verified: set[str] = field(default_factory=set)
+    sides: tuple[str, ...] = ()  #: the side workloads' modules (kvckpt.testing.sides)
     rows_seen: set[bytes] = field(default_factory=set)
 
     @property
@@ -105,12 +112,12 @@ class Chain:
         return os.path.join(self.run, "live.kv")
 
     @classmethod
-    def start(cls, run: str, sampler: dict[str, Any]) -> Chain:
-        """A fresh chain directory ``run`` with a new store under ``sampler``."""
+    def start(cls, run: str, sampler: dict[str, Any], sides: Sequence[str] = ()) -> Chain:
+        """A fresh chain directory ``run`` with a new store under ``sampler`` (and the side workloads ``sides``)."""
         shutil.rmtree(run, ignore_errors=True)
         os.makedirs(os.path.join(run, "ckpt"))
         ReplayBuffer.create(os.path.join(run, "live.kv"), workload_config(sampler)).close()
-        return cls(run)
+        return cls(run, sides=tuple(sides))
 
 
 def _check_checkpoints(chain: Chain, ops: list[dict[str, Any]], live: Holdings, result: CampaignResult,
@@ -156,6 +163,10 @@ def _check_after_kill(chain: Chain, result: CampaignResult, recover: bool, bad: 
         loaded = check_values(chain.run, ops, chain.run, bad, chain.verified)
         result.checkpoints_verified += loaded
         result.checkpoints_restored += loaded
+        for side in chain.sides:
+            loaded = load_side(side).check(chain.run, ops, chain.run, bad)
+            result.checkpoints_verified += loaded
+            result.checkpoints_restored += loaded
         if recover:
             plan = buf.recover()
             result.recoveries += 1
@@ -181,6 +192,7 @@ def run_child(chain: Chain, seed: int, rng: random.Random, max_delay: float, fre
         cmd = [sys.executable, "-m", "kvckpt.testing.campaign", "child", chain.run, "--seed", str(seed)]
         if not chain.recovered:
             cmd.append("--recover")
+        cmd += [arg for side in chain.sides for arg in ("--side", side)]
         with open(errpath, "ab") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL)
         channel, pid = proc.stdout, proc.pid
@@ -193,7 +205,8 @@ def run_child(chain: Chain, seed: int, rng: random.Random, max_delay: float, fre
             return proc.wait()
     else:
         channel, sender = fork_server().Pipe(duplex=False)
-        child = fork_server().Process(target=_forked_child, args=(chain.run, seed, not chain.recovered, sender))
+        child = fork_server().Process(target=_forked_child, args=(chain.run, seed, not chain.recovered, sender,
+                                                                   chain.sides))
         child.start()
         sender.close()
         pid = child.pid
@@ -221,7 +234,8 @@ def run_child(chain: Chain, seed: int, rng: random.Random, max_delay: float, fre
 
 def run_crash_campaign(kills: int, *, seed: int = 0, directory: str | None = None, chain: int = 25,
                        max_delay: float = 0.5, fresh_interpreter: bool = False, minutes: float | None = None,
-                       progress: Callable[[CampaignResult], None] | None = None) -> CampaignResult:
+                       progress: Callable[[CampaignResult], None] | None = None,
+                       sides: Sequence[str] = ()) -> CampaignResult:
     """SIGKILL a live workload ``kills`` times and check every promise after each kill.
 
     Args:
@@ -237,6 +251,8 @@ def run_crash_campaign(kills: int, *, seed: int = 0, directory: str | None = Non
             from a fork server (slower start, same workload). Defaults to False.
         minutes: start no kill cycle after this many minutes (``result.kills`` says how many ran).
         progress: called after every kill with the running result.
+        sides: modules of side workloads an integration plugs in (:mod:`kvckpt.testing.sides`): each child
+            runs them beside the buffer's workload and each kill checks them.
     """
     rng = random.Random(seed)
     result = CampaignResult()
@@ -249,7 +265,7 @@ def run_crash_campaign(kills: int, *, seed: int = 0, directory: str | None = Non
                     shutil.rmtree(current.run, ignore_errors=True)
                 clean = len(result.violations)
                 current = Chain.start(os.path.join(run.root, f"chain-{k // chain:05d}"),
-                                      SAMPLERS[(k // chain + seed) % len(SAMPLERS)])
+                                      SAMPLERS[(k // chain + seed) % len(SAMPLERS)], sides)
             bad = run.reporter(f"kill {k} ({os.path.basename(current.run)})")
 
             def cycle(chain: Chain = current, bad: Callable[[str], None] = bad) -> None:

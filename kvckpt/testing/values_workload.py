@@ -24,9 +24,6 @@ import glob
 import hashlib
 import os
 import random
-import threading
-import time
-import traceback
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +33,7 @@ import numpy as np
 from kvckpt import FencedWrite, KvckptError, ValueStore, keep_latest, verify_path
 from kvckpt.durability.safe_open import open_readonly
 from kvckpt.storage import codec
+from kvckpt.testing.harness import start_writer
 from kvckpt.values.records import KEY_PREFIX, write_id_of
 
 VALUES_FILE = "values.kv"
@@ -124,21 +122,12 @@ class ValueWriter:
             self.log.append(op="vckpt", path=os.path.basename(path), id=stamp["checkpoint_id"], state=self.model)
             keep_latest(self.ckdir, CHECKPOINT_GLOB, keep=2)
 
-    def run(self) -> None:
-        """Operations until the process dies (the campaign kills it); any error ends the process."""
-        try:
-            while True:
-                self.step()
-                time.sleep(self.rng.random() * 0.02)  # a share of the disk that leaves the buffer its pace
-        except BaseException:
-            traceback.print_exc()
-            os._exit(3)
-
 
 def start_value_writer(run: str, log: Any, seed: int) -> None:
-    """Open the run's value store and start its writer on a daemon thread."""
+    """Open the run's value store and start its writer on a daemon thread
+    (:func:`~kvckpt.testing.harness.start_writer`)."""
     writer = ValueWriter(run, log, seed)
-    threading.Thread(target=writer.run, name="kvckpt-campaign-values", daemon=True).start()
+    start_writer("kvckpt-campaign-values", writer.step, writer.rng)
 
 
 def expected_states(ops: list[dict[str, Any]], bad: Callable[[str], None]) -> tuple[dict[str, str], dict[str, str]]:

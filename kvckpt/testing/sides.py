@@ -1,0 +1,41 @@
+"""Workloads beside the buffer's that the crash campaign also runs and checks: the public hook an
+integration plugs its own store into (``run_crash_campaign(..., sides=["pkg.module"])``,
+``python -m kvckpt.testing.campaign --side pkg.module``).
+
+A side is named by its module, so every child (forked from the fork server or a fresh interpreter)
+imports it itself; the module defines ``SIDE``, a :class:`Side`. kvckpt never imports an integration:
+the integration names its module to the campaign.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side workload.
+
+    ``start(run, log, seed)`` runs in the child before the buffer's workload: it opens its store in the
+    run directory ``run`` and starts a daemon thread that appends each acknowledged operation to ``log``
+    (``op``: the kind the report counts). ``check(run, ops, scratch, bad)`` runs in the parent after each
+    kill: it reports every broken promise to ``bad`` and returns how many checkpoint files it loaded.
+    """
+
+    start: Callable[[str, Any, int], None]
+    check: Callable[[str, list[dict[str, Any]], str, Callable[[str], None]], int]
+
+
+def load_side(module: str) -> Side:
+    """The :class:`Side` the module ``module`` defines as ``SIDE``.
+
+    Raises:
+        TypeError: the module defines no ``SIDE``, or it is not a :class:`Side`.
+    """
+    side = getattr(importlib.import_module(module), "SIDE", None)
+    if not isinstance(side, Side):
+        raise TypeError(f"campaign side {module!r} defines no SIDE (a kvckpt.testing.sides.Side)")
+    return side
