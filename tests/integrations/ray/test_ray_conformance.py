@@ -172,11 +172,12 @@ def ray_loopback() -> Iterator[None]:
     ray.shutdown()
 
 
-#: What the short run must draw through the actor: both kinds of zombie, token progress (and a
-#: zombie's), a recovery between chunks and weights behind the trainer (restores and versions going
-#: down need longer runs: tests/core/test_buffer_stateful.py draws them on the buffer the actor runs).
-RAY_MUST_SEE = ["foreign zombie", "timeline zombie", "progress", "zombie progress", "recovery mid-sample",
-                "weights behind"]
+#: What the short run must draw through the actor: both kinds of zombie, a zombie's token progress and
+#: weights behind the trainer. Whether 4 short examples also land a sample's own progress and a recovery
+#: between its chunks depends on the actor's timing (a CI run of the windowed sampler drew neither), so they
+#: are not required here: tests/core/test_buffer_stateful.py draws them on the buffer the actor runs, and
+#: tests/integrations/ray/test_ray_progress_step.py holds progress through the actor deterministically.
+RAY_MUST_SEE = ["foreign zombie", "timeline zombie", "zombie progress", "weights behind"]
 
 
 @pytest.mark.parametrize("sampler", ["in_order", "windowed"])
