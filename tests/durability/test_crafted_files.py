@@ -24,11 +24,6 @@ from kvckpt.testing.workload import GROUP_SIZE
 
 
 @pytest.fixture(scope="module")
-def crafted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return _crafted.build_all(str(tmp_path_factory.mktemp("crafted")))
-
-
-@pytest.fixture(scope="module")
 def results(crafted: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, dict[str, Any]]]:
     """Every crafted file and both bases through every entry point: (file name, result) pairs."""
     tmp_path = tmp_path_factory.mktemp("runs")

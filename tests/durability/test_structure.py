@@ -27,11 +27,6 @@ PAGE = _crafted.PAGE
 _BRANCH, _LEAF, _OVERFLOW = 0x01, 0x02, 0x04
 
 
-@pytest.fixture(scope="module")
-def crafted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return _crafted.build_all(str(tmp_path_factory.mktemp("crafted")))
-
-
 def _sound_by_lmdb(path: str) -> bool:
     try:
         return lmdb_verify.verify(path, subdir=False) == []

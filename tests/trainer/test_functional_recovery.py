@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvckpt.integrations.vllm import AdditionTask, ensure_tiny_model
+from kvckpt.integrations.vllm import AdditionTask
 from kvckpt.integrations.vllm.stream import SequenceState
 from kvckpt.reference.demo import (
     PROGRESS_EVERY_TOKENS,
@@ -64,23 +64,16 @@ CI_SAMPLERS = [pytest.param(s, marks=[] if s in ("in_order", "weight_fifo") else
 TIMEOUT = 240
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = str(tmp_path_factory.getbasetemp() / "tiny-model")
-    ensure_tiny_model(path)
-    return path
-
-
 class Run:
     """The two processes of one scenario, sharing one output directory."""
 
-    def __init__(self, tmp_path: Any, cache_dir: str, sampler: str, *, steps: int, every: int,
+    def __init__(self, tmp_path: Any, tiny_model_cache: str, sampler: str, *, steps: int, every: int,
                  resume_from: str, workers: int = 1) -> None:
         self.dir = str(tmp_path / "run")
         self.window = window = max(SAMPLERS[sampler].get("max_lookahead_versions", 0), SAMPLERS[sampler].get(
             "max_staleness_versions", 0))
         self.config = {
-            "output_dir": self.dir, "seed": 0, "model": {"cache_dir": cache_dir, "sft_steps": 0},
+            "output_dir": self.dir, "seed": 0, "model": {"cache_dir": tiny_model_cache, "sft_steps": 0},
             "generation": {"group_size": N, "max_tokens": 3, "workers": workers},
             "train": {"steps": steps, "groups_per_step": GPS, "lr": 1e-3},
             "replay_buffer": {"sampler": SAMPLERS[sampler], "max_buffered_rollouts": GPS * (1 + window)},
@@ -170,11 +163,11 @@ def _assert_every_prompt_once(run: Run, steps: int) -> None:
 
 
 @pytest.mark.parametrize("sampler", CI_SAMPLERS)
-def test_clean_stop_while_parked_then_resume_from_the_checkpoint(tmp_path, cache_dir, sampler):
+def test_clean_stop_while_parked_then_resume_from_the_checkpoint(tmp_path, tiny_model_cache, sampler):
     """Run 1 trains steps 0-1 and parks prompt 5 (step 2's batch); its time limit ends the run with
     the final checkpoint step_2 taken while prompt 5 is in flight, then exits. Run 2 restores
     step_2's buffer file and trains to step 4."""
-    run = Run(tmp_path, cache_dir, sampler, steps=4, every=0, resume_from="checkpoint")
+    run = Run(tmp_path, tiny_model_cache, sampler, steps=4, every=0, resume_from="checkpoint")
     proc = run.spawn(1, park_prompt=2 * GPS + 1, stop_step=1)
     run.finish(proc, 1)
     first = run.summary(1)
@@ -199,7 +192,7 @@ def test_clean_stop_while_parked_then_resume_from_the_checkpoint(tmp_path, cache
 
 
 @pytest.mark.parametrize("sampler", CI_SAMPLERS)
-def test_sigkill_mid_step_then_resume_from_the_live_store(tmp_path, cache_dir, sampler):
+def test_sigkill_mid_step_then_resume_from_the_live_store(tmp_path, tiny_model_cache, sampler):
     """Run 1 checkpoints step_2, parks the second prompt of the first admission that can only open
     after that checkpoint, and is SIGKILLed with step 3's groups claimed. Run 2 reconciles the live
     store to step 2 and trains to step 6: THAT group is redispatched once, and every group committed
@@ -214,7 +207,7 @@ def test_sigkill_mid_step_then_resume_from_the_live_store(tmp_path, cache_dir, s
     step_2, whatever the timing. An earlier admission (prompt 9 with W = 2) can commit before the
     checkpoint copy and leave nothing committed after it."""
     every = 2
-    run = Run(tmp_path, cache_dir, sampler, steps=6, every=every, resume_from="live", workers=2)
+    run = Run(tmp_path, tiny_model_cache, sampler, steps=6, every=every, resume_from="live", workers=2)
     admission = every + 1 + run.window  # the first one step 2's select (after the step_2 checkpoint) lets through
     proc = run.spawn(1, park_prompt=admission * GPS + 1, crash_step=3)
     try:

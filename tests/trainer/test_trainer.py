@@ -36,17 +36,10 @@ SAMPLERS = {
 }
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = str(tmp_path_factory.getbasetemp() / "tiny-model")
-    ensure_tiny_model(path)
-    return path
-
-
-def _config(tmp_path: Any, cache_dir: str, **sections: Any) -> dict[str, Any]:
+def _config(tmp_path: Any, tiny_model_cache: str, **sections: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "output_dir": str(tmp_path / "run"), "seed": 0,
-        "model": {"cache_dir": cache_dir, "sft_steps": 0},
+        "model": {"cache_dir": tiny_model_cache, "sft_steps": 0},
         "generation": {"group_size": N, "max_tokens": 3},
         "train": {"steps": 3, "groups_per_step": GPS, "lr": 1e-3},
         "replay_buffer": {"sampler": SAMPLERS["in_order"], "max_buffered_rollouts": 2 * GPS},
@@ -62,10 +55,10 @@ def _metrics(summary: dict[str, Any]) -> list[dict[str, Any]]:
         return [json.loads(line) for line in fh]
 
 
-def _initial_weights(cache_dir: str) -> dict[str, torch.Tensor]:
+def _initial_weights(tiny_model_cache: str) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(ensure_tiny_model(cache_dir), dtype=torch.float32).state_dict()
+    return AutoModelForCausalLM.from_pretrained(ensure_tiny_model(tiny_model_cache), dtype=torch.float32).state_dict()
 
 
 def _consumed_prompts(path: str) -> list[int]:
@@ -82,13 +75,13 @@ def _assert_accounts_for_every_prompt(path: str, admitted: int) -> None:
     assert sorted(seen) == list(range(admitted))
 
 
-def test_grpo_update_raises_rewarded_and_lowers_unrewarded_completions(cache_dir):
+def test_grpo_update_raises_rewarded_and_lowers_unrewarded_completions(tiny_model_cache):
     """One on-policy SGD step on a hand-built batch: sequence log-probs of the completions with
     reward 1 go up, those with reward 0 go down (no sampling involved: deterministic)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    policy = AutoModelForCausalLM.from_pretrained(ensure_tiny_model(cache_dir), dtype=torch.float32).eval()
+    policy = AutoModelForCausalLM.from_pretrained(ensure_tiny_model(tiny_model_cache), dtype=torch.float32).eval()
     prompt, width = [20, 12, 22, 30], 7
     completions = [[25, 0], [24, 0], [26, 27, 0], [25, 0]]
     rewards = [1.0, 0.0, 0.0, 1.0]
@@ -123,8 +116,8 @@ def test_grpo_update_raises_rewarded_and_lowers_unrewarded_completions(cache_dir
 
 
 @pytest.mark.parametrize("sampler", sorted(SAMPLERS))
-def test_trainer_runs_each_sampler(tmp_path, cache_dir, sampler):
-    cfg = _config(tmp_path, cache_dir, replay_buffer={"sampler": SAMPLERS[sampler]})
+def test_trainer_runs_each_sampler(tmp_path, tiny_model_cache, sampler):
+    cfg = _config(tmp_path, tiny_model_cache, replay_buffer={"sampler": SAMPLERS[sampler]})
     summary = GRPOTrainer(cfg).run()
     assert summary["steps_done"] == 3 and summary["start_step"] == 0 and summary["resumed_from"] is None
     rows = _metrics(summary)
@@ -135,7 +128,7 @@ def test_trainer_runs_each_sampler(tmp_path, cache_dir, sampler):
     final = os.path.join(cfg["output_dir"], "checkpoints", "step_3")
     state = torch.load(os.path.join(final, MODEL_FILE), weights_only=True)
     assert state["step"] == 3
-    initial = _initial_weights(cache_dir)
+    initial = _initial_weights(tiny_model_cache)
     assert any(not torch.equal(initial[k], v) for k, v in state["model"].items())  # the policy moved
     path = os.path.join(cfg["output_dir"], "buffer.kvckpt")
     with ReplayBuffer.open(path, readonly=True) as buf:
@@ -147,8 +140,8 @@ def test_trainer_runs_each_sampler(tmp_path, cache_dir, sampler):
         assert _consumed_prompts(path) == list(range(3 * GPS))
 
 
-def test_memory_backend_trains_with_the_same_samplers(tmp_path, cache_dir):
-    cfg = _config(tmp_path, cache_dir, replay_buffer={"backend": "memory"})
+def test_memory_backend_trains_with_the_same_samplers(tmp_path, tiny_model_cache):
+    cfg = _config(tmp_path, tiny_model_cache, replay_buffer={"backend": "memory"})
     summary = GRPOTrainer(cfg).run()
     assert summary["steps_done"] == 3
     assert [r["groups"] for r in _metrics(summary)] == [GPS] * 3
@@ -157,21 +150,21 @@ def test_memory_backend_trains_with_the_same_samplers(tmp_path, cache_dir):
     assert os.path.isfile(os.path.join(cfg["output_dir"], "checkpoints", "step_3", MODEL_FILE))
 
 
-def test_time_limit_ends_the_run_with_a_checkpoint(tmp_path, cache_dir):
-    cfg = _config(tmp_path, cache_dir, train={"steps": 50, "time_limit_seconds": 0},
+def test_time_limit_ends_the_run_with_a_checkpoint(tmp_path, tiny_model_cache):
+    cfg = _config(tmp_path, tiny_model_cache, train={"steps": 50, "time_limit_seconds": 0},
                   checkpoint={"every_steps": 0})
     summary = GRPOTrainer(cfg).run()
     assert summary["time_limited"] and summary["steps_done"] == 1
     assert checkpoint_steps(os.path.join(cfg["output_dir"], "checkpoints")) == [1]
 
 
-def test_a_parked_rollout_stays_in_flight_until_released(tmp_path, cache_dir):
+def test_a_parked_rollout_stays_in_flight_until_released(tmp_path, tiny_model_cache):
     """A worker parked before committing prompt 0 holds the in_order step 0 back; the ledger shows
     it in flight, and once released the run finishes with every prompt trained once."""
     import threading
 
     hooks = ParkRollout(prompt_idx=0)
-    cfg = _config(tmp_path, cache_dir, train={"steps": 2})
+    cfg = _config(tmp_path, tiny_model_cache, train={"steps": 2})
     trainer = GRPOTrainer(cfg, hooks=hooks)
     result: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: result.update(trainer.run()))
@@ -186,8 +179,8 @@ def test_a_parked_rollout_stays_in_flight_until_released(tmp_path, cache_dir):
 
 
 @pytest.mark.parametrize("resume_from", ["live", "checkpoint"])
-def test_crash_then_resume_in_a_fresh_process_trains_every_prompt_once(tmp_path, cache_dir, resume_from):
-    cfg = _config(tmp_path, cache_dir, train={"steps": 6}, checkpoint={"resume_from": resume_from})
+def test_crash_then_resume_in_a_fresh_process_trains_every_prompt_once(tmp_path, tiny_model_cache, resume_from):
+    cfg = _config(tmp_path, tiny_model_cache, train={"steps": 6}, checkpoint={"resume_from": resume_from})
     cfg_path = tmp_path / "config.json"
     cfg_path.write_text(json.dumps(cfg))
     module = "kvckpt.reference.grpo"
@@ -222,9 +215,9 @@ def test_crash_then_resume_in_a_fresh_process_trains_every_prompt_once(tmp_path,
 
 
 @pytest.mark.ray
-def test_ray_hosted_buffer_and_workers(tmp_path, cache_dir):
+def test_ray_hosted_buffer_and_workers(tmp_path, tiny_model_cache):
     pytest.importorskip("ray")
-    cfg = _config(tmp_path, cache_dir, generation={"ray": True}, train={"steps": 2})
+    cfg = _config(tmp_path, tiny_model_cache, generation={"ray": True}, train={"steps": 2})
     summary = GRPOTrainer(cfg).run()
     assert summary["steps_done"] == 2
     assert [r["groups"] for r in _metrics(summary)] == [GPS, GPS]
@@ -238,8 +231,8 @@ def test_ray_hosted_buffer_and_workers(tmp_path, cache_dir):
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                     reason="vLLM not installed (run in .venv-vllm: scripts/setup_peer_env.sh vllm)")
-def test_vllm_generation_backend(tmp_path, cache_dir):
-    cfg = _config(tmp_path, cache_dir, generation={"backend": "vllm", "group_size": N, "max_tokens": 3},
+def test_vllm_generation_backend(tmp_path, tiny_model_cache):
+    cfg = _config(tmp_path, tiny_model_cache, generation={"backend": "vllm", "group_size": N, "max_tokens": 3},
                   train={"steps": 2})
     summary = GRPOTrainer(copy.deepcopy(cfg)).run()
     assert summary["steps_done"] == 2
@@ -249,7 +242,7 @@ def test_vllm_generation_backend(tmp_path, cache_dir):
     assert _consumed_prompts(os.path.join(cfg["output_dir"], "buffer.kvckpt")) == list(range(2 * GPS))
 
 
-def test_metrics_hook_gets_buffer_stats_and_the_step_record_every_step(tmp_path, cache_dir, caplog):
+def test_metrics_hook_gets_buffer_stats_and_the_step_record_every_step(tmp_path, tiny_model_cache, caplog):
     """The hook sees the store's counters as they are after each step (one consumed batch more
     each time) and the step's own numbers; the trainer logs on its library logger, handler-free."""
     import logging
@@ -257,7 +250,7 @@ def test_metrics_hook_gets_buffer_stats_and_the_step_record_every_step(tmp_path,
     from kvckpt.metrics import MetricsHook
 
     seen: list[tuple[int, dict[str, float]]] = []
-    cfg = _config(tmp_path, cache_dir, replay_buffer={"retain_consumed": True})
+    cfg = _config(tmp_path, tiny_model_cache, replay_buffer={"retain_consumed": True})
     with caplog.at_level(logging.INFO, logger="kvckpt.reference.grpo"):
         summary = GRPOTrainer(cfg, metrics=MetricsHook(lambda m, step: seen.append((step, dict(m))))).run()
     assert summary["steps_done"] == 3
@@ -275,11 +268,11 @@ def test_metrics_hook_gets_buffer_stats_and_the_step_record_every_step(tmp_path,
         assert all(g.rows_stored for g in buf.groups([CONSUMED]))
 
 
-def test_metrics_config_names_a_sink_that_must_be_installed(tmp_path, cache_dir):
+def test_metrics_config_names_a_sink_that_must_be_installed(tmp_path, tiny_model_cache):
     from kvckpt.errors import BadArgument
 
     if importlib.util.find_spec("tensorboard") is not None:
         pytest.skip("tensorboard is installed: nothing to refuse")
-    cfg = _config(tmp_path, cache_dir, metrics={"tensorboard_dir": str(tmp_path / "tb")})
+    cfg = _config(tmp_path, tiny_model_cache, metrics={"tensorboard_dir": str(tmp_path / "tb")})
     with pytest.raises(BadArgument, match="pip install tensorboard"):
         GRPOTrainer(cfg)

@@ -10,35 +10,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _nemo_rl import N_GENS, SAMPLERS, add_group, run, stamp, store_config
+from _nemo_rl import N_GENS, SAMPLERS, add_group, run, stamp
 from kvckpt.integrations.nemo_rl import (
     InOrderSampler,
     KvckptSampler,
     ReadyFirstSampler,
-    TQReplayBuffer,
     WeightFifoSampler,
     WindowedSampler,
-    configure,
 )
 
 from kvckpt.errors import BadArgument
 
 GATED = ["in_order", "weight_fifo", "ready_first"]
-
-
-@pytest.fixture
-def make(tmp_path: Any) -> Any:
-    """``make(sampler)``: a ``TQReplayBuffer`` built as NeMo-RL's setup.py and tests build it."""
-    made: list[TQReplayBuffer] = []
-
-    def factory(sampler: dict[str, Any]) -> TQReplayBuffer:
-        configure(store_config(str(tmp_path / f"replay{len(made)}.kv"), sampler))
-        made.append(TQReplayBuffer(object(), partition_id="rollout_data", pad_value_dict={"token_ids": 0}))
-        return made[-1]
-
-    yield factory
-    for buf in made:
-        buf.close()
 
 
 @pytest.mark.parametrize(("name", "build"), [

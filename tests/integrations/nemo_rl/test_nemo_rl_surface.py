@@ -60,23 +60,6 @@ from kvckpt.errors import BadArgument, CapacityError, RecoveryError, SchemaMisma
 from kvckpt.tables.records import ABORTED
 
 
-@pytest.fixture
-def make(tmp_path: Any):
-    """``make(sampler) -> TQReplayBuffer`` built as NeMo-RL's setup.py builds it; closed afterwards."""
-    made: list[TQReplayBuffer] = []
-
-    def factory(sampler: Any = SAMPLERS["windowed"], **kwargs: Any) -> TQReplayBuffer:
-        configure(store_config(str(tmp_path / f"replay{len(made)}.kv"), sampler, **kwargs))
-        buf = TQReplayBuffer(object(), partition_id="rollout_data", pad_value_dict={"token_ids": 0},
-                             require_routed_experts=False)
-        made.append(buf)
-        return buf
-
-    yield factory
-    for buf in made:
-        buf.close()
-
-
 class EchoSampler(core_samplers.InOrderSampler):
     """A user's sampler outside kvckpt, loaded by ``module:Class`` (NeMo-RL's tests' ``EchoSampler``)."""
 

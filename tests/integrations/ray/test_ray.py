@@ -41,22 +41,8 @@ pytestmark = pytest.mark.ray
 
 CONFIG = {"group_size": 2, "schema": SCHEMA, "sampler": "ready_first", "max_buffered_rollouts": 256,
           "groups_per_step": 4}
-
-
-@pytest.fixture(scope="module")
-def _ray_module():
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture
-def ray_local(_ray_module):
-    """The module's single-node Ray (started on first use, again if a test shut it down or another
-    module left its own session running)."""
-    if ray.is_initialized() and ray.get_runtime_context().namespace != "kvckpt-test":
-        ray.shutdown()
-    if not ray.is_initialized():
-        kray.init_local_ray(num_cpus=4, object_store_memory=256 << 20, namespace="kvckpt-test")
+#: The module's Ray (``ray_local``, tests/conftest.py).
+RAY_LOCAL = {"num_cpus": 4, "object_store_memory": 256 << 20, "namespace": "kvckpt-test"}
 
 
 @ray.remote(num_cpus=0)
@@ -373,7 +359,7 @@ def test_ray_kill_restart_fences_leases_and_voids_the_open_selection(ray_local, 
 
 # -- two nodes ---------------------------------------------------------------------------------------
 @pytest.fixture
-def two_nodes(_ray_module):
+def two_nodes(ray_teardown):
     """A simulated two-node cluster on loopback: the head holds the store ("buffer_node"), the
     second node runs producers ("producer_node")."""
     from ray.cluster_utils import Cluster

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -163,13 +162,8 @@ RAY_SURFACE = BufferSurface(
     lacks={"reopen": "a (re)started actor recovers its store on open: the recover rule is its reopen"})
 
 
-@pytest.fixture(scope="module")
-def ray_loopback() -> Iterator[None]:
-    if ray.is_initialized():
-        ray.shutdown()
-    kray.init_local_ray(num_cpus=2, object_store_memory=128 << 20, namespace="kvckpt-conformance")
-    yield
-    ray.shutdown()
+#: The module's Ray (``ray_local``, tests/conftest.py).
+RAY_LOCAL = {"num_cpus": 2, "object_store_memory": 128 << 20, "namespace": "kvckpt-conformance"}
 
 
 #: What the short run must draw through the actor: both kinds of zombie, a zombie's token progress and
@@ -181,5 +175,5 @@ RAY_MUST_SEE = ["foreign zombie", "timeline zombie", "zombie progress", "weights
 
 
 @pytest.mark.parametrize("sampler", ["in_order", "windowed"])
-def test_the_ray_actor_conforms(ray_loopback: None, sampler: str) -> None:
+def test_the_ray_actor_conforms(ray_local: str, sampler: str) -> None:
     run_buffer_conformance(RAY_SURFACE, sampler, RAY_PROFILE, must_see=RAY_MUST_SEE)

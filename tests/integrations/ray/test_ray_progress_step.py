@@ -27,13 +27,8 @@ CONFIG = {"group_size": 2, "schema": {"input_ids": ("int64", "token")}, "sampler
           "max_buffered_rollouts": 64}
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    if ray.is_initialized():
-        ray.shutdown()
-    kray.init_local_ray(num_cpus=2, object_store_memory=128 << 20, namespace="kvckpt-step-test", address="local")
-    yield
-    ray.shutdown()
+#: The module's Ray (``ray_local``, tests/conftest.py).
+RAY_LOCAL = {"num_cpus": 2, "object_store_memory": 128 << 20, "namespace": "kvckpt-step-test", "address": "local"}
 
 
 def message(encoder, lease, seed):

@@ -161,13 +161,9 @@ def test_settings_are_checked() -> None:
 
 
 # -- TransferQueue itself ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ray_local() -> Any:
-    """One loopback-only Ray for the module (TransferQueue's controller is a Ray actor)."""
-    if not ray.is_initialized():
-        kray.init_local_ray(num_cpus=2, object_store_memory=256 << 20, namespace="kvckpt-tq-test")
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+#: One loopback-only Ray for the module (TransferQueue's controller is a Ray actor): ``ray_local``,
+#: tests/conftest.py.
+RAY_LOCAL = {"num_cpus": 2, "object_store_memory": 256 << 20, "namespace": "kvckpt-tq-test"}
 
 
 def start_tq(path: str, owner: str = "actor") -> Any:

@@ -29,13 +29,6 @@ RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_run.py")
 KILL_AT, SAVE_STEPS, MAX_STEPS = 5, 4, 8
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    from kvckpt.integrations.vllm import ensure_tiny_model
-
-    return ensure_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
-
-
 def _run(mode, workdir, model, run, resume=None, kill_at=0):
     cfg = {"mode": mode, "run": run, "workdir": str(workdir), "model": model, "max_steps": MAX_STEPS,
            "save_steps": SAVE_STEPS, "kill_at": kill_at, "resume": resume, "log": str(workdir / "log.jsonl"),

@@ -25,13 +25,6 @@ pytestmark = [pytest.mark.trl,
                                  reason="TRL not installed (pip install -e '.[test]' on Python >= 3.11)")]
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    from kvckpt.integrations.vllm import ensure_tiny_model
-
-    return ensure_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
-
-
 @pytest.fixture
 def setup(tmp_path, model_path):
     from kvckpt.integrations.trl import KvckptRolloutWorker

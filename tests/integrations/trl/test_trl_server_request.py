@@ -23,13 +23,6 @@ from kvckpt.errors import BadArgument
 needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL not installed")
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    from kvckpt.integrations.vllm import ensure_tiny_model
-
-    return ensure_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
-
-
 @pytest.mark.trl
 @needs_trl
 def test_the_request_is_trls_own_streamed(model_path):

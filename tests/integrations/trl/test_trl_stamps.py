@@ -36,13 +36,6 @@ pytestmark = [pytest.mark.trl,
 RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_run.py")
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    from kvckpt.integrations.vllm import ensure_tiny_model
-
-    return ensure_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
-
-
 def _run(workdir, model, run, **cfg):
     cfg = {"mode": "kvckpt", "run": run, "workdir": str(workdir), "model": model, "kill_at": 0, "resume": None,
            "log": str(workdir / "log.jsonl"), "max_staleness": 1, **cfg}

@@ -11,17 +11,12 @@ import importlib.util
 
 import pytest
 import torch
-from kvckpt.integrations.vllm import DEFAULT_SCHEMA, AdditionTask, RolloutWorker, ensure_tiny_model
+from kvckpt.integrations.vllm import DEFAULT_SCHEMA, AdditionTask, RolloutWorker
 from kvckpt.integrations.vllm.worker import TOKEN_VERSIONS
 
 from kvckpt import BufferConfig, ReplayBuffer, StaleAttempt
 
 GROUP = 4
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return ensure_tiny_model(str(tmp_path_factory.getbasetemp() / "tiny-model"))
 
 
 @pytest.fixture(scope="module")
