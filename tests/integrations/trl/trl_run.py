@@ -118,6 +118,7 @@ def main() -> None:
                 # Let generation fill the store's capacity once, so some groups wait past
                 # max_staleness whatever the machine's speed (the stale-drop path always runs).
                 while worker.buffer.admissible():
+                    worker.check_health(0)
                     worker.buffer.wait_for_change(0.1)
             if state.global_step != cfg["kill_at"]:
                 return
@@ -143,12 +144,14 @@ def main() -> None:
         buf = worker.buffer
         while buf.admissible() or not any(g.start_weight > newer_than for g in buf.groups(["ready"])):
             make_room()
+            worker.check_health(0)  # a worker that died fails the run here instead of hanging it
             buf.wait_for_change(0.1)
         worker.engine_lock.acquire()
         before = {e.group_id for e in buf.ledger()}
         engine_waited_on = worker.engine_lock.blocked
         while not ({e.group_id for e in buf.ledger()} - before or engine_waited_on.is_set()):
             make_room()
+            worker.check_health(0)  # a worker that died fails the run here instead of hanging it
             buf.wait_for_change(0.1)
 
     def kill_inside_trl_save(save):
