@@ -384,6 +384,35 @@ MUTATIONS += (
              "    return sink.progress(lease) if lease.attempt > 0 else {}", "    return {}", TRL_SERVER_CRASH),
 )
 
+BACKGROUND = "tests/integrations/vllm/test_progress_background.py"
+#: The recorder's background flusher (issue 39, the TRL server path): tokens that arrive during a
+#: flush coalesce into the next one; generation's end (and an abort's tail) is durable before the
+#: commit; a fenced flush stops its lease; a failed flush reaches the stream's caller.
+MUTATIONS += (
+    Mutation("progress-flush-drops-coalesced-tokens", "integrations/vllm/stream.py",
+             "            del s.pending_ids[:n], s.pending_logprobs[:n]\n",
+             "            s.pending_ids, s.pending_logprobs = [], []\n",
+             (f"{BACKGROUND}::test_tokens_that_arrive_during_a_flush_coalesce_into_the_next_one",)),
+    Mutation("progress-close-stops-before-due-chunks", "integrations/vllm/stream.py",
+             "                self._kicked = False\n",
+             "                if self._closing is not None:\n                    return\n"
+             "                self._kicked = False\n",
+             (f"{BACKGROUND}::test_close_writes_a_chunk_that_fell_due_after_the_last_step",)),
+    Mutation("progress-abort-tail-not-written", "integrations/vllm/stream.py",
+             "now, tail = self.clock(), self._closing is True", "now, tail = self.clock(), False",
+             (f"{BACKGROUND}::test_an_aborted_stream_makes_its_tail_durable_first",)),
+    Mutation("stream-leases-abort-skips-close", "integrations/vllm/worker.py",
+             "            recorder.close(tail=True)\n", "            pass\n",
+             (f"{BACKGROUND}::test_an_aborted_stream_makes_its_tail_durable_first",)),
+    Mutation("stream-leases-returns-before-close", "integrations/vllm/worker.py",
+             "    recorder.close()\n", "",
+             (f"{BACKGROUND}::test_a_failed_flush_stops_every_sequence_and_stream_leases_raises_it",)),
+    Mutation("progress-fenced-flush-keeps-generating", "integrations/vllm/stream.py",
+             "        return {i for i, s in enumerate(self.states) if s.lease.group_id in self.refused}",
+             "        return set()",
+             (f"{BACKGROUND}::test_a_fenced_flush_stops_the_lease_and_writes_nothing_more",)),
+)
+
 STEP = "tests/core/test_progress_step.py"
 #: The progress step message (issue 36): retry dedupe, the per-sequence checks, per-sequence isolation.
 MUTATIONS += (

@@ -6,8 +6,9 @@ TRL 1.16's ``AsyncRolloutWorker`` asks the server for each completion with one
 ``return_token_ids``, ``logprobs=0``, the config's sampling fields and a fresh ``seed``, and waits
 for the whole answer. :class:`VLLMServerBackend` sends the same request with ``stream: true``, so
 the server's stream events arrive as the tokens are produced, and its :meth:`~VLLMServerBackend.stream`
-hands ``on_step`` every batch of events that arrived together (one durable progress call per batch,
-not per token: :class:`kvckpt.integrations.vllm.ProgressRecorder`). A continuation of a durable
+hands ``on_step`` every batch of events that arrived together; the worker's ``on_step`` is a
+:class:`kvckpt.integrations.vllm.ProgressRecorder` in background mode, which takes the tokens and
+leaves the durable calls to its flusher thread, so reading never waits for an fsync. A continuation of a durable
 prefix is requested as prompt + prefix with ``max_tokens`` the remaining budget, so a redispatched
 sample resumes where its last durable append ended. Weight sync is not here: it stays TRL's own
 (the trainer's default ``WeightTransferClient``, NCCL into the same server).

@@ -70,14 +70,17 @@ class KvckptRolloutWorker:
             by TRL's own weight transfer) or a kvckpt in-process backend (``"transformers"``,
             ``"vllm"``; weights synced by :class:`InProcessWeightTransfer`). Defaults to ``"server"``.
         progress_every_tokens: record each sample's tokens, logprobs and weight version durably every
-            this many tokens (one ``record_progress_many`` per batch of engine steps or stream
-            events); a redispatched sample resumes from its durable prefix. 0 turns it off.
+            this many tokens (one ``record_progress_many`` per batch of engine steps; on the server
+            path, written off the stream's reader by the recorder's flusher, tokens that arrive during
+            a flush joining the next one); a redispatched sample resumes from its durable prefix. 0 turns it off.
             Defaults to :data:`~kvckpt.integrations.vllm.PROGRESS_EVERY_TOKENS` with ``"server"``,
             0 with an in-process backend.
         progress_every_seconds: also record a sample's tokens once this long passed since its last
             record. Defaults to None (by count only).
         after_step: called with the :class:`~kvckpt.integrations.vllm.SequenceState` list after each
-            batch's progress records (a test and fault-injection hook). Defaults to None.
+            batch's progress records (a test and fault-injection hook; on the server path, after each
+            batch of stream events was handed to the recorder, with no flush in flight while it
+            runs, once what the batch made due is recorded). Defaults to None.
         capacity: ``max_buffered_rollouts`` of a new store (prompts in flight plus ready groups).
             Defaults to ``(max_staleness + 1) * 4`` prompts.
         prompts_per_admit: prompts admitted and generated per engine call. Defaults to 1.
@@ -108,7 +111,10 @@ class KvckptRolloutWorker:
         self.clock = VersionClock(weight_sync_steps=int(args.weight_sync_steps), max_staleness=int(args.max_staleness))
         self.rollout_buffer = BufferQueue(self._samples, self.clock)
         self.metrics_queue: queue.Queue = queue.Queue()
-        if backend == "server":
+        #: Whether generation is the vLLM server's (its stream's reader hands progress to the
+        #: recorder's flusher thread, so it never waits for an fsync).
+        self.server = backend == "server"
+        if self.server:
             self.backend: Any = VLLMServerBackend(
                 model_path, server_url=args.vllm_server_base_url, request_timeout=args.request_timeout, seed=seed,
                 sampling={name: getattr(args, name, None) for name in SAMPLING_FIELDS})
@@ -116,7 +122,7 @@ class KvckptRolloutWorker:
             self.backend = create_backend(backend, model_path, seed=seed)
         self.tokenizer = self.backend.tokenizer
         self.progress_every_tokens = int(progress_every_tokens if progress_every_tokens is not None
-                                         else PROGRESS_EVERY_TOKENS if backend == "server" else 0)
+                                         else PROGRESS_EVERY_TOKENS if self.server else 0)
         self.progress_every_seconds = progress_every_seconds
         self.after_step = after_step
         #: Cumulative counts of the streaming path: tokens generated, tokens resumed from durable
@@ -126,7 +132,7 @@ class KvckptRolloutWorker:
         self.buffer: ReplayBuffer | None = None
         #: TRL's ``weight_transfer=``: None on the server path (TRL then builds its own, NCCL into the
         #: server), :class:`InProcessWeightTransfer` for an in-process backend.
-        self.weight_transfer = None if backend == "server" else InProcessWeightTransfer(self)
+        self.weight_transfer = None if self.server else InProcessWeightTransfer(self)
         self._redispatch: list[Lease] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -250,7 +256,8 @@ class KvckptRolloutWorker:
                 groups, recorder = stream_leases(
                     self.buffer, self.backend, leases, prompts, max_tokens=self.max_tokens,
                     temperature=self.temperature, weight_version=weights, every_tokens=self.progress_every_tokens,
-                    every_seconds=self.progress_every_seconds, after_step=self.after_step, stats=self.progress_stats)
+                    every_seconds=self.progress_every_seconds, after_step=self.after_step, stats=self.progress_stats,
+                    background=self.server)
                 refused = recorder.refused
             else:
                 groups = self.backend.generate(prompts, [len(lease.missing) for lease in leases], self.max_tokens,

@@ -14,6 +14,7 @@ actor (``ray.remote(RolloutWorker)``) and commits through anything with ``commit
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -270,7 +271,8 @@ class RolloutWorker:
 def stream_leases(sink: Any, backend: Any, leases: Sequence[Lease], prompts: Sequence[Sequence[int]], *,
                   max_tokens: int, temperature: float, weight_version: int, every_tokens: int,
                   every_seconds: float | None, after_step: Callable[[Sequence[SequenceState]], None] | None = None,
-                  stats: dict[str, int] | None = None) -> tuple[list[list[Sample]], ProgressRecorder]:
+                  stats: dict[str, int] | None = None,
+                  background: bool = False) -> tuple[list[list[Sample]], ProgressRecorder]:
     """Generate every missing row of ``leases`` (``prompts[i]``: lease ``i``'s prompt ids) through
     ``backend.stream``, recording durable progress in ``sink`` as it goes.
 
@@ -280,7 +282,10 @@ def stream_leases(sink: Any, backend: Any, leases: Sequence[Lease], prompts: Seq
     every due sequence's new tokens (``every_tokens`` / ``every_seconds``), stamped
     ``weight_version``, in one ``record_progress_many`` call per engine step (or per batch of a
     server's stream events). ``stats`` (the worker's counters, if given) gains ``tokens_generated``,
-    ``tokens_resumed``, ``appends`` and ``append_calls``.
+    ``tokens_resumed``, ``appends`` and ``append_calls``. ``background``: the recorder writes from
+    its own flusher thread, so the stream's reader never waits for an fsync; this returns only once
+    every due chunk is durable or refused (a failed stream: every pending token), so the caller's
+    commit comes after the last progress write.
 
     Returns:
         The samples per lease (``len(lease.missing)`` each, in ``lease.missing`` order) and the
@@ -296,8 +301,15 @@ def stream_leases(sink: Any, backend: Any, leases: Sequence[Lease], prompts: Seq
                         if done is not None else Continuation(tuple(prompt)))
             owners.append((lease, index))
     recorder = ProgressRecorder(sink, owners, [len(s.prefix_ids) for s in seqs], weight_version,
-                                every_tokens=every_tokens, every_seconds=every_seconds, after_step=after_step)
-    flat = backend.stream(seqs, max_tokens, temperature, recorder.on_step, step_tokens=every_tokens or None)
+                                every_tokens=every_tokens, every_seconds=every_seconds, after_step=after_step,
+                                background=background)
+    try:
+        flat = backend.stream(seqs, max_tokens, temperature, recorder.on_step, step_tokens=every_tokens or None)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the stream's own failure is the one to report
+            recorder.close(tail=True)
+        raise
+    recorder.close()
     if stats is not None:
         resumed = sum(len(s.prefix_ids) for s in seqs)
         stats["tokens_resumed"] += resumed

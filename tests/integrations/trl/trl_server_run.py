@@ -7,7 +7,8 @@ CONFIG_JSON: ``workdir``, ``model``, ``server`` (the vLLM server's base URL), ``
 ``kill_after_step`` (SIGKILL this process mid-generation after that step: in the first batch after
 the step where a sample has durable tokens and tokens generated since its last record, the
 generation thread waits until the step's checkpoint is complete (TRL's ``trainer_state.json`` and
-kvckpt's file both written; the batch's states cannot change meanwhile), then dies; 0: never), ``resume``
+kvckpt's file both written; the batch's states cannot change meanwhile), then dies; the trainer
+waits once that checkpoint is saved, so the run cannot end first; 0: never), ``resume``
 (a checkpoint directory or null), ``log`` (a JSON-lines file, each event fsynced: the sequences in
 flight at the kill, the recovery plan, the worker's progress counters at the end).
 
@@ -22,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +37,7 @@ def main() -> None:
     from datasets import Dataset
     from kvckpt.integrations.trl import BUFFER_FILE, KvckptRolloutWorker
     from kvckpt.integrations.vllm import AdditionTask
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
     task = AdditionTask()
@@ -73,13 +75,23 @@ def main() -> None:
                            for s in states]})
         os.kill(os.getpid(), signal.SIGKILL)
 
+    class HoldAfterTheCheckpoint(TrainerCallback):
+        """Once ``kill_after_step``'s checkpoint is saved, the trainer waits for the kill: a run that
+        trained on from ready groups could otherwise end (exit 0) before the generation thread saw a
+        sample with a durable prefix and tokens after it. The step freed capacity, so the worker
+        admits and generates again, and its hook kills this process."""
+
+        def on_save(self, args, state, control, **kwargs):
+            if cfg.get("kill_after_step") and state.global_step == cfg["kill_after_step"]:
+                threading.Event().wait()
+
     worker = KvckptRolloutWorker(os.path.join(cfg["workdir"], "buffer.kv"), cfg["model"], dataset, [reward], args,
                                  capacity=8, retain_consumed=True, progress_every_tokens=cfg["every"],
                                  after_step=kill_mid_generation)
     trainer = AsyncGRPOTrainer(model=cfg["model"], reward_funcs=[reward], args=args, train_dataset=dataset,
                                processing_class=AutoTokenizer.from_pretrained(cfg["model"]), rollout_worker=worker,
                                weight_transfer=ServerWeightTransferOnCPU(cfg["server"]),
-                               callbacks=[worker.callback])
+                               callbacks=[worker.callback, HoldAfterTheCheckpoint()])
     trainer.train(resume_from_checkpoint=cfg.get("resume"))
     plan = worker.callback.plan
     log({"done": trainer.state.global_step, "plan": plan.report() if plan else None,
