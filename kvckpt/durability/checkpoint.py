@@ -14,11 +14,11 @@ the final name is therefore always complete; a failed or interrupted
 copy leaves only a ``.partial`` file, never a half-written checkpoint. A checkpoint over an existing file
 renames its copy over a second name of that file (``.retired``) and then releases the old file in steps
 (:func:`_set_aside`), so producers' fsyncs never wait for a whole file's blocks to be freed; a crash in
-between leaves that old file complete under ``.retired``, dropped by the next checkpoint to the same name. The destination is reserved
-when :func:`checkpoint_store` is called: ``dest + ".partial"`` is created (mode 0600) and ``flock``-ed
-for the whole copy, so a second checkpoint to the same name while the first copies is refused at
-call time, before anything is stamped (a reservation left by a crashed process holds no lock and
-is reused).
+between leaves that old file complete under ``.retired``, dropped by the next checkpoint to the same name.
+The destination is reserved when :func:`checkpoint_store` is called: ``dest + ".partial"`` is
+created (mode 0600) and ``flock``-ed for the whole copy, so a second checkpoint to the same name
+while the first copies is refused at call time, before anything is stamped (a reservation left by a
+crashed process holds no lock and is reused).
 
 :func:`restore_file` copies a checkpoint file to the live path (the checkpoint stays immutable)
 and runs :func:`kvckpt.durability.recovery.recover_store` on the copy at the stamped trainer
@@ -303,7 +303,12 @@ def _stamp_and_copy(store: Store, dest: str, stamp: Callable[[Txn, dict[str, Any
             t2 = time.perf_counter()
             os.fsync(fd)
             retired = _set_aside(dest)
-            os.replace(partial, dest)
+            try:
+                os.replace(partial, dest)
+            except BaseException:
+                if retired is not None:  # the old file is still under dest: only its second name goes
+                    _drop_retired(retired)
+                raise
             renamed = True
             fsync_dir(directory)
             os.close(fd)
