@@ -11,20 +11,17 @@ machine starved it 10-20x), or, when more than :data:`COMPACT_WHEN_FREE` of the
 snapshot's pages are free, with LMDB's compacting copy at nice 19 (CPU-bound; keeps the file
 small). It fsyncs the copy, renames it to its final name and fsyncs the directory. A file under
 the final name is therefore always complete; a failed or interrupted
-copy leaves only a ``.partial`` file, never a half-written checkpoint. A checkpoint over an existing file
-renames its copy over a second name of that file (``.retired``) and then releases the old file in steps
-(:func:`_set_aside`), so producers' fsyncs never wait for a whole file's blocks to be freed; a crash in
-between leaves that old file complete under ``.retired``, dropped by the next checkpoint to the same name.
-The destination is reserved when :func:`checkpoint_store` is called: ``dest + ".partial"`` is
-created (mode 0600) and ``flock``-ed for the whole copy, so a second checkpoint to the same name
-while the first copies is refused at call time, before anything is stamped (a reservation left by a
-crashed process holds no lock and is reused).
+copy leaves only a ``.partial`` file, never a half-written checkpoint. The destination is reserved
+when :func:`checkpoint_store` is called: ``dest + ".partial"`` is created (mode 0600) and ``flock``-ed
+for the whole copy, so a second checkpoint to the same name while the first copies is refused at
+call time, before anything is stamped (a reservation left by a crashed process holds no lock and
+is reused).
 
 :func:`restore_file` copies a checkpoint file to the live path (the checkpoint stays immutable)
 and runs :func:`kvckpt.durability.recovery.recover_store` on the copy at the stamped trainer
 version; :func:`kvckpt.restore` then opens a fresh buffer handle on it.
 
-The module is long (about 720 lines) because checkpoint and restore are one protocol: the
+The module is long (about 590 lines) because checkpoint and restore are one protocol: the
 reservation, the pinned snapshot, the low-priority copy and the fsync/rename order are shared by
 both directions and tested together (tests/campaigns/test_powercut.py checks the order).
 """
@@ -36,7 +33,6 @@ import contextlib
 import json
 import logging
 import os
-import stat
 import sys
 import threading
 import time
@@ -75,12 +71,6 @@ PARTIAL_SUFFIX = ".partial"
 COMPACT_WHEN_FREE = 0.25
 #: Bytes of zeros written per call when a page copy's unused bytes are cleared.
 ZERO_CHUNK = 8 << 20
-#: While a checkpoint renames its copy over an existing file, that file keeps this second name
-#: (``dest + RETIRED_SUFFIX``, a hard link), so the rename frees none of its blocks; it is then removed and,
-#: when that was its last name, released in steps (:func:`_drop_retired`).
-RETIRED_SUFFIX = ".retired"
-#: Bytes of a retired file released per truncation (:func:`_drop_retired`).
-RELEASE_STEP = 16 << 20
 
 
 @dataclass
@@ -91,8 +81,8 @@ class CheckpointResult:
     ``reserve`` (the destination's checks and reservation), ``stamp`` (the stamp transaction and
     the snapshot pin; within it ``lock_wait``, ``txn``, ``commit`` and ``snapshot`` as
     :meth:`~kvckpt.storage.store.Store.write_then_snapshot` reports them) and ``start`` (handing
-    the copy to its thread); then the copy's ``copy``, ``fsync_rename``, ``drop_retired`` (releasing the
-    file it replaced) and ``total`` (from the stamp to the handle's completion).
+    the copy to its thread); then the copy's ``copy``, ``fsync_rename`` and ``total`` (from the
+    stamp to the file under its name).
     """
 
     path: str
@@ -302,20 +292,12 @@ def _stamp_and_copy(store: Store, dest: str, stamp: Callable[[Txn, dict[str, Any
             snapshot.close()
             t2 = time.perf_counter()
             os.fsync(fd)
-            retired = _set_aside(dest)
-            try:
-                os.replace(partial, dest)
-            except BaseException:
-                if retired is not None:  # the old file is still under dest: only its second name goes
-                    _drop_retired(retired)
-                raise
+            os.replace(partial, dest)
             renamed = True
             fsync_dir(directory)
             os.close(fd)
             t3 = time.perf_counter()
-            if retired is not None:
-                _drop_retired(retired)
-            result.timings.update(copy=t2 - t1, fsync_rename=t3 - t2, drop_retired=time.perf_counter() - t3)
+            result.timings.update(copy=t2 - t1, fsync_rename=t3 - t2)
             result.file_bytes = os.path.getsize(dest)
             if after is not None:
                 after(version)
@@ -353,48 +335,6 @@ def _stamp_and_copy(store: Store, dest: str, stamp: Callable[[Txn, dict[str, Any
     t2 = time.perf_counter()
     timings.update(start=t2 - t1, blocked=t2 - entered)
     return handle
-
-
-def _set_aside(dest: str) -> str | None:
-    """Give the file a checkpoint is about to rename its copy over a second name (``dest + RETIRED_SUFFIX``, a
-    hard link; a leftover of an interrupted checkpoint under that name is dropped first) and return it; None
-    when there is no such file or the filesystem cannot link (then the rename releases it, as before).
-
-    The rename then drops one name of the old file and frees none of its blocks: freeing a large file's
-    blocks is one filesystem operation that every concurrent fsync on the disk waits for (on ext4, 50-70 ms
-    for a 256 MB checkpoint, the producers' commit p99 while checkpoints overwrote each other:
-    BENCHMARKS.md, "producer put p99 during a checkpoint"). :func:`_drop_retired` releases them in steps.
-    """
-    aside = dest + RETIRED_SUFFIX
-    _drop_retired(aside)
-    try:
-        os.link(dest, aside, follow_symlinks=False)
-    except OSError:
-        return None
-    return aside
-
-
-def _drop_retired(aside: str) -> None:
-    """Remove the name ``aside``; when it was the file's last name, release its blocks :data:`RELEASE_STEP`
-    bytes at a time (each truncation a short filesystem operation, so a producer's fsync waits for one step,
-    not the whole file). The name goes first, so no file under any name is ever half released; a file that
-    still has another name (a user's hard link elsewhere) keeps every byte. Never raises for a missing name."""
-    try:
-        fd = os.open(aside, os.O_WRONLY | os.O_NOFOLLOW)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(aside)
-        return
-    try:
-        os.unlink(aside)
-        st = os.fstat(fd)
-        if st.st_nlink == 0 and stat.S_ISREG(st.st_mode):
-            for size in range(st.st_size - RELEASE_STEP, -RELEASE_STEP, -RELEASE_STEP):
-                os.ftruncate(fd, max(0, size))
-    except OSError as exc:
-        log.warning("checkpoint: could not release the replaced file %r: %s", aside, exc)
-    finally:
-        os.close(fd)
 
 
 def _zero_unused(fd: int) -> int:
