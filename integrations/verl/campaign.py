@@ -210,8 +210,8 @@ def check(run: str, ops: list[dict[str, Any]], scratch: str, bad: Callable[[str]
     """Check the run's ledger and its checkpoints against the logged ``ops``; returns how many checkpoints loaded.
 
     Every ``lstart`` (what a child found) and the file now hold the last acknowledged state or that plus the call
-    in flight; every checkpoint under a final name loads, and an acknowledged one holds what the ledger held when
-    it was taken."""
+    in flight; the last acknowledged checkpoint exists, every checkpoint under a final name loads, and an
+    acknowledged one holds what the ledger held when it was taken."""
     ours = [op for op in ops if op["op"] in ("lstart", "lintent", *KINDS)]
     if not ours:
         return 0  # the crash came before the writer opened its ledger
@@ -258,8 +258,12 @@ def check(run: str, ops: list[dict[str, Any]], scratch: str, bad: Callable[[str]
 def _check_checkpoints(run: str, ops: list[dict[str, Any]], scratch: str, bad: Callable[[str], None]) -> int:
     held = {op["path"]: op["held"] for op in ops if op["op"] == "lckpt"}
     ids = {op["path"]: op["id"] for op in ops if op["op"] == "lckptid"}
+    files = sorted(glob.glob(os.path.join(run, "ckpt", CHECKPOINT_GLOB)))
+    last = [op["path"] for op in ops if op["op"] == "lckpt"][-1:]  # the newest name: keep_latest never deletes it
+    if last and last[0] not in {os.path.basename(p) for p in files}:
+        bad(f"acknowledged verl checkpoint {last[0]} is missing")
     loads = 0
-    for path in sorted(glob.glob(os.path.join(run, "ckpt", CHECKPOINT_GLOB))):
+    for path in files:
         name, target = os.path.basename(path), os.path.join(scratch, "verl-loaded.kv")
         store = ValueStore(target)
         try:
