@@ -18,6 +18,7 @@ nothing doubled. After a restart's settle, a prompt is a finished group or in fl
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
 import os
@@ -301,5 +302,16 @@ def _diff(got: dict[str, Any], want: dict[str, Any] | None) -> str:
     return "; ".join(parts) or "the same"
 
 
-#: The side workload the crash campaign runs (:mod:`kvckpt.testing.sides`).
-SIDE = Side(start, check)
+def tidy(run: str, ops: list[dict[str, Any]]) -> None:
+    """Between power cuts: delete a ledger no child acknowledged opening (no ``lstart``). It holds no promise,
+    and a cut during its creation can leave a file no open accepts (the run directory's entry made durable, by
+    another file's directory fsync or a ``random`` cut, before the ledger's first pages: a 0-byte file, refused as
+    truncated); the campaign drops it as it drops a run whose create was not acknowledged."""
+    if not any(op["op"] == "lstart" for op in ops):
+        for path in (os.path.join(run, LEDGER_FILE), os.path.join(run, LEDGER_FILE) + "-lock"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+#: The side workload the kill and power-cut campaigns run (:mod:`kvckpt.testing.sides`).
+SIDE = Side(start, check, tidy)

@@ -274,17 +274,21 @@ def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: rando
         shutil.copytree(image, os.path.join(root, f"violation-{k:06d}"))
         chain.timeline, chain.ops, chain.restored, chain.rows_seen = None, [], {}, set()
         return
-    _tidy(image, chain.timeline)
+    _tidy(image, chain.timeline, chain.ops, sides)
 
 
-def _tidy(image: str, timeline: str) -> None:
-    """Between power cycles, delete what no promise covers: runs other than the current one and
-    checkpoint copies a cut interrupted (never under a final name)."""
+def _tidy(image: str, timeline: str, ops: list[dict[str, Any]], sides: Sequence[str]) -> None:
+    """Between power cycles, delete what no promise covers: runs other than the current one,
+    checkpoint copies a cut interrupted (never under a final name) and what each side's ``tidy`` names."""
     for entry in os.listdir(image):
         if entry != timeline:
             shutil.rmtree(os.path.join(image, entry), ignore_errors=True)
     for partial in glob.glob(os.path.join(image, timeline, "ckpt", "*.partial")):
         os.unlink(partial)
+    for side in sides:
+        tidy = load_side(side).tidy
+        if tidy is not None:
+            tidy(os.path.join(image, timeline), ops)
 
 
 def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = None, chain: int = 10,

@@ -27,10 +27,15 @@ class Side:
     ``bad`` and returns how many checkpoint files it loaded. It writes nothing under ``run`` (a power-cut
     image is where the next cut's filesystem starts): what it must open for writing, it opens as a copy
     in ``scratch``.
+
+    ``tidy(run, ops)`` (optional) runs between two power cuts, after the check passed: it deletes from the
+    image what no acknowledged operation of ``ops`` covers and the next start could not open (a store
+    whose creation a cut interrupted), as the campaign drops a run whose create was not acknowledged.
     """
 
     start: Callable[[str, Any, int], None]
     check: Callable[[str, list[dict[str, Any]], str, Callable[[str], None]], int]
+    tidy: Callable[[str, list[dict[str, Any]]], None] | None = None
 
 
 def load_side(module: str) -> Side:

@@ -45,3 +45,13 @@ def test_the_ledger_check_catches_an_unsynced_ledger_after_a_power_cut() -> None
     ledger = [v for v in result.violations if "verl ledger" in v]
     assert ledger, result.violations
     assert all("verl ledger" in v or "child exited" in v for v in result.violations), result.violations
+
+
+@needs_fuse
+def test_a_ledger_whose_creation_a_cut_interrupted_is_dropped_and_the_next_start_opens_a_new_one() -> None:
+    # seed 2: every child recovers or reopens the same run; a later child than the interrupted one opens a ledger
+    result = run_powercut_campaign(3, seed=2, chain=3, max_delay=0.3, min_ops=MIN_OPS, modes=("strict",),
+                                   existing_store=True, sides=["_verl_interrupted_create_side"])
+    assert result.violations == []
+    assert result.starts.get("restore", 0) == 0, result.starts
+    assert result.operation_kinds.get("lstart", 0) >= 1, result.operation_kinds
