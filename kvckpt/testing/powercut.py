@@ -17,9 +17,8 @@ Each cut:
    operations), SIGKILLs the child and unmounts;
 3. checks the image in another fresh process (:func:`kvckpt.testing.image_check.check_image`).
 
-Side workloads an integration plugs in (:mod:`kvckpt.testing.sides`, ``run_powercut_campaign(...,
-sides=["pkg.module"])``, ``--side pkg.module``) run in each child beside the buffer's, on the mounted run
-directory, and the image check runs each side's check on the surviving image.
+Side workloads (:mod:`kvckpt.testing.sides`, ``sides=[...]``, ``--side MODULE``) run in each child on the
+mounted run directory beside the buffer's; the image check runs each side's check on the surviving image.
 
 :data:`BREAKAGES` names deliberately broken configurations (LMDB without ``sync``/``metasync``; a
 checkpoint renamed without fsyncing the file and its directory): a campaign run with one must
@@ -285,8 +284,7 @@ def _tidy(image: str, timeline: str, ops: list[dict[str, Any]], sides: Sequence[
             shutil.rmtree(os.path.join(image, entry), ignore_errors=True)
     for partial in glob.glob(os.path.join(image, timeline, "ckpt", "*.partial")):
         os.unlink(partial)
-    for side in sides:
-        tidy = load_side(side).tidy
+    for tidy in [load_side(side).tidy for side in sides]:
         if tidy is not None:
             tidy(os.path.join(image, timeline), ops)
 
@@ -354,8 +352,7 @@ def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = N
                                     workload_config(sampler)).close()
             bad = run.reporter(f"cut {k}")
             run.guarded("cut cycle", functools.partial(_one_cut, k, run.root, current, sampler, rng, max_delay,
-                                                        min_ops, breakage, modes, tuple(sides), result, bad),
-                        bad)
+                                                        min_ops, breakage, modes, tuple(sides), result, bad), bad)
             result.cuts += 1
     return result
 
