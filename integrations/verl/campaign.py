@@ -18,10 +18,12 @@ nothing doubled. After a restart's settle, a prompt is a finished group or in fl
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
 import os
 import random
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -209,8 +211,8 @@ def check(run: str, ops: list[dict[str, Any]], scratch: str, bad: Callable[[str]
     """Check the run's ledger and its checkpoints against the logged ``ops``; returns how many checkpoints loaded.
 
     Every ``lstart`` (what a child found) and the file now hold the last acknowledged state or that plus the call
-    in flight; every checkpoint under a final name loads, and an acknowledged one holds what the ledger held when
-    it was taken."""
+    in flight; the last acknowledged checkpoint exists, every checkpoint under a final name loads, and an
+    acknowledged one holds what the ledger held when it was taken."""
     ours = [op for op in ops if op["op"] in ("lstart", "lintent", *KINDS)]
     if not ours:
         return 0  # the crash came before the writer opened its ledger
@@ -227,7 +229,24 @@ def check(run: str, ops: list[dict[str, Any]], scratch: str, bad: Callable[[str]
             acked, pending = op["state"], None
             if op["op"] == "lsettle" and both(acked):
                 bad(f"after a restart's settle, prompts {both(acked)} are a finished group and in flight")
-    ledger = VerlLedger(os.path.join(run, LEDGER_FILE))
+    live = os.path.join(run, LEDGER_FILE)
+    acknowledged = sum(op["op"] in KINDS for op in ours)  # without one, a cut may have beaten the creation
+    if not os.path.isfile(live):
+        if acknowledged:
+            bad(f"the verl ledger {LEDGER_FILE} is gone after {acknowledged} acknowledged ledger operations")
+        return _check_checkpoints(run, ops, scratch, bad)
+    # A VerlLedger opens its file for writing (and would create a missing one); the file under ``run`` is a
+    # power-cut campaign's surviving image, which the next cut's filesystem starts from, so it must stay what the
+    # cut left: read a copy in ``scratch`` (the store's one file; the copy brings no lock file).
+    copy = os.path.join(scratch, "verl-live-copy.kv")
+    shutil.copyfile(live, copy)
+    try:
+        ledger = VerlLedger(copy)
+    except KvckptError as exc:
+        if acknowledged:
+            bad(f"the verl ledger {LEDGER_FILE} does not open after {acknowledged} acknowledged ledger operations: "
+                f"{type(exc).__name__}: {exc}")
+        return _check_checkpoints(run, ops, scratch, bad)
     try:
         now = state_of(ledger)
     finally:
@@ -240,8 +259,12 @@ def check(run: str, ops: list[dict[str, Any]], scratch: str, bad: Callable[[str]
 def _check_checkpoints(run: str, ops: list[dict[str, Any]], scratch: str, bad: Callable[[str], None]) -> int:
     held = {op["path"]: op["held"] for op in ops if op["op"] == "lckpt"}
     ids = {op["path"]: op["id"] for op in ops if op["op"] == "lckptid"}
+    files = sorted(glob.glob(os.path.join(run, "ckpt", CHECKPOINT_GLOB)))
+    last = [op["path"] for op in ops if op["op"] == "lckpt"][-1:]  # the newest name: keep_latest never deletes it
+    if last and last[0] not in {os.path.basename(p) for p in files}:
+        bad(f"acknowledged verl checkpoint {last[0]} is missing")
     loads = 0
-    for path in sorted(glob.glob(os.path.join(run, "ckpt", CHECKPOINT_GLOB))):
+    for path in files:
         name, target = os.path.basename(path), os.path.join(scratch, "verl-loaded.kv")
         store = ValueStore(target)
         try:
@@ -279,5 +302,16 @@ def _diff(got: dict[str, Any], want: dict[str, Any] | None) -> str:
     return "; ".join(parts) or "the same"
 
 
-#: The side workload the crash campaign runs (:mod:`kvckpt.testing.sides`).
-SIDE = Side(start, check)
+def tidy(run: str, ops: list[dict[str, Any]]) -> None:
+    """Between power cuts: delete a ledger no child acknowledged opening (no ``lstart``). It holds no promise,
+    and a cut during its creation can leave a file no open accepts (the run directory's entry made durable, by
+    another file's directory fsync or a ``random`` cut, before the ledger's first pages: a 0-byte file, refused as
+    truncated); the campaign drops it as it drops a run whose create was not acknowledged."""
+    if not any(op["op"] == "lstart" for op in ops):
+        for path in (os.path.join(run, LEDGER_FILE), os.path.join(run, LEDGER_FILE) + "-lock"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+#: The side workload the kill and power-cut campaigns run (:mod:`kvckpt.testing.sides`).
+SIDE = Side(start, check, tidy)

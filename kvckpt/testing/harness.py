@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,10 +124,14 @@ def start_writer(name: str, step: Callable[[], None], rng: random.Random,
 _FORK_SERVER: Any = None
 
 
-def fork_server() -> Any:
+def fork_server(preload: Sequence[str] = ()) -> Any:
     """A multiprocessing fork-server context whose server (a fresh interpreter) preloads the
     campaigns' modules and never opens a store, so each child forks in milliseconds with no LMDB
-    state inherited."""
+    state inherited.
+
+    ``preload``: more modules the server imports when this call is the first (a campaign's side workloads,
+    :mod:`kvckpt.testing.sides`, whose imports can take seconds); a server made earlier keeps its list, and
+    a child then imports them itself (slower, the same workload)."""
     global _FORK_SERVER
     if _FORK_SERVER is None:
         _FORK_SERVER = multiprocessing.get_context("forkserver")
@@ -137,7 +141,7 @@ def fork_server() -> Any:
         # where it finds no libfuse, is preloaded only where it imports.
         fuse = ["mfusepy"] if _imports("mfusepy") else []
         _FORK_SERVER.set_forkserver_preload(["__main__", "kvckpt.testing.kill", "kvckpt.testing.powercut",
-                                             *fuse, "torch"])
+                                             *fuse, "torch", *preload])
     return _FORK_SERVER
 
 

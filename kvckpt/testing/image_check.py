@@ -6,7 +6,11 @@ survives (:func:`kvckpt.testing.history.check_history`), exactly-once holds, eve
 row its producer generated, an acknowledged restore survived, the acknowledged checkpoint exists,
 and *every* file under a checkpoint name restores, verifies and agrees with the live store; the
 value store beside it holds what its acknowledged writes left and its checkpoints load
-(:func:`kvckpt.testing.values_workload.check_values`).
+(:func:`kvckpt.testing.values_workload.check_values`); each side workload's check
+(:mod:`kvckpt.testing.sides`) passes on the image.
+
+Nothing here writes to the image: the next cut's filesystem starts from it. The buffer and the value
+store open read-only; a side whose check must open its store for writing does so on a copy in ``scratch``.
 """
 
 from __future__ import annotations
@@ -15,17 +19,21 @@ import glob
 import hashlib
 import os
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 from kvckpt import KvckptError, ReplayBuffer, restore
 from kvckpt.testing.history import check_buffer, check_history, compare_checkpoint
+from kvckpt.testing.sides import load_side
 from kvckpt.testing.values_workload import check_values
 from kvckpt.testing.workload import CHECKPOINT_GLOB
 
 
 def check_image(image: str, timeline: str, ops: list[dict[str, Any]], scratch: str,
-                restored_before: dict[str, str] | None = None, rows_seen: set[bytes] | None = None) -> dict[str, Any]:
-    """Check the surviving ``image`` of run ``timeline`` against the acknowledged ``ops``.
+                restored_before: dict[str, str] | None = None, rows_seen: set[bytes] | None = None,
+                sides: Sequence[str] = ()) -> dict[str, Any]:
+    """Check the surviving ``image`` of run ``timeline`` against the acknowledged ``ops`` (and each side
+    workload of ``sides`` against them with its own check).
 
     ``restored_before`` maps checkpoint names to the digests of bytes that restored cleanly at an
     earlier cut; a file still holding those bytes is not restored again (same bytes, same outcome).
@@ -81,16 +89,18 @@ def check_image(image: str, timeline: str, ops: list[dict[str, Any]], scratch: s
         restored += 1
         restored_ok[name] = digest
     restored += check_values(run, ops, scratch, bad)  # at most two files: loaded at every cut
+    for side in sides:
+        restored += load_side(side).check(run, ops, scratch, bad)
     return {"operations_checked": len(ops), "checkpoints_restored": restored, "violations": found,
             "restored": restored_ok, "rows_seen": seen}
 
 
 def checker(image: str, timeline: str, ops: list[dict[str, Any]], scratch: str, restored_before: dict[str, str],
-            rows_seen: set[bytes], conn: Any) -> None:
+            rows_seen: set[bytes], sides: Sequence[str], conn: Any) -> None:
     """:func:`check_image` in a process of its own: sends its outcome (or the checker's crash, as a
     violation) down ``conn``."""
     try:
-        conn.send(check_image(image, timeline, ops, scratch, restored_before, rows_seen))
+        conn.send(check_image(image, timeline, ops, scratch, restored_before, rows_seen, sides))
     except BaseException as exc:
         conn.send({"operations_checked": 0, "checkpoints_restored": 0, "restored": restored_before,
                    "rows_seen": rows_seen, "violations": [

@@ -204,9 +204,9 @@ def run_child(chain: Chain, seed: int, rng: random.Random, max_delay: float, fre
         def reap() -> int:
             return proc.wait()
     else:
-        channel, sender = fork_server().Pipe(duplex=False)
-        child = fork_server().Process(target=_forked_child, args=(chain.run, seed, not chain.recovered, sender,
-                                                                   chain.sides))
+        server = fork_server(chain.sides)
+        channel, sender = server.Pipe(duplex=False)
+        child = server.Process(target=_forked_child, args=(chain.run, seed, not chain.recovered, sender, chain.sides))
         child.start()
         sender.close()
         pid = child.pid

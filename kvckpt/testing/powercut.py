@@ -17,6 +17,9 @@ Each cut:
    operations), SIGKILLs the child and unmounts;
 3. checks the image in another fresh process (:func:`kvckpt.testing.image_check.check_image`).
 
+Side workloads (:mod:`kvckpt.testing.sides`, ``sides=[...]``, ``--side MODULE``) run in each child on the
+mounted run directory beside the buffer's; the image check runs each side's check on the surviving image.
+
 :data:`BREAKAGES` names deliberately broken configurations (LMDB without ``sync``/``metasync``; a
 checkpoint renamed without fsyncing the file and its directory): a campaign run with one must
 report violations, which is how the campaign shows it can fail.
@@ -39,7 +42,7 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +52,7 @@ from kvckpt.testing import powerfs
 from kvckpt.testing.harness import CampaignRun, every, fork_server, in_fresh_process, report, tally
 from kvckpt.testing.history import WorkloadFindings
 from kvckpt.testing.image_check import checker
+from kvckpt.testing.sides import load_side
 from kvckpt.testing.values_workload import is_value_op
 from kvckpt.testing.workload import CHECKPOINT_GLOB, SAMPLERS, run_workload, workload_config
 
@@ -130,8 +134,10 @@ def _apply_breakage(breakage: str | None) -> None:
 
 
 def _child(mount: str, timeline: str, start: str, source: str | None, sampler: dict[str, Any], seed: int,
-           breakage: str | None, conn: Any, errpath: str) -> None:
-    """The workload on the mounted filesystem; ``start`` says how it opens the store."""
+           breakage: str | None, sides: Sequence[str], conn: Any, errpath: str) -> None:
+    """The workload on the mounted filesystem; ``start`` says how it opens the store. Each side workload of
+    ``sides`` starts once the run is acknowledged (its operations then follow the run's ``created`` or
+    ``restored``, which is where the parent's record of a run begins)."""
     fd = os.open(errpath, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(fd, 2)
     try:
@@ -155,6 +161,8 @@ def _child(mount: str, timeline: str, start: str, source: str | None, sampler: d
             if start == "recover":
                 plan = buf.recover()
                 log.append(op="recovered", leases=[lease.group_id for lease in plan.leases])
+        for side in sides:
+            load_side(side).start(run, log, seed)
         run_workload(buf, log, os.path.join(run, "ckpt"), seed, lambda: None)
     except BaseException:
         traceback.print_exc()
@@ -183,8 +191,8 @@ def _collect(conn: Any, into: list[bytes]) -> None:
 
 
 def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: random.Random, max_delay: float,
-             min_ops: int, breakage: str | None, modes: tuple[str, ...], result: PowercutResult,
-             bad: Callable[[str], None]) -> None:
+             min_ops: int, breakage: str | None, modes: tuple[str, ...], sides: Sequence[str],
+             result: PowercutResult, bad: Callable[[str], None]) -> None:
     mnt, image = os.path.join(root, "mnt"), os.path.join(root, f"image-{k:06d}")
     if chain.timeline is None:
         start, source = "create", None
@@ -198,13 +206,13 @@ def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: rando
     result.modes[mode] = result.modes.get(mode, 0) + 1
     errpath = os.path.join(root, "child.stderr")
     open(errpath, "wb").close()
-    ctx = fork_server()
+    ctx = fork_server(sides)
     fs = powerfs.mount(chain.image, mnt, ctx)
     messages: list[bytes] = []
     try:
         recv, send = ctx.Pipe(duplex=False)
         child = ctx.Process(target=_child, args=(mnt, timeline, start, source, sampler, rng.randrange(1 << 30),
-                                                 breakage, send, errpath), daemon=True)
+                                                 breakage, sides, send, errpath), daemon=True)
         child.start()
         send.close()
         reader = threading.Thread(target=_collect, args=(recv, messages), daemon=True)
@@ -254,7 +262,8 @@ def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: rando
     scratch = os.path.join(root, "scratch")
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(scratch)
-    outcome = in_fresh_process(checker, image, chain.timeline, chain.ops, scratch, chain.restored, chain.rows_seen)
+    outcome = in_fresh_process(checker, image, chain.timeline, chain.ops, scratch, chain.restored, chain.rows_seen,
+                               sides)
     chain.restored, chain.rows_seen = outcome["restored"], outcome["rows_seen"]
     result.count(ops)
     result.checkpoints_restored += outcome["checkpoints_restored"]
@@ -264,24 +273,28 @@ def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: rando
         shutil.copytree(image, os.path.join(root, f"violation-{k:06d}"))
         chain.timeline, chain.ops, chain.restored, chain.rows_seen = None, [], {}, set()
         return
-    _tidy(image, chain.timeline)
+    _tidy(image, chain.timeline, chain.ops, sides)
 
 
-def _tidy(image: str, timeline: str) -> None:
-    """Between power cycles, delete what no promise covers: runs other than the current one and
-    checkpoint copies a cut interrupted (never under a final name)."""
+def _tidy(image: str, timeline: str, ops: list[dict[str, Any]], sides: Sequence[str]) -> None:
+    """Between power cycles, delete what no promise covers: runs other than the current one,
+    checkpoint copies a cut interrupted (never under a final name) and what each side's ``tidy`` names."""
     for entry in os.listdir(image):
         if entry != timeline:
             shutil.rmtree(os.path.join(image, entry), ignore_errors=True)
     for partial in glob.glob(os.path.join(image, timeline, "ckpt", "*.partial")):
         os.unlink(partial)
+    for tidy in [load_side(side).tidy for side in sides]:
+        if tidy is not None:
+            tidy(os.path.join(image, timeline), ops)
 
 
 def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = None, chain: int = 10,
                           max_delay: float = 1.0, min_ops: int = 0, breakage: str | None = None,
                           modes: tuple[str, ...] = CUT_MODES, existing_store: bool = False,
                           minutes: float | None = None,
-                          progress: Callable[[PowercutResult], None] | None = None) -> PowercutResult:
+                          progress: Callable[[PowercutResult], None] | None = None,
+                          sides: Sequence[str] = ()) -> PowercutResult:
     """Cut the power under a live workload ``cuts`` times and check every promise after each cut.
 
     Args:
@@ -296,7 +309,7 @@ def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = N
         max_delay: longest wait (seconds) between the workload's start and the cut. Defaults to 1.
         min_ops: operations the workload logs after its start before the wait for the cut begins
             (cuts during start-up excepted), so a slow machine still checks a known number of
-            operations per cut. Defaults to 0.
+            operations per cut: the buffer's and the sides', not the value store's. Defaults to 0.
         breakage: one of :data:`BREAKAGES` to break durability on purpose (the campaign must then
             report violations). Defaults to None.
         modes: the cut modes drawn from, each cut at random (see :meth:`powerfs.PowerFS.cut`).
@@ -306,6 +319,9 @@ def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = N
             about other durability use it so a create bug cannot mask theirs. Defaults to False.
         minutes: start no cut after this many minutes (``result.cuts`` says how many ran).
         progress: called after every cut with the running result.
+        sides: modules of side workloads an integration plugs in (:mod:`kvckpt.testing.sides`): each child
+            runs them on the mounted run directory beside the buffer's workload, and each cut's image check
+            runs their checks on the surviving image.
 
     Raises:
         RuntimeError: powerfs cannot run here (:func:`kvckpt.testing.powerfs.unavailable` says why).
@@ -336,13 +352,13 @@ def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = N
                                     workload_config(sampler)).close()
             bad = run.reporter(f"cut {k}")
             run.guarded("cut cycle", functools.partial(_one_cut, k, run.root, current, sampler, rng, max_delay,
-                                                        min_ops, breakage, modes, result, bad), bad)
+                                                        min_ops, breakage, modes, tuple(sides), result, bad), bad)
             result.cuts += 1
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvckpt.testing.powercut --cuts N [--soak] [--break KIND]``; exits 1 when a
+    """``python -m kvckpt.testing.powercut --cuts N [--soak] [--break KIND] [--side MODULE]``; exits 1 when a
     violation was found, 2 when powerfs cannot run here."""
     parser = argparse.ArgumentParser(prog="python -m kvckpt.testing.powercut")
     parser.add_argument("--cuts", type=int, default=100)
@@ -359,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=CUT_MODES, default=None, help="only this cut mode (default: both)")
     parser.add_argument("--dir", default=None, help="keep the campaign's files here (default: a temp dir)")
     parser.add_argument("--minutes", type=float, default=None, help="start no cut after this long")
+    parser.add_argument("--side", action="append", default=[],
+                        help="module of a side workload to run and check too (kvckpt.testing.sides)")
     opts = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # unwind, so the mount is detached
     why = powerfs.unavailable()
@@ -370,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                                    breakage=opts.breakage,
                                    modes=(opts.mode,) if opts.mode else CUT_MODES,
                                    existing_store=opts.existing_store, minutes=opts.minutes,
-                                   progress=every(50, lambda r: r.cuts))
+                                   progress=every(50, lambda r: r.cuts), sides=opts.side)
     return report(result)
 
 

@@ -32,22 +32,31 @@ def test_kills_keep_every_acknowledged_ledger_call(tmp_path: Path) -> None:
     assert min(kinds.get(k, 0) for k in campaign.KINDS) > 0, kinds  # every ledger call kind, acknowledged
 
 
-def test_the_ledger_check_catches_a_file_that_differs_from_the_acknowledged_state(tmp_path: Path) -> None:
-    os.makedirs(tmp_path / "ckpt")
-    log = OpLog(str(tmp_path / "ops.jsonl"))
-    writer = campaign.LedgerWriter(str(tmp_path), log, seed=7)
+def _drive_ledger(run: Path) -> tuple[str, list[dict]]:
+    """60 ledger calls of the campaign's writer (seed 7) in ``run``; returns the run token and the log."""
+    os.makedirs(run / "ckpt")
+    log = OpLog(str(run / "ops.jsonl"))
+    writer = campaign.LedgerWriter(str(run), log, seed=7)
     writer.restart()
     for _ in range(60):
         writer.step()
-    token = writer.token
     writer.ledger.close()
-    ops = read_log(str(tmp_path / "ops.jsonl"))
+    ops = read_log(str(run / "ops.jsonl"))
     assert {op["op"] for op in ops} >= {"lcursor", "lprog", "lput", "lckpt"}
+    return writer.token, ops
+
+
+def _found(run: Path, ops: list[dict]) -> list[str]:
+    out: list[str] = []
+    campaign.check(str(run), ops, str(run), out.append)
+    return out
+
+
+def test_the_ledger_check_catches_a_file_that_differs_from_the_acknowledged_state(tmp_path: Path) -> None:
+    token, ops = _drive_ledger(tmp_path)
 
     def found(ops: list[dict]) -> list[str]:
-        out: list[str] = []
-        campaign.check(str(tmp_path), ops, str(tmp_path), out.append)
-        return out
+        return _found(tmp_path, ops)
 
     assert found(ops) == []
     # a write nobody acknowledged (the run token is the current one): the acknowledged state loses a prompt
@@ -60,3 +69,12 @@ def test_the_ledger_check_catches_a_file_that_differs_from_the_acknowledged_stat
         ledger.close()
     lost = found(ops)
     assert len(lost) == 1 and "holds what was not acknowledged" in lost[0] and victim in lost[0], lost
+
+
+def test_the_ledger_check_catches_a_missing_acknowledged_checkpoint(tmp_path: Path) -> None:
+    # what a checkpoint renamed without a directory fsync leaves after a power cut: the newest name is gone
+    _, ops = _drive_ledger(tmp_path)
+    assert _found(tmp_path, ops) == []
+    newest = [op["path"] for op in ops if op["op"] == "lckpt"][-1]
+    os.unlink(tmp_path / "ckpt" / newest)
+    assert _found(tmp_path, ops) == [f"acknowledged verl checkpoint {newest} is missing"]
