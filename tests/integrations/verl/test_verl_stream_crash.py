@@ -81,7 +81,8 @@ def test_sigkill_mid_generation_resumes_each_sample_from_its_durable_prefix(tmp_
         versions = result["resumed"][s]["versions"]
         assert versions == [0] * SYNC_AT + [1] * (BUDGET - SYNC_AT)  # the sync kept the earlier tokens' version
         assert (result["resumed"][s]["min"], result["resumed"][s]["max"]) == (0, 1)
-        assert result["left"][s] is None  # the finished sample's progress is dropped
+        left = result["left"][s]  # kept, done, until the put that ends its group (none here: no agent-loop worker)
+        assert left["done"] and left["tokens"] == result["resumed"][s]["tokens"]
     zombie = result["zombie_stats"]
     assert not result["zombie_changed"] and zombie["chunks"] == 0 and zombie["tokens"] == 0
     assert zombie["refused_calls"] >= 1 and zombie["refused_tokens"] == 3 * EVERY
