@@ -47,11 +47,11 @@ import transfer_queue as tq  # noqa: E402
 import verl  # noqa: E402
 from _verl_support import transferqueue  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import open_dict  # noqa: E402
 from kvckpt.integrations.verl.buffer import KvckptReplayBufferAsync  # noqa: E402
 from kvckpt.integrations.verl.client import AGENT_LOOP  # noqa: E402
 from kvckpt.integrations.verl.server import KvckptHttpServer  # noqa: E402
 from kvckpt.integrations.vllm.tiny_model import AdditionTask, ensure_tiny_model  # noqa: E402
+from omegaconf import open_dict  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ  # noqa: E402
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer  # noqa: E402
@@ -237,7 +237,8 @@ def main() -> None:
         buffer = KvckptReplayBufferAsync(trainer_mode="separate_async", trainer_config=config,
                                          max_off_policy_threshold=8, max_off_policy_strategy="drop",
                                          sampler_kwargs=config.trainer.v1.sampler.sampler_kwargs)
-        rollout = Rollout(config, model, AutoTokenizer.from_pretrained(model_path).eos_token_id, version=0 if MODE == "crash" else 1)
+        eos = AutoTokenizer.from_pretrained(model_path).eos_token_id
+        rollout = Rollout(config, model, eos, version=0 if MODE == "crash" else 1)
         stub = trainer(rollout, global_steps=1)
         if MODE == "crash":
             tq.save_checkpoint(os.path.join(WORK, "global_step_0", "transfer_queue"), metadata={"global_steps": 0})
