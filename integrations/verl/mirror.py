@@ -109,7 +109,7 @@ class Mirror:
         state = self.cursor() if dispatch else None
         if state is not None:
             return self.actor.set_cursor.remote(self.token, state_to_json(state), ledger_keys, values)
-        ended = [key for key, tag in zip(keys, tags or [], strict=True) if (tag or {}).get("status") in ENDED]
+        ended = [key for key, tag in zip(keys, tags, strict=True) if (tag or {}).get("status") in ENDED] if tags else []
         return self.actor.put.remote(self.token, ledger_keys, values, ended)
 
     def _clear_call(self, keys: list[str] | str, partition_id: str) -> Any:
