@@ -136,7 +136,7 @@ def status(uid: str) -> str | None:
 def wait_finished(uids: list[str]) -> None:
     deadline = time.monotonic() + 300
     while any(status(u) != "finished" for u in uids):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or "failure" in {status(u) for u in uids}:
             raise SystemExit(f"groups not finished: {[(u, status(u)) for u in uids]}")
         time.sleep(0.05)
 

@@ -83,8 +83,10 @@ def test_verls_reissue_resumes_each_inflight_sample_from_its_durable_prefix(resu
     generated = sum(BUDGET - durable[s]["tokens"] for s in MIDWAY)
     assert result["server"]["tokens"] == generated  # the restarted server made only the missing tails
     print(f"\nverl's re-issue, 2 sequences mid-generation: tokens in flight {sum(inflight[s] for s in MIDWAY)}, "
-          f"durable {sum(durable[s]['tokens'] for s in MIDWAY)}, regenerated {sum(regenerated.values())} "
-          f"(<= {EVERY} each), generated after the restart {generated}")
+          f"durable and resumed {sum(durable[s]['tokens'] for s in MIDWAY)}, regenerated {sum(regenerated.values())} "
+          f"(<= {EVERY} each), generated after the restart {generated}; 2 held in the window: "
+          f"{sum(inflight[s] for s in WINDOW)} in flight, {sum(durable[s]['tokens'] for s in WINDOW)} resumed, "
+          f"{sum(inflight[s] - durable[s]['tokens'] for s in WINDOW)} regenerated")
     for s in (*WINDOW, *MIDWAY):  # greedy resume is bit-exact: tokens and logprobs as an uninterrupted run's
         got, want = result["resumed"][s], result["expected"][s]
         assert (got["tokens"], got["logprobs"]) == (want["tokens"], want["logprobs"]), s
