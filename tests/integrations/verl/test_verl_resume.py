@@ -311,7 +311,7 @@ def test_the_put_ending_a_group_drops_its_progress_and_no_other_put_does(partiti
     _submit(partition_id, uid, "running", 1)
     key = _trajectory(partition_id, uid, 0, 1)
     chunk = {"uid": uid, "session": 0, "start": 0, "tokens": [1], "logprobs": [0.0], "versions": [0], "final": True}
-    ray.get(buffer.ledger.record_progress.remote(buffer.mirror.token, [chunk]))
+    ray.get(buffer.ledger.record_progress.remote(active().token, [chunk]))  # the run this process mirrors now
     tq.kv_batch_put(keys=[key], partition_id=partition_id,
                     fields=TensorDict({"ref_log_prob": torch.zeros(1, 3)}, batch_size=[1]))
     tq.kv_put(key=key, partition_id=partition_id, tag={"status": "success"})
