@@ -33,15 +33,12 @@ Stand-ins, each because it needs a GPU or a cluster:
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from _paths import TESTS
+from _phases import run_phase
 
 pytestmark = pytest.mark.verl
 pytest.importorskip("verl")
@@ -52,18 +49,7 @@ WINDOW, MIDWAY = ("p0/0", "p0/1"), ("p1/0", "p1/1")
 
 
 def _phase(work: Path, phase: str) -> int:
-    with open(work / f"{phase}.out", "w") as out:
-        proc = subprocess.Popen([sys.executable, str(RUN), phase, str(work)], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-    deadline = time.monotonic() + 400
-    try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return proc.returncode
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return run_phase(RUN, work, phase, deadline_s=400)
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from _paths import TESTS
+from _phases import run_phase
 
 pytestmark = pytest.mark.verl
 RUN = TESTS / "_verl_stream_run.py"  # a helper script of tests/, run in a fresh process
@@ -30,18 +27,7 @@ EVERY, BUDGET, KILL_AT, SYNC_AT = 8, 40, 29, 11
 
 
 def _phase(work: Path, phase: str) -> int:
-    with open(work / f"{phase}.out", "w") as out:
-        proc = subprocess.Popen([sys.executable, str(RUN), phase, str(work)], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-    deadline = time.monotonic() + 300
-    try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return proc.returncode
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return run_phase(RUN, work, phase, deadline_s=300)
 
 
 def test_verl_still_builds_its_server_from_the_name_kvckpt_replaces() -> None:
