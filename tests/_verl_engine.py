@@ -157,6 +157,8 @@ class TinyEngine:
         self.output_processor = _OutputProcessor()
         self.paused = False
         self.steps = 0
+        #: requests ``generate`` was called with (a resumed sample whose progress is done makes none)
+        self.admitted = 0
         #: called with the step number after each engine step (a test's fault-injection point)
         self.on_step: Any = None
         self._wake = asyncio.Event()
@@ -166,6 +168,7 @@ class TinyEngine:
                        **_: Any) -> Any:
         """vLLM ``AsyncLLM.generate``: yields the request's cumulative output after each step it gains a token."""
         request = _Request(request_id, list(prompt["prompt_token_ids"]), sampling_params)
+        self.admitted += 1
         self.output_processor.request_states[request_id] = request
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -219,6 +222,10 @@ class TinyEngine:
         if c.finish_reason is not None:
             request.queue.put_nowait(None)
             self.output_processor.request_states.pop(request.request_id, None)
+
+    def gather_next(self) -> None:
+        """Wait again for ``gather`` live requests before the next step (a later batch's requests start together)."""
+        self._gathering = True
 
     async def pause_generation(self, wait_for_inflight_requests: bool = False, clear_cache: bool = True) -> None:
         """vLLM's pause: abort every in-flight request (finish reason ``abort``), keep new ones queued."""

@@ -7,8 +7,9 @@ Each child restarts the run as verl does (``lrun`` :meth:`~.ledger.VerlLedger.op
 :meth:`~.ledger.VerlLedger.resume`, ``lsettle`` :meth:`~.ledger.VerlLedger.settle_progress` keeping the prompts in
 flight), then draws operations: ``lcursor`` (a dispatch: a prompt record and the dataloader cursor),
 ``lprog`` (a flush of token progress of an in-flight prompt, or the drop of a finished one's), ``lput`` (a prompt's
-group finished: its trajectories), ``lclear`` (a clear without a step), ``lconsume`` (a clear by a training step:
-marked once the ledger has a checkpoint), ``lckpt`` (a checkpoint, then the purge of the marks it covers) and
+group finished: its trajectories, the put that ends it deleting its token progress in that transaction),
+``lclear`` (a clear without a step), ``lconsume`` (a clear by a training step: marked once the ledger has a
+checkpoint), ``lckpt`` (a checkpoint, then the purge of the marks it covers) and
 ``lstale`` (a put of a replaced run, which must be refused). The writer keeps a model of what the ledger must hold
 (:func:`state_of`'s shape) and logs it before each call (``lintent``) and with each acknowledgement, so the checker
 compares the file after a kill with the last acknowledged state, or that plus the call in flight: nothing lost,
@@ -162,7 +163,9 @@ class LedgerWriter:
                 keys.append(record_key(PARTITION, trajectory, FIELD, "responses"))
                 values.append(encode_value(keys[-1], {"k": trajectory}, new_write_id(), 1))
                 after["items"][trajectory] = item_of(trajectory)
-            self._call(kind, after, lambda: self.ledger.put(self.token, keys, values))
+            # the put that ends the group deletes its samples' token progress in the same transaction
+            after["progress"] = {p: v for p, v in after["progress"].items() if p.split("/", 1)[0] != uid}
+            self._call(kind, after, lambda: self.ledger.put(self.token, keys, values, ended=[uid]))
         elif kind in ("lclear", "lconsume") and finished:
             uid = rng.choice(finished)
             keys = [k for k in model["items"] if k.split("_", 1)[0] == uid]

@@ -16,7 +16,11 @@ Select it in verl's config (``actor_rollout_ref.rollout.agent.default_agent_loop
 3. when verl's client returns (its own abort-resume loop finished), reads the sample back: the response is the
    durable tokens, logprobs and per-token weight versions (``extra_fields["token_versions"]``, which verl stores
    with the trajectory; ``min_global_steps`` / ``max_global_steps`` from them), checked equal to what the
-   server returned, then drops the sample's progress (one ledger transaction).
+   server returned. The sample's progress (marked done) stays: verl's worker stores the trajectory after reward
+   and teacher calls, and ``_reissue_inflight_prompts`` clears the trajectories of a prompt still in flight, so a
+   crash anywhere before the group ends would otherwise regenerate a finished sample. The put of the group's
+   ``finished`` / ``failure`` status deletes the progress of all its samples in its own transaction
+   (``VerlLedger.put``'s ``ended``); a re-issued sample whose progress is done generates nothing.
 
 A call made outside a sample, or in a process with no run (no mirror installed), is verl's, untouched.
 """
@@ -122,7 +126,6 @@ class ProgressClient:
         if versions:
             extra["min_global_steps"], extra["max_global_steps"] = min(versions), max(versions)
         output.extra_fields = extra
-        await ledger.record_progress.remote(mirror.token, [{"uid": uid, "session": session, "drop": True}])
         return output
 
 

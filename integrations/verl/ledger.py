@@ -143,13 +143,17 @@ class VerlLedger:
 
     # -- verl's TransferQueue calls -----------------------------------------------------------------
     @_exclusive
-    def put(self, token: str, keys: list[str], values: list[bytes]) -> None:
+    def put(self, token: str, keys: list[str], values: list[bytes], ended: list[str] | None = None) -> None:
         """One TransferQueue put of a process of run ``token``: its encoded records, one transaction.
+
+        ``ended``: the prompts whose groups this put ends (their ``finished`` / ``failure`` status): the token
+        progress of their samples is deleted in the same transaction (:func:`.progress_store.of_prompts`), so a
+        finished sample's progress lasts until its group's trajectories are all durable, and no longer.
 
         Raises:
             StaleRun: ``token`` is not the current run's.
         """
-        self._write(token, keys, values, [])
+        self._write(token, keys, values, progress_store.of_prompts(self._values, ended or []))
 
     @_exclusive
     def clear(self, token: str, partition_id: str, keys: list[str], consumed_step: int | None = None) -> int:

@@ -5,7 +5,8 @@ functions (``tq.kv_batch_put``, ``tq.async_kv_put``, ``tq.kv_clear``, ``tq.save_
 :func:`install` replaces those functions in this process with wrappers that first write the call's
 effect to the ledger as one transaction, refused for a process of an earlier run, and only then
 make TransferQueue's own call. So the ledger is never behind TransferQueue: whatever a worker saw
-acknowledged is in the file, and a refused write reaches neither.
+acknowledged is in the file, and a refused write reaches neither. The put that ends a prompt's group (its
+``finished`` / ``failure`` status, :data:`ENDED`) also deletes its samples' token progress, in that transaction.
 
 Worker processes join by configuration: :func:`publish` puts a :class:`MirrorRef` in the config
 TransferQueue's controller hands every process that calls ``tq.init()`` (verl's
@@ -47,6 +48,9 @@ _LEVEL = 1
 #: TransferQueue's functions the mirror replaces.
 _WRAPPED = ("kv_put", "kv_batch_put", "kv_clear", "kv_list", "async_kv_put", "async_kv_batch_put",
             "async_kv_clear", "save_checkpoint", "load_checkpoint")
+#: The statuses verl's ``AgentLoopWorkerTQ._run_prompt`` ends a prompt's group with, once every sample settled (a
+#: trajectory's own tag says ``success``): the put carrying one deletes the group's token progress.
+ENDED = ("finished", "failure")
 #: TransferQueue's own functions, captured before the first install.
 RAW: dict[str, Callable[..., Any]] = {}
 
@@ -105,7 +109,8 @@ class Mirror:
         state = self.cursor() if dispatch else None
         if state is not None:
             return self.actor.set_cursor.remote(self.token, state_to_json(state), ledger_keys, values)
-        return self.actor.put.remote(self.token, ledger_keys, values)
+        ended = [key for key, tag in zip(keys, tags, strict=True) if (tag or {}).get("status") in ENDED] if tags else []
+        return self.actor.put.remote(self.token, ledger_keys, values, ended)
 
     def _clear_call(self, keys: list[str] | str, partition_id: str) -> Any:
         keys = [keys] if isinstance(keys, str) else list(keys)

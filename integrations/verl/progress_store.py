@@ -102,6 +102,12 @@ def stale(values: ValueStore, keep_uids: set[str]) -> list[str]:
     return [k for k in values.keys(PROGRESS) if k[len(PROGRESS):].split("/", 1)[0] not in keep_uids]
 
 
+def of_prompts(values: ValueStore, uids: list[str]) -> list[str]:
+    """Every progress record of every sample of the prompts ``uids``: what the write that ends their groups (verl's
+    ``finished`` / ``failure`` status) deletes in the same transaction."""
+    return [key for uid in dict.fromkeys(uids) for key in values.keys(f"{PROGRESS}{uid}/")]
+
+
 def durable_length(values: ValueStore, uid: str, session: int) -> int:
     """How many of the sample's tokens are durable (its last chunk's start plus its length)."""
     chunks = [k for k in values.keys(progress_prefix(uid, session)) if k.endswith("/t")]

@@ -214,3 +214,31 @@ def test_a_restart_keeps_progress_only_of_the_prompts_it_reissues(tmp_path: Path
     assert ledger.settle_progress(token, ["kept"]) == 3  # the finished prompt's chunk: three records
     assert ledger.progress("done", 0) is None
     assert ledger.progress("kept", 0)["tokens"] == [1, 2] and ledger.progress("kept", 1)["tokens"] == [1, 2]
+
+
+def test_the_put_that_ends_a_group_drops_its_samples_progress_in_its_own_transaction(tmp_path: Path) -> None:
+    """``VerlLedger.put``'s ``ended``: the group's status and the deletion of its samples' progress are one write
+    transaction (a refused put does neither); a trajectory's put, and every other prompt's progress, keep it."""
+    from kvckpt.integrations.transferqueue.values import encode_value, new_write_id
+    from kvckpt.integrations.verl.errors import StaleRun
+    from kvckpt.integrations.verl.records import TAG, record_key
+
+    ledger, old = _ledger(tmp_path)
+    chunk = {"start": 0, "tokens": [1, 2], "logprobs": [0.0, 0.0], "versions": [0, 0], "final": True}
+    ledger.record_progress(old, [{**chunk, "uid": u, "session": s} for u in ("u", "u2") for s in (0, 1)])
+
+    def status(uid: str, value: str) -> tuple[list[str], list[bytes]]:
+        key = record_key("train", uid, TAG, "status")
+        return [key], [encode_value(key, value, new_write_id(), 1)]
+
+    ledger.put(old, *status("u_0_0", "success"))  # a trajectory stored: its sample's progress stays
+    assert ledger.progress("u", 0)["done"]
+    token = ledger.open_run()["token"]
+    with pytest.raises(StaleRun):
+        ledger.put(old, *status("u", "finished"), ended=["u"])
+    assert ledger.progress("u", 0)["done"] and ledger.snapshot()["items"] == {"train": {"u_0_0": {
+        "tags": {"status": "success"}, "fields": {}}}}
+    ledger.put(token, *status("u", "finished"), ended=["u"])
+    assert ledger.progress("u", 0) is None and ledger.progress("u", 1) is None
+    assert ledger.progress("u2", 0)["tokens"] == [1, 2] and ledger.progress("u2", 1)["done"]
+    assert ledger.snapshot()["items"]["train"]["u"] == {"tags": {"status": "finished"}, "fields": {}}

@@ -301,6 +301,26 @@ def test_reissue_noop_for_sync_mode(partition_id: str) -> None:
     assert stub._reissue_inflight_prompts(partition_id) == 0 and stub.agent_loop_manager.batches == []
 
 
+def test_the_put_ending_a_group_drops_its_progress_and_no_other_put_does(partition_id: str, buffer: Any) -> None:
+    """Through the mirror, called as verl calls it: a prompt's ``finished`` put (``AgentLoopWorkerTQ._run_prompt``)
+    deletes its samples' token progress; a trajectory's ``success`` put and a put of fields without tags (the
+    trainer writing ``ref_log_prob`` back, verl 0.9.1 ``trainer_base.py`` line 1717) keep it."""
+    from tensordict import TensorDict
+
+    uid = _uid()
+    _submit(partition_id, uid, "running", 1)
+    key = _trajectory(partition_id, uid, 0, 1)
+    chunk = {"uid": uid, "session": 0, "start": 0, "tokens": [1], "logprobs": [0.0], "versions": [0], "final": True}
+    ray.get(buffer.ledger.record_progress.remote(active().token, [chunk]))  # the run this process mirrors now
+    tq.kv_batch_put(keys=[key], partition_id=partition_id,
+                    fields=TensorDict({"ref_log_prob": torch.zeros(1, 3)}, batch_size=[1]))
+    tq.kv_put(key=key, partition_id=partition_id, tag={"status": "success"})
+    assert ray.get(buffer.ledger.progress.remote(uid, 0))["done"]
+    tq.kv_put(key=uid, partition_id=partition_id, tag={"status": "finished"})
+    assert ray.get(buffer.ledger.progress.remote(uid, 0)) is None
+    assert _ledger_tags(buffer, partition_id)[uid]["status"] == "finished"
+
+
 def test_save_load_roundtrip_restores_prompts(partition_id: str, tmp_path: Path) -> None:
     """verl line 358; the checkpoint is one ledger file plus its manifest."""
     pending, running, finished = _uid(), _uid(), _uid()

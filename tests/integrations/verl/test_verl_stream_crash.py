@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from _paths import TESTS
+from _phases import run_phase
 
 pytestmark = pytest.mark.verl
 RUN = TESTS / "_verl_stream_run.py"  # a helper script of tests/, run in a fresh process
@@ -30,18 +27,7 @@ EVERY, BUDGET, KILL_AT, SYNC_AT = 8, 40, 29, 11
 
 
 def _phase(work: Path, phase: str) -> int:
-    with open(work / f"{phase}.out", "w") as out:
-        proc = subprocess.Popen([sys.executable, str(RUN), phase, str(work)], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-    deadline = time.monotonic() + 300
-    try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return proc.returncode
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return run_phase(RUN, work, phase, deadline_s=300)
 
 
 def test_verl_still_builds_its_server_from_the_name_kvckpt_replaces() -> None:
@@ -81,7 +67,8 @@ def test_sigkill_mid_generation_resumes_each_sample_from_its_durable_prefix(tmp_
         versions = result["resumed"][s]["versions"]
         assert versions == [0] * SYNC_AT + [1] * (BUDGET - SYNC_AT)  # the sync kept the earlier tokens' version
         assert (result["resumed"][s]["min"], result["resumed"][s]["max"]) == (0, 1)
-        assert result["left"][s] is None  # the finished sample's progress is dropped
+        left = result["left"][s]  # kept, done, until the put that ends its group (none here: no agent-loop worker)
+        assert left["done"] and left["tokens"] == result["resumed"][s]["tokens"]
     zombie = result["zombie_stats"]
     assert not result["zombie_changed"] and zombie["chunks"] == 0 and zombie["tokens"] == 0
     assert zombie["refused_calls"] >= 1 and zombie["refused_tokens"] == 3 * EVERY
