@@ -32,12 +32,20 @@ def free_port() -> int:
 
 
 class VLLMServer:
-    """``vllm serve MODEL`` on 127.0.0.1 (float32, eager, no prefix caching), stopped on exit."""
+    """``vllm serve MODEL`` on 127.0.0.1 (float32, eager, no prefix caching), stopped on exit.
 
-    def __init__(self, model: str, log_path: str, *, max_model_len: int = 256) -> None:
+    ``max_num_seqs=1`` makes the server run one sequence per engine step: vLLM's CPU kernels round
+    differently with the batch's size (a CI run saw one logprob of 64 differ in its seventh digit
+    between a sequence batched with others and the same sequence alone), so a test that compares
+    logprobs bit for bit against a run alone needs every run alone. ``None`` keeps vLLM's default.
+    """
+
+    def __init__(self, model: str, log_path: str, *, max_model_len: int = 256,
+                 max_num_seqs: int | None = None) -> None:
         self.model, self.log_path, self.port = model, log_path, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> VLLMServer:
@@ -46,6 +54,8 @@ class VLLMServer:
         cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--host", "127.0.0.1",
                "--port", str(self.port), "--dtype", "float32", "--max-model-len", str(self.max_model_len),
                "--enforce-eager", "--no-enable-prefix-caching", "--seed", "0"]
+        if self.max_num_seqs is not None:
+            cmd += ["--max-num-seqs", str(self.max_num_seqs)]
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)

@@ -8,7 +8,8 @@ every 8 tokens.
 
 Run 1 is SIGKILLed mid-stream once checkpoint-1 is complete; run 2 resumes from the last complete
 checkpoint with TRL's ``resume_from_checkpoint``. The reference is each interrupted prompt generated
-uninterrupted by the same server with the same request (greedy: ``top_k=1``). Skipped where TRL,
+uninterrupted by the same server with the same request (greedy: ``top_k=1``); the server runs one
+sequence per engine step, so a logprob never depends on what else was batched with it. Skipped where TRL,
 vLLM or ``.venv-vllm`` is missing.
 """
 
@@ -40,7 +41,7 @@ def server(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("trl-server")
     model = ensure_tiny_model(str(work / "model"))
-    with VLLMServer(model, str(work / "server.log")) as srv:
+    with VLLMServer(model, str(work / "server.log"), max_num_seqs=1) as srv:  # logprobs compared bit for bit
         yield model, srv
 
 
