@@ -15,6 +15,8 @@ TRL 1.16.0's ``AsyncGRPOTrainer`` assumes a GPU in exactly two places on the pat
 On the vLLM-server path (tests/integrations/trl/test_trl_server.py) a third: TRL's NCCL weight transfer into the
 server (:class:`ServerWeightTransferOnCPU`; its readiness wait, ``/pause`` and ``/resume`` stay TRL's).
 
+The kill probes share :func:`make_room` (the one step of the dataloader's they take themselves).
+
 Nothing else is replaced: the trainer, its dataloader, batcher, collator, loss, optimizer,
 checkpointing and ``resume_from_checkpoint`` are TRL's and transformers' own. The integration
 (``kvckpt.integrations.trl``) never imports this module.
@@ -46,6 +48,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         mask = torch.ones(qe - qs, ke - ks, dtype=torch.bool).tril(diagonal=(ke - ks) - (qe - qs))
         out[qs:qe] = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=softmax_scale).transpose(0, 1)
     return out
+
+
+def make_room(buffer) -> None:
+    """Claim the oldest ready group of a full store with nothing in flight, as TRL's dataloader reading
+    ahead would. A kill probe holds the trainer's thread, so nothing else frees capacity, and a worker
+    that found the store full waits on capacity, never reaching the point the probe waits for."""
+    if not buffer.admissible() and not buffer.ledger():
+        ready = sorted(buffer.groups(["ready"]), key=lambda g: (g.start_weight, g.prompt_idx))
+        if ready:
+            buffer.claim([ready[0].group_id])
 
 
 def install_cpu_stand_ins() -> None:

@@ -23,12 +23,11 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from trl_cpu import ServerWeightTransferOnCPU, install_cpu_stand_ins
+from trl_cpu import ServerWeightTransferOnCPU, install_cpu_stand_ins, make_room
 
 
 def main() -> None:
@@ -78,12 +77,15 @@ def main() -> None:
     class HoldAfterTheCheckpoint(TrainerCallback):
         """Once ``kill_after_step``'s checkpoint is saved, the trainer waits for the kill: a run that
         trained on from ready groups could otherwise end (exit 0) before the generation thread saw a
-        sample with a durable prefix and tokens after it. The step freed capacity, so the worker
-        admits and generates again, and its hook kills this process."""
+        sample with a durable prefix and tokens after it. While it waits, it makes room in a full
+        store, so the worker admits and generates again, and its hook kills this process."""
 
         def on_save(self, args, state, control, **kwargs):
             if cfg.get("kill_after_step") and state.global_step == cfg["kill_after_step"]:
-                threading.Event().wait()
+                while True:  # until the generation thread's hook kills this process
+                    make_room(worker.buffer)
+                    worker.check_health(0)
+                    worker.buffer.wait_for_change(0.1)
 
     worker = KvckptRolloutWorker(os.path.join(cfg["workdir"], "buffer.kv"), cfg["model"], dataset, [reward], args,
                                  capacity=8, retain_consumed=True, progress_every_tokens=cfg["every"],
