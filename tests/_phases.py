@@ -1,11 +1,12 @@
 """One phase of a fresh-process crash test: a helper script of tests/ run in a session of its own.
 
 Imported by tests/integrations/verl/test_verl_stream_crash.py and test_verl_reissue_crash.py (stdlib only, so the
-main suite collects them without verl).
+main suite collects them without verl), and by their phase scripts (:func:`write_json`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -30,3 +31,14 @@ def run_phase(script: Path, work: Path, phase: str, *, deadline_s: float = 400) 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def write_json(work: str, name: str, value: object) -> None:
+    """Write ``value`` to ``work/name`` durably and whole (a temporary file, fsynced, renamed): a phase's report,
+    which a kill of its own process group right after must not leave half written."""
+    path = os.path.join(work, name)
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)

@@ -37,6 +37,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _phases import write_json
 from _verl_engine import InProcessHandle, OneServerBalancer, TinyEngine, install_vllm_standin, make_server
 
 install_vllm_standin()
@@ -63,15 +64,6 @@ ACTOR = "kvckpt_verl_reissue"
 EVERY, BUDGET, KILL_AT, N = 8, 40, 29, 2
 WINDOW, MIDWAY = "p0", "p1"  # held in the window after generation / killed mid-generation
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-
-
-def write_json(name: str, value: object) -> None:
-    path = os.path.join(WORK, name)
-    with open(path + ".tmp", "w") as f:
-        json.dump(value, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
 
 
 def verl_config(model_path: str, registry: str) -> Any:
@@ -179,7 +171,7 @@ def crash(rollout: Rollout, stub: Any, texts: list[str], token: str) -> None:
         await progress.idle()
         inflight = {f"{s.key.uid}/{s.key.session}": s.durable + len(s.ids) for s in progress.samples}
         inflight.update({f"{WINDOW}/{s}": BUDGET for s in range(N)})  # generated whole, held before the put
-        write_json("killed.json", {"token": token, "inflight": inflight, "held": held})
+        write_json(WORK, "killed.json", {"token": token, "inflight": inflight, "held": held})
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
     def on_step(n: int) -> None:
@@ -216,7 +208,7 @@ def resume(rollout: Rollout, stub: Any, texts: list[str], buffer: Any) -> None:
     dispatch(stub, ["r0", "r1"], texts)
     wait_finished(["r0", "r1"])
     reference = trajectories(["r0", "r1"])
-    write_json("result.json", {
+    write_json(WORK, "result.json", {
         "killed": killed, "statuses": statuses, "reissued": reissued, "restored": buffer.restored,
         "durable": {k: {"tokens": len(v["tokens"]), "done": v["done"], "versions": v["versions"]} if v else None
                     for k, v in before.items()},

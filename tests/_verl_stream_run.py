@@ -30,6 +30,7 @@ import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _phases import write_json
 from _verl_engine import InProcessHandle, OneServerBalancer, TinyEngine, install_vllm_standin, make_server
 
 install_vllm_standin()
@@ -52,15 +53,6 @@ ACTOR = "kvckpt_verl_stream"
 EVERY, BUDGET, SYNC_STEP, KILL_STEP = 8, 40, 11, 29
 SAMPLES = [("p0", 0), ("p0", 1), ("p1", 0), ("p1", 1)]
 ZOMBIE_TOKENS = 3 * EVERY
-
-
-def write_json(name: str, value: object) -> None:
-    path = os.path.join(WORK, name)
-    with open(path + ".tmp", "w") as f:
-        json.dump(value, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
 
 
 class World:
@@ -110,7 +102,8 @@ async def crash(model: torch.nn.Module, eos: int, prompts: dict[str, list[int]],
         await world.server.kvckpt_progress.idle()
         inflight = {f"{s.key.uid}/{s.key.session}": s.durable + len(s.ids)
                     for s in world.server.kvckpt_progress.samples}
-        write_json("killed.json", {"token": token, "inflight": inflight, "stats": world.server.kvckpt_progress.stats})
+        write_json(WORK, "killed.json",
+                   {"token": token, "inflight": inflight, "stats": world.server.kvckpt_progress.stats})
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
     def on_step(n: int) -> None:
@@ -149,7 +142,7 @@ async def resume(model: torch.nn.Module, eos: int, prompts: dict[str, list[int]]
     reference.sync_at(SYNC_STEP)
     expected = await asyncio.gather(*(reference.sample(f"ref-{uid}", s, prompts[uid]) for uid, s in SAMPLES))
     left = progress()
-    write_json("result.json", {
+    write_json(WORK, "result.json", {
         "killed": killed, "durable": durable, "zombie_stats": zombie.server.kvckpt_progress.stats,
         "zombie_changed": json.dumps(before) != json.dumps(after), "resumed": dict(zip(durable, resumed, strict=True)),
         "expected": dict(zip(durable, expected, strict=True)), "client": world.client.stats,
