@@ -9,8 +9,12 @@ from kvckpt.tables.view import BufferView
 
 
 class ReadyFirstSampler(GatedStalenessSampler):
-    """Eligible: ready and ``start_weight <= cur`` (no lower bound); dispatch order. Gated by W;
+    """Eligible: ready and ``lineage_weight <= cur`` (no lower bound); dispatch order. Gated by W;
     never evicts, never aborts. Needs importance-sampling correction in the trainer.
+
+    A group forked by a rollback (its lineage weight is below the fork, so below ``cur``) is
+    eligible at once in dispatch order, also when its stamp is ahead of ``cur``: its staleness is
+    its tree distance, unbounded here as every staleness is.
 
     Args:
         max_staleness_versions: W, the admission gate. Defaults to 1.

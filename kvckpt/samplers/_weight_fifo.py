@@ -9,10 +9,16 @@ from kvckpt.tables.view import BufferView
 
 
 class WeightFifoSampler(GatedStalenessSampler):
-    """w* = the smallest ``start_weight`` in the window over ready *and in-flight* groups;
-    eligible: ready groups with ``start_weight == w*`` in dispatch order. An in-flight group of
+    """w* = the smallest lineage weight in ``[cur-W, cur]`` over ready *and in-flight* groups;
+    eligible: ready groups with lineage weight ``w*`` in dispatch order. An in-flight group of
     the oldest weight therefore holds back younger weights ("waits for the oldest weight's batch
     to fill"). Gated by W; evicts ready groups below the window.
+
+    After a rollback, groups forked onto the destroyed lineage are the stalest in the window (their
+    tree distance is at least ``cur - fork``), so they drain first, and a forked in-flight prompt
+    holds back on-lineage groups exactly as an on-lineage one of the oldest weight does, until it
+    commits, is aborted or falls out of the window as the trainer advances (docs/buffer.md,
+    "Samplers").
 
     Args:
         max_staleness_versions: W. Defaults to 1.

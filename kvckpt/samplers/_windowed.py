@@ -10,12 +10,14 @@ from kvckpt.tables.view import BufferView
 
 
 class WindowedSampler(Sampler):
-    """Eligible: ready and ``max(0, cur-W) <= start_weight <= cur``; dispatch order, or freshest
-    weight first (``sample_freshest_first``). Ungated. Evicts and aborts below the window.
+    """Eligible: ready and ``cur-W <= lineage_weight <= cur`` (staleness, the distance in the version
+    tree, within W; no clamp at 0: a group forked by a rollback has a negative lineage weight
+    whenever its stamp is more than twice the fork); dispatch order, or freshest first
+    (``sample_freshest_first``). Ungated. Evicts and aborts below the window.
 
     Args:
         max_staleness_versions: W. Defaults to 1.
-        sample_freshest_first: order by ``(cur - start_weight, dispatch order)``. Defaults to False.
+        sample_freshest_first: order by ``(cur - lineage_weight, dispatch order)``. Defaults to False.
     """
 
     name = "windowed"

@@ -56,7 +56,8 @@ class Sampler:
         return iter(())
 
     def should_abort_inflight(self, start_weight: int, current: int) -> bool:
-        """Whether an in-flight rollout dispatched at ``start_weight`` is useless at ``current``."""
+        """Whether an in-flight rollout whose lineage weight is ``start_weight`` (its stamp, unless a
+        recovery forked it: :attr:`kvckpt.LedgerEntry.lineage_weight`) is useless at ``current``."""
         return False
 
     def inflight_to_abort(self, view: BufferView, current: int) -> Iterator[str]:
@@ -119,8 +120,14 @@ class GatedStalenessSampler(Sampler):
 
 
 def window_floor(current: int, window: int) -> int:
-    """The lowest selectable weight version: ``max(0, current - window)``."""
-    return max(0, current - window)
+    """The lowest selectable lineage weight: ``current - window``, never clamped at 0.
+
+    Staleness is ``current - lineage_weight`` (:func:`kvckpt.tables.records.lineage_weight`), and a
+    group a recovery to ``f`` left on a destroyed lineage has the lineage weight ``2f - v``, below 0
+    whenever ``v > 2f``: a floor clamped at 0 would put every such group out of the window whatever
+    its tree distance (issue 46). On the trained lineage every stamp is ``>= 0``, so the clamp never
+    changed anything there."""
+    return current - window
 
 
 def check_window(name: str, value: Any) -> int:

@@ -4,7 +4,10 @@ A :class:`BufferView` wraps the current transaction: a sampler's decision and th
 to are one transaction, and the sampler never holds a handle of its own. Every weight a query
 takes or returns is a *lineage weight* (:func:`kvckpt.tables.records.lineage_weight`): the
 ``start_weight`` stamp on the trained lineage, ``2f - start_weight`` for a group a recovery to
-``f`` left on a destroyed lineage, so ``current - weight`` is always the staleness. Every query reads only
+``f`` left on a destroyed lineage, so ``current - weight`` is always the staleness. Such a weight is
+negative whenever the stamp is more than twice the fork, and the keys order it correctly (signed,
+offset: :func:`kvckpt.storage.keys.i64`), so a window's bounds are passed as they are, never
+clamped at 0. Every query reads only
 the indexes (seeks and short scans), so selecting a batch costs O(batch · log n) whatever the
 number of buffered groups.
 """
@@ -44,12 +47,12 @@ class BufferView:
         return lineage_weight(doc["start_weight"], doc.get("lineage_fork"))
 
     def ready_with_weight(self, weight: int) -> Iterator[str]:
-        """Ready groups whose ``start_weight`` equals ``weight``."""
+        """Ready groups whose lineage weight equals ``weight``."""
         for _, gid in self._scan(keys.READY_BY_WEIGHT + keys.i64(weight)):
             yield gid.decode()
 
     def ready_in_weight_range(self, lo: int, hi: int) -> Iterator[str]:
-        """Ready groups with ``lo <= start_weight <= hi``, merged into dispatch order."""
+        """Ready groups with a lineage weight in ``[lo, hi]``, merged into dispatch order."""
         streams = []
         for weight in self._weights(keys.READY_BY_WEIGHT, lo, hi):
             streams.append(((key[-8:], gid.decode()) for key, gid in
@@ -58,7 +61,7 @@ class BufferView:
             yield gid
 
     def ready_below_weight(self, lo: int) -> Iterator[str]:
-        """Ready groups with ``start_weight < lo``."""
+        """Ready groups with a lineage weight below ``lo`` (by weight, then dispatch order)."""
         stop = keys.READY_BY_WEIGHT + keys.i64(lo)
         for _, gid in self._scan(keys.READY_BY_WEIGHT, stop=stop):
             yield gid.decode()
@@ -74,12 +77,12 @@ class BufferView:
             yield gid.decode()
 
     def pending_below_weight(self, lo: int) -> Iterator[str]:
-        """In-flight (ledger) groups with ``start_weight < lo``."""
+        """In-flight (ledger) groups with a lineage weight below ``lo`` (by weight, then dispatch order)."""
         for _, gid in self._scan(keys.PENDING_BY_WEIGHT, stop=keys.PENDING_BY_WEIGHT + keys.i64(lo)):
             yield gid.decode()
 
     def min_weight(self, lo: int, hi: int, include_pending: bool) -> int | None:
-        """The smallest ``start_weight`` in ``[lo, hi]`` over ready (and optionally in-flight) groups."""
+        """The smallest lineage weight in ``[lo, hi]`` over ready (and optionally in-flight) groups."""
         found = [w for w in (self._first_weight(keys.READY_BY_WEIGHT, lo, hi),
                              self._first_weight(keys.PENDING_BY_WEIGHT, lo, hi) if include_pending else None)
                  if w is not None]

@@ -274,7 +274,7 @@ class Model:
 
     @property
     def floor(self) -> int:
-        return max(0, self.tv - self.window)
+        return self.tv - self.window  # no clamp: a forked group's lineage weight may be negative
 
     def eligible(self) -> list[str]:
         ready, lo, cur = self.having("ready"), self.floor, self.tv

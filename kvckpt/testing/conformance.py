@@ -216,7 +216,7 @@ def check_evict_abort_consistent(sampler: Sampler, directory: str) -> list[str]:
         for later in _versions(sampler, current):
             if selectable := evictable & set(sampler.eligible(view, later)):
                 found.append(f"evictable at version {current} but eligible at {later}: {sorted(selectable)[:5]}")
-        expected = {e.group_id for e in buf.ledger() if sampler.should_abort_inflight(e.start_weight, current)}
+        expected = {e.group_id for e in buf.ledger() if sampler.should_abort_inflight(e.lineage_weight, current)}
         got = list(sampler.inflight_to_abort(view, current))
         if set(got) != expected or len(got) != len(set(got)):
             found.append(f"at version {current}: inflight_to_abort yields {sorted(got)}, but should_abort_inflight "

@@ -39,10 +39,10 @@ class _Fifo(GatedStalenessSampler):
     name = "conformance-fifo"
 
     def eligible(self, view: BufferView, current: int) -> Iterator[str]:
-        return view.ready_in_weight_range(max(0, current - self.window), current)
+        return view.ready_in_weight_range(current - self.window, current)
 
     def evictable(self, view: BufferView, current: int) -> Iterator[str]:
-        return view.ready_below_weight(max(0, current - self.window))
+        return view.ready_below_weight(current - self.window)
 
 
 @register
