@@ -512,6 +512,14 @@ MUTATIONS += (
              (f"{CONFIGS}::test_nemo_rl_refuses_an_unknown_key_naming_its_section_and_file",)),
 )
 
+# issue 46: the destroyed-lineage rule inside every window; aimed tests for the promises of issues 36-39.
+WINDOWS = "tests/core/test_lineage_windows.py"
+MUTATIONS += (
+    Mutation("window-floor-clamped-at-zero", "kvckpt/samplers/base.py",
+             "    return current - window\n", "    return max(0, current - window)\n",
+             (f"{WINDOWS}::test_a_rollback_to_zero_keeps_forked_groups_inside_the_window",)),
+)
+
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and
     map ``integrations``/``reference``/``tools`` into the package the way the build does."""
