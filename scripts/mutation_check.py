@@ -518,6 +518,16 @@ MUTATIONS += (
     Mutation("window-floor-clamped-at-zero", "kvckpt/samplers/base.py",
              "    return current - window\n", "    return max(0, current - window)\n",
              (f"{WINDOWS}::test_a_rollback_to_zero_keeps_forked_groups_inside_the_window",)),
+    Mutation("client-future-result-does-not-drive", "integrations/ray/client.py",
+             "        if not self.done():\n            self._drive(self)\n        return super().result(timeout)",
+             "        return super().result(timeout)",
+             ("tests/integrations/ray/test_ray_client_future.py::"
+              "test_a_queued_progress_step_completes_when_waited_on_without_flush",)),
+    Mutation("client-future-drive-leaves-its-step-queued", "integrations/ray/client.py",
+             "            if any(f is future for _, f in self._pending_steps):\n"
+             "                self._send_steps()\n", "",
+             ("tests/integrations/ray/test_ray_client_future.py::"
+              "test_a_queued_progress_step_completes_when_waited_on_without_flush",)),
 )
 
 def copy_tree(dest: Path, rev: str | None) -> None:

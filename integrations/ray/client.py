@@ -15,9 +15,10 @@ from the actor's ``recovery_plan()``. """
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,30 @@ from kvckpt import (
 from kvckpt.errors import BadArgument, KvckptError
 
 
+class ClientFuture(Future):
+    """A :class:`~concurrent.futures.Future` of a :class:`BufferClient` that completes on its own
+    when waited on: :meth:`result` and :meth:`exception` first drive the client (send the queued
+    call that carries this item and reap the calls ahead of it and its own, in order, with the
+    client's retries) until this future is done, so a producer that waits without
+    :meth:`BufferClient.flush` never hangs. The drive blocks until the owner answers (or the
+    retries are spent), then ``timeout`` applies. ``concurrent.futures.wait``, ``as_completed`` and
+    done-callbacks do not drive: call :meth:`BufferClient.flush` first, or wait with :meth:`result`."""
+
+    def __init__(self, drive: Callable[[Future[Any]], None]) -> None:
+        super().__init__()
+        self._drive = drive
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            self._drive(self)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            self._drive(self)
+        return super().exception(timeout)
+
+
 @dataclass
 class _Call:
     payload: Any  # the items, resent as they are after an actor restart
@@ -57,9 +82,10 @@ class BufferClient:
     :meth:`commit` queues a group and returns a :class:`~concurrent.futures.Future` of its
     :class:`~kvckpt.CommitResult`. Every ``batch_groups`` queued commits go out as one call; at
     most ``max_in_flight`` calls are outstanding (the oldest is awaited before another is sent).
-    Futures complete while :meth:`commit`, :meth:`commit_sample` or :meth:`flush` run: call
-    :meth:`flush` (or leave the ``with`` block) before waiting on them. Not thread-safe: one client
-    per producer thread.
+    Futures complete while :meth:`commit`, :meth:`commit_sample` or :meth:`flush` run, and when
+    waited on: their :meth:`~ClientFuture.result` sends what carries them and reaps the replies
+    (:class:`ClientFuture`), so waiting without :meth:`flush` never hangs. One client per producer
+    thread (a future may be waited on from another thread: the client's state is locked).
 
     Args:
         actor: a :class:`~kvckpt.integrations.ray.actor.BufferActor` handle.
@@ -96,6 +122,7 @@ class BufferClient:
         self.restart_timeout = restart_timeout
         self._pending: list[tuple[dict[str, Any], Future[CommitResult]]] = []
         self._in_flight: deque[_Call] = deque()
+        self._lock = threading.RLock()  # a ClientFuture may be waited on (and drive) from another thread
         #: record_progress_steps' order tag: this client's id and its next call's sequence number.
         self._client_id = uuid.uuid4().hex
         self._next_seq = 0
@@ -124,7 +151,8 @@ class BufferClient:
         Every ``batch_steps`` queued messages go out as one actor call (one durable transaction
         with whatever else the owner is writing), pipelined like commits; the future's result is
         the per-sequence list of :meth:`kvckpt.ReplayBuffer.record_progress_step` (where each chunk
-        ends, or the error that refused that sequence). Call :meth:`flush` before waiting on it.
+        ends, or the error that refused that sequence). Waiting on it (:meth:`ClientFuture.result`)
+        sends it and reaps its reply: no :meth:`flush` is needed.
 
         In order: each call carries this client's id, its sequence number and the oldest call still
         unacknowledged, and the actor queues this client's calls for the store in that order (an
@@ -138,7 +166,7 @@ class BufferClient:
         :class:`~kvckpt.MalformedMessage` (or the edge encoder's refusal) for the message as a whole,
         or the Ray error if the actor stayed unreachable through every retry.
         """
-        future: Future[list[Any]] = Future()
+        future: Future[list[Any]] = ClientFuture(self._drive)
         if isinstance(step, (ProgressMessage, bytes, bytearray, memoryview)):
             value = bytes(step.value if isinstance(step, ProgressMessage) else step)
         else:
@@ -147,9 +175,10 @@ class BufferClient:
             except KvckptError as exc:  # refused here, before it costs the owner anything
                 future.set_exception(exc)
                 return future
-        self._pending_steps.append((value, future))
-        if len(self._pending_steps) >= self.batch_steps:
-            self._send_steps()
+        with self._lock:
+            self._pending_steps.append((value, future))
+            if len(self._pending_steps) >= self.batch_steps:
+                self._send_steps()
         return future
 
     def progress_encoder(self) -> ProgressEncoder:
@@ -187,10 +216,11 @@ class BufferClient:
 
     def flush(self) -> None:
         """Send what is queued and wait until every outstanding call is answered."""
-        self._send()
-        self._send_steps()
-        while self._in_flight:
-            self._reap(self._in_flight.popleft())
+        with self._lock:
+            self._send()
+            self._send_steps()
+            while self._in_flight:
+                self._reap(self._in_flight.popleft())
 
     @property
     def outstanding(self) -> int:
@@ -204,8 +234,19 @@ class BufferClient:
         self.flush()
 
     # -- internals -------------------------------------------------------------------------------
+    def _drive(self, future: Future[Any]) -> None:
+        """Until ``future`` is done: send the queued call that carries it, then reap the calls in
+        flight in order (those ahead of its own first, as :meth:`flush` would)."""
+        with self._lock:
+            if any(f is future for _, f in self._pending):
+                self._send()
+            if any(f is future for _, f in self._pending_steps):
+                self._send_steps()
+            while not future.done() and self._in_flight:
+                self._reap(self._in_flight.popleft())
+
     def _queue(self, item: dict[str, Any], rows: Any) -> Future[CommitResult]:
-        future: Future[CommitResult] = Future()
+        future: Future[CommitResult] = ClientFuture(self._drive)
         if self._encoder is None:
             item["rows"] = to_wire(rows[item["index"]] if "index" in item else rows)
         else:
@@ -215,9 +256,10 @@ class BufferClient:
                 future.set_exception(exc)
                 return future
             item["encoded"] = [row.to_dict() for row in encoded]
-        self._pending.append((item, future))
-        if len(self._pending) >= self.batch_groups:
-            self._send()
+        with self._lock:
+            self._pending.append((item, future))
+            if len(self._pending) >= self.batch_groups:
+                self._send()
         return future
 
     def _send(self) -> None:
