@@ -218,7 +218,11 @@ class ReplayBuffer:
             timeout: seconds to wait for the gate and capacity; ``0`` does not wait, ``math.inf``
                 waits forever. Defaults to the config's ``wait_timeout``.
             weight_version: the rollout weight version the prompts are generated with
-                (``start_weight``). Defaults to the buffer's current weight version.
+                (``start_weight``). Defaults to the buffer's current weight version. It may be
+                ahead of the store's trainer and weight versions (NeMo-RL reserves with its
+                generation weights before its trainer's step reaches the store); only a recovery
+                given an older ``resume_version`` treats such a stamp as destroyed weights
+                (docs/recovery.md, "Stamps after a rollback").
             admission: join an admission :meth:`advance_dispatch` already made instead of making
                 one: no gate wait and no cursor advance; the prompts get its ``admission_id`` and
                 ``target_step`` (only capacity is waited for). Defaults to a new admission.

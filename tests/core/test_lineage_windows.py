@@ -194,3 +194,51 @@ def test_the_order_each_sampler_takes_forked_groups_in(table, name, resume):
     got = table[f"{name}-{resume}"]
     assert {k: got["at_resume"][k] for k in ("eligible", "evicted", "aborted")} | {"drained": got["drained"]} \
         == EXPECTED[name, resume]
+
+
+# -- the rule's trigger: a resume version, never a plain recover() -------------------------------
+BUILD_AHEAD = """
+buf = ReplayBuffer.create(ARGS["path"], BufferConfig(
+    group_size=1, max_buffered_rollouts=8, sampler={"name": "windowed", "max_staleness_versions": 1},
+    schema={"input_ids": ("int64", "token"), "generation_logprobs": ("float32", "token")}))
+buf.finish_step(weight_version=3)  # trainer version 1, the rollout weights (3) run ahead of it
+[ready] = buf.admit([Prompt(0)])  # stamped 3, the rollout weights
+buf.commit_group(ready, [{"input_ids": torch.tensor([5]), "generation_logprobs": torch.zeros(1)}])
+[ahead] = buf.admit([Prompt(1)], weight_version=4)  # ahead of both (NeMo-RL reserves before its step reaches us)
+print(json.dumps({"stamps": [ready.start_weight, ahead.start_weight]}), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+RECOVER_AHEAD = """
+buf = ReplayBuffer.open(ARGS["path"])
+plan = buf.recover() if ARGS["resume"] is None else buf.recover(resume_version=ARGS["resume"])
+[ahead] = plan.leases
+try:
+    landed = buf.record_progress(ahead, 0, start=0, tokens=[7], logprobs=[-0.5], weight_version=3)
+except FutureVersion:
+    landed = "FutureVersion"
+[group], [entry] = buf.groups(["ready"]), buf.ledger()
+print(json.dumps({"ready": [group.start_weight, group.lineage_fork], "ahead": [entry.start_weight, entry.lineage_fork],
+                  "counts": [plan.groups_on_destroyed_lineage, plan.prompts_restamped],
+                  "weight_version": buf.state()["weight_version"], "chunk_at_3": landed}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("resume", [None, 1])
+def test_only_a_resume_version_destroys_weights(tmp_path, resume):
+    """Stamps ahead of the trainer version (rollout weights ahead of it, or a stamp passed ahead
+    of both) are accepted at admit. A plain ``recover()`` (the trainer lives on: a restarted
+    store actor) destroys no weights: nothing forked or restamped, the rollout weight version
+    kept. ``recover(resume_version=1)`` (the run continues from version 1's weights) forks the
+    ready group, restamps the in-flight prompt that kept nothing and resets the weight version."""
+    path = str(tmp_path / "buf.kv")
+    built = run_fresh(BUILD_AHEAD, path=path)
+    assert built["rc"] == -9 and built["out"] == {"stamps": [3, 4]}, built["err"]
+    got = run_fresh(RECOVER_AHEAD, path=path, resume=resume)
+    assert got["rc"] == 0, got["err"]
+    if resume is None:
+        assert got["out"] == {"ready": [3, None], "ahead": [4, None], "counts": [0, 0], "weight_version": 3,
+                              "chunk_at_3": 1}
+    else:
+        assert got["out"] == {"ready": [3, 1], "ahead": [1, None], "counts": [1, 1], "weight_version": 1,
+                              "chunk_at_3": "FutureVersion"}
