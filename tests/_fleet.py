@@ -96,6 +96,24 @@ def kill_node(cluster: Any, node: Any) -> list[int]:
     return doomed
 
 
+def later_call_error(actor: Any, transient: type[BaseException], deadline_s: float = 120) -> BaseException:
+    """The error a new call to ``actor`` (on a killed node) raises once it is not ``transient``:
+    calls made before the cluster declares the node dead raise ``transient`` (each is answered at
+    once, so this polls the cluster's verdict, never a sleep's length)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            ray.get(actor.node_id.remote(), timeout=deadline_s)
+        except transient:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+        except Exception as exc:  # the caller asserts which
+            return exc
+        else:
+            raise AssertionError("a call to an actor of the killed node was answered")
+
+
 def _state(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -76,8 +76,9 @@ class RecoveryPlan:
     in all (read each with :meth:`~kvckpt.ReplayBuffer.progress`). ``prompts_restamped`` of them
     were stamped with weights newer than ``resume_version`` and kept nothing: their stamp is now
     ``resume_version``, the weights that generate them. ``groups_on_destroyed_lineage`` counts the
-    ready groups and in-flight prompts (with kept work) whose stamp names weights this recovery
-    destroyed: their ``lineage_fork`` is set, so staleness counts the distance in the version tree.
+    ready groups and in-flight prompts (with kept work) stamped after ``resume_version``: their
+    ``lineage_fork`` is set (or, forked at an older version by an earlier recovery, kept), so
+    staleness counts the distance in the version tree; 0 for a plain ``recover()``.
     ``trainer_state`` is the JSON the trainer stamped into the checkpoint at ``resume_version``
     (``None`` when the store's last stamp is at another version, or for a live store never
     checkpointed); ``dataloader_state`` is the state stored with the last admission:

@@ -242,3 +242,37 @@ def test_only_a_resume_version_destroys_weights(tmp_path, resume):
     else:
         assert got["out"] == {"ready": [3, 1], "ahead": [1, None], "counts": [1, 1], "weight_version": 1,
                               "chunk_at_3": "FutureVersion"}
+
+
+# -- what plan.groups_on_destroyed_lineage counts ------------------------------------------------
+BUILD_COUNT = """
+buf = ReplayBuffer.create(ARGS["path"], BufferConfig(
+    group_size=1, max_buffered_rollouts=8, sampler={"name": "ready_first", "max_staleness_versions": 4},
+    schema={"input_ids": ("int64", "token")}))
+for v in range(4):  # groups stamped 0..3, trainer at 4
+    [lease] = buf.admit([Prompt(v, group_id=f"v{v}")], weight_version=v)
+    buf.commit_group(lease, [{"input_ids": torch.tensor([v])}])
+    buf.finish_step()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+RECOVER_COUNT = """
+buf = ReplayBuffer.open(ARGS["path"])
+plan = buf.recover(resume_version=ARGS["resume"])
+for _ in range(ARGS["train"]):
+    buf.finish_step()
+print(json.dumps({"count": plan.groups_on_destroyed_lineage,
+                  "forks": {g.group_id: g.lineage_fork for g in buf.groups(["ready"])}}), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_groups_on_destroyed_lineage_counts_every_stamp_newer_than_the_resume_version(tmp_path):
+    """A rollback to 1 forks v2 and v3 (2 counted); after two steps a rollback to 2 counts v3
+    again, whose older fork (1) is kept, and not v2, stamped at the resume version (its fork stays)."""
+    path = str(tmp_path / "buf.kv")
+    assert run_fresh(BUILD_COUNT, path=path)["rc"] == -9
+    first = run_fresh(RECOVER_COUNT, path=path, resume=1, train=2)
+    assert first["rc"] == -9 and first["out"] == {"count": 2, "forks": {"v0": None, "v1": None, "v2": 1, "v3": 1}}
+    second = run_fresh(RECOVER_COUNT, path=path, resume=2, train=0)
+    assert second["rc"] == -9 and second["out"] == {"count": 1, "forks": {"v0": None, "v1": None, "v2": 1, "v3": 1}}

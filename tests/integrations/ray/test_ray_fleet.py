@@ -114,9 +114,11 @@ def test_a_rollout_node_killed_mid_stream_loses_at_most_one_interval(cluster, tm
     ray.get(coordinator.wait_paused.remote(2))
     killed = kill_node(cluster, victim)
     assert len(killed) >= 2
-    for stream in streams:
-        with pytest.raises(ray.exceptions.RayActorError):
+    for stream in streams:  # in flight at the kill: unavailable (docs/ray.md), not (yet) died
+        with pytest.raises(ray.exceptions.ActorUnavailableError):
             ray.get(stream, timeout=120)
+    later = _fleet.later_call_error(producers[0], ray.exceptions.ActorUnavailableError)
+    assert isinstance(later, ray.exceptions.ActorDiedError), repr(later)  # once the node is declared dead
     state = ray.get(coordinator.state.remote())
     acked, generated = state["acked"], state["generated"]
 
