@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvckpt.durability import kinds
 from kvckpt.durability.checkpoint import PARTIAL_SUFFIX
 from kvckpt.durability.safe_open import open_readonly
 from kvckpt.errors import BadArgument, StoreLocked
@@ -184,31 +185,33 @@ def _reencode_rows(txn: Txn, gid: str, level: int) -> tuple[dict[str, str], int,
 def _reencode_file(path: str, level: int, result: CompactResult, progress: PhasedProgress | None) -> None:
     """Re-encode every stored row of the private copy at ``path`` in bounded transactions."""
     with Store(path) as store:
-        if store.read(lambda t: t.get("meta", values.FORMAT_KEY)) is not None:
-            _reencode_values(store, level, result, progress)
-            return
-        if store.read(lambda t: t.get_json("meta", CONFIG_KEY)) is None:
-            raise BadArgument(f"{result.src!r} holds no replay buffer or value store; --level needs one")
-        total = store.read(lambda t: t.count("rows"))
-        for table in ("groups", "ledger"):
-            start: bytes | None = b""
-            while start is not None:
-                start, rows, before, after = store.write(
-                    lambda txn, s=start, t=table: _reencode_batch(txn, t, s, level))
-                result.rows_reencoded += rows
-                result.stored_before += before
-                result.stored_after += after
-                if progress is not None:
-                    progress("re-encode", result.rows_reencoded, total)
+        store.read(kinds.kind_of).hook("compact", result.src)(store, level, result, progress)
 
-        def finish(txn: Txn) -> None:
-            config = txn.get_json("meta", CONFIG_KEY)
-            txn.put_json("meta", CONFIG_KEY, {**config, "compression_level": level})
-            state = txn.get_json("meta", STATE_KEY)
-            state["counters"]["stored_bytes"] += result.stored_after - result.stored_before
-            txn.put_json("meta", STATE_KEY, state)
 
-        store.write(finish)
+def _reencode_buffer(store: Store, level: int, result: CompactResult, progress: PhasedProgress | None) -> None:
+    """Re-encode every stored row of a replay buffer, its groups' and ledger entries' digests recomputed."""
+    if store.read(lambda t: t.get_json("meta", CONFIG_KEY)) is None:
+        raise BadArgument(f"{result.src!r} holds no replay buffer or value store; --level needs one")
+    total = store.read(lambda t: t.count("rows"))
+    for table in ("groups", "ledger"):
+        start: bytes | None = b""
+        while start is not None:
+            start, rows, before, after = store.write(
+                lambda txn, s=start, t=table: _reencode_batch(txn, t, s, level))
+            result.rows_reencoded += rows
+            result.stored_before += before
+            result.stored_after += after
+            if progress is not None:
+                progress("re-encode", result.rows_reencoded, total)
+
+    def finish(txn: Txn) -> None:
+        config = txn.get_json("meta", CONFIG_KEY)
+        txn.put_json("meta", CONFIG_KEY, {**config, "compression_level": level})
+        state = txn.get_json("meta", STATE_KEY)
+        state["counters"]["stored_bytes"] += result.stored_after - result.stored_before
+        txn.put_json("meta", STATE_KEY, state)
+
+    store.write(finish)
 
 
 def _reencode_values(store: Store, level: int, result: CompactResult, progress: PhasedProgress | None) -> None:
@@ -265,3 +268,7 @@ def _reencode_batch(txn: Txn, table: str, start: bytes, level: int) -> tuple[byt
             doc["digests"] = {**doc.get("digests", {}), **digests}
         txn.put_json(table, key, doc)
     return resume, rows, before_all, after_all
+
+
+kinds.attach("values", compact=_reencode_values)
+kinds.attach("replay-buffer", compact=_reencode_buffer)
