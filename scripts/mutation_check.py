@@ -514,10 +514,20 @@ MUTATIONS += (
 # issue 48: one registry of store kinds, one durable write, stores created whole, the boundary over tools and
 # benchmarks, the buffer's surfaces from one operation table
 KINDS_TEST = "tests/tools/test_store_kinds.py"
+CREATE_TEST = "tests/campaigns/test_interrupted_create.py"
 MUTATIONS += (
     Mutation("store-kinds-ignore-markers", "kvckpt/durability/kinds.py",
              "if kind.name not in _FALLBACK and kind.marked(txn):", "if False:",
              (f"{KINDS_TEST}::test_a_third_kind_is_one_registration",)),
+    Mutation("buffer-created-in-place", "kvckpt/buffer/replay_buffer.py",
+             'with durable_replace(path, exclusive=True, leftovers=("-lock",)) as tmp, \\\n'
+             "                    Store(tmp, create=True, **kwargs) as new:",
+             "with Store(path, create=True, **kwargs) as new:",
+             (f"{CREATE_TEST}::test_an_interrupted_replay_buffer_create_leaves_a_store_or_nothing",)),
+    Mutation("value-store-created-in-place", "kvckpt/buffer/values.py",
+             'durable_replace(path, exclusive=True, leftovers=("-lock",)) as tmp, Store(tmp, create=True) as new:',
+             "Store(path, create=True) as new:",
+             (f"{CREATE_TEST}::test_an_interrupted_value_store_create_leaves_a_store_or_nothing",)),
 )
 
 def copy_tree(dest: Path, rev: str | None) -> None:

@@ -23,21 +23,22 @@ import contextlib
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvckpt.durability import kinds
-from kvckpt.durability.checkpoint import PARTIAL_SUFFIX
 from kvckpt.durability.safe_open import open_readonly
 from kvckpt.errors import BadArgument, StoreLocked
 from kvckpt.storage import codec, keys
-from kvckpt.storage.store import Store, Txn, fsync_dir, fsync_file, writer_active
+from kvckpt.storage.replace import durable_replace
+from kvckpt.storage.store import Store, Txn, writer_active
 from kvckpt.tables.digest import group_digest, row_digest
 from kvckpt.tables.meta import CONFIG_KEY, STATE_KEY
 from kvckpt.values import records as values
 
+#: Suffixes of the first copy ``compact --level`` re-encodes (beside the final one) and of its lock file.
+_FIRST = (".first", ".first-lock")
 #: Bytes of stored row payloads re-encoded per write transaction.
 BATCH_BYTES = 16 << 20
 
@@ -108,28 +109,17 @@ def compact(src: str, dest: str, *, level: int | None = None, force: bool = Fals
     src, dest = os.fspath(src), os.fspath(dest)
     t0 = time.perf_counter()
     check_destination(src, dest, force)
-    token = uuid.uuid4().hex[:8]
-    first = f"{dest}.{token}{PARTIAL_SUFFIX}"
-    second = f"{dest}.{token}.2{PARTIAL_SUFFIX}"
     result = CompactResult(src, dest, os.path.getsize(src) if os.path.exists(src) else 0, 0, level)
-    try:
+    # nothing appears or gets locked at dest between the check above and the rename
+    with durable_replace(dest, check=lambda: check_destination(src, dest, force), leftovers=_FIRST) as final:
+        first = final + _FIRST[0] if level is not None else final
         with open_readonly(src) as store:
             _copy(store, first, progress)
-        final = first
         if level is not None:
             _reencode_file(first, level, result, progress)
             with Store(first, readonly=True) as store:
-                _copy(store, second, progress)
+                _copy(store, final, progress)
             os.unlink(first)
-            final = second
-        fsync_file(final)
-        check_destination(src, dest, force)  # nothing appeared or got locked meanwhile
-        os.replace(final, dest)
-        fsync_dir(os.path.dirname(os.path.abspath(dest)))
-    finally:
-        for path in (first, first + "-lock", second):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
     result.bytes_after = os.path.getsize(dest)
     result.seconds = time.perf_counter() - t0
     return result

@@ -40,13 +40,11 @@ only meaningful with the others.
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,12 +54,11 @@ from kvckpt.tools.compact import check_destination
 from kvckpt.tools.inspect import Progress
 
 from kvckpt.durability import kinds
-from kvckpt.durability.checkpoint import PARTIAL_SUFFIX
 from kvckpt.durability.safe_open import open_readonly
 from kvckpt.errors import BadArgument, CorruptRecord, InvariantViolation, SchemaMismatch
 from kvckpt.storage import codec, keys
+from kvckpt.storage.replace import durable_replace
 from kvckpt.storage.schema import RowSchema
-from kvckpt.storage.store import fsync_dir, fsync_file
 from kvckpt.tables.digest import check_group_digest
 from kvckpt.tables.meta import CONFIG_KEY
 from kvckpt.tables.records import CLAIMED, CONSUMED, GROUP_STATES, READY
@@ -197,18 +194,11 @@ def export(path: str, out: str, *, fmt: str = "parquet", states: Sequence[str] |
     sink_class.check_available()
     decoder = _load_tokenizer(tokenizer) if tokenizer else None
     t0 = time.perf_counter()
-    tmp = f"{out}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
-    job = _Job(out, tmp, fmt, sink_class, wanted, steps, fields, decoder, sft, completion_mask, batch_bytes, progress)
-    try:
+    with durable_replace(out, check=lambda: check_destination(path, out, force)) as tmp:
+        job = _Job(out, tmp, fmt, sink_class, wanted, steps, fields, decoder, sft, completion_mask, batch_bytes,
+                   progress)
         with open_readonly(path) as store, store.reader() as txn:
             result = kinds.kind_of(txn).hook("export", path)(txn, path, job)
-        fsync_file(tmp)
-        check_destination(path, out, force)
-        os.replace(tmp, out)
-        fsync_dir(os.path.dirname(os.path.abspath(out)))
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
     result.file_bytes = os.path.getsize(out)
     result.seconds = time.perf_counter() - t0
     result.warnings = _warnings(result, wanted, steps)
