@@ -528,6 +528,14 @@ MUTATIONS += (
              'durable_replace(path, exclusive=True, leftovers=("-lock",)) as tmp, Store(tmp, create=True) as new:',
              "Store(path, create=True) as new:",
              (f"{CREATE_TEST}::test_an_interrupted_value_store_create_leaves_a_store_or_nothing",)),
+    Mutation("boundary-stops-at-integrations", "scripts/layers.py",
+             'CONSUMERS = ("kvckpt.integrations", "kvckpt.reference", "kvckpt.tools", "benchmarks")',
+             'CONSUMERS = ("kvckpt.integrations", "kvckpt.reference")',
+             (f"{LAYERS_TEST}::test_a_tool_or_benchmark_reaching_below_its_face_is_caught",)),
+    Mutation("tools-face-open-to-everyone", "scripts/layers.py",
+             'FACES = {"kvckpt.tooling": ("kvckpt.tools", "benchmarks")}',
+             'FACES = {"kvckpt.tooling": ("kvckpt", "benchmarks")}',
+             (f"{LAYERS_TEST}::test_a_tool_or_benchmark_reaching_below_its_face_is_caught",)),
 )
 
 def copy_tree(dest: Path, rev: str | None) -> None:

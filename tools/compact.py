@@ -27,15 +27,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvckpt.durability import kinds
-from kvckpt.durability.safe_open import open_readonly
+from kvckpt import Store, codec, durable_replace
 from kvckpt.errors import BadArgument, StoreLocked
-from kvckpt.storage import codec, keys
-from kvckpt.storage.replace import durable_replace
-from kvckpt.storage.store import Store, Txn, writer_active
-from kvckpt.tables.digest import group_digest, row_digest
-from kvckpt.tables.meta import CONFIG_KEY, STATE_KEY
-from kvckpt.values import records as values
+from kvckpt.tooling import (
+    CONFIG_KEY,
+    STATE_KEY,
+    Txn,
+    group_digest,
+    keys,
+    kinds,
+    open_readonly,
+    row_digest,
+    writer_active,
+)
+from kvckpt.tooling import value_records as values
 
 #: Suffixes of the first copy ``compact --level`` re-encodes (beside the final one) and of its lock file.
 _FIRST = (".first", ".first-lock")

@@ -53,15 +53,9 @@ import numpy as np
 from kvckpt.tools.compact import check_destination
 from kvckpt.tools.inspect import Progress
 
-from kvckpt.durability import kinds
-from kvckpt.durability.safe_open import open_readonly
+from kvckpt import CLAIMED, CONSUMED, READY, RowSchema, codec, durable_replace
 from kvckpt.errors import BadArgument, CorruptRecord, InvariantViolation, SchemaMismatch
-from kvckpt.storage import codec, keys
-from kvckpt.storage.replace import durable_replace
-from kvckpt.storage.schema import RowSchema
-from kvckpt.tables.digest import check_group_digest
-from kvckpt.tables.meta import CONFIG_KEY
-from kvckpt.tables.records import CLAIMED, CONSUMED, GROUP_STATES, READY
+from kvckpt.tooling import CONFIG_KEY, GROUP_STATES, check_group_digest, keys, kinds, open_readonly
 
 FORMATS = ("parquet", "jsonl")
 META_COLUMNS = ("group_id", "row", "prompt_idx", "task_name", "state", "start_weight", "end_weight",

@@ -25,15 +25,21 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from kvckpt.buffer import BufferConfig
-from kvckpt.durability import kinds
-from kvckpt.durability.safe_open import open_readonly
+from kvckpt import CLAIMED, CONSUMED, READY, BufferConfig, codec
 from kvckpt.errors import CorruptRecord, KvckptError
-from kvckpt.storage import codec
-from kvckpt.storage.store import Txn, writer_active
-from kvckpt.tables.meta import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STAMP_KEY, STATE_KEY
-from kvckpt.tables.records import CLAIMED, CONSUMED, GROUP_STATES, READY
-from kvckpt.values import records as values
+from kvckpt.tooling import (
+    CONFIG_KEY,
+    DATALOADER_KEY,
+    GROUP_STATES,
+    SHORTFALL_KEY,
+    STAMP_KEY,
+    STATE_KEY,
+    Txn,
+    kinds,
+    open_readonly,
+    writer_active,
+)
+from kvckpt.tooling import value_records as values
 
 INFLIGHT = "inflight"
 #: Column order of the by-weight histogram: in flight first, then the group states.
