@@ -83,7 +83,7 @@ from kvckpt.tables.records import (
 )
 from kvckpt.values.records import write_id_of
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # semantic versioning, CHANGELOG.md
 
 __all__ = [
     "ABORTED", "CLAIMED", "CONSUMED", "DEFAULT_WORKERS", "EVICTED", "READY",

@@ -536,6 +536,14 @@ MUTATIONS += (
              'FACES = {"kvckpt.tooling": ("kvckpt.tools", "benchmarks")}',
              'FACES = {"kvckpt.tooling": ("kvckpt", "benchmarks")}',
              (f"{LAYERS_TEST}::test_a_tool_or_benchmark_reaching_below_its_face_is_caught",)),
+    Mutation("trl-changed-default-silent", "integrations/trl/worker.py",
+             "            warnings.warn(DEFAULT_BACKEND_CHANGED, FutureWarning, stacklevel=2)\n", "",
+             ("tests/integrations/trl/test_trl_default_backend.py::"
+              "test_leaving_the_backend_out_warns_that_its_default_changed",)),
+    Mutation("citations-skip-globs", "tests/tools/test_doc_citations.py",
+             'CITATION = re.compile(r"\\btests/(?P<file>[a-z0-9_*]+(?:/[a-z0-9_*]+)*',
+             'CITATION = re.compile(r"\\btests/(?P<file>[a-z0-9_]+(?:/[a-z0-9_]+)*',
+             ("tests/tools/test_doc_citations.py::test_the_check_fails_on_a_missing_file_and_a_missing_name",)),
 )
 
 def copy_tree(dest: Path, rev: str | None) -> None:
