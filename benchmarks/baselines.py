@@ -24,17 +24,9 @@ import lmdb
 import torch
 
 from benchmarks.data import ROW_FIELDS, TOKEN_FIELDS
+from kvckpt import durable_replace
 
 MAP_SIZE = 64 << 30
-
-
-def fsync_path(path: str, directory: bool = False) -> None:
-    """fsync a file (or a directory, for a rename inside it)."""
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LockedTensorBuffer:
@@ -74,14 +66,11 @@ class LockedTensorBuffer:
             ``(blocked, total)`` seconds: how long producers and the trainer were stopped (the
             lock was held), and the whole checkpoint including fsync and rename.
         """
-        tmp = path + ".tmp"
         t0 = time.perf_counter()
-        with self.lock:
-            torch.save(self.groups, tmp)
-        blocked = time.perf_counter() - t0
-        fsync_path(tmp)
-        os.replace(tmp, path)
-        fsync_path(os.path.dirname(os.path.abspath(path)), directory=True)
+        with durable_replace(path) as tmp:
+            with self.lock:
+                torch.save(self.groups, tmp)
+            blocked = time.perf_counter() - t0
         return blocked, time.perf_counter() - t0
 
 

@@ -35,7 +35,7 @@ import torch
 import zstandard
 
 from benchmarks.data import ROW_FIELDS, TOKEN_FIELDS, RolloutSpec, iter_groups
-from kvckpt.storage import codec
+from kvckpt import codec
 
 GROUP = RolloutSpec().group_size
 PAGE = 4096
@@ -129,7 +129,7 @@ def field_sizes(groups, jagged_rows, level):
         transforms = None
         for row in jagged_rows:
             arr, dtype = codec.as_numpy(row[name])
-            transforms, data = codec._encode_field(arr, dtype, True)
+            transforms, data = codec.encode_field(arr, dtype, True)
             unpadded += arr.nbytes
             stored += len(cctx.compress(data))
             plain += len(cctx.compress(arr.tobytes()))

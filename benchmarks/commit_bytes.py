@@ -26,9 +26,8 @@ from typing import Any
 from benchmarks import baselines
 from benchmarks.ingest_bench import proc_io
 from benchmarks.ray_bench import GROUP_SIZE, row_pool
-from kvckpt import BufferConfig, Prompt, ReplayBuffer
-from kvckpt.storage import keys
-from kvckpt.storage.encoding import RowEncoder
+from kvckpt import BufferConfig, Prompt, ReplayBuffer, RowEncoder
+from kvckpt.tooling import keys
 
 
 def commit_setup(path: str, groups: int, rows: str = "realistic") -> tuple[ReplayBuffer, list[Any], list[Any]]:

@@ -42,9 +42,7 @@ import lmdb
 from benchmarks import baselines
 from benchmarks.commit_bytes import bare_bytes, commit_setup
 from benchmarks.ingest_bench import proc_io
-from kvckpt.storage.layout import stored_key
-from kvckpt.storage.store import Txn
-from kvckpt.tables import meta
+from kvckpt.tooling import Txn, meta, stored_key
 
 #: One recorded write: ``(table, key, value)``, ``value`` ``None`` for a delete.
 Op = tuple[str, bytes, "bytes | None"]

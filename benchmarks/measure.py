@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks import baselines, data
-from kvckpt import BufferConfig, ReplayBuffer, restore
-from kvckpt.storage import codec, keys
+from kvckpt import BufferConfig, ReplayBuffer, codec, restore
+from kvckpt.tooling import keys
 
 GB = 1e9
 CHUNK = 32  # groups per admission while ingesting

@@ -14,9 +14,7 @@ import numpy as np
 
 from benchmarks import data
 from benchmarks.measure import Settings, child
-from kvckpt import BufferConfig, Prompt, ReplayBuffer, restore
-from kvckpt.durability.checkpoint import read_stamp
-from kvckpt.tables.records import CLAIMED, CONSUMED, READY
+from kvckpt import CLAIMED, CONSUMED, READY, BufferConfig, Prompt, ReplayBuffer, read_stamp, restore
 
 
 def crash_child(directory: str, crash_at: str, steps_per_ckpt: int, gps: int, seed: int) -> None:

@@ -54,11 +54,8 @@ from typing import Any
 from lmdb import verify as lmdb_verify
 
 from benchmarks import baselines, measure
-from kvckpt import ReplayBuffer
-from kvckpt.durability.safe_open import check_header, copy_used, open_readonly
-from kvckpt.durability.structure import is_sound
-from kvckpt.durability.verify import check
-from kvckpt.storage.store import fsync_file
+from kvckpt import ReplayBuffer, check, fsync_file
+from kvckpt.tooling import check_header, copy_used, is_sound, open_readonly
 
 
 def _best(fn: Callable[[], Any], repeats: int) -> float:

@@ -40,7 +40,7 @@ import numpy as np
 import ray
 from kvckpt.integrations.transferqueue.owner import ValueStoreActor
 
-from kvckpt.storage import codec
+from kvckpt import codec
 
 PHASES = ("none", "serial", "group")
 VALUE_BYTES = 28_000

@@ -50,8 +50,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.scratch import run_in_scratch
-from kvckpt import BufferConfig, ProgressEncoder, ReplayBuffer
-from kvckpt.tables.records import Lease
+from kvckpt import BufferConfig, Lease, ProgressEncoder, ReplayBuffer
 
 GROUP = 8
 #: a message's frame: its length, then its bytes; an acknowledgement: the sequences it recorded

@@ -63,6 +63,7 @@ from kvckpt.storage import codec
 from kvckpt.storage.encoding import RowEncoder
 from kvckpt.storage.keys import row_id
 from kvckpt.storage.progress_message import ProgressEncoder, ProgressMessage
+from kvckpt.storage.replace import durable_replace, write_durably
 from kvckpt.storage.schema import Field, RowSchema, split_padded
 from kvckpt.storage.store import Store, fsync_dir, fsync_file, makedirs_durable
 from kvckpt.tables.records import (
@@ -82,7 +83,7 @@ from kvckpt.tables.records import (
 )
 from kvckpt.values.records import write_id_of
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # semantic versioning, CHANGELOG.md
 
 __all__ = [
     "ABORTED", "CLAIMED", "CONSUMED", "DEFAULT_WORKERS", "EVICTED", "READY",
@@ -95,7 +96,7 @@ __all__ = [
     "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer",
     "Report", "RowEncoder", "RowSchema", "SampleCommitted", "Sampler", "SchemaMismatch", "Selection", "StaleAttempt",
     "Store", "StoreLocked", "StoreNotFound", "UnknownGroup", "ValueStore", "VerificationFailed", "assemble_batch",
-    "check", "checkpoint", "codec", "create_sampler", "fsync_dir", "fsync_file", "keep_latest", "makedirs_durable",
-    "read_stamp", "recover", "register", "restore", "row_id", "sink_from_config", "split_padded", "verify_path",
-    "write_id_of",
+    "check", "checkpoint", "codec", "create_sampler", "durable_replace", "fsync_dir", "fsync_file", "keep_latest",
+    "makedirs_durable", "read_stamp", "recover", "register", "restore", "row_id", "sink_from_config", "split_padded",
+    "verify_path", "write_durably", "write_id_of",
 ]

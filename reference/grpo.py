@@ -70,6 +70,7 @@ from kvckpt import (
     MetricsHook,
     ReplayBuffer,
     Selection,
+    durable_replace,
     restore,
     sink_from_config,
 )
@@ -340,16 +341,8 @@ def checkpoint_steps(directory: str) -> list[int]:
 
 
 def _atomic_torch_save(obj: Any, path: str) -> None:
-    tmp = f"{path}.{uuid.uuid4().hex[:8]}.partial"
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with durable_replace(path) as tmp:
+        torch.save(obj, tmp)
 
 
 # -- the trainer -----------------------------------------------------------------------------------

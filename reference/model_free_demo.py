@@ -55,10 +55,10 @@ from kvckpt import (
     Prompt,
     ReplayBuffer,
     create_sampler,
-    fsync_dir,
     read_stamp,
     restore,
     verify_path,
+    write_durably,
 )
 from kvckpt.errors import BadArgument, GateTimeout, KvckptError, LeaseError
 
@@ -129,13 +129,7 @@ def make_row(prompt_idx: int, index: int, attempt: int, response_tokens: tuple[i
 
 def _write_json(path: str, doc: dict[str, Any]) -> None:
     """Write ``doc`` atomically: temporary name, fsync, rename, fsync the directory."""
-    tmp = f"{path}.partial"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path))
+    write_durably(path, json.dumps(doc).encode())
 
 
 class _Run:

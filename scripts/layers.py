@@ -6,9 +6,10 @@ Prints each module's layer, size and kvckpt imports (``--graph``), then every ru
 * an import cycle between modules;
 * a reach into another module's private name (``from m import _x``, ``module._x``, or
   ``obj._x`` where ``_x`` is not defined in the module doing it);
-* an integration (a module of :data:`CONSUMERS`) importing past kvckpt's public API: anything of
-  kvckpt other than the names ``kvckpt`` exports in its ``__all__``, the :data:`PUBLIC_PACKAGES`, and
-  the consumers themselves (a layer-internal module such as ``kvckpt.storage.store`` is refused
+* a consumer (a module of :data:`CONSUMERS`: the integrations, the reference trainer, the tools and the
+  benchmarks) importing past kvckpt's public API: anything of kvckpt other than the names ``kvckpt``
+  exports in its ``__all__``, the :data:`PUBLIC_PACKAGES`, a face named for it in :data:`FACES` (the tools'
+  ``kvckpt.tooling``), and the consumers themselves (a layer-internal module such as ``kvckpt.storage.store`` is refused
   even for a public-looking name: adapters import ``from kvckpt import fsync_dir``);
 * a module over :data:`MAX_LINES` lines whose docstring does not say why (the word "long", as in
   "the module is long because ...").
@@ -29,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: Package folder of each installed prefix (``integrations/``, ``reference/`` and ``tools/`` install under kvckpt).
 SOURCES = {"kvckpt": ROOT / "kvckpt", "kvckpt.tools": ROOT / "tools", "kvckpt.integrations": ROOT / "integrations",
-           "kvckpt.reference": ROOT / "reference"}
+           "kvckpt.reference": ROOT / "reference", "benchmarks": ROOT / "benchmarks"}
 #: The layers, lowest first: a module may import modules of its own layer and of earlier ones.
 LAYERS = (
     ("common", ("kvckpt.errors", "kvckpt.args")),
@@ -45,10 +46,14 @@ LAYERS = (
     ("integrations", ("kvckpt.integrations",)),
     ("reference", ("kvckpt.reference",)),  # the reference trainer and demo: a user of the integrations
     ("cli", ("kvckpt.tools.cli",)),  # the command line: the tools' verbs and the demo
+    ("benchmarks", ("benchmarks",)),  # measurements of everything above, kvckpt beside its baselines
 )
 MAX_LINES = 400
 #: The packages held to kvckpt's public API: they use kvckpt as a user does (docs/architecture.md, "The public API").
-CONSUMERS = ("kvckpt.integrations", "kvckpt.reference")
+CONSUMERS = ("kvckpt.integrations", "kvckpt.reference", "kvckpt.tools", "benchmarks")
+#: A named face a consumer may import beside the public API, and the consumers it is for: the tools' face
+#: (kvckpt/tooling.py, the file-level parts the tools and benchmarks build on).
+FACES = {"kvckpt.tooling": ("kvckpt.tools", "benchmarks")}
 #: Packages public as a whole (but for their ``_private`` parts), beside the names ``kvckpt`` exports: the error
 #: classes, the samplers and their registry (for sampler authors), and the shipped harnesses.
 PUBLIC_PACKAGES = ("kvckpt.errors", "kvckpt.samplers", "kvckpt.testing")
@@ -187,27 +192,35 @@ def _dotted(tree: ast.Module) -> list[tuple[str, int]]:
     return found
 
 
-def _public(name: str, exports: frozenset[str]) -> bool:
-    """Whether ``name`` (a dotted kvckpt path) is kvckpt's public API or a consumer's own."""
-    if any(part.startswith("_") for part in name.split(".")):
+def _public(name: str, exports: frozenset[str], consumer: str = "") -> bool:
+    """Whether ``name`` (a dotted kvckpt path) is kvckpt's public API, a consumer's own, or a face ``consumer``
+    may use (:data:`FACES`)."""
+    if any(part.startswith("_") and not part.startswith("__") for part in name.split(".")):
         return False
-    if any(name == p or name.startswith(p + ".") for p in (*PUBLIC_PACKAGES, *CONSUMERS)):
+    faces = [face for face, users in FACES.items() if any(_within(consumer, user) for user in users)]
+    if any(_within(name, p) for p in (*PUBLIC_PACKAGES, *CONSUMERS, *faces)):
+        return True
+    if name == "kvckpt.__version__":  # the release (CHANGELOG.md), read by the CLI and the benchmarks' reports
         return True
     head = name.split(".")
     return len(head) > 1 and head[0] == "kvckpt" and head[1] in exports
 
 
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
 def boundary(module: Module, exports: frozenset[str]) -> list[str]:
     """What a consumer module imports past the public API (``exports``: ``kvckpt.__all__``), one line each."""
-    if not any(module.name == c or module.name.startswith(c + ".") for c in CONSUMERS):
+    if not any(_within(module.name, c) for c in CONSUMERS):
         return []
     out = []
     for base, names in module.from_imports:
         for name in names:
             dotted = f"{base}.{name}"
-            if not _public(dotted, exports) or name.startswith("_"):
+            if not _public(dotted, exports, module.name) or (name.startswith("_") and not name.startswith("__")):
                 out.append(f"from {base} import {name}")
-    out += [f"{chain} (line {line})" for chain, line in module.dotted if not _public(chain, exports)]
+    out += [f"{chain} (line {line})" for chain, line in module.dotted if not _public(chain, exports, module.name)]
     return [f"boundary: {module.name} reaches past the public API: {what}" for what in out]
 
 

@@ -511,6 +511,40 @@ MUTATIONS += (
              "    check_keys(config, KNOWN_KEYS, where)\n", "",
              (f"{CONFIGS}::test_nemo_rl_refuses_an_unknown_key_naming_its_section_and_file",)),
 )
+# issue 48: one registry of store kinds, one durable write, stores created whole, the boundary over tools and
+# benchmarks, the buffer's surfaces from one operation table
+KINDS_TEST = "tests/tools/test_store_kinds.py"
+CREATE_TEST = "tests/campaigns/test_interrupted_create.py"
+MUTATIONS += (
+    Mutation("store-kinds-ignore-markers", "kvckpt/durability/kinds.py",
+             "if kind.name not in _FALLBACK and kind.marked(txn):", "if False:",
+             (f"{KINDS_TEST}::test_a_third_kind_is_one_registration",)),
+    Mutation("buffer-created-in-place", "kvckpt/buffer/replay_buffer.py",
+             'with durable_replace(path, exclusive=True, leftovers=("-lock",)) as tmp, \\\n'
+             "                    Store(tmp, create=True, **kwargs) as new:",
+             "with Store(path, create=True, **kwargs) as new:",
+             (f"{CREATE_TEST}::test_an_interrupted_replay_buffer_create_leaves_a_store_or_nothing",)),
+    Mutation("value-store-created-in-place", "kvckpt/buffer/values.py",
+             'durable_replace(path, exclusive=True, leftovers=("-lock",)) as tmp, Store(tmp, create=True) as new:',
+             "Store(path, create=True) as new:",
+             (f"{CREATE_TEST}::test_an_interrupted_value_store_create_leaves_a_store_or_nothing",)),
+    Mutation("boundary-stops-at-integrations", "scripts/layers.py",
+             'CONSUMERS = ("kvckpt.integrations", "kvckpt.reference", "kvckpt.tools", "benchmarks")',
+             'CONSUMERS = ("kvckpt.integrations", "kvckpt.reference")',
+             (f"{LAYERS_TEST}::test_a_tool_or_benchmark_reaching_below_its_face_is_caught",)),
+    Mutation("tools-face-open-to-everyone", "scripts/layers.py",
+             'FACES = {"kvckpt.tooling": ("kvckpt.tools", "benchmarks")}',
+             'FACES = {"kvckpt.tooling": ("kvckpt", "benchmarks")}',
+             (f"{LAYERS_TEST}::test_a_tool_or_benchmark_reaching_below_its_face_is_caught",)),
+    Mutation("trl-changed-default-silent", "integrations/trl/worker.py",
+             "            warnings.warn(DEFAULT_BACKEND_CHANGED, FutureWarning, stacklevel=2)\n", "",
+             ("tests/integrations/trl/test_trl_default_backend.py::"
+              "test_leaving_the_backend_out_warns_that_its_default_changed",)),
+    Mutation("citations-skip-globs", "tests/tools/test_doc_citations.py",
+             'CITATION = re.compile(r"\\btests/(?P<file>[a-z0-9_*]+(?:/[a-z0-9_*]+)*',
+             'CITATION = re.compile(r"\\btests/(?P<file>[a-z0-9_]+(?:/[a-z0-9_]+)*',
+             ("tests/tools/test_doc_citations.py::test_the_check_fails_on_a_missing_file_and_a_missing_name",)),
+)
 
 # issue 46: the destroyed-lineage rule inside every window; aimed tests for the promises of issues 36-39.
 WINDOWS = "tests/core/test_lineage_windows.py"

@@ -325,7 +325,8 @@ def _render_verify(doc: dict[str, Any]) -> list[str]:
 
 def cmd_verify(args: argparse.Namespace) -> int:
 
-    from kvckpt.durability.safe_open import open_readonly, verify_path
+    from kvckpt import verify_path
+    from kvckpt.tooling import open_readonly
 
     _require_file(args.path)
     bar = _progress(args, "verifying rows", "rows")

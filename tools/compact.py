@@ -23,20 +23,27 @@ import contextlib
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvckpt.durability.checkpoint import PARTIAL_SUFFIX
-from kvckpt.durability.safe_open import open_readonly
+from kvckpt import Store, codec, durable_replace
 from kvckpt.errors import BadArgument, StoreLocked
-from kvckpt.storage import codec, keys
-from kvckpt.storage.store import Store, Txn, fsync_dir, fsync_file, writer_active
-from kvckpt.tables.digest import group_digest, row_digest
-from kvckpt.tables.meta import CONFIG_KEY, STATE_KEY
-from kvckpt.values import records as values
+from kvckpt.tooling import (
+    CONFIG_KEY,
+    STATE_KEY,
+    Txn,
+    group_digest,
+    keys,
+    kinds,
+    open_readonly,
+    row_digest,
+    writer_active,
+)
+from kvckpt.tooling import value_records as values
 
+#: Suffixes of the first copy ``compact --level`` re-encodes (beside the final one) and of its lock file.
+_FIRST = (".first", ".first-lock")
 #: Bytes of stored row payloads re-encoded per write transaction.
 BATCH_BYTES = 16 << 20
 
@@ -107,28 +114,17 @@ def compact(src: str, dest: str, *, level: int | None = None, force: bool = Fals
     src, dest = os.fspath(src), os.fspath(dest)
     t0 = time.perf_counter()
     check_destination(src, dest, force)
-    token = uuid.uuid4().hex[:8]
-    first = f"{dest}.{token}{PARTIAL_SUFFIX}"
-    second = f"{dest}.{token}.2{PARTIAL_SUFFIX}"
     result = CompactResult(src, dest, os.path.getsize(src) if os.path.exists(src) else 0, 0, level)
-    try:
+    # nothing appears or gets locked at dest between the check above and the rename
+    with durable_replace(dest, check=lambda: check_destination(src, dest, force), leftovers=_FIRST) as final:
+        first = final + _FIRST[0] if level is not None else final
         with open_readonly(src) as store:
             _copy(store, first, progress)
-        final = first
         if level is not None:
             _reencode_file(first, level, result, progress)
             with Store(first, readonly=True) as store:
-                _copy(store, second, progress)
+                _copy(store, final, progress)
             os.unlink(first)
-            final = second
-        fsync_file(final)
-        check_destination(src, dest, force)  # nothing appeared or got locked meanwhile
-        os.replace(final, dest)
-        fsync_dir(os.path.dirname(os.path.abspath(dest)))
-    finally:
-        for path in (first, first + "-lock", second):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
     result.bytes_after = os.path.getsize(dest)
     result.seconds = time.perf_counter() - t0
     return result
@@ -184,31 +180,33 @@ def _reencode_rows(txn: Txn, gid: str, level: int) -> tuple[dict[str, str], int,
 def _reencode_file(path: str, level: int, result: CompactResult, progress: PhasedProgress | None) -> None:
     """Re-encode every stored row of the private copy at ``path`` in bounded transactions."""
     with Store(path) as store:
-        if store.read(lambda t: t.get("meta", values.FORMAT_KEY)) is not None:
-            _reencode_values(store, level, result, progress)
-            return
-        if store.read(lambda t: t.get_json("meta", CONFIG_KEY)) is None:
-            raise BadArgument(f"{result.src!r} holds no replay buffer or value store; --level needs one")
-        total = store.read(lambda t: t.count("rows"))
-        for table in ("groups", "ledger"):
-            start: bytes | None = b""
-            while start is not None:
-                start, rows, before, after = store.write(
-                    lambda txn, s=start, t=table: _reencode_batch(txn, t, s, level))
-                result.rows_reencoded += rows
-                result.stored_before += before
-                result.stored_after += after
-                if progress is not None:
-                    progress("re-encode", result.rows_reencoded, total)
+        store.read(kinds.kind_of).hook("compact", result.src)(store, level, result, progress)
 
-        def finish(txn: Txn) -> None:
-            config = txn.get_json("meta", CONFIG_KEY)
-            txn.put_json("meta", CONFIG_KEY, {**config, "compression_level": level})
-            state = txn.get_json("meta", STATE_KEY)
-            state["counters"]["stored_bytes"] += result.stored_after - result.stored_before
-            txn.put_json("meta", STATE_KEY, state)
 
-        store.write(finish)
+def _reencode_buffer(store: Store, level: int, result: CompactResult, progress: PhasedProgress | None) -> None:
+    """Re-encode every stored row of a replay buffer, its groups' and ledger entries' digests recomputed."""
+    if store.read(lambda t: t.get_json("meta", CONFIG_KEY)) is None:
+        raise BadArgument(f"{result.src!r} holds no replay buffer or value store; --level needs one")
+    total = store.read(lambda t: t.count("rows"))
+    for table in ("groups", "ledger"):
+        start: bytes | None = b""
+        while start is not None:
+            start, rows, before, after = store.write(
+                lambda txn, s=start, t=table: _reencode_batch(txn, t, s, level))
+            result.rows_reencoded += rows
+            result.stored_before += before
+            result.stored_after += after
+            if progress is not None:
+                progress("re-encode", result.rows_reencoded, total)
+
+    def finish(txn: Txn) -> None:
+        config = txn.get_json("meta", CONFIG_KEY)
+        txn.put_json("meta", CONFIG_KEY, {**config, "compression_level": level})
+        state = txn.get_json("meta", STATE_KEY)
+        state["counters"]["stored_bytes"] += result.stored_after - result.stored_before
+        txn.put_json("meta", STATE_KEY, state)
+
+    store.write(finish)
 
 
 def _reencode_values(store: Store, level: int, result: CompactResult, progress: PhasedProgress | None) -> None:
@@ -265,3 +263,7 @@ def _reencode_batch(txn: Txn, table: str, start: bytes, level: int) -> tuple[byt
             doc["digests"] = {**doc.get("digests", {}), **digests}
         txn.put_json(table, key, doc)
     return resume, rows, before_all, after_all
+
+
+kinds.attach("values", compact=_reencode_values)
+kinds.attach("replay-buffer", compact=_reencode_buffer)

@@ -25,11 +25,8 @@ from typing import Any
 
 from kvckpt.tools.inspect import Progress
 
-from kvckpt.durability.safe_open import open_readonly
-from kvckpt.storage import codec, keys
-from kvckpt.storage.store import Store, Txn
-from kvckpt.tables.meta import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STAMP_KEY, STATE_KEY
-from kvckpt.tables.records import GroupInfo, LedgerEntry
+from kvckpt import GroupInfo, LedgerEntry, Store, codec
+from kvckpt.tooling import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STAMP_KEY, STATE_KEY, Txn, keys, open_readonly
 
 #: Fields whose values depend on the encoding, compared only when digests are comparable.
 ENCODING_FIELDS = ("digest", "digests", "stored_bytes")

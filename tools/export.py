@@ -40,13 +40,11 @@ only meaningful with the others.
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,16 +53,9 @@ import numpy as np
 from kvckpt.tools.compact import check_destination
 from kvckpt.tools.inspect import Progress
 
-from kvckpt.durability.checkpoint import PARTIAL_SUFFIX
-from kvckpt.durability.safe_open import open_readonly
+from kvckpt import CLAIMED, CONSUMED, READY, RowSchema, codec, durable_replace
 from kvckpt.errors import BadArgument, CorruptRecord, InvariantViolation, SchemaMismatch
-from kvckpt.storage import codec, keys
-from kvckpt.storage.schema import RowSchema
-from kvckpt.storage.store import fsync_dir, fsync_file
-from kvckpt.tables.digest import check_group_digest
-from kvckpt.tables.meta import CONFIG_KEY
-from kvckpt.tables.records import CLAIMED, CONSUMED, GROUP_STATES, READY
-from kvckpt.values.records import FORMAT_KEY as VALUES_KIND_KEY
+from kvckpt.tooling import CONFIG_KEY, GROUP_STATES, check_group_digest, keys, kinds, open_readonly
 
 FORMATS = ("parquet", "jsonl")
 META_COLUMNS = ("group_id", "row", "prompt_idx", "task_name", "state", "start_weight", "end_weight",
@@ -197,61 +188,75 @@ def export(path: str, out: str, *, fmt: str = "parquet", states: Sequence[str] |
     sink_class.check_available()
     decoder = _load_tokenizer(tokenizer) if tokenizer else None
     t0 = time.perf_counter()
-    tmp = f"{out}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
-    try:
+    with durable_replace(out, check=lambda: check_destination(path, out, force)) as tmp:
+        job = _Job(out, tmp, fmt, sink_class, wanted, steps, fields, decoder, sft, completion_mask, batch_bytes,
+                   progress)
         with open_readonly(path) as store, store.reader() as txn:
-            config = txn.get_json("meta", CONFIG_KEY)
-            if txn.get("meta", VALUES_KIND_KEY) is not None:
-                raise BadArgument(f"{path!r} is a value store (a TransferQueue backend or verl ledger file): its "
-                                  "values are encoded records of the program that put them, not rows of a schema; "
-                                  "export reads replay buffers (`kvckpt inspect` describes a value store)")
-            if config is None:
-                raise BadArgument(f"{path!r} holds no replay buffer (no meta/config): nothing to export")
-            schema = RowSchema.from_dict(config["schema"])
-            names = _check_fields(schema, fields, decoder is not None)
-            layout = _Layout(names, decoder, _sft_store_id(txn, schema, names, completion_mask) if sft else None,
-                             completion_mask)
-            result = ExportResult(out, fmt, names)
-            sink = _BackgroundSink(sink_class(tmp, schema, layout))
-            try:
-                total = txn.count("groups")
-                batch = _Batch(arrays={n: [] for n in names})
-                for done, (key, value) in enumerate(txn.iter_prefix("groups", b""), 1):
-                    doc = codec.decode_meta(value, f"groups/{key.decode(errors='replace')}")
-                    if progress is not None:
-                        progress(done, total)
-                    if doc["state"] not in wanted:
-                        continue
-                    if steps is not None and not _in_range(_step_of(doc), steps):
-                        continue
-                    if not doc.get("rows_stored"):
-                        result.groups_without_rows += 1
-                        continue
-                    result.groups += 1
-                    _add_group(txn, doc, schema, names, batch, layout)
-                    if batch.raw_bytes >= batch_bytes:
-                        result.rows += len(batch.meta)
-                        result.raw_bytes += batch.raw_bytes
-                        sink.write(batch)
-                        batch = _Batch(arrays={n: [] for n in names})
-                result.rows += len(batch.meta)
-                result.raw_bytes += batch.raw_bytes
-                if batch.meta:
-                    sink.write(batch)
-                if progress is not None:
-                    progress(total, total)
-            finally:
-                sink.close()
-        fsync_file(tmp)
-        check_destination(path, out, force)
-        os.replace(tmp, out)
-        fsync_dir(os.path.dirname(os.path.abspath(out)))
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+            result = kinds.kind_of(txn).hook("export", path)(txn, path, job)
     result.file_bytes = os.path.getsize(out)
     result.seconds = time.perf_counter() - t0
     result.warnings = _warnings(result, wanted, steps)
+    return result
+
+
+@dataclass
+class _Job:
+    """What :func:`export` was asked for, handed to the store kind's ``export`` hook."""
+
+    out: str
+    tmp: str
+    fmt: str
+    sink_class: Any
+    states: tuple[str, ...]
+    steps: tuple[int | None, int | None] | None
+    fields: Sequence[str] | None
+    decoder: Any
+    sft: bool
+    completion_mask: str
+    batch_bytes: int
+    progress: Progress | None
+
+
+def _export_buffer(txn: Any, path: str, job: _Job) -> ExportResult:
+    """A replay buffer's rows, streamed from one snapshot into ``job``'s sink (the ``export`` hook)."""
+    config = txn.get_json("meta", CONFIG_KEY)
+    if config is None:
+        raise BadArgument(f"{path!r} holds no replay buffer (no meta/config): nothing to export")
+    schema = RowSchema.from_dict(config["schema"])
+    names = _check_fields(schema, job.fields, job.decoder is not None)
+    layout = _Layout(names, job.decoder, _sft_store_id(txn, schema, names, job.completion_mask) if job.sft else None,
+                     job.completion_mask)
+    result = ExportResult(job.out, job.fmt, names)
+    sink = _BackgroundSink(job.sink_class(job.tmp, schema, layout))
+    try:
+        total = txn.count("groups")
+        batch = _Batch(arrays={n: [] for n in names})
+        for done, (key, value) in enumerate(txn.iter_prefix("groups", b""), 1):
+            doc = codec.decode_meta(value, f"groups/{key.decode(errors='replace')}")
+            if job.progress is not None:
+                job.progress(done, total)
+            if doc["state"] not in job.states:
+                continue
+            if job.steps is not None and not _in_range(_step_of(doc), job.steps):
+                continue
+            if not doc.get("rows_stored"):
+                result.groups_without_rows += 1
+                continue
+            result.groups += 1
+            _add_group(txn, doc, schema, names, batch, layout)
+            if batch.raw_bytes >= job.batch_bytes:
+                result.rows += len(batch.meta)
+                result.raw_bytes += batch.raw_bytes
+                sink.write(batch)
+                batch = _Batch(arrays={n: [] for n in names})
+        result.rows += len(batch.meta)
+        result.raw_bytes += batch.raw_bytes
+        if batch.meta:
+            sink.write(batch)
+        if job.progress is not None:
+            job.progress(total, total)
+    finally:
+        sink.close()
     return result
 
 
@@ -551,3 +556,6 @@ def _nested(pa: Any, arrays: list[np.ndarray | None], value_type: Any) -> Any:
         values = _nested(pa, [sub for a in present for sub in a], value_type)
     return pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), values,
                                     mask=None if mask is None else pa.array(mask))
+
+
+kinds.attach("replay-buffer", export=_export_buffer)

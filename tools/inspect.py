@@ -25,14 +25,21 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from kvckpt.buffer import BufferConfig
-from kvckpt.durability.safe_open import open_readonly
+from kvckpt import CLAIMED, CONSUMED, READY, BufferConfig, codec
 from kvckpt.errors import CorruptRecord, KvckptError
-from kvckpt.storage import codec
-from kvckpt.storage.store import Txn, writer_active
-from kvckpt.tables.meta import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STAMP_KEY, STATE_KEY
-from kvckpt.tables.records import CLAIMED, CONSUMED, GROUP_STATES, READY
-from kvckpt.values import records as values
+from kvckpt.tooling import (
+    CONFIG_KEY,
+    DATALOADER_KEY,
+    GROUP_STATES,
+    SHORTFALL_KEY,
+    STAMP_KEY,
+    STATE_KEY,
+    Txn,
+    kinds,
+    open_readonly,
+    writer_active,
+)
+from kvckpt.tooling import value_records as values
 
 INFLIGHT = "inflight"
 #: Column order of the by-weight histogram: in flight first, then the group states.
@@ -116,16 +123,16 @@ def inspect_path(path: str, *, ledger_limit: int = 5, progress: Progress | None 
         info = store.env.info()
         page = store.env.stat()["psize"]
         with store.reader() as txn:
-            is_values = txn.get("meta", values.FORMAT_KEY) is not None
-            out = _describe_values(txn) if is_values else _describe(txn, ledger_limit, progress)
-        out.update(path=path, live=live, kind="values" if is_values else "replay-buffer")
+            kind = kinds.kind_of(txn)
+            out = kind.hook("inspect", path)(txn, ledger_limit, progress)
+        out.update(path=path, live=live, kind=kind.name)
         out["identity"] = {k: store.info.get(k) for k in ("store_id", "format", "version", "created")}
         out["bytes"].update(file=os.path.getsize(path), lmdb_pages_used=(info["last_pgno"] + 1) * page,
                             page_size=page)
     return out
 
 
-def _describe_values(txn: Txn) -> dict[str, Any]:
+def _describe_values(txn: Txn, ledger_limit: int, progress: Progress | None) -> dict[str, Any]:
     """A value store's kind marker, value count, last checkpoint stamp and stored bytes; damaged
     records (checksum) under ``problems``."""
     problems: list[dict[str, str]] = []
@@ -245,3 +252,7 @@ def _describe(txn: Txn, ledger_limit: int, progress: Progress | None) -> dict[st
                       for w in sorted(by_weight)],
         "by_step": [{"step": s, **{c: by_step[s].get(c, 0) for c in step_columns}} for s in sorted(by_step)]}
     return out
+
+
+kinds.attach("values", inspect=_describe_values)
+kinds.attach("replay-buffer", inspect=_describe)

@@ -25,6 +25,7 @@ import json
 import math
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -44,6 +45,13 @@ def trl_schema() -> dict[str, tuple[str, str]]:
     return {"input_ids": ("int64", "token"), "completion_mask": ("int64", "token"),
             "old_log_probs": ("float32", "token"), "advantage": ("float32", "row"), "reward": ("float32", "row")}
 
+
+#: The deprecation warning of the changed default backend (0.2.0): code written for 0.1.0's in-process default
+#: asks a vLLM server now. It is given while ``backend`` is left out, for one release (removed in 0.3.0).
+DEFAULT_BACKEND_CHANGED = (
+    'KvckptRolloutWorker\'s default backend is "server" since kvckpt 0.2.0 (it was the in-process "transformers" '
+    'backend): pass backend="server" to keep asking the vLLM server at args.vllm_server_base_url, or '
+    'backend="transformers" for the old default; this warning goes away in 0.3.0')
 
 class KvckptRolloutWorker:
     """TRL's rollout worker on kvckpt: admission, generation on TRL's vLLM server (or in process),
@@ -68,7 +76,8 @@ class KvckptRolloutWorker:
         backend: ``"server"`` (TRL's own path: the vLLM server at ``args.vllm_server_base_url``, asked
             with TRL's request, streamed, see :mod:`~kvckpt.integrations.trl.server`; weights synced
             by TRL's own weight transfer) or a kvckpt in-process backend (``"transformers"``,
-            ``"vllm"``; weights synced by :class:`InProcessWeightTransfer`). Defaults to ``"server"``.
+            ``"vllm"``; weights synced by :class:`InProcessWeightTransfer`). Defaults to ``"server"``; left out,
+            a ``FutureWarning`` says so for one release (:data:`DEFAULT_BACKEND_CHANGED`, CHANGELOG.md 0.2.0).
         progress_every_tokens: record each sample's tokens, logprobs and weight version durably every
             this many tokens (one ``record_progress_many`` per batch of engine steps; on the server
             path, written off the stream's reader by the recorder's flusher, tokens that arrive during
@@ -89,10 +98,13 @@ class KvckptRolloutWorker:
     """
 
     def __init__(self, store_path: str, model_path: str, dataset: Sequence[Any], reward_funcs: Any, args: Any, *,
-                 backend: str = "server", capacity: int | None = None, prompts_per_admit: int = 1,
+                 backend: str | None = None, capacity: int | None = None, prompts_per_admit: int = 1,
                  retain_consumed: bool = False, seed: int = 0, progress_every_tokens: int | None = None,
                  progress_every_seconds: float | None = None,
                  after_step: Callable[[Sequence[SequenceState]], None] | None = None) -> None:
+        if backend is None:
+            warnings.warn(DEFAULT_BACKEND_CHANGED, FutureWarning, stacklevel=2)
+            backend = "server"
         self._sample_cls = rollout_sample_class()
         if len(dataset) == 0:
             raise BadArgument("the TRL worker needs a non-empty dataset")

@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,7 +34,7 @@ from kvckpt.integrations.verl.ledger import CHECKPOINT_GROUP
 from kvckpt.integrations.verl.records import FIELD, TAG, record_key, rows_of, state_from_json, state_to_json
 from omegaconf import flag_override, open_dict
 
-from kvckpt import fsync_dir, fsync_file
+from kvckpt import write_durably
 from kvckpt.errors import CheckpointError
 
 #: The ledger file inside verl's ``global_step_N/transfer_queue`` directory, and its manifest.
@@ -174,12 +173,7 @@ class Mirror:
         checkpoint = self.actor.checkpoint.options(concurrency_group=CHECKPOINT_GROUP)  # puts land while it copies
         stamp = ray.get(checkpoint.remote(self.token, os.path.join(checkpoint_dir, LEDGER_FILE), step))
         manifest = {"checkpoint_id": stamp["checkpoint_id"], "global_steps": step, "metadata": metadata or {}}
-        tmp = os.path.join(checkpoint_dir, f".{MANIFEST_FILE}.{uuid.uuid4().hex[:8]}")
-        with open(tmp, "w") as f:
-            json.dump(manifest, f)
-        fsync_file(tmp)
-        os.replace(tmp, os.path.join(checkpoint_dir, MANIFEST_FILE))
-        fsync_dir(checkpoint_dir)
+        write_durably(os.path.join(checkpoint_dir, MANIFEST_FILE), json.dumps(manifest).encode())
 
     def load_checkpoint(self, checkpoint_dir: str | os.PathLike[str]) -> None:
         """verl's ``tq.load_checkpoint``: the ledger becomes that checkpoint, TransferQueue is refilled.

@@ -48,6 +48,7 @@ from kvckpt.samplers import Sampler
 from kvckpt.storage.encoding import CheckedRow, EncodedRow, RowEncoder, check_encoded
 from kvckpt.storage.group_commit import GroupCommitter
 from kvckpt.storage.progress_message import ProgressEncoder, ProgressMessage, decode_message
+from kvckpt.storage.replace import durable_replace
 from kvckpt.storage.schema import RowSchema
 from kvckpt.storage.store import Store, Txn, makedirs_durable
 from kvckpt.tables import meta
@@ -123,14 +124,20 @@ class ReplayBuffer:
             raise BadArgument(f"{path!r} already exists; use ReplayBuffer.open to reopen it")
         kwargs = {"map_size": map_size} if map_size else {}
         makedirs_durable(os.path.dirname(os.path.abspath(path)))
-        store = Store(path, create=True, **kwargs)
+        def init(txn: Txn) -> None:
+            t = Tables(txn)
+            t.put_config(config.to_dict())
+            t.put_state(meta.new_state())
+            t.put_shortfall({})
+
+        try:  # made whole under a private name, then linked: a cut leaves a complete store or none
+            with durable_replace(path, exclusive=True, leftovers=("-lock",)) as tmp, \
+                    Store(tmp, create=True, **kwargs) as new:
+                new.write(init)
+        except FileExistsError:
+            raise BadArgument(f"{path!r} already exists; use ReplayBuffer.open to reopen it") from None
+        store = Store(path, **kwargs)
         try:
-            def init(txn: Txn) -> None:
-                t = Tables(txn)
-                t.put_config(config.to_dict())
-                t.put_state(meta.new_state())
-                t.put_shortfall({})
-            store.write(init)
             return cls(store)
         except BaseException:
             store.close()

@@ -36,13 +36,13 @@ import contextlib
 import os
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from kvckpt.durability.checkpoint import PARTIAL_SUFFIX, install_checkpoint, snapshot_to_file
-from kvckpt.durability.safe_open import check_header, copy_used, open_readonly
+from kvckpt.durability.checkpoint import install_checkpoint, private_copy, snapshot_to_file
+from kvckpt.durability.safe_open import open_readonly
 from kvckpt.errors import CheckpointError
+from kvckpt.storage.replace import durable_replace
 from kvckpt.storage.store import Store
 from kvckpt.storage.txn import Txn
 from kvckpt.values import records
@@ -210,7 +210,7 @@ class ValueStore:
         source = os.path.abspath(source)
         if not os.path.isfile(source):
             raise FileNotFoundError(f"no value store checkpoint at {source!r}")
-        with _private_copy(source, self.path) as copy, open_readonly(copy, name=source) as checkpoint, \
+        with private_copy(source, self.path) as copy, open_readonly(copy, name=source) as checkpoint, \
                 checkpoint.reader() as saved:
             stamp = records.validate_checkpoint(saved, source)
             _expect(stamp, checkpoint_id, source)
@@ -255,24 +255,16 @@ class ValueView:
         return next(self._txn.iter_keys("rows", records.store_key(prefix)), None) is not None
 
 
-@contextlib.contextmanager
-def _private_copy(source: str, beside: str) -> Iterator[str]:
-    """The used pages of ``source`` copied to a private file next to ``beside`` (removed on exit)."""
-    used = check_header(source)
-    copy = f"{beside}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
-    try:
-        copy_used(source, copy, used)
-        yield copy
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(copy)
-
-
 def _open(path: str) -> Store:
-    """Open (or create) a value store file: mark or check its kind, move formats 1-2 into format 3's one tree."""
-    store = Store(path, create=True)
+    """Open (or create) a value store file: mark or check its kind, move formats 1-2 into format 3's one tree.
+    A new file is made whole under a private name, then linked: a cut leaves a complete value store or none."""
+    created = time.time()
+    if not os.path.exists(path):
+        with contextlib.suppress(FileExistsError), \
+                durable_replace(path, exclusive=True, leftovers=("-lock",)) as tmp, Store(tmp, create=True) as new:
+            new.write(lambda txn: records.init(txn, path, created))  # a concurrent creator's file is then opened
+    store = Store(path)
     try:
-        created = time.time()
         store.write(lambda txn: records.init(txn, path, created))
         store.upgrade_layout()
         return store

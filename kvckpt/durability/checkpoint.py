@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -55,6 +55,7 @@ from kvckpt.errors import (
     VerificationFailed,
 )
 from kvckpt.storage.layout import stored_key
+from kvckpt.storage.replace import PARTIAL_SUFFIX, partial_name, publish
 from kvckpt.storage.store import FILE_MODE, Store, Txn, fsync_dir, fsync_file, lock_or_close, writer_active
 from kvckpt.tables.access import Tables
 
@@ -63,8 +64,6 @@ T = TypeVar("T")
 #: Reads what a caller wants to know from a checkpoint's pinned snapshot (:func:`snapshot_to_file`).
 Describe = Callable[[Txn], dict[str, Any]]
 
-#: A checkpoint (or restore) being written carries this suffix until it is complete.
-PARTIAL_SUFFIX = ".partial"
 #: A checkpoint copies its snapshot page for page (IO-bound, at the disk's rate) unless more than
 #: this share of the snapshot's pages are free; then it compacts them away with LMDB's compacting
 #: copy (a CPU-bound tree walk, at nice 19) so that the file stays small.
@@ -549,35 +548,46 @@ def install_checkpoint(checkpoint_file: str, live_path: str, check: Callable[[st
     """
     t0 = time.perf_counter() if started is None else started
     timings = {} if timings is None else timings
-    used = check_header(checkpoint_file) if used is None else used
-    tmp = f"{live_path}.{uuid.uuid4().hex[:8]}{PARTIAL_SUFFIX}"
     flush: _BackgroundFsync | None = None
+    tmp = None
     try:
-        copy_used(checkpoint_file, tmp, used)
-        timings["copy"] = time.perf_counter() - t0
-        flush = _BackgroundFsync(tmp)  # the copy's write-back overlaps the checks
-        checked = check(tmp)
-        t1 = time.perf_counter()
-        flush.join()
-        timings["fsync_wait"] = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        os.replace(tmp, live_path)
-        fsync_dir(os.path.dirname(live_path))
-        timings["rename"] = time.perf_counter() - t2
+        with private_copy(checkpoint_file, live_path, used) as tmp:
+            timings["copy"] = time.perf_counter() - t0
+            flush = _BackgroundFsync(tmp)  # the copy's write-back overlaps the checks
+            try:
+                checked = check(tmp)
+            except BaseException:
+                flush.join(raise_error=False)
+                raise
+            t1 = time.perf_counter()
+            flush.join()
+            timings["fsync_wait"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            publish(tmp, live_path, synced=True)
+            timings["rename"] = time.perf_counter() - t2
     except BaseException as exc:
-        if flush is not None:
-            flush.join(raise_error=False)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         if isinstance(exc, OSError) and not isinstance(exc, KvckptError):
             raise RecoveryError(f"copying {checkpoint_file!r} to {live_path!r} failed: {exc}") from None
-        if isinstance(exc, KvckptError):
+        if isinstance(exc, KvckptError) and tmp is not None:
             _name_user_file(exc, tmp, checkpoint_file)
         raise
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp + "-lock")
     return checked
+
+
+@contextlib.contextmanager
+def private_copy(checkpoint_file: str, beside: str, used: int | None = None) -> Iterator[str]:
+    """The pages ``checkpoint_file`` uses (:func:`~kvckpt.durability.safe_open.check_header`'s ``used``, checked
+    here if None) copied to a private file next to ``beside`` (mode 0600), removed with its lock file on exit
+    unless it was renamed meanwhile: what every load of an untrusted file checks and reads."""
+    used = check_header(checkpoint_file) if used is None else used
+    tmp = partial_name(beside)
+    try:
+        copy_used(checkpoint_file, tmp, used)
+        yield tmp
+    finally:
+        for path in (tmp, tmp + "-lock"):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def _name_user_file(exc: KvckptError, tmp: str, checkpoint_file: str) -> None:

@@ -1,7 +1,8 @@
 """The verifier: every invariant of a buffer store, checked in both directions.
 
-A value store (the other store kind, :mod:`kvckpt.values`) is checked by
-:func:`kvckpt.values.records.problems` instead: its kind marker and meta keys, the key layout, and
+Each store kind is checked by its ``verify`` hook (:mod:`kvckpt.durability.kinds`, where both
+built-in kinds are registered from here): a value store (:mod:`kvckpt.values`) by
+:func:`kvckpt.values.records.problems`: its kind marker and meta keys, the key layout, and
 every record's checksum (the whole record with ``checksums`` or ``deep``) and the key it names;
 the layout and lookup checks below apply to both kinds.
 
@@ -57,6 +58,7 @@ from typing import Any
 
 import lmdb
 
+from kvckpt.durability import kinds
 from kvckpt.errors import CorruptRecord, KvckptError
 from kvckpt.storage import codec, keys
 from kvckpt.storage.layout import ONE_TREE_TABLES
@@ -176,35 +178,50 @@ def check(txn: Any, *, deep: bool = False, checksums: bool = False, lookups: boo
     _check_layout(txn, report)
     if lookups:
         _check_lookups(txn, report)
-    if txn.get("meta", values.FORMAT_KEY) is not None:  # the other store kind: a value store
-        found, counts = values.problems(txn, payloads=deep or checksums)
-        report.not_checked = ("what each value means: the program that put it checks that when it reads it (the "
-                              "TransferQueue backend's decode_value)" + ("" if deep or checksums else
-                                                                          "; record payloads (their checksums)"))
-        for problem in found:
-            report.add(*problem)
-        report.counts.update(counts)
-        return report
+    kinds.kind_of(txn).verify(txn, report, kinds.VerifyOptions(deep, checksums, row_keys, progress))
+    return report
+
+
+def _check_values(txn: Any, report: Report, options: kinds.VerifyOptions) -> None:
+    """The value store kind's checks (:func:`kvckpt.values.records.problems`)."""
+    found, counts = values.problems(txn, payloads=options.deep or options.checksums)
+    report.not_checked = ("what each value means: the program that put it checks that when it reads it (the "
+                          "TransferQueue backend's decode_value)" + ("" if options.deep or options.checksums else
+                                                                      "; record payloads (their checksums)"))
+    for problem in found:
+        report.add(*problem)
+    report.counts.update(counts)
+
+
+def _check_buffer(txn: Any, report: Report, options: kinds.VerifyOptions) -> None:
+    """The replay buffer kind's checks (the module docstring's list)."""
     meta = _decode_meta_table(txn, report)
     config, state = meta.get(CONFIG_KEY), meta.get(STATE_KEY)
     if config is None or state is None:
         if not report.problems:
             report.add("missing-meta", "meta", "meta/config or meta/state is missing: not a replay buffer store")
-        return report
+        return
     if not _check_config(config, report):
-        return report
+        return
     _check_ints(meta.get(STAMP_KEY), "meta/checkpoint", ("trainer_version", "dispatch_index"), report,
                 required=True)
     if not _check_state(state, report):
-        return report
+        return
     _check_dataloader(txn, report)
     try:
-        _check_snapshot(txn, report, config, state, meta.get(SHORTFALL_KEY) or {}, deep, checksums, row_keys,
-                        progress)
+        _check_snapshot(txn, report, config, state, meta.get(SHORTFALL_KEY) or {}, options.deep, options.checksums,
+                        options.row_keys, options.progress)
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError) as exc:
         report.add("malformed", "?", f"a record passes its checksum but lacks a field or has a wrong type "
                                      f"({type(exc).__name__}: {exc}); the store was not written by kvckpt")
-    return report
+
+
+#: The two built-in store kinds (kvckpt.durability.kinds); the tools attach their hooks to them.
+kinds.register(kinds.StoreKind(
+    "values", "a value store (a TransferQueue backend or verl ledger file): its values are encoded records of the "
+    "program that put them, not rows of a schema", lambda txn: values.kind_of(txn) is not None, _check_values))
+kinds.register(kinds.StoreKind("replay-buffer", "a replay buffer", lambda txn: txn.get("meta", CONFIG_KEY) is not None,
+                               _check_buffer), fallback=True)
 
 
 #: Integer fields of ``meta/state``, group records and ledger entries (``None`` allowed where optional).

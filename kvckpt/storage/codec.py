@@ -251,7 +251,7 @@ def _narrowest(lo: int, hi: int, itemsize: int) -> str | None:
     return None
 
 
-def _encode_field(arr: np.ndarray, dtype: str, compress: bool) -> tuple[list[str], np.ndarray]:
+def encode_field(arr: np.ndarray, dtype: str, compress: bool) -> tuple[list[str], np.ndarray]:
     """The field's transforms and stored bytes as a flat uint8 array (``b"".join`` takes it as is)."""
     transforms: list[str] = []
     data = arr.reshape(-1)
@@ -321,7 +321,7 @@ def encode(fields: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | No
             if declared not in DTYPES or arr.dtype != DTYPES[declared]:
                 raise BadArgument(f"field {name!r} holds {arr.dtype} values, not the stored form of {declared!r}")
             dtype = declared
-        transforms, data = _encode_field(arr, dtype, level > 0)
+        transforms, data = encode_field(arr, dtype, level > 0)
         specs.append([name, dtype, list(arr.shape), transforms, data.nbytes])
         chunks.append(data)
     body = b"".join(chunks)

@@ -25,6 +25,7 @@ from kvckpt.testing.workload import COMMIT_PATHS, SAMPLERS, workload_config
 
 checkpoint_module = importlib.import_module("kvckpt.durability.checkpoint")  # the module, not the function
 store_module = importlib.import_module("kvckpt.storage.store")
+replace_module = importlib.import_module("kvckpt.storage.replace")
 
 WHY_NOT = powerfs.unavailable()
 needs_fuse = pytest.mark.skipif(WHY_NOT is not None, reason=f"power-cut tests skipped: {WHY_NOT}")
@@ -69,6 +70,7 @@ def test_checkpoint_and_restore_fsync_file_then_rename_then_fsync_directory(tmp_
     recorder = _Recorder(calls)
     monkeypatch.setattr(checkpoint_module, "os", recorder)
     monkeypatch.setattr(store_module, "os", recorder)  # the fsync helpers live in the storage layer
+    monkeypatch.setattr(replace_module, "os", recorder)  # and the one durable rename (restore's)
     directory = os.path.realpath(tmp_path)
     buf = ReplayBuffer.create(os.path.join(directory, "live.kv"), workload_config(SAMPLERS[0]))
     buf.admit([Prompt(0), Prompt(1)], dataloader_state=b"2")

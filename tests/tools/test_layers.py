@@ -139,3 +139,36 @@ def test_an_integration_reaching_past_the_public_api_is_caught(tmp_path: Path) -
     ]
     # the same imports in a core module are no boundary matter (the layer rules judge them)
     assert all(not p.startswith("boundary: kvckpt.storage") for p in found)
+
+
+def test_a_tool_or_benchmark_reaching_below_its_face_is_caught(tmp_path: Path) -> None:
+    """The tools and the benchmarks may import the public API, the consumers and the tools' face
+    (``kvckpt.tooling``); a module below it or a private name is refused. An integration may not use the face."""
+    files = {"kvckpt/__init__.py": '__all__ = ["Store"]\nStore = 1\n',
+             "kvckpt/tooling.py": "from kvckpt.storage import codec\n",
+             "kvckpt/storage/codec.py": "def _encode_field(): ...\ndef encode(): ...\n",
+             "tools/__init__.py": "", "tools/inspect.py": textwrap.dedent("""
+                 from kvckpt import Store
+                 from kvckpt.tooling import codec
+                 from kvckpt.storage.codec import encode
+                 """),
+             "benchmarks/__init__.py": "", "benchmarks/codec_bench.py": textwrap.dedent("""
+                 from kvckpt.tooling import codec
+                 from kvckpt.tools.inspect import Store
+                 from kvckpt.storage import codec as raw
+                 codec._encode_field()
+                 """),
+             "integrations/__init__.py": "", "integrations/peer.py": "from kvckpt.tooling import codec\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = layers.violations(layers.discover({"kvckpt": tmp_path / "kvckpt", "kvckpt.tools": tmp_path / "tools",
+                                               "kvckpt.integrations": tmp_path / "integrations",
+                                               "benchmarks": tmp_path / "benchmarks"}))
+    reaches = sorted(p.split(": ", 1)[1] for p in found if p.startswith(("boundary:", "private:")))
+    assert reaches == [
+        "benchmarks.codec_bench reaches codec._encode_field (line 5)",
+        "benchmarks.codec_bench reaches past the public API: from kvckpt.storage import codec",
+        "kvckpt.integrations.peer reaches past the public API: from kvckpt.tooling import codec",
+        "kvckpt.tools.inspect reaches past the public API: from kvckpt.storage.codec import encode",
+    ], found
