@@ -94,12 +94,15 @@ Write = Callable[[list[Pending]], Sequence[Any]]
 @dataclass(frozen=True)
 class DrainReport:
     """What :meth:`ProgressRecorder.drain` achieved: sequences it drained (whole tail durable), those whose
-    tail was not made durable by the deadline (refused ones excluded) and how many tokens those hold."""
+    tail was not made durable by the deadline (refused ones excluded), how many tokens those hold, whether
+    every tail was in time, and how many tokens the live sequences held."""
 
     drained: int
     undrained: int
     tokens_not_durable: int
     in_time: bool
+    #: tokens the live sequences held when the drain ended (durable prefix and tail)
+    generated: int
 
 
 class ProgressRecorder:
@@ -235,7 +238,7 @@ class ProgressRecorder:
             left_over = self._undrained()
             live = [t for t in self.tails if t.refused is None]
             return DrainReport(len(live) - len(left_over), len(left_over), sum(len(t.ids) for t in left_over),
-                               not left_over)
+                               not left_over, sum(t.generated for t in live))
 
     def stopped(self) -> set[int]:
         """Positions in :attr:`tails` of the sequences to stop generating: refused, or all of them once a flush
@@ -368,6 +371,8 @@ class ProgressRecorder:
 
 #: Every recorder not closed yet (what a SIGTERM drains).
 _LIVE: weakref.WeakSet[ProgressRecorder] = weakref.WeakSet()
+#: Whether :func:`drain_on_sigterm` installed its handler in this process (once is enough: it drains every recorder).
+_INSTALLED = False
 
 
 def drain_all(grace: float, *, clock: Callable[[], float] = time.monotonic) -> list[DrainReport]:
@@ -380,8 +385,11 @@ def drain_on_sigterm(grace: float, then: Callable[[list[DrainReport]], None] | N
     """On SIGTERM (a preemption notice), drain every live recorder of the process within ``grace`` seconds,
     call ``then`` with the reports, and let the signal's previous handling go on. Installs only from the
     main thread (Python's rule for signal handlers); returns whether it did."""
+    global _INSTALLED
     if threading.current_thread() is not threading.main_thread():
         return False
+    if _INSTALLED:
+        return True
     previous = signal.getsignal(signal.SIGTERM)
 
     def handler(signum: int, frame: Any) -> None:
@@ -395,4 +403,5 @@ def drain_on_sigterm(grace: float, then: Callable[[list[DrainReport]], None] | N
             signal.raise_signal(signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, handler)
+    _INSTALLED = True
     return True

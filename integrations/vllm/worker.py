@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+from kvckpt.integrations.common.progress import drain_on_sigterm
 from kvckpt.integrations.vllm.backends import Sample, create_backend, grouped
 from kvckpt.integrations.vllm.rows import make_row
 from kvckpt.integrations.vllm.stream import Continuation, ProgressRecorder, SequenceState, prefixes
@@ -47,6 +48,9 @@ TOKEN_VERSIONS = "token_versions"
 #: measures at 41% of one core and 0.016 fsyncs per append on one in-process store; a crash then
 #: costs a sequence at most 255 tokens. Generation with progress on kept 100.9% of off there.
 PROGRESS_EVERY_TOKENS = 256
+#: Seconds a SIGTERM gives the worker to make every in-flight tail durable (GKE's preemption notice is 30 s:
+#: this leaves the rest to the process's own exit).
+DRAIN_SECONDS = 20.0
 
 
 class RolloutWorker:
@@ -73,6 +77,11 @@ class RolloutWorker:
             turns streaming off. Defaults to :data:`PROGRESS_EVERY_TOKENS`.
         progress_every_seconds: also append a sequence's new tokens once this long passed since
             its last append. Defaults to None (by count only).
+        drain_seconds: on SIGTERM (a preemption notice), stop generating and make every in-flight
+            sequence's unrecorded tail durable within this many seconds, then let the signal end the
+            process (:func:`kvckpt.integrations.common.progress.drain_on_sigterm`; installed when the
+            worker is built in the main thread). ``None``: leave SIGTERM alone. Defaults to
+            :data:`DRAIN_SECONDS`.
 
     Examples:
         >>> worker = RolloutWorker(ensure_tiny_model())  # doctest: +SKIP
@@ -87,7 +96,7 @@ class RolloutWorker:
                  extra_fields: Callable[[Lease, int, Sample], Mapping[str, Any]] | None = None,
                  backend_options: Mapping[str, Any] | None = None,
                  progress_every_tokens: int = PROGRESS_EVERY_TOKENS,
-                 progress_every_seconds: float | None = None) -> None:
+                 progress_every_seconds: float | None = None, drain_seconds: float | None = DRAIN_SECONDS) -> None:
         if commit not in ("group", "sample"):
             raise ValueError(f"commit must be 'group' or 'sample', got {commit!r}")
         self.backend = create_backend(backend, model_path, seed=seed, **dict(backend_options or {}))
@@ -105,6 +114,8 @@ class RolloutWorker:
         self.progress_stats = {"tokens_generated": 0, "tokens_resumed": 0, "appends": 0, "append_calls": 0}
         self._lock = threading.Lock()
         self._version = 0
+        if drain_seconds is not None and self.streams_progress:
+            drain_on_sigterm(drain_seconds)
 
     @property
     def weight_version(self) -> int:
