@@ -26,8 +26,7 @@ one ledger call per run. The rules, each in one place:
   every sequence's whole tail durable, however short of an interval, by a deadline
   (:func:`drain_on_sigterm` runs it on SIGTERM).
 
-Storage-agnostic (it only moves lists and calls ``write``), so it lives beside the other code every
-integration shares and imports nothing of a peer.
+Storage-agnostic (it moves lists and calls ``write``): it lives with the code every integration shares.
 """
 
 from __future__ import annotations
@@ -58,8 +57,7 @@ class Tail:
     every: int
     durable: int
     last_append: float
-    #: tokens handed over so far (kept or not): where the sequence's next new token is in its output
-    received: int = 0
+    received: int = 0  # tokens handed over so far (kept or not): where its next new token is in its output
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -76,8 +74,7 @@ class Tail:
 
 
 class Pending(NamedTuple):
-    """One sequence's chunk of a flush: its tail, where the chunk starts, its tokens, logprobs and per-token
-    weight versions, and whether it ends the sequence."""
+    """One sequence's chunk of a flush: its tail, start, tokens, logprobs, weight versions, and whether it ends."""
 
     tail: Tail
     start: int
@@ -192,10 +189,6 @@ class ProgressRecorder:
             if tail in self.tails:
                 self.tails.remove(tail)
 
-    def settle(self) -> None:
-        """Return once nothing is due and no flush is in flight."""
-        self.step(settle=True)
-
     def close(self, *, tail: bool = False) -> None:
         """Write every due chunk (``tail``: every sequence's whole tail, as at an abort), wait until each is
         durable or refused, and stop the flusher.
@@ -241,8 +234,7 @@ class ProgressRecorder:
                                not left_over, sum(t.generated for t in live))
 
     def stopped(self) -> set[int]:
-        """Positions in :attr:`tails` of the sequences to stop generating: refused, or all of them once a flush
-        failed or a drain began."""
+        """Positions in :attr:`tails` of the sequences to stop: refused, or all once a flush failed or a drain began."""
         with self._cond:
             if self.error is not None or self._draining:
                 return set(range(len(self.tails)))

@@ -142,7 +142,7 @@ class ServerProgress:
     async def idle(self) -> None:
         """Return once nothing is due and no flush is in flight (every due chunk is durable or refused)."""
         self._kick_scheduled = False
-        await asyncio.to_thread(self.recorder.settle)
+        await asyncio.to_thread(self.recorder.step, settle=True)
 
     def _kick(self) -> None:
         self._kick_scheduled = False
