@@ -108,6 +108,11 @@ class ServerProgress:
         or a gap's) and backpressure ``waits``."""
         return self.recorder.stats
 
+    @property
+    def samples(self) -> list[Sample]:
+        """The requests' samples being recorded (opened and not closed)."""
+        return list(self.recorder.tails)
+
     def open(self, key: SampleKey, prompt_len_sent: int) -> Sample:
         """A request of ``key``'s sample whose prompt (with any prefix) is ``prompt_len_sent`` tokens long."""
         if prompt_len_sent < key.prompt_len:
