@@ -285,8 +285,9 @@ MUTATIONS += (
     Mutation("step-resend-of-landed-chunk-refused", "kvckpt/transitions/progress_step.py",
              "            if t.progress_chunk_of(s.row, c.start) == c.value:\n                continue",
              "            if False:\n                continue", ("tests/core/test_progress_step.py",)),
-    Mutation("progress-retry-of-landed-chunk-refused", "kvckpt/transitions/progress.py",
-             "        if t.progress_chunk(gid, index, chunk.start) == chunk.value:\n", "        if False:\n",
+    Mutation("progress-retry-of-landed-chunk-refused", "kvckpt/transitions/progress_step.py",
+             "            if t.progress_chunk_of(s.row, c.start) == c.value:\n                continue",
+             "            if False:\n                continue",
              ("tests/core/test_progress.py::test_chunks_append_a_retry_is_a_noop_and_a_conflict_or_gap_is_refused",)),
     Mutation("fleet-restart-leaves-leases-valid", "kvckpt/durability/recovery.py",
              '{**entry.to_dict(), "attempt": entry.attempt + 1,\n'
@@ -389,17 +390,17 @@ BACKGROUND = "tests/integrations/vllm/test_progress_background.py"
 #: flush coalesce into the next one; generation's end (and an abort's tail) is durable before the
 #: commit; a fenced flush stops its lease; a failed flush reaches the stream's caller.
 MUTATIONS += (
-    Mutation("progress-flush-drops-coalesced-tokens", "integrations/vllm/stream.py",
-             "            del s.pending_ids[:n], s.pending_logprobs[:n]\n",
-             "            s.pending_ids, s.pending_logprobs = [], []\n",
+    Mutation("progress-flush-drops-coalesced-tokens", "integrations/common/progress.py",
+             "                del t.ids[:n], t.logprobs[:n], t.versions[:n]\n",
+             "                t.ids, t.logprobs, t.versions = [], [], []\n",
              (f"{BACKGROUND}::test_tokens_that_arrive_during_a_flush_coalesce_into_the_next_one",)),
-    Mutation("progress-close-stops-before-due-chunks", "integrations/vllm/stream.py",
+    Mutation("progress-close-stops-before-due-chunks", "integrations/common/progress.py",
              "                self._kicked = False\n",
              "                if self._closing is not None:\n                    return\n"
              "                self._kicked = False\n",
              (f"{BACKGROUND}::test_close_writes_a_chunk_that_fell_due_after_the_last_step",)),
-    Mutation("progress-abort-tail-not-written", "integrations/vllm/stream.py",
-             "now, tail = self.clock(), self._closing is True", "now, tail = self.clock(), False",
+    Mutation("progress-abort-tail-not-written", "integrations/common/progress.py",
+             "self._due(self.clock(), self._closing is True)", "self._due(self.clock(), False)",
              (f"{BACKGROUND}::test_an_aborted_stream_makes_its_tail_durable_first",)),
     Mutation("stream-leases-abort-skips-close", "integrations/vllm/worker.py",
              "            recorder.close(tail=True)\n", "            pass\n",
@@ -407,9 +408,9 @@ MUTATIONS += (
     Mutation("stream-leases-returns-before-close", "integrations/vllm/worker.py",
              "    recorder.close()\n", "",
              (f"{BACKGROUND}::test_a_failed_flush_stops_every_sequence_and_stream_leases_raises_it",)),
-    Mutation("progress-fenced-flush-keeps-generating", "integrations/vllm/stream.py",
-             "        return {i for i, s in enumerate(self.states) if s.lease.group_id in self.refused}",
-             "        return set()",
+    Mutation("progress-fenced-flush-keeps-generating", "integrations/common/progress.py",
+             "            return {i for i, t in enumerate(self.tails) if t.refused is not None}",
+             "            return set()",
              (f"{BACKGROUND}::test_a_fenced_flush_stops_the_lease_and_writes_nothing_more",)),
 )
 
@@ -580,6 +581,33 @@ MUTATIONS += (
              "                self._send_steps()\n", "",
              ("tests/integrations/ray/test_ray_client_future.py::"
               "test_a_queued_progress_step_completes_when_waited_on_without_flush",)),
+)
+
+# issue 45: one producer-side recorder (integrations/common/progress.py), one wire form, drain on preemption
+DRAIN = "tests/integrations/vllm/test_progress_drain.py"
+MUTATIONS += (
+    Mutation("recorder-backlog-unbounded", "integrations/common/progress.py",
+             "and unrecorded >= tail.every and unrecorded + incoming > BACKLOG * tail.every",
+             "and unrecorded >= tail.every and False",
+             (f"{BACKGROUND}::test_backpressure_waits_for_the_flush_and_drops_nothing",)),
+    Mutation("drain-leaves-the-short-tail", "integrations/common/progress.py",
+             "        tail = tail or self._draining\n", "",
+             (f"{DRAIN}::test_a_drain_in_synchronous_mode_writes_a_tail_short_of_an_interval",
+              f"{DRAIN}::test_sigterm_mid_generation_then_sigkill_leaves_no_token_to_regenerate")),
+    Mutation("drain-keeps-generating", "integrations/common/progress.py",
+             "            if self.error is not None or self._draining:", "            if self.error is not None:",
+             (f"{DRAIN}::test_a_drain_past_its_deadline_stops_and_counts_the_tail_not_made_durable",)),
+    Mutation("sigterm-drains-nothing", "integrations/common/progress.py",
+             "        reports = drain_all(grace)\n", "        reports = [r.drain(0.0) for r in ()]\n",
+             (f"{DRAIN}::test_sigterm_mid_generation_then_sigkill_leaves_no_token_to_regenerate",)),
+    Mutation("progress-many-resend-refused-as-stale", "kvckpt/transitions/progress_step.py",
+             "                t.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks):",
+             "                t.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks) and False:",
+             ("tests/core/test_progress.py::test_a_resend_of_record_progress_many_items_is_answered_as_a_step_messages_resend",)),
+    Mutation("progress-many-retry-answers-the-durable-length", "kvckpt/transitions/progress_step.py",
+             "            if t.progress_chunk_of(s.row, c.start) == c.value:\n                continue",
+             "            if t.progress_chunk_of(s.row, c.start) == c.value:\n                return length",
+             ("tests/core/test_progress.py::test_chunks_append_a_retry_is_a_noop_and_a_conflict_or_gap_is_refused",)),
 )
 
 def copy_tree(dest: Path, rev: str | None) -> None:

@@ -79,7 +79,7 @@ class KvckptRolloutWorker:
             ``"vllm"``; weights synced by :class:`InProcessWeightTransfer`). Defaults to ``"server"``; left out,
             a ``FutureWarning`` says so for one release (:data:`DEFAULT_BACKEND_CHANGED`, CHANGELOG.md 0.2.0).
         progress_every_tokens: record each sample's tokens, logprobs and weight version durably every
-            this many tokens (one ``record_progress_many`` per batch of engine steps; on the server
+            this many tokens (one step message per batch of engine steps; on the server
             path, written off the stream's reader by the recorder's flusher, tokens that arrive during
             a flush joining the next one); a redispatched sample resumes from its durable prefix. 0 turns it off.
             Defaults to :data:`~kvckpt.integrations.vllm.PROGRESS_EVERY_TOKENS` with ``"server"``,
@@ -138,7 +138,7 @@ class KvckptRolloutWorker:
         self.progress_every_seconds = progress_every_seconds
         self.after_step = after_step
         #: Cumulative counts of the streaming path: tokens generated, tokens resumed from durable
-        #: prefixes, progress appends and ``record_progress_many`` calls.
+        #: prefixes, progress appends and ``record_progress_step`` calls (one step message each).
         self.progress_stats = {"tokens_generated": 0, "tokens_resumed": 0, "appends": 0, "append_calls": 0}
         self.engine_lock = threading.Lock()
         self.buffer: ReplayBuffer | None = None

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+from kvckpt.integrations.common.progress import drain_on_sigterm
 from kvckpt.integrations.vllm.backends import Sample, create_backend, grouped
 from kvckpt.integrations.vllm.rows import make_row
 from kvckpt.integrations.vllm.stream import Continuation, ProgressRecorder, SequenceState, prefixes
@@ -47,6 +48,9 @@ TOKEN_VERSIONS = "token_versions"
 #: measures at 41% of one core and 0.016 fsyncs per append on one in-process store; a crash then
 #: costs a sequence at most 255 tokens. Generation with progress on kept 100.9% of off there.
 PROGRESS_EVERY_TOKENS = 256
+#: Seconds a SIGTERM gives the worker to make every in-flight tail durable (GKE's preemption notice is 30 s:
+#: this leaves the rest to the process's own exit).
+DRAIN_SECONDS = 20.0
 
 
 class RolloutWorker:
@@ -73,6 +77,11 @@ class RolloutWorker:
             turns streaming off. Defaults to :data:`PROGRESS_EVERY_TOKENS`.
         progress_every_seconds: also append a sequence's new tokens once this long passed since
             its last append. Defaults to None (by count only).
+        drain_seconds: on SIGTERM (a preemption notice), stop generating and make every in-flight
+            sequence's unrecorded tail durable within this many seconds, then let the signal end the
+            process (:func:`kvckpt.integrations.common.progress.drain_on_sigterm`; installed when the
+            worker is built in the main thread). ``None``: leave SIGTERM alone. Defaults to
+            :data:`DRAIN_SECONDS`.
 
     Examples:
         >>> worker = RolloutWorker(ensure_tiny_model())  # doctest: +SKIP
@@ -87,7 +96,7 @@ class RolloutWorker:
                  extra_fields: Callable[[Lease, int, Sample], Mapping[str, Any]] | None = None,
                  backend_options: Mapping[str, Any] | None = None,
                  progress_every_tokens: int = PROGRESS_EVERY_TOKENS,
-                 progress_every_seconds: float | None = None) -> None:
+                 progress_every_seconds: float | None = None, drain_seconds: float | None = DRAIN_SECONDS) -> None:
         if commit not in ("group", "sample"):
             raise ValueError(f"commit must be 'group' or 'sample', got {commit!r}")
         self.backend = create_backend(backend, model_path, seed=seed, **dict(backend_options or {}))
@@ -101,10 +110,12 @@ class RolloutWorker:
         self.progress_every_tokens = int(progress_every_tokens)
         self.progress_every_seconds = progress_every_seconds
         #: Cumulative counts of the streaming path: tokens generated, tokens resumed from durable
-        #: prefixes, progress appends and ``record_progress_many`` calls.
+        #: prefixes, progress appends and ``record_progress_step`` calls (one step message each).
         self.progress_stats = {"tokens_generated": 0, "tokens_resumed": 0, "appends": 0, "append_calls": 0}
         self._lock = threading.Lock()
         self._version = 0
+        if drain_seconds is not None and self.streams_progress:
+            drain_on_sigterm(drain_seconds)
 
     @property
     def weight_version(self) -> int:
@@ -191,12 +202,12 @@ class RolloutWorker:
         hook: it may block or kill the process) running right before each lease's commit, after
         the earlier leases' commits.
 
-        Streaming (progress on, and ``buffer`` has ``record_progress_many``): a lease of a later
+        Streaming (progress on, and ``buffer`` has ``record_progress_step``): a lease of a later
         attempt first reads its durable prefixes (``buffer.progress``) and each sample continues
         from prompt + prefix with the remaining budget; while generating, every sequence's new
         tokens are appended every ``progress_every_tokens`` tokens or ``progress_every_seconds``
-        seconds, all due sequences of one engine step in one ``record_progress_many`` call (one
-        durable transaction). ``after_step`` (a test hook) sees each step's
+        seconds, all due sequences of one engine step in one step message (one
+        ``record_progress_step`` call, one durable transaction). ``after_step`` (a test hook) sees each step's
         :class:`~kvckpt.integrations.vllm.stream.SequenceState` list after its appends. A lease
         whose append is refused stops generating and gets that error as its result.
 
@@ -208,7 +219,7 @@ class RolloutWorker:
         """
         sink = _ActorSink(buffer) if _is_actor(buffer) else buffer
         refused: dict[str, KvckptError] = {}
-        if self.streams_progress and getattr(sink, "record_progress_many", None) is not None:
+        if self.streams_progress and getattr(sink, "record_progress_step", None) is not None:
             samples, version, refused = self._stream(sink, leases, after_step)
         else:
             samples, version = self.generate(leases)
@@ -280,7 +291,7 @@ def stream_leases(sink: Any, backend: Any, leases: Sequence[Lease], prompts: Seq
     samples continues from prompt + prefix with the remaining budget, and its sample carries the
     prefix's tokens, logprobs and versions. While generating, a :class:`ProgressRecorder` appends
     every due sequence's new tokens (``every_tokens`` / ``every_seconds``), stamped
-    ``weight_version``, in one ``record_progress_many`` call per engine step (or per batch of a
+    ``weight_version``, in one step message per engine step (or per batch of a
     server's stream events). ``stats`` (the worker's counters, if given) gains ``tokens_generated``,
     ``tokens_resumed``, ``appends`` and ``append_calls``. ``background``: the recorder writes from
     its own flusher thread, so the stream's reader never waits for an fsync; this returns only once
@@ -343,9 +354,15 @@ class _ActorSink:
         self.client.flush()
         return future.result()
 
-    def record_progress_many(self, items: Sequence[Mapping[str, Any]]) -> list[int | BaseException]:
-        """Every progress chunk of one engine step in one actor call."""
-        return self.client.record_progress_many(items)
+    def progress_encoder(self) -> Any:
+        """The encoder of the actor's store's progress step messages."""
+        return self.client.progress_encoder()
+
+    def record_progress_step(self, message: Any) -> list[int | BaseException]:
+        """One engine step's progress message in one actor call, answered once durable."""
+        future = self.client.record_progress_step(message)
+        self.client.flush()
+        return future.result()
 
     def progress(self, lease: Lease) -> dict[int, Any]:
         """The lease's durable prefixes, in one actor call."""

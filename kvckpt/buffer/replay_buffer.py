@@ -419,9 +419,10 @@ class ReplayBuffer:
         """Make the next chunk of sample ``index``'s completion durable: the tokens generated from
         position ``start`` on, their logprobs, the weight version that produced them and any
         per-token generation ``fields`` the schema declares. One durable transaction (through the
-        group committer); returns the sample's durable prefix length afterwards.
+        group committer); returns where the chunk ends (the sample's durable prefix length afterwards).
 
-        Retrying the same chunk at the same ``start`` is a no-op returning the durable length.
+        Retrying the same chunk at the same ``start`` is a no-op answered as its first try was
+        (where the chunk ends), even once the lease has been fenced since (:meth:`record_progress_many`).
         The commit of the sample's row later checks that the row's completion begins with the
         prefix and deletes it (docs/recovery.md, "Progress").
 
@@ -446,19 +447,42 @@ class ReplayBuffer:
     def record_progress_many(self, items: Sequence[Mapping[str, Any]]) -> list[int | KvckptError]:
         """Record several chunks (:meth:`record_progress`'s keyword arguments plus ``lease`` and
         ``index`` per item) in one durable transaction, each its own transition: a refused item
-        writes nothing and does not stop the others. Returns, in item order, each durable prefix
-        length or the error that refused the item. Every result is durable when this returns."""
-        def prepare(item: Mapping[str, Any]) -> progress.Chunk:
-            check_lease(item["lease"], self.config.group_size)
-            return progress.encode_chunk(self.schema, item["lease"], item["index"], item["start"], item["tokens"],
-                                         item["logprobs"], item["weight_version"], item.get("fields"))
+        writes nothing and does not stop the others. Returns, in item order, where each chunk ends
+        (its durable prefix afterwards) or the error that refused the item. Every result is durable
+        when this returns.
 
-        def transition(txn: Txn, chunk: progress.Chunk) -> int:
-            return progress.record(Tables(txn), self.store.store_id, chunk)
-
-        needs = "lease, index, start, tokens, logprobs and weight_version (and optionally fields)"
-        chunks, out = _prepare_each(items, prepare, "record_progress_many", needs)
-        return _merge(out, self.committer.submit_many([functools.partial(transition, chunk=c) for c in chunks]))
+        A convenience over the one wire form: the items become one step message
+        (:meth:`~kvckpt.ProgressEncoder.encode_items`; one per distinct set of ``fields``) recorded as
+        :meth:`record_progress_steps` records it, so a resend of the same items is answered as a
+        message's resend is (the first answer again, even after the lease was fenced since, when the
+        identical chunk landed), never as :class:`~kvckpt.StaleAttempt`."""
+        out: list[Any] = [None] * len(items)
+        checked: list[dict[str, Any]] = []
+        by_fields: dict[tuple[str, ...], list[int]] = {}
+        for n, item in enumerate(items):
+            try:  # an item refused here is refused alone (nothing of it is written)
+                check_lease(item["lease"], self.config.group_size)
+                index, start, version, arrays, _ = progress.check_chunk(
+                    self.schema, item["lease"], item["index"], item["start"], item["tokens"], item["logprobs"],
+                    item["weight_version"], item.get("fields"))
+                fields = {k[len(progress.FIELD_PREFIX):]: v for k, v in arrays.items()
+                          if k.startswith(progress.FIELD_PREFIX)}
+                by_fields.setdefault(tuple(sorted(fields)), []).append(len(checked))
+                checked.append({"lease": item["lease"], "index": index, "start": start, "tokens": arrays["tokens"],
+                                "logprobs": arrays["logprobs"], "weight_version": version, "fields": fields, "n": n})
+            except KvckptError as exc:
+                out[n] = exc
+            except (KeyError, TypeError) as exc:
+                out[n] = BadArgument(f"a record_progress_many item needs lease, index, start, tokens, logprobs and "
+                                     f"weight_version (and optionally fields): {exc!r}")
+        groups = [[checked[c] for c in group] for group in by_fields.values()]
+        encoder = self.progress_encoder()
+        results = self.record_progress_steps([encoder.encode_items(group) for group in groups])
+        for group, result in zip(groups, results, strict=True):
+            for item, one in zip(group, [result] * len(group) if isinstance(result, BaseException) else result,
+                                 strict=True):
+                out[item["n"]] = one
+        return out
 
     def progress_encoder(self) -> ProgressEncoder:
         """An encoder of progress step messages for this store; build the same elsewhere with

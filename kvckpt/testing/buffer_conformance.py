@@ -430,8 +430,9 @@ class Model:
             return UnknownGroup, False
         fenced = (ForeignLease if lease.store_id != store_id else AbandonedTimeline
                   if lease.timeline != prompt.timeline else StaleAttempt if lease.attempt != prompt.attempt else None)
-        if fenced is not None:
-            return fenced, False
+        if fenced is not None:  # a fenced resend of a chunk that landed gets its first answer (exactly-once)
+            landed = fenced is not ForeignLease and prompt.state == INFLIGHT and index not in prompt.rows
+            return (None, True) if landed and tokens_match else (fenced, False)
         if prompt.state != INFLIGHT or index in prompt.rows:
             return SampleCommitted, False
         if version > max(self.tv, self.wv):
@@ -688,7 +689,7 @@ class BufferMachine(RuleBasedStateMachine):
             self.refused(error, call)
             return
         before = self.snapshot() if retry else None
-        assert call() == (length if retry else length + n)
+        assert call() == start + n  # where the chunk ends (a retry: its first answer)
         if retry:
             assert self.snapshot() == before
             return

@@ -45,10 +45,12 @@ from kvckpt.errors import (
     BadArgument,
     CapacityError,
     DuplicateCommit,
+    ForeignLease,
     FutureVersion,
     GateTimeout,
     KvckptError,
     SampleCommitted,
+    StaleAttempt,
     UnknownGroup,
 )
 from kvckpt.storage.codec import Record
@@ -332,8 +334,8 @@ class MemoryReplayBuffer:
     # -- token progress --------------------------------------------------------------------------
     def record_progress(self, lease: Lease, index: int, *, start: int, tokens: Any, logprobs: Any,
                         weight_version: int, fields: Mapping[str, Any] | None = None) -> int:
-        """Append the next chunk of sample ``index``'s completion; returns the prefix length (a retry of
-        the same chunk is a no-op). Refusals as :meth:`kvckpt.ReplayBuffer.record_progress`."""
+        """Append the next chunk of sample ``index``'s completion; returns where it ends (a retry of the
+        same chunk is a no-op answered the same). Refusals as :meth:`kvckpt.ReplayBuffer.record_progress`."""
         chunk = encode_chunk(self.schema, lease, index, start, tokens, logprobs, weight_version, fields)
         gid, where = lease.group_id, f"progress of row {index} of group {lease.group_id!r}"
         with self._lock:
@@ -344,7 +346,14 @@ class MemoryReplayBuffer:
                     raise UnknownGroup(f"{where} refused: the group is not in flight")
                 fence(lease, self.store_id, group.timeline, group.attempt, "committed", "progress")
                 raise SampleCommitted(f"{where} refused: the group is already committed ({group.state})")
-            fence(lease, self.store_id, entry.timeline, entry.attempt, "in flight", "progress")
+            try:
+                fence(lease, self.store_id, entry.timeline, entry.attempt, "in flight", "progress")
+            except StaleAttempt as exc:  # a resend of a chunk that landed gets its first answer (exactly-once)
+                landed = self._progress.get(gid, {}).get(chunk.index, ())
+                if isinstance(exc, ForeignLease) or chunk.index in self._partial[gid] or not any(
+                        c.start == chunk.start and c.value == chunk.value for c in landed):
+                    raise
+                return chunk.start + chunk.length
             if chunk.index in self._partial[gid]:
                 raise SampleCommitted(f"{where} refused: the row is already committed")
             if chunk.version > max(self._st["trainer_version"], self._st["weight_version"]):
@@ -355,7 +364,7 @@ class MemoryReplayBuffer:
                 raise BadArgument(f"{where} refused: the prefix is {length} tokens long (a gap)")
             if chunk.start < length:
                 if any(c.start == chunk.start and c.value == chunk.value for c in chunks):
-                    return length
+                    return chunk.start + chunk.length  # a retry: its first answer
                 raise DuplicateCommit(f"{where} refused: tokens from {chunk.start} are recorded with other content")
             chunks.append(chunk)
             return length + chunk.length

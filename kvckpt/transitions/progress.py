@@ -2,8 +2,9 @@
 
 A producer holding a lease records each new chunk of a sample's completion (tokens, their
 logprobs, the weight version that produced them, and any per-token generation fields the schema
-declares) with :func:`record`: one transition, fenced exactly like a commit, that appends one
-record under the key ``(group, row index, start)``. A sample's durable prefix is the
+declares) in a step message (:mod:`kvckpt.transitions.progress_step`: one transition per sequence,
+fenced exactly like a commit, by the rules here) that appends one record under the key
+``(group, row index, start)``. A sample's durable prefix is the
 concatenation of its chunks; its length is where the next chunk starts.
 
 The commit of the sample's row holds the row against the prefix and deletes it in the same
@@ -29,8 +30,6 @@ from kvckpt import args
 from kvckpt.errors import (
     BadArgument,
     CorruptRecord,
-    DuplicateCommit,
-    FutureVersion,
     SampleCommitted,
     SchemaMismatch,
     UnknownGroup,
@@ -69,7 +68,23 @@ class Chunk:
 
 def encode_chunk(schema: RowSchema, lease: Lease, index: Any, start: Any, tokens: Any, logprobs: Any,
                  weight_version: Any, fields: Mapping[str, Any] | None) -> Chunk:
-    """Check and encode one chunk (the checks that need no transaction).
+    """Check (:func:`check_chunk`) and encode one chunk as it is stored.
+
+    Raises:
+        As :func:`check_chunk`.
+    """
+    index, start, version, arrays, dtypes = check_chunk(schema, lease, index, start, tokens, logprobs,
+                                                        weight_version, fields)
+    length = len(arrays[_TOKENS])
+    meta = {"group_id": lease.group_id, "index": index, "start": start, "length": length, "version": version}
+    return Chunk(lease, index, start, length, version, codec.encode(arrays, meta, level=0, dtypes=dtypes))
+
+
+def check_chunk(schema: RowSchema, lease: Lease, index: Any, start: Any, tokens: Any, logprobs: Any,
+                weight_version: Any, fields: Mapping[str, Any] | None,
+                ) -> tuple[int, int, int, dict[str, Any], dict[str, str]]:
+    """The checks of one chunk that need no transaction; returns its index, start and weight version, its
+    arrays cast to their stored dtypes (``tokens``, ``logprobs``, ``f.<field>``) and the fields' dtypes.
 
     Raises:
         BadArgument: ``index`` outside the group, a negative ``start``, an empty chunk, a field the
@@ -111,43 +126,8 @@ def encode_chunk(schema: RowSchema, lease: Lease, index: Any, start: Any, tokens
                                  f"{[len(ids), *trailing]}; nothing was written")
         arrays[FIELD_PREFIX + name] = arr
         dtypes[FIELD_PREFIX + name] = spec.dtype
-    meta = {"group_id": gid, "index": index, "start": start, "length": len(ids), "version": version}
-    return Chunk(lease, index, start, len(ids), version, codec.encode(arrays, meta, level=0, dtypes=dtypes))
+    return index, start, version, arrays, dtypes
 
-
-def record(t: Tables, store_id: str, chunk: Chunk) -> int:
-    """``record_progress``: append ``chunk`` to its sample's durable prefix; returns the prefix's
-    length afterwards. The same chunk again at the same start is a no-op.
-
-    Raises:
-        StaleAttempt (or a subclass), LeaseMismatch: the lease is fenced, exactly as a commit's.
-        UnknownGroup: the group is neither in flight nor committed (or was aborted or evicted).
-        SampleCommitted: the sample's row (or its whole group) is already committed.
-        FutureVersion: the chunk's weight version is newer than the buffer's.
-        BadArgument: the chunk starts past the durable prefix (a gap).
-        DuplicateCommit: another chunk already covers its position.
-    """
-    lease, index = chunk.lease, chunk.index
-    gid = lease.group_id
-    where = f"progress of {keys.row_id(gid, index)} at token {chunk.start}"
-    check_writable(t, store_id, lease, index, where, t.entry(gid))
-    st = t.state()
-    newest = max(st["trainer_version"], st["weight_version"])
-    if chunk.version > newest:
-        raise FutureVersion(f"{where} refused: weight version {chunk.version} is from the future (the buffer's "
-                            f"trainer version is {st['trainer_version']}, its weight version "
-                            f"{st['weight_version']}); nothing was written")
-    length = durable_length(t, gid, index)
-    if chunk.start > length:
-        raise BadArgument(f"{where} refused: the durable prefix is {length} tokens long, so the next chunk starts "
-                          f"at {length} (a gap); nothing was written")
-    if chunk.start < length:
-        if t.progress_chunk(gid, index, chunk.start) == chunk.value:
-            return length  # a retry of an acknowledged chunk
-        raise DuplicateCommit(f"{where} refused: tokens from {chunk.start} are already recorded with other "
-                              f"content (the durable prefix is {length} tokens); nothing was written")
-    t.put_progress_chunk(gid, index, chunk.start, chunk.value)
-    return length + chunk.length
 
 
 def check_writable(t: Tables, store_id: str, lease: Lease, index: int, where: str, entry: LedgerEntry | None) -> None:

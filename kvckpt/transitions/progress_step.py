@@ -152,13 +152,13 @@ def record(t: Tables, store_id: str, sequences: list[StepSequence | KvckptError]
             out.append(s)
             continue
         try:
-            out.append(_record_one(t, store_id, s, newest, entries, holding))
+            out.append(_record_one(t, store_id, s, newest, st, entries, holding))
         except KvckptError as exc:
             out.append(exc)
     return out
 
 
-def _record_one(t: Tables, store_id: str, s: StepSequence, newest: int, entries: dict[str, Any],
+def _record_one(t: Tables, store_id: str, s: StepSequence, newest: int, st: dict[str, Any], entries: dict[str, Any],
                 holding: set[int]) -> int:
     gid = s.lease.group_id
     if gid not in entries:
@@ -177,7 +177,8 @@ def _record_one(t: Tables, store_id: str, s: StepSequence, newest: int, entries:
         raise
     if s.version > newest:
         raise FutureVersion(f"{_where(s)} refused: weight version {s.version} is from the future (the buffer's "
-                            f"newest trainer or weight version is {newest}); nothing was written")
+                            f"trainer version is {st['trainer_version']}, its weight version {st['weight_version']}); "
+                            "nothing was written")
     length = _durable_length(t, s, s.chunks[0].start)
     puts = []
     for c in s.chunks:

@@ -79,7 +79,7 @@ def test_chunks_append_a_retry_is_a_noop_and_a_conflict_or_gap_is_refused(tmp_pa
     assert buf.progress(lease) == {}
     assert chunk(buf, lease, 0, 0, [5, 6, 7]) == 3
     assert chunk(buf, lease, 0, 3, [8]) == 4
-    assert chunk(buf, lease, 0, 0, [5, 6, 7]) == 4  # a retry after a lost acknowledgement
+    assert chunk(buf, lease, 0, 0, [5, 6, 7]) == 3  # a retry after a lost acknowledgement: its first answer
     assert chunk(buf, lease, 1, 0, [9]) == 1
     refused(buf, DuplicateCommit, chunk, buf, lease, 0, 0, [5, 6, 0])  # other tokens at a covered position
     refused(buf, DuplicateCommit, chunk, buf, lease, 0, 1, [6, 7])  # inside a recorded chunk
@@ -91,6 +91,26 @@ def test_chunks_append_a_retry_is_a_noop_and_a_conflict_or_gap_is_refused(tmp_pa
     assert (got[0].tokens.dtype, got[0].logprobs.dtype, got[0].versions.dtype) == (torch.int64, torch.float32,
                                                                                     torch.int64)
     assert buf.store.read(check).ok
+
+
+def test_a_resend_of_record_progress_many_items_is_answered_as_a_step_messages_resend(tmp_path):
+    """Items are one step message (the one wire form): their resend after the store's restart (which fences every
+    lease: a new timeline) gets the first answer and writes nothing, exactly as the message's own resend does; a
+    chunk that had not landed is refused as fenced."""
+    path = str(tmp_path / "buf.kv")
+    with make(tmp_path) as buf:
+        [lease] = buf.admit([Prompt(0)])
+        items = [{"lease": lease, "index": i, "start": 0, "tokens": [5 + i, 6], "logprobs": [-1.0, -1.0],
+                  "weight_version": 0} for i in (0, 1)]
+        first = buf.record_progress_many(items)
+        message = buf.progress_encoder().encode_items(items)
+    assert first == [2, 2]
+    with ReplayBuffer.open(path) as buf:  # the owner restarted: recovery moved every lease to a new timeline
+        buf.recover(0)
+        assert buf.record_progress_many(items) == first == buf.record_progress_step(message)
+        unlanded = buf.record_progress_many([{**items[0], "start": 2, "tokens": [7]} | {"logprobs": [-1.0]}])
+        assert isinstance(unlanded[0], AbandonedTimeline)
+        assert [p.tokens.tolist() for _, p in sorted(buf.progress(lease.group_id).items())] == [[5, 6], [6, 6]]
 
 
 def test_record_progress_many_is_one_transaction_of_independent_transitions(tmp_path):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -19,6 +18,7 @@ from kvckpt.integrations.vllm import ProgressRecorder, Sample, stream_leases
 
 from kvckpt import BufferConfig, Prompt, ReplayBuffer
 from kvckpt.errors import StaleAttempt
+from kvckpt.storage.progress_message import decode_message
 
 SCHEMA = {"input_ids": ("int64", "token"), "completion_mask": ("int64", "token")}
 EVERY = 4
@@ -27,8 +27,8 @@ HANG = 60
 
 
 class HeldSink:
-    """The store's ``record_progress_many``; the first ``hold`` calls each wait at ``release`` once
-    they announced themselves on ``entered``. Every call's ``(start, tokens)`` per item is kept."""
+    """The store's ``record_progress_step``; the first ``hold`` calls each wait at ``release`` once
+    they announced themselves on ``entered``. Every call's ``(start, tokens)`` per sequence is kept."""
 
     def __init__(self, buf: ReplayBuffer, hold: int = 0) -> None:
         self.buf, self.hold = buf, hold
@@ -36,13 +36,20 @@ class HeldSink:
         self.release: queue.Queue = queue.Queue()
         self.calls: list[list[tuple[int, list[int]]]] = []
 
-    def record_progress_many(self, items: Sequence[dict[str, Any]]) -> list[Any]:
+    def record_progress_step(self, message: Any) -> list[Any]:
         """Announce, wait if held, then write through the store."""
-        self.calls.append([(item["start"], item["tokens"].tolist()) for item in items])
+        m = decode_message(self.buf.schema, message)
+        offsets = m.offsets.tolist()
+        self.calls.append([(start, m.tokens[offsets[i]:offsets[i + 1]].tolist())
+                           for i, start in enumerate(m.starts.tolist())])
         if len(self.calls) <= self.hold:
             self.entered.put(len(self.calls))
             self.release.get(timeout=HANG)
-        return self.buf.record_progress_many(items)
+        return self.buf.record_progress_step(message)
+
+    def progress_encoder(self) -> Any:
+        """The store's encoder."""
+        return self.buf.progress_encoder()
 
     def progress(self, lease: Any) -> Any:
         """The store's durable prefixes."""
@@ -160,7 +167,10 @@ def test_a_failed_flush_stops_every_sequence_and_stream_leases_raises_it(store):
     (lease,) = store.admit([Prompt(0)])
 
     class Broken:
-        def record_progress_many(self, items):
+        def progress_encoder(self):
+            return store.progress_encoder()
+
+        def record_progress_step(self, message):
             raise OSError("disk gone")
 
         def progress(self, lease):
