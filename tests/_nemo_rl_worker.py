@@ -162,6 +162,12 @@ def nemo_rl_parts() -> tuple[type, type, str]:
     from _verl_engine import install_vllm_standin
 
     install_vllm_standin()  # NeMo-RL's worker imports vLLM names at module level; the engine here is the stand-in
+    if sys.version_info < (3, 12):  # NeMo-RL wants Python 3.13; pydantic refuses typing's TypedDict before 3.12
+        import typing
+
+        import typing_extensions
+
+        typing.TypedDict = typing_extensions.TypedDict  # type: ignore[misc]
     sys.path.insert(0, SOURCE)
     from nemo_rl.environments.interfaces import EnvironmentReturn
     from nemo_rl.experience import rollout_manager
