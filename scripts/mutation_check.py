@@ -512,6 +512,26 @@ MUTATIONS += (
              (f"{CONFIGS}::test_nemo_rl_refuses_an_unknown_key_naming_its_section_and_file",)),
 )
 
+# issue 47: NeMo-RL's in-flight tokens (the engine proxy's splice, the sequence key's propagation, the re-issue).
+# The aimed tests share one fixture (three fresh processes, about 1.5 minutes here).
+NEMO_RL_CRASH = "tests/integrations/nemo_rl/test_nemo_rl_progress_crash.py"
+MUTATIONS += (
+    Mutation("nemo-rl-proxy-splice-drops-the-prefix", "integrations/nemo_rl/engine.py",
+             "whole = dataclasses.replace(c, token_ids=list(ids),",
+             "whole = dataclasses.replace(c, token_ids=list(c.token_ids),",
+             (f"{NEMO_RL_CRASH}::test_what_nemo_rl_commits_equals_an_uninterrupted_run_bit_for_bit",)),
+    Mutation("nemo-rl-key-not-propagated", "integrations/nemo_rl/engine.py",
+             "                data[KEY] = [", "                _unsent = [",
+             (f"{NEMO_RL_CRASH}::test_inflight_tokens_survive_and_resume_with_at_most_one_interval_regenerated",)),
+    Mutation("nemo-rl-reissue-forgets-the-group", "integrations/nemo_rl/reissue.py",
+             "group_id=lease.group_id,\n", "group_id=None,\n",
+             (f"{NEMO_RL_CRASH}::test_each_recovered_prompt_is_reissued_once_and_a_zombie_is_refused",)),
+    Mutation("nemo-rl-reserve-leaves-the-prompt-anonymous", "integrations/nemo_rl/adapter.py",
+             "bound = bound_dispatch() if group_id is None and prompt_idx is None else None",
+             "bound = None",
+             (f"{NEMO_RL_CRASH}::test_each_recovered_prompt_is_reissued_once_and_a_zombie_is_refused",)),
+)
+
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and
     map ``integrations``/``reference``/``tools`` into the package the way the build does."""

@@ -44,13 +44,15 @@ class World:
         manager_cls, worker_cls, self.which = nemo_rl_parts()
         install_generate_and_push(manager_cls)
         install_worker(worker_cls)
-        configure(store_config(path, SAMPLERS["windowed"], schema=GRPO, per_step=PROMPTS))
+        cfg = configure({**store_config(path, SAMPLERS["windowed"], schema=GRPO, per_step=PROMPTS),
+                         "progress_every_tokens": EVERY})  # the same block that selects the kvckpt buffer
         self.buffer = TQReplayBuffer(object(), partition_id="rollout_data", pad_value_dict={"token_ids": 0},
                                      require_routed_experts=False)
         self.engine = RefitEngine(self.model, self.eos, gather=PROMPTS * N)
         self.worker = make_worker(worker_cls, self.engine, budget=BUDGET, pad=0, ignore_eos=True)
         self.finished: dict[str, dict] = {}
-        self.proxy = attach(self.worker, self.buffer.core, every_tokens=EVERY, eos=self.eos, weight_version=version,
+        self.proxy = attach(self.worker, self.buffer.core, every_tokens=cfg.progress_every_tokens, eos=self.eos,
+                            weight_version=version,
                             on_finish=self._finished)
         self.manager = make_manager(manager_cls, policy_generation=KeyedGeneration(InProcessGeneration(self.worker)),
                                     buffer=self.buffer, n=N, budget=BUDGET)
