@@ -43,7 +43,7 @@ def main() -> None:
     from _nemo_rl import GRPO
     from _nemo_rl_worker import SamplingParams
     from _verl_engine import TinyEngine
-    from kvckpt.integrations.nemo_rl.engine import _SEQUENCE, ProgressEngine
+    from kvckpt.integrations.nemo_rl.engine import ProgressEngine, sequence
     from kvckpt.integrations.vllm.tiny_model import AdditionTask, ensure_tiny_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -64,15 +64,12 @@ def main() -> None:
         leases = core.admit([Prompt(i, "bench", str(uuid.uuid4())) for i in range(args.requests)]) if on else []
 
         async def one(i: int) -> int:
-            token = _SEQUENCE.set((leases[i], 0) if on else None)
-            try:
+            with sequence(leases[i] if on else None, 0):
                 params = SamplingParams(max_tokens=args.tokens, temperature=0.0, logprobs=0, ignore_eos=True)
                 last = None
                 async for out in proxy.generate({"prompt_token_ids": list(prompt)}, params, str(uuid.uuid4())):
                     last = out
                 return len(last.outputs[0].token_ids)
-            finally:
-                _SEQUENCE.reset(token)
 
         start = time.perf_counter()
         tokens = sum(await asyncio.gather(*(one(i) for i in range(args.requests))))

@@ -23,7 +23,7 @@ from _nemo_rl import GRPO, SAMPLERS, store_config
 from _nemo_rl_worker import InProcessGeneration, RefitEngine, make_manager, make_worker, nemo_rl_parts
 from _phases import write_json
 from kvckpt.integrations.nemo_rl import TQReplayBuffer, configure
-from kvckpt.integrations.nemo_rl.engine import KeyedGeneration, ProgressEngine, attach, install_worker
+from kvckpt.integrations.nemo_rl.engine import KeyedGeneration, ProgressEngine, attach, install_worker, sequence
 from kvckpt.integrations.nemo_rl.reissue import install_generate_and_push, reissue_inflight
 from kvckpt.integrations.vllm.tiny_model import AdditionTask, ensure_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -125,19 +125,17 @@ def durable(world: World) -> dict[str, dict]:
 
 async def zombie(world: World, killed: dict) -> str:
     """A worker of the killed attempt that kept streaming: its proxy's writes must be refused."""
-    from kvckpt.integrations.nemo_rl.engine import _SEQUENCE
-
     from kvckpt import Lease
     from kvckpt.errors import StaleAttempt
 
     old = Lease.from_dict(killed["leases"][0])
     proxy = ProgressEngine(RefitEngine(world.model, world.eos), world.buffer.core, every_tokens=1, eos=world.eos,
                            weight_version=1)
-    _SEQUENCE.set((old, 0))
-    params = type(world.worker.SamplingParams())(max_tokens=BUDGET, temperature=0.0, logprobs=0, ignore_eos=True)
+    params = world.worker.SamplingParams(max_tokens=BUDGET, temperature=0.0, logprobs=0, ignore_eos=True)
     try:
-        async for _ in proxy.generate({"prompt_token_ids": [1, 2, 3]}, params, "zombie"):
-            pass
+        with sequence(old, 0):
+            async for _ in proxy.generate({"prompt_token_ids": [1, 2, 3]}, params, "zombie"):
+                pass
     except StaleAttempt as exc:
         return f"StaleAttempt ({type(exc).__name__})"
     return "not refused"

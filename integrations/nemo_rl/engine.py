@@ -34,11 +34,12 @@ this class over it, nothing else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import functools
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -217,6 +218,17 @@ def attach(worker: Any, sink: Any, *, every_tokens: int, eos: int | None, weight
     return worker.llm
 
 
+@contextlib.contextmanager
+def sequence(lease: Lease | None, index: int) -> Iterator[None]:
+    """Bind the sequence key ``(lease, index)`` (``None``: no key) for the proxy's requests made inside the block
+    (and the tasks started there): what :func:`install_worker` does with the key a request's ``data`` carries."""
+    token = _SEQUENCE.set(None if lease is None else (lease, int(index)))
+    try:
+        yield
+    finally:
+        _SEQUENCE.reset(token)
+
+
 def install_worker(worker_cls: type) -> None:
     """Wrap ``worker_cls.generate_async`` (NeMo-RL's ``VllmAsyncGenerationWorkerImpl``) so the sequence key a
     :class:`KeyedGeneration` put in ``data`` is taken out and bound for the proxy (idempotent)."""
@@ -227,12 +239,9 @@ def install_worker(worker_cls: type) -> None:
     @functools.wraps(original)
     async def generate_async(self: Any, data: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         keys = data.pop(KEY, None) if hasattr(data, "pop") else None
-        token = _SEQUENCE.set(None if not keys else (Lease.from_dict(keys[0]["lease"]), int(keys[0]["index"])))
-        try:
+        with sequence(*((Lease.from_dict(keys[0]["lease"]), int(keys[0]["index"])) if keys else (None, 0))):
             async for item in original(self, data, *args, **kwargs):
                 yield item
-        finally:
-            _SEQUENCE.reset(token)
 
     generate_async.kvckpt_original = original  # type: ignore[attr-defined]
     worker_cls.generate_async = generate_async
