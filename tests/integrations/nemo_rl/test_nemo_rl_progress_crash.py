@@ -48,6 +48,9 @@ def test_inflight_tokens_survive_and_resume_with_at_most_one_interval_regenerate
 
 def test_what_nemo_rl_commits_equals_an_uninterrupted_run_bit_for_bit(result: dict) -> None:
     straight = result["straight"]
+    # whole sequences although the engine made only the missing tails (the prefix came from the store)
+    assert result["engine"]["generated"] == sum(BUDGET - len(result["durable"][s]["tokens"]) for s in SEQUENCES)
+    assert result["engine"]["requests"] == len(SEQUENCES)  # one attempt each: none failed and was retried
     assert sorted(result["rows"]) == sorted(straight["rows"]) == list(SEQUENCES)
     for s in SEQUENCES:
         assert result["rows"][s] == straight["rows"][s], s  # NeMo-RL's committed tokens and logprobs
