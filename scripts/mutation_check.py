@@ -530,6 +530,13 @@ MUTATIONS += (
              "bound = bound_dispatch() if group_id is None and prompt_idx is None else None",
              "bound = None",
              (f"{NEMO_RL_CRASH}::test_each_recovered_prompt_is_reissued_once_and_a_zombie_is_refused",)),
+    # NeMo-Gym's token store, killed by Gym's own conformance suite: run with --python "$PWD/.venv-gym/bin/python"
+    Mutation("gym-drop-ignores-the-version", "integrations/nemo_gym/store.py",
+             'or state["version"] != version:', "or False:",
+             ("tests/integrations/nemo_gym/test_nemo_gym_store.py::test_gyms_own_conformance_suite_passes_all_ten_checks",)),
+    Mutation("gym-conflicting-reput-accepted", "integrations/nemo_gym/store.py",
+             'if known[1] == digest:', "if True:",
+             ("tests/integrations/nemo_gym/test_nemo_gym_store.py::test_gyms_own_conformance_suite_passes_all_ten_checks",)),
 )
 
 def copy_tree(dest: Path, rev: str | None) -> None:

@@ -50,7 +50,9 @@ def test_what_nemo_rl_commits_equals_an_uninterrupted_run_bit_for_bit(result: di
     straight = result["straight"]
     # whole sequences although the engine made only the missing tails (the prefix came from the store)
     assert result["engine"]["generated"] == sum(BUDGET - len(result["durable"][s]["tokens"]) for s in SEQUENCES)
+    kept = sum(len(result["durable"][s]["tokens"]) for s in SEQUENCES)
     assert result["engine"]["requests"] == len(SEQUENCES)  # one attempt each: none failed and was retried
+    assert result["engine"]["resumed"] == kept  # (a failed first attempt would read a prefix again)
     assert sorted(result["rows"]) == sorted(straight["rows"]) == list(SEQUENCES)
     for s in SEQUENCES:
         assert result["rows"][s] == straight["rows"][s], s  # NeMo-RL's committed tokens and logprobs
