@@ -610,6 +610,33 @@ MUTATIONS += (
              ("tests/core/test_progress.py::test_chunks_append_a_retry_is_a_noop_and_a_conflict_or_gap_is_refused",)),
 )
 
+# issue 47: NeMo-RL's in-flight tokens (the engine proxy's splice, the sequence key's propagation, the re-issue).
+# The aimed tests share one fixture (three fresh processes, about 1.5 minutes here).
+NEMO_RL_CRASH = "tests/integrations/nemo_rl/test_nemo_rl_progress_crash.py"
+MUTATIONS += (
+    Mutation("nemo-rl-proxy-splice-drops-the-prefix", "integrations/nemo_rl/engine.py",
+             "whole = dataclasses.replace(c, token_ids=list(ids),",
+             "whole = dataclasses.replace(c, token_ids=list(c.token_ids),",
+             (f"{NEMO_RL_CRASH}::test_what_nemo_rl_commits_equals_an_uninterrupted_run_bit_for_bit",)),
+    Mutation("nemo-rl-key-not-propagated", "integrations/nemo_rl/engine.py",
+             "                data[KEY] = [", "                _unsent = [",
+             (f"{NEMO_RL_CRASH}::test_inflight_tokens_survive_and_resume_with_at_most_one_interval_regenerated",)),
+    Mutation("nemo-rl-reissue-forgets-the-group", "integrations/nemo_rl/reissue.py",
+             "group_id=lease.group_id,\n", "group_id=None,\n",
+             (f"{NEMO_RL_CRASH}::test_each_recovered_prompt_is_reissued_once_and_a_zombie_is_refused",)),
+    Mutation("nemo-rl-reserve-leaves-the-prompt-anonymous", "integrations/nemo_rl/adapter.py",
+             "bound = bound_dispatch() if group_id is None and prompt_idx is None else None",
+             "bound = None",
+             (f"{NEMO_RL_CRASH}::test_each_recovered_prompt_is_reissued_once_and_a_zombie_is_refused",)),
+    # NeMo-Gym's token store, killed by Gym's own conformance suite: run with --python "$PWD/.venv-gym/bin/python"
+    Mutation("gym-drop-ignores-the-version", "integrations/nemo_gym/store.py",
+             'or state["version"] != version:', "or False:",
+             ("tests/integrations/nemo_gym/test_nemo_gym_store.py::test_gyms_own_conformance_suite_passes_all_ten_checks",)),
+    Mutation("gym-conflicting-reput-accepted", "integrations/nemo_gym/store.py",
+             'if known[1] == digest:', "if True:",
+             ("tests/integrations/nemo_gym/test_nemo_gym_store.py::test_gyms_own_conformance_suite_passes_all_ten_checks",)),
+)
+
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and
     map ``integrations``/``reference``/``tools`` into the package the way the build does."""

@@ -9,6 +9,8 @@
 #   # import: mod mod                imported once installed, as a smoke check (optional)
 #   # tests: tests/a.py tests/b.py   what `make test` runs in the venv ...
 #   # marker: NAME                   ... with -m "NAME and not slow"; the main suite excludes the marker
+#   # pip-options: --opt ...         added to both pip installs (optional; e.g. --no-deps where the spec lists
+#                                    every package itself, kvckpt's own dependencies included)
 # kvckpt itself (editable), pytest, pyyaml and hypothesis (tests/conftest.py's helpers use kvckpt.testing's
 # conformance suite) are installed into every peer venv.
 # A peer's pins conflict with the main .venv, so each peer lives apart. Downloads resume after a
@@ -30,6 +32,15 @@ header() { sed -n "s/^# $1: *//p" "$SPEC" | head -n 1; }
 OVERRIDE="PYTHON_$(echo "$NAME" | tr '[:lower:]-' '[:upper:]_')"
 PYTHON="${!OVERRIDE:-$(header python)}"
 PYTHON="${PYTHON:-python3}"
+PIP_OPTIONS="$(header pip-options)"
+if ! "$PYTHON" -c "" 2>/dev/null && command -v pyenv >/dev/null; then
+    # a pyenv shim of a version that is installed but not selected (python3.13 beside a 3.11 global):
+    # the newest installed release of that minor version
+    RELEASE="$(pyenv versions --bare | grep -x "${PYTHON#python}\.[0-9]*" | sort -V | tail -n 1 || true)"
+    if [[ -n "$RELEASE" ]]; then
+        PYTHON="$(pyenv root)/versions/$RELEASE/bin/$PYTHON"
+    fi
+fi
 
 if [[ -f "$STAMP" && "$STAMP" -nt "$SPEC" && "$STAMP" -nt pyproject.toml && "$STAMP" -nt "$0" ]]; then
     exit 0
@@ -51,7 +62,8 @@ pip_quiet install -q --upgrade pip
 # A peer and its pins can be a GB of downloads: a dropped connection resumes (pip's
 # --resume-retries), and a failed install is tried again before the set-up gives up.
 for attempt in 1 2 3; do
-    if "$VENV/bin/python" -m pip install -q --resume-retries 10 -r "$SPEC" >> "$LOG" 2>&1; then
+    # shellcheck disable=SC2086  # PIP_OPTIONS is a list of options
+    if "$VENV/bin/python" -m pip install -q --resume-retries 10 $PIP_OPTIONS -r "$SPEC" >> "$LOG" 2>&1; then
         break
     fi
     if [[ $attempt == 3 ]]; then
@@ -67,7 +79,8 @@ if [[ -n "$UNINSTALL" ]]; then
     # shellcheck disable=SC2086  # a list of package names
     "$VENV/bin/python" -m pip uninstall -q -y $UNINSTALL >> "$LOG" 2>&1 || true
 fi
-pip_quiet install -q -e . "pytest>=8" "pyyaml>=6" "hypothesis>=6.100"
+# shellcheck disable=SC2086  # PIP_OPTIONS is a list of options
+pip_quiet install -q $PIP_OPTIONS -e . "pytest>=8" "pyyaml>=6" "hypothesis>=6.100"
 "$VENV/bin/python" - "$(header import)" <<'PY'
 import importlib
 import sys

@@ -8,13 +8,15 @@ conformance suite's (:mod:`kvckpt.testing.buffer_conformance`), so the suite and
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
 
 from kvckpt import ReplayBuffer
 from kvckpt.testing.buffer_conformance import SCHEMA, dump_store, make_row
+
+if TYPE_CHECKING:  # no torch at import: tests/conftest.py loads this in .venv-gym too
+    import torch
 
 __all__ = ["SCHEMA", "dump_store", "make_group", "make_row", "refused"]
 

@@ -39,6 +39,7 @@ from typing import Any
 from kvckpt.integrations.nemo_rl.checkpoints import ReplayCheckpoints
 from kvckpt.integrations.nemo_rl.config import AdapterConfig, configured, parse_config
 from kvckpt.integrations.nemo_rl.dataplane import KvckptDataPlane
+from kvckpt.integrations.nemo_rl.dispatch import bind_lease, bound_dispatch
 from kvckpt.integrations.nemo_rl.handle import BufferHandle, open_store
 from kvckpt.integrations.nemo_rl.hooks import install_if_importable
 from kvckpt.integrations.nemo_rl.ledger import KvckptLedger
@@ -130,6 +131,9 @@ class TQReplayBuffer:
           joining the admission stamped ``target_step`` (gated samplers) or admitted on its own
           (``windowed``). ``prompt_idx`` / ``task_name`` (kvckpt extensions) record which prompt
           it is; without them the entry is task :data:`UNIDENTIFIED_TASK`, prompt 0.
+        * with neither ``group_id`` nor ``prompt_idx`` (NeMo-RL's ``generate_and_push``), inside
+          :func:`~.dispatch.dispatching`: the prompt (and a re-issue's recovered group id) bound there.
+          The attempt's lease is then bound for the engine proxy's sequence key (:mod:`.engine`).
 
         Raises:
             BadArgument: the group is already reserved, its stamp differs from ``target_step``, a
@@ -138,6 +142,9 @@ class TQReplayBuffer:
                 slot; here it would slip past the store's gate and ledger, so the message says why).
             GateTimeout: no capacity left (``max_buffered_rollouts``).
         """
+        bound = bound_dispatch() if group_id is None and prompt_idx is None else None
+        if bound is not None:  # NeMo-RL's generate_and_push inside dispatching(): the prompt it works for
+            group_id, prompt_idx, task_name = bound.group_id, bound.prompt_idx, bound.task_name
         lease = self.handle.take_idle(group_id)
         try:
             if lease is not None:
@@ -160,6 +167,7 @@ class TQReplayBuffer:
                 self.handle.untake(lease)
             raise
         self.handle.hold(lease)
+        bind_lease(lease)
         return lease.group_id
 
     async def commit(self, group_id: str, record: Any, start_weight_version: int,

@@ -32,7 +32,7 @@ GRPO_SCHEMA: dict[str, tuple[str, str]] = {
 KNOWN_KEYS = frozenset({
     "backend", "path", "num_generations_per_prompt", "group_size", "num_prompts_per_step", "groups_per_step",
     "max_buffered_rollouts", "sampler", "schema", "partition_id", "retain_consumed", "compression_level",
-    "durable_checkpoints", "checkpoint_dir"})
+    "durable_checkpoints", "checkpoint_dir", "progress_every_tokens"})
 
 
 def custom_sampler_class(target: Any) -> type:
@@ -95,6 +95,9 @@ class AdapterConfig:
     buffer: BufferConfig
     partition_id: str = "rollout_data"
     checkpoint_dir: str | None = None
+    #: the engine proxy's interval (:mod:`.engine`): a crash regenerates at most this many tokens per sequence;
+    #: 0 (the default): no progress is recorded
+    progress_every_tokens: int = 0
 
 
 def parse_config(config: Mapping[str, Any], *, where: str = "the replay-buffer config") -> AdapterConfig:
@@ -108,7 +111,8 @@ def parse_config(config: Mapping[str, Any], *, where: str = "the replay-buffer c
             custom, target: "module:Class", **keys}`` names a kvckpt ``Sampler`` subclass);
             ``schema`` (defaults to :data:`GRPO_SCHEMA`); ``partition_id`` (defaults to
             ``rollout_data``); ``backend`` (``kvckpt`` if given); ``checkpoint_dir`` (where
-            ``state_dict`` writes its checkpoint files; defaults to ``<path>.checkpoints``); and
+            ``state_dict`` writes its checkpoint files; defaults to ``<path>.checkpoints``);
+            ``progress_every_tokens`` (the engine proxy's interval, 0: off, the default); and
             kvckpt's own ``retain_consumed``, ``compression_level``, ``durable_checkpoints``.
         where: the section and file ``config`` came from, for the unknown-key refusal (the
             integrations' one, :func:`~kvckpt.integrations.common.check_keys`).
@@ -134,8 +138,11 @@ def parse_config(config: Mapping[str, Any], *, where: str = "the replay-buffer c
         retain_consumed=bool(config.get("retain_consumed", False)),
         compression_level=config.get("compression_level", codec.DEFAULT_LEVEL),
         durable_checkpoints=config.get("durable_checkpoints", 2))
+    every = config.get("progress_every_tokens", 0)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise BadArgument(f"progress_every_tokens must be an integer >= 0 (0: off), got {every!r}")
     return AdapterConfig(str(config["path"]), buffer, str(config.get("partition_id", "rollout_data")),
-                         config.get("checkpoint_dir"))
+                         config.get("checkpoint_dir"), every)
 
 
 def _section(config: Any, key: str) -> Any:

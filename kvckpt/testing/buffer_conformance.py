@@ -51,9 +51,8 @@ import tempfile
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -87,6 +86,9 @@ from kvckpt.durability.safe_open import verify_path
 from kvckpt.durability.verify import check
 from kvckpt.samplers import BufferView
 from kvckpt.storage.layout import ONE_TREE_TABLES
+
+if TYPE_CHECKING:  # torch is imported where rows are made: a venv without it (.venv-gym) still loads tests/conftest.py
+    import torch
 
 #: ``ci`` is derandomized: every run draws the same examples, so a CI failure replays with the same
 #: command (``--hypothesis-seed`` does nothing there). ``soak`` draws fresh examples every run
@@ -182,6 +184,8 @@ def _restore_closed(handle: Any, checkpoint: str, path: str) -> tuple[Any, Any]:
 
 def make_row(length: int, seed: int) -> dict[str, torch.Tensor]:
     """One row of :data:`SCHEMA` with ``length`` tokens; equal ``(length, seed)`` give equal rows."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     return {
         "input_ids": torch.randint(0, 1000, (length,), generator=gen, dtype=torch.int64),
@@ -674,6 +678,8 @@ class BufferMachine(RuleBasedStateMachine):
         n = min(n, max(1, 3 + index - start))  # a prefix never outgrows variant 0's row
         if kind == "over":
             n = MAX_TOKENS - start + 1  # one token past the schema's bound
+        import torch
+
         tokens = base["input_ids"][start:start + n] + change
         if len(tokens) < n:  # past the row's end: pad (only a gap or a refused append gets here)
             tokens = torch.cat([tokens, torch.zeros(n - len(tokens), dtype=torch.int64)])

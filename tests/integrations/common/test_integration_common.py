@@ -45,7 +45,8 @@ def test_a_peer_that_is_there_but_broken_says_why(tmp_path: Path, monkeypatch: p
 @pytest.mark.parametrize(("package", "peer", "command"), [
     ("kvckpt.integrations.ray", "ray", "pip install 'kvckpt[ray]'"),
     ("kvckpt.integrations.transferqueue", "transfer_queue", "pip install 'kvckpt[tq]'"),
-    ("kvckpt.integrations.verl", "verl", "pip install 'kvckpt[verl]'")])
+    ("kvckpt.integrations.verl", "verl", "pip install 'kvckpt[verl]'"),
+    ("kvckpt.integrations.nemo_gym", "nemo_gym", "pip install 'kvckpt[gym]'")])
 def test_the_integrations_refuse_a_missing_peer_through_it(package: str, peer: str, command: str) -> None:
     # A fresh interpreter where the peer cannot be imported (a None entry in sys.modules).
     code = (f"import sys; sys.modules[{peer!r}] = None\n"
