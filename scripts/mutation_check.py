@@ -512,6 +512,30 @@ MUTATIONS += (
              (f"{CONFIGS}::test_nemo_rl_refuses_an_unknown_key_naming_its_section_and_file",)),
 )
 
+# issue 44: the replication log (captured at the Txn layer, in the transaction), the standby's apply
+REPLOG = "tests/core/test_replication_log.py"
+MUTATIONS += (
+    Mutation("replog-append-skipped", "kvckpt/storage/replog.py", "        if ops:\n            bookkeeping(txn)\n",
+             "        if False:\n            bookkeeping(txn)\n",
+             (f"{REPLOG}::test_every_write_transaction_appends_one_record_that_replays_to_the_same_state",)),
+    Mutation("replog-capture-misses-deletes", "kvckpt/storage/txn.py",
+             "        if self.capture is not None and found:\n", "        if False:\n",
+             (f"{REPLOG}::test_every_write_transaction_appends_one_record_that_replays_to_the_same_state",)),
+    Mutation("replog-refused-child-stays-in-the-record", "kvckpt/storage/store.py",
+             "                        del txn.capture[mark:]\n", "                        pass\n",
+             (f"{REPLOG}::test_a_refused_item_of_a_group_commit_leaves_nothing_in_the_batch_record",)),
+    Mutation("replog-empty-transaction-logged", "kvckpt/storage/replog.py",
+             "        if ops:\n            bookkeeping(txn)\n",
+             "        if ops is not None:\n            bookkeeping(txn)\n",
+             (f"{REPLOG}::test_every_write_transaction_appends_one_record_that_replays_to_the_same_state",)),
+    Mutation("replog-bound-ignored", "kvckpt/storage/replog.py",
+             "            while seq - first + 1 > self.max_records:\n", "            while False:\n",
+             (f"{REPLOG}::test_past_its_bound_the_log_drops_its_oldest_record_and_marks_the_standby_for_a_snapshot",)),
+    Mutation("replog-reopen-forgets-the-log", "kvckpt/storage/store.py",
+             "                self.replication = ReplicationLog.load(self)\n", "",
+             (f"{REPLOG}::test_a_reopened_primary_keeps_logging_from_its_last_sequence_in_a_fresh_process",)),
+)
+
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and
     map ``integrations``/``reference``/``tools`` into the package the way the build does."""
