@@ -514,6 +514,7 @@ MUTATIONS += (
 
 # issue 44: the replication log (captured at the Txn layer, in the transaction), the standby's apply
 REPLOG = "tests/core/test_replication_log.py"
+REPLICA = "tests/core/test_replica.py"
 MUTATIONS += (
     Mutation("replog-append-skipped", "kvckpt/storage/replog.py", "        if ops:\n            bookkeeping(txn)\n",
              "        if False:\n            bookkeeping(txn)\n",
@@ -534,6 +535,30 @@ MUTATIONS += (
     Mutation("replog-reopen-forgets-the-log", "kvckpt/storage/store.py",
              "                self.replication = ReplicationLog.load(self)\n", "",
              (f"{REPLOG}::test_a_reopened_primary_keeps_logging_from_its_last_sequence_in_a_fresh_process",)),
+    Mutation("replica-resend-applied-again", "kvckpt/storage/replica.py",
+             "        if decoded[-1].seq <= applied:\n", "        if False:\n",
+             (f"{REPLICA}::test_a_resend_is_answered_not_reapplied_and_an_overlap_applies_only_what_is_new",)),
+    Mutation("replica-epoch-unchecked", "kvckpt/storage/replica.py",
+             "        if decoded[0].epoch < epoch:\n", "        if False:\n",
+             (f"{REPLICA}::test_a_bad_batch_is_refused_with_its_own_error_and_applies_nothing[older-epoch]",)),
+    Mutation("replica-store-id-unchecked", "kvckpt/storage/replica.py",
+             "        if rec.store != log.tag:\n", "        if False:\n",
+             (f"{REPLICA}::test_a_bad_batch_is_refused_with_its_own_error_and_applies_nothing[another-stores-id]",)),
+    Mutation("replica-gap-after-applied-accepted", "kvckpt/storage/replica.py",
+             "        if decoded[0].seq > applied + 1:\n", "        if False:\n",
+             (f"{REPLICA}::test_a_bad_batch_is_refused_with_its_own_error_and_applies_nothing[gap-after-applied]",)),
+    Mutation("replica-repeat-unchecked", "kvckpt/storage/replica.py",
+             "    if len(set(seqs)) != len(seqs):\n", "    if False:\n",
+             (f"{REPLICA}::test_a_bad_batch_is_refused_with_its_own_error_and_applies_nothing[repeated-sequence]",)),
+    Mutation("replica-record-checksum-unchecked", "kvckpt/storage/replog.py",
+             "    if zlib.crc32(body) != _CRC.unpack_from(data, len(body))[0]:\n", "    if False:\n",
+             (f"{REPLICA}::test_a_bad_batch_is_refused_with_its_own_error_and_applies_nothing[corrupted-record]",)),
+    Mutation("replica-applied-not-recorded", "kvckpt/storage/replica.py",
+             "        log.stage(txn, last=decoded[-1].seq, epoch=decoded[-1].epoch)\n", "",
+             (f"{REPLICA}::test_a_standby_applies_shipped_batches_to_the_primarys_exact_state_durably[value-store]",)),
+    Mutation("replica-standby-accepts-writes", "kvckpt/storage/replog.py",
+             "        if ops and self.role != PRIMARY:\n", "        if False:\n",
+             (f"{REPLICA}::test_a_standby_refuses_writes_and_a_primary_refuses_batches",)),
 )
 
 def copy_tree(dest: Path, rev: str | None) -> None:
