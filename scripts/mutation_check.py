@@ -515,6 +515,7 @@ MUTATIONS += (
 # issue 44: the replication log (captured at the Txn layer, in the transaction), the standby's apply
 REPLOG = "tests/core/test_replication_log.py"
 REPLICA = "tests/core/test_replica.py"
+STANDBY_TEST = "tests/durability/test_standby.py"
 MUTATIONS += (
     Mutation("replog-append-skipped", "kvckpt/storage/replog.py", "        if ops:\n            bookkeeping(txn)\n",
              "        if False:\n            bookkeeping(txn)\n",
@@ -559,6 +560,27 @@ MUTATIONS += (
     Mutation("replica-standby-accepts-writes", "kvckpt/storage/replog.py",
              "        if ops and self.role != PRIMARY:\n", "        if False:\n",
              (f"{REPLICA}::test_a_standby_refuses_writes_and_a_primary_refuses_batches",)),
+    Mutation("standby-installed-one-record-ahead", "kvckpt/durability/replication.py",
+             "            applied = ReplicationLog.load(store).last\n",
+             "            applied = ReplicationLog.load(store).last + 1\n",
+             (f"{STANDBY_TEST}::test_a_new_standby_catches_up_from_a_snapshot_taken_while_producers_write[value-store]",)),
+    Mutation("standby-install-keeps-the-primary-role", "kvckpt/durability/replication.py",
+             "            make_standby(store, applied, state[\"epoch\"])\n", "",
+             (f"{STANDBY_TEST}::test_a_new_standby_catches_up_from_a_snapshot_taken_while_producers_write[value-store]",)),
+    Mutation("standby-install-takes-any-file", "kvckpt/durability/replication.py",
+             "        if state is None or state.get(\"role\") != PRIMARY",
+             "        if False and state.get(\"role\") != PRIMARY",
+             (f"{STANDBY_TEST}::test_install_refuses_a_file_that_is_not_a_replicated_primarys_snapshot",)),
+    Mutation("verify-against-ignores-the-sequence", "kvckpt/durability/replication.py",
+             "\"equal\": same and not differing}", "\"equal\": not differing}",
+             (f"{STANDBY_TEST}::test_verify_against_refuses_equal_tables_at_different_sequences",)),
+    Mutation("promote-keeps-the-epoch", "kvckpt/storage/replica.py",
+             "        epoch = state[\"epoch\"] + 1\n", "        epoch = state[\"epoch\"]\n",
+             (f"{STANDBY_TEST}::test_promotion_takes_a_new_epoch_recovers_as_a_restart_and_refuses_the_old_primary",)),
+    Mutation("promote-skips-recovery", "kvckpt/buffer/standby.py",
+             "        return buffer, buffer.recover(resume_version)\n",
+             "        return buffer, RecoveryPlan(resume_version=buffer.state()[\"trainer_version\"])\n",
+             (f"{STANDBY_TEST}::test_promotion_takes_a_new_epoch_recovers_as_a_restart_and_refuses_the_old_primary",)),
 )
 
 def copy_tree(dest: Path, rev: str | None) -> None:

@@ -11,10 +11,12 @@ control characters from a file (group ids, messages) are printed escaped, never 
 inspect PATH
     Identity, config, counts by state, ledger, cursors, checkpoint stamp, sizes, histograms.
     ``kvckpt inspect ckpt/step_0100.kvckpt``
-verify PATH [--deep]
+verify PATH [--deep] [--against OTHER]
     Check every invariant and every stored value's checksum (at least what ``restore()`` checks
     before it hands out leases); ``--deep`` also decodes every row (schema, dtypes, shapes, sizes:
     what ``read_batch`` checks). Both print one line saying what they did not check.
+    ``--against OTHER`` instead compares two replicas (docs/replication.md): equal when both are at
+    the same log sequence and every table's digest matches.
     ``kvckpt verify --deep live.kv``
 compact SRC DEST [--level N] [--force]
     Write a compacted single-file copy, optionally re-encoding rows at zstd level N.
@@ -323,7 +325,24 @@ def _render_verify(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def _render_against(doc: dict[str, Any]) -> list[str]:
+    this, that = doc["this"], doc["that"]
+    verdict = ("the same state" if doc["equal"] else
+               "not at the same sequence" if not doc["same_sequence"] else
+               f"different tables: {', '.join(doc['differing'])}")
+    return [f"{doc['path']} ({this['role'] or 'not replicated'}, epoch {this['epoch']}, sequence {this['sequence']}) "
+            f"vs {doc['other']} ({that['role'] or 'not replicated'}, epoch {that['epoch']}, sequence "
+            f"{that['sequence']}): {verdict}"]
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.against is not None:  # replicas: the same state at the same sequence (docs/replication.md)
+        from kvckpt.durability.replication import compare_replicas
+        _require_file(args.path)
+        _require_file(args.against)
+        doc = compare_replicas(args.path, args.against)
+        _emit(args, doc, _render_against)
+        return EXIT_OK if doc["equal"] else EXIT_PROBLEMS
 
     from kvckpt.durability.safe_open import open_readonly, verify_path
 
@@ -540,6 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "kvckpt verify --deep live.kv", store)
     p.add_argument("--deep", action="store_true", help="also decode every row payload (schema, dtypes, shapes, "
                    "sizes)")
+    p.add_argument("--against", metavar="OTHER", help="instead, compare with the replica OTHER: the digest of every "
+                   "table at the same log sequence (exit 1 unless equal)")
 
     p = command("compact", cmd_compact, "Write a compacted single-file copy of a store",
                 "kvckpt compact live.kv compact.kv --level 3", ("src", "the store to copy (not modified)"),

@@ -23,7 +23,10 @@ from typing import Any
 
 from kvckpt.errors import ForeignStore, LogGap, NotStandby, RepeatedSequence, StaleEpoch
 from kvckpt.storage.replog import (
+    DEFAULT_MAX_RECORDS,
+    PRIMARY,
     RECORD_PREFIX,
+    SNAPSHOT,
     STANDBY,
     STATE_KEY,
     STREAMING,
@@ -50,6 +53,32 @@ def make_standby(store: Any, applied: int, epoch: int) -> ReplicationLog:
     store.write(fn)
     store.replication = ReplicationLog.load(store)
     return store.replication
+
+
+def promote_store(store: Any, *, max_records: int = DEFAULT_MAX_RECORDS) -> int:
+    """Turn the standby ``store`` into a primary, in one transaction: its epoch goes up by one and
+    its log starts after the sequence it applied (every standby of it starts from a snapshot).
+    Returns the new epoch. Anything still shipped by the old primary is refused from then on
+    (:class:`~kvckpt.errors.NotStandby`; a standby of the new primary refuses it as
+    :class:`~kvckpt.errors.StaleEpoch`).
+
+    Raises:
+        NotStandby: ``store`` is not a standby.
+    """
+    log = store.replication
+    if log is None or log.role != STANDBY:
+        raise NotStandby(f"{store.path!r} is not a standby; only a standby is promoted")
+
+    def fn(txn: Txn) -> int:
+        state = read_state(bookkeeping(txn))
+        if state is None or state["role"] != STANDBY:
+            raise NotStandby(f"{store.path!r} is no longer a standby")
+        epoch = state["epoch"] + 1
+        log.stage(txn, role=PRIMARY, epoch=epoch, acked=state["applied"], first=state["applied"] + 1,
+                  standby=SNAPSHOT, max_records=max_records)
+        return epoch
+
+    return store.write(fn)
 
 
 def check_batch(log: ReplicationLog, records: Sequence[bytes]) -> list[LogRecord]:
