@@ -581,6 +581,14 @@ MUTATIONS += (
              "        return buffer, buffer.recover(resume_version)\n",
              "        return buffer, RecoveryPlan(resume_version=buffer.state()[\"trainer_version\"])\n",
              (f"{STANDBY_TEST}::test_promotion_takes_a_new_epoch_recovers_as_a_restart_and_refuses_the_old_primary",)),
+    Mutation("inspect-hides-replication", "tools/inspect.py",
+             "            out[\"replication\"] = replog.describe(txn)", "            out[\"replication\"] = None",
+             (f"{STANDBY_TEST}::test_inspect_shows_the_epoch_the_sequences_the_lag_and_a_standby_dropped_to_a_snapshot",)),
+    Mutation("replog-record-drops-the-last-operation", "kvckpt/storage/replog.py",
+             "            txn.put(\"replog\", record_key(seq), encode_record(self.epoch, seq, self.tag, ops))\n",
+             "            txn.put(\"replog\", record_key(seq), encode_record(self.epoch, seq, self.tag, ops[:-1]))\n",
+             ("tests/campaigns/test_replication_kills.py::"
+              "test_a_primary_killed_mid_write_keeps_a_log_that_replays_to_its_state",)),
 )
 
 def copy_tree(dest: Path, rev: str | None) -> None:

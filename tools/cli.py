@@ -201,12 +201,27 @@ def _ratio(raw: int, stored: int) -> str:
     return f"{raw / stored:.2f}x smaller than raw"
 
 
+def _render_replication(rep: dict[str, Any] | None) -> list[str]:
+    """The replication section of ``inspect`` (docs/replication.md), empty for a store not replicated."""
+    if rep is None:
+        return []
+    pairs = [("role", rep["role"]), ("epoch", rep["epoch"]), ("last sequence", rep["last"])]
+    if rep["role"] == "standby":
+        pairs.append(("applied sequence", rep["applied"]))
+    else:
+        pairs += [("standby acknowledged", rep["acked"]), ("standby lag", f"{rep['lag_records']:,} records"),
+                  ("standby", rep["standby"] + (": needs a snapshot catch-up" if rep["standby"] == "snapshot" else "")),
+                  ("log kept", f"{rep['records']:,} records (bound {rep['max_records']:,})")]
+    return ["", "replication", *_pairs(pairs)]
+
+
 def _render_inspect(doc: dict[str, Any]) -> list[str]:
     ident, cfg = doc["identity"], doc.get("config")
     live = "live: a writer holds it" if doc["live"] else "no writer"
     out = [f"kvckpt store {doc['path']}  ({live})"]
     out += _pairs([("store id", ident["store_id"]), ("format", f"{ident['format']} v{ident['version']}"),
                    ("created", _when(ident.get("created")))])
+    out += _render_replication(doc.get("replication"))
     if doc["kind"] == "values":
         return out + _render_values(doc) + _problem_lines(doc)
     if cfg is None:

@@ -28,7 +28,7 @@ from typing import Any
 from kvckpt.buffer import BufferConfig
 from kvckpt.durability.safe_open import open_readonly
 from kvckpt.errors import CorruptRecord, KvckptError
-from kvckpt.storage import codec
+from kvckpt.storage import codec, replog
 from kvckpt.storage.store import Txn, writer_active
 from kvckpt.tables.meta import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STAMP_KEY, STATE_KEY
 from kvckpt.tables.records import CLAIMED, CONSUMED, GROUP_STATES, READY
@@ -118,6 +118,7 @@ def inspect_path(path: str, *, ledger_limit: int = 5, progress: Progress | None 
         with store.reader() as txn:
             is_values = txn.get("meta", values.FORMAT_KEY) is not None
             out = _describe_values(txn) if is_values else _describe(txn, ledger_limit, progress)
+            out["replication"] = replog.describe(txn)  # None: not replicated (docs/replication.md)
         out.update(path=path, live=live, kind="values" if is_values else "replay-buffer")
         out["identity"] = {k: store.info.get(k) for k in ("store_id", "format", "version", "created")}
         out["bytes"].update(file=os.path.getsize(path), lmdb_pages_used=(info["last_pgno"] + 1) * page,

@@ -24,7 +24,7 @@ from kvckpt.durability.safe_open import open_readonly
 from kvckpt.errors import BadArgument, FormatError
 from kvckpt.storage.layout import ONE_TREE_TABLES
 from kvckpt.storage.replica import make_standby
-from kvckpt.storage.replog import PRIMARY, STANDBY, ReplicationLog, read_state
+from kvckpt.storage.replog import PRIMARY, ReplicationLog, read_log, read_state
 from kvckpt.storage.store import Store, Txn
 from kvckpt.tables.digest import table_digests
 
@@ -72,16 +72,9 @@ def install_standby(snapshot_file: str, standby_path: str) -> int:
 def replica_state(txn: Txn) -> dict[str, Any]:
     """``{"role", "epoch", "sequence", "digests"}`` of the store ``txn`` reads: the sequence it is
     at (a primary's last record, a standby's applied one; 0 if not replicated) and its tables' digests."""
-    state = read_state(txn)
-    if state is None:
-        sequence, role, epoch = 0, None, None
-    elif state["role"] == STANDBY:
-        sequence, role, epoch = state["applied"], STANDBY, state["epoch"]
-    else:
-        last = txn.last("replog", b"r")
-        sequence = max(state["trimmed"], int.from_bytes(last[0][1:], "big") if last else 0)
-        role, epoch = state["role"], state["epoch"]
-    return {"role": role, "epoch": epoch, "sequence": sequence, "digests": table_digests(txn, REPLICATED_TABLES)}
+    state, _, last = read_log(txn)
+    return {"role": state and state["role"], "epoch": state and state["epoch"], "sequence": last,
+            "digests": table_digests(txn, REPLICATED_TABLES)}
 
 
 def compare_replicas(path: str, other: str) -> dict[str, Any]:

@@ -141,6 +141,34 @@ def read_state(txn: Txn) -> dict[str, Any] | None:
     return txn.get_json("replog", STATE_KEY)
 
 
+def read_log(txn: Txn) -> tuple[dict[str, Any] | None, int, int]:
+    """``(state record, first, last)`` of the store ``txn`` reads: the oldest record kept (``last + 1``
+    when none) and the last sequence (a primary's last record or what it trimmed through, a
+    standby's applied sequence); ``(None, 1, 0)`` for a store not replicated."""
+    state = read_state(txn)
+    if state is None:
+        return None, 1, 0
+    first = next(txn.iter_keys("replog", RECORD_PREFIX), None)
+    newest = txn.last("replog", RECORD_PREFIX)
+    last = max(state["applied"] if state["role"] == STANDBY else state["trimmed"],
+               int.from_bytes(newest[0][1:], "big") if newest is not None else 0)
+    return state, int.from_bytes(first[1:], "big") if first is not None else last + 1, last
+
+
+def status_of(state: dict[str, Any], first: int, last: int) -> dict[str, Any]:
+    """What ``kvckpt inspect`` and :meth:`ReplicationLog.status` report: the state record's fields,
+    ``last`` (sequence), ``records`` kept, and ``lag_records`` (a primary's records its standby has
+    not acknowledged)."""
+    return {**state, "last": last, "records": last - first + 1,
+            "lag_records": last - state["acked"] if state["role"] == PRIMARY else 0}
+
+
+def describe(txn: Txn) -> dict[str, Any] | None:
+    """:func:`status_of` the store ``txn`` reads, or ``None`` if it is not replicated."""
+    state, first, last = read_log(txn)
+    return None if state is None else status_of(state, first, last)
+
+
 def bookkeeping(txn: Txn) -> Txn:
     """``txn`` with its capture switched off: what is written through it is replication bookkeeping
     (the log's own records and state, an apply's writes), never logged and allowed on a standby."""
@@ -157,7 +185,7 @@ class ReplicationLog:
     (:data:`STREAMING` or :data:`SNAPSHOT`), ``max_records``.
     """
 
-    def __init__(self, store: Any, state: dict[str, Any], first: int | None, last: int | None) -> None:
+    def __init__(self, store: Any, state: dict[str, Any], first: int, last: int) -> None:
         self.store = store
         self.tag = store_tag(store.store_id)
         self.role: str = state["role"]
@@ -165,22 +193,13 @@ class ReplicationLog:
         self.acked: int = state["acked"]
         self.standby: str = state["standby"]
         self.max_records: int = state["max_records"]
-        floor = state["applied"] if self.role == STANDBY else state["trimmed"]
-        self.last: int = max(floor, last or 0)
-        self.first: int = first if first is not None else self.last + 1
+        self.last, self.first = last, first
         self._pending: dict[str, Any] | None = None
 
     @classmethod
     def load(cls, store: Any) -> ReplicationLog | None:
         """The log of ``store``'s file, or ``None`` if the file is not replicated."""
-        def read(txn: Txn) -> tuple[dict[str, Any] | None, int | None, int | None]:
-            state = read_state(txn)
-            first = next(txn.iter_keys("replog", RECORD_PREFIX), None)
-            last = txn.last("replog", RECORD_PREFIX)
-            return (state, None if first is None else int.from_bytes(first[1:], "big"),
-                    None if last is None else int.from_bytes(last[0][1:], "big"))
-
-        state, first, last = store.read(read)
+        state, first, last = store.read(read_log)
         return None if state is None else cls(store, state, first, last)
 
     @classmethod
@@ -208,7 +227,7 @@ class ReplicationLog:
         state = {"role": PRIMARY, "epoch": 1, "acked": 0, "trimmed": 0, "applied": 0, "standby": STREAMING,
                  "max_records": max_records}
         store.write(lambda txn: txn.put_json("replog", STATE_KEY, state))
-        store.replication = cls(store, state, None, None)
+        store.replication = cls(store, state, 1, 0)
         return store.replication
 
     def state(self, **changes: Any) -> dict[str, Any]:
@@ -222,8 +241,7 @@ class ReplicationLog:
     def status(self) -> dict[str, Any]:
         """Role, epoch, last sequence, the standby's acknowledged sequence and its lag in records,
         the records kept and the bound (``kvckpt inspect`` shows it)."""
-        return {**self.state(), "last": self.last, "records": self.last - self.first + 1,
-                "lag_records": self.last - self.acked if self.role == PRIMARY else 0}
+        return status_of(self.state(), self.first, self.last)
 
     def stage(self, txn: Txn, **changes: Any) -> None:
         """Make ``changes`` (attribute names) in ``txn``: the state record is rewritten there

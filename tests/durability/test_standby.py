@@ -196,3 +196,23 @@ def test_verify_against_refuses_equal_tables_at_different_sequences(tmp_path):
     assert not doc["equal"]
     assert "not at the same sequence" in kv("verify", str(tmp_path / "a.kv"), "--against", str(tmp_path / "b.kv"),
                                             check=1).stdout
+
+
+def test_inspect_shows_the_epoch_the_sequences_the_lag_and_a_standby_dropped_to_a_snapshot(tmp_path):
+    import json
+
+    with Store(str(tmp_path / "p.kv"), create=True) as primary:
+        log = replog.ReplicationLog.enable(primary, max_records=2)
+        snapshot_for_standby(primary, str(tmp_path / "snap.kvckpt"), background=False).wait()
+        install_standby(str(tmp_path / "snap.kvckpt"), str(tmp_path / "s.kv"))
+        for i in range(3):
+            primary.write(lambda t, i=i: t.put("meta", b"k%d" % i, b"v"))
+        with Store(str(tmp_path / "s.kv")) as standby, pytest.raises(LogGap):  # record 1 was dropped
+            apply_batch(standby, log.read_since(1))
+        rep = json.loads(kv("inspect", str(tmp_path / "p.kv"), "--json").stdout)["replication"]
+        assert rep == {**rep, "role": "primary", "epoch": 1, "last": 3, "acked": 0, "lag_records": 3,
+                       "standby": "snapshot", "records": 2, "max_records": 2}
+        text = kv("inspect", str(tmp_path / "p.kv")).stdout
+        assert "standby lag" in text and "snapshot: needs a snapshot catch-up" in text
+    rep = json.loads(kv("inspect", str(tmp_path / "s.kv"), "--json").stdout)["replication"]
+    assert rep == {**rep, "role": "standby", "epoch": 1, "applied": 0, "last": 0}
