@@ -1,7 +1,8 @@
 """Commit cost with the replication log's code present but off, against another tree's code, paired
 in the same run (issue 44, stage 1: within 3%).
 
-    python -m benchmarks.replog_overhead [--base main] [--rounds 40] [--commits 50] [--rows tiny] [--dir D]
+    python -m benchmarks.replog_overhead [--base main] [--rounds 40] [--commits 50] [--rows tiny|realistic|txn]
+                                         [--dir D]
 
 Two long-lived worker processes, one importing kvckpt from this tree, one from ``git archive BASE``
 (``main`` by default) unpacked in a temporary directory; neither store has a standby. The parent
@@ -33,23 +34,36 @@ import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 from benchmarks.commit_bytes import commit_setup
 import kvckpt
+from kvckpt.storage.store import Store
 path, rounds, commits, rows, replicate = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
-buf, leases, encoded = commit_setup(path, rounds * commits + 1, rows)
+if rows == "txn":  # the Txn layer alone: one transaction of `commits` x 100 small puts and deletes a round
+    store = Store(path, create=True)
+    def one(txn):
+        for k in range(commits * 100):
+            txn.put("rows", b"key%06d" % k, b"v" * 64)
+            txn.delete("rows", b"key%06d" % (k - 50))
+    commit = lambda: store.write(one)
+else:
+    buf, leases, encoded = commit_setup(path, rounds * commits + 1, rows)
+    store = buf.store
+    def commit():
+        global i
+        buf.commit_encoded(leases[i], encoded[i])
+        i += 1
 if replicate == "on":
     from kvckpt.storage.replog import ReplicationLog
-    ReplicationLog.enable(buf.store)
-buf.commit_encoded(leases[0], encoded[0])
+    ReplicationLog.enable(store)
+i = 0
+commit()
 print(json.dumps({"kvckpt": kvckpt.__file__}), flush=True)
-i = 1
 for line in sys.stdin:
     t0 = time.perf_counter()
     c0 = time.process_time()
-    for _ in range(commits):
-        buf.commit_encoded(leases[i], encoded[i])
-        i += 1
+    for _ in range(1 if rows == "txn" else commits):
+        commit()
     print(json.dumps({"wall": (time.perf_counter() - t0) / commits, "cpu": (time.process_time() - c0) / commits}),
           flush=True)
-buf.close()
+store.close()
 """
 
 
@@ -99,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", default="main", help="the git ref whose kvckpt is the baseline")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--commits", type=int, default=50)
-    parser.add_argument("--rows", choices=("realistic", "tiny"), default="tiny")
+    parser.add_argument("--rows", choices=("realistic", "tiny", "txn"), default="tiny",
+                        help="the group committed (txn: no group, one transaction of COMMITS x 100 puts and "
+                        "deletes per round, what the Txn layer alone costs)")
     parser.add_argument("--dir", default=None, help="where the stores go (default: the temp dir)")
     opts = parser.parse_args(argv)
     out = measure(opts)
