@@ -197,3 +197,41 @@ class VerificationFailed(RecoveryError):
 
     def __reduce__(self) -> tuple[type, tuple[str, list[Any]]]:
         return (type(self), (self.subject, self.problems))
+
+
+class ReplicationError(KvckptError):
+    """A replication operation was refused (docs/replication.md); the subclasses say why. Whatever
+    was refused applied nothing."""
+
+
+class NotPrimary(ReplicationError):
+    """A write reached a standby's store other than through an applied log batch; a standby changes
+    only by applying its primary's log (or by :func:`promote`)."""
+
+
+class NotStandby(ReplicationError):
+    """A log batch was shipped to a store that is not a standby (a primary, or a promoted standby:
+    the sender is an old primary, and nothing it ships is applied)."""
+
+
+class CorruptLogRecord(ReplicationError):
+    """A shipped log record failed its checksum or does not parse (damaged in transit or crafted)."""
+
+
+class ForeignStore(ReplicationError):
+    """A shipped log record names another store's id: the batch belongs to another primary."""
+
+
+class StaleEpoch(ReplicationError):
+    """A shipped log record carries an epoch older than the standby's: it comes from a primary
+    that has since been replaced by a promotion (a revived old primary is refused here)."""
+
+
+class RepeatedSequence(ReplicationError):
+    """A shipped batch holds the same sequence number twice."""
+
+
+class LogGap(ReplicationError):
+    """A shipped batch skips a sequence number, inside itself or after what the standby applied;
+    or the primary's log no longer holds the records a standby needs (it must catch up from a
+    snapshot)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from kvckpt.durability import kinds
 from kvckpt.durability.safe_open import check_header, copy_used, open_readonly
 from kvckpt.durability.structure import is_sound
-from kvckpt.storage import keys
+from kvckpt.storage import keys, replog
 from kvckpt.storage.encoding import check_encoded
 from kvckpt.storage.group_commit import GroupCommitter
 from kvckpt.storage.layout import stored_key
@@ -28,5 +28,5 @@ from kvckpt.values import records as value_records
 __all__ = [
     "CONFIG_KEY", "DATALOADER_KEY", "GROUP_STATES", "SHORTFALL_KEY", "STAMP_KEY", "STATE_KEY", "GroupCommitter",
     "Txn", "check_encoded", "check_group_digest", "check_header", "copy_used", "group_digest", "is_sound", "keys",
-    "kinds", "meta", "open_readonly", "row_digest", "stored_key", "value_records", "writer_active",
+    "kinds", "meta", "open_readonly", "replog", "row_digest", "stored_key", "value_records", "writer_active",
 ]

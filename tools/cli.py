@@ -11,10 +11,12 @@ control characters from a file (group ids, messages) are printed escaped, never 
 inspect PATH
     Identity, config, counts by state, ledger, cursors, checkpoint stamp, sizes, histograms.
     ``kvckpt inspect ckpt/step_0100.kvckpt``
-verify PATH [--deep]
+verify PATH [--deep] [--against OTHER]
     Check every invariant and every stored value's checksum (at least what ``restore()`` checks
     before it hands out leases); ``--deep`` also decodes every row (schema, dtypes, shapes, sizes:
     what ``read_batch`` checks). Both print one line saying what they did not check.
+    ``--against OTHER`` instead compares two replicas (docs/replication.md): equal when both are at
+    the same log sequence and every table's digest matches.
     ``kvckpt verify --deep live.kv``
 compact SRC DEST [--level N] [--force]
     Write a compacted single-file copy, optionally re-encoding rows at zstd level N.
@@ -199,12 +201,27 @@ def _ratio(raw: int, stored: int) -> str:
     return f"{raw / stored:.2f}x smaller than raw"
 
 
+def _render_replication(rep: dict[str, Any] | None) -> list[str]:
+    """The replication section of ``inspect`` (docs/replication.md), empty for a store not replicated."""
+    if rep is None:
+        return []
+    pairs = [("role", rep["role"]), ("epoch", rep["epoch"]), ("last sequence", rep["last"])]
+    if rep["role"] == "standby":
+        pairs.append(("applied sequence", rep["applied"]))
+    else:
+        pairs += [("standby acknowledged", rep["acked"]), ("standby lag", f"{rep['lag_records']:,} records"),
+                  ("standby", rep["standby"] + (": needs a snapshot catch-up" if rep["standby"] == "snapshot" else "")),
+                  ("log kept", f"{rep['records']:,} records (bound {rep['max_records']:,})")]
+    return ["", "replication", *_pairs(pairs)]
+
+
 def _render_inspect(doc: dict[str, Any]) -> list[str]:
     ident, cfg = doc["identity"], doc.get("config")
     live = "live: a writer holds it" if doc["live"] else "no writer"
     out = [f"kvckpt store {doc['path']}  ({live})"]
     out += _pairs([("store id", ident["store_id"]), ("format", f"{ident['format']} v{ident['version']}"),
                    ("created", _when(ident.get("created")))])
+    out += _render_replication(doc.get("replication"))
     if doc["kind"] == "values":
         return out + _render_values(doc) + _problem_lines(doc)
     if cfg is None:
@@ -323,7 +340,24 @@ def _render_verify(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def _render_against(doc: dict[str, Any]) -> list[str]:
+    this, that = doc["this"], doc["that"]
+    verdict = ("the same state" if doc["equal"] else
+               "not at the same sequence" if not doc["same_sequence"] else
+               f"different tables: {', '.join(doc['differing'])}")
+    return [f"{doc['path']} ({this['role'] or 'not replicated'}, epoch {this['epoch']}, sequence {this['sequence']}) "
+            f"vs {doc['other']} ({that['role'] or 'not replicated'}, epoch {that['epoch']}, sequence "
+            f"{that['sequence']}): {verdict}"]
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.against is not None:  # replicas: the same state at the same sequence (docs/replication.md)
+        from kvckpt.durability.replication import compare_replicas
+        _require_file(args.path)
+        _require_file(args.against)
+        doc = compare_replicas(args.path, args.against)
+        _emit(args, doc, _render_against)
+        return EXIT_OK if doc["equal"] else EXIT_PROBLEMS
 
     from kvckpt import verify_path
     from kvckpt.tooling import open_readonly
@@ -541,6 +575,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "kvckpt verify --deep live.kv", store)
     p.add_argument("--deep", action="store_true", help="also decode every row payload (schema, dtypes, shapes, "
                    "sizes)")
+    p.add_argument("--against", metavar="OTHER", help="instead, compare with the replica OTHER: the digest of every "
+                   "table at the same log sequence (exit 1 unless equal)")
 
     p = command("compact", cmd_compact, "Write a compacted single-file copy of a store",
                 "kvckpt compact live.kv compact.kv --level 3", ("src", "the store to copy (not modified)"),

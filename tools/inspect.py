@@ -37,6 +37,7 @@ from kvckpt.tooling import (
     Txn,
     kinds,
     open_readonly,
+    replog,
     writer_active,
 )
 from kvckpt.tooling import value_records as values
@@ -125,6 +126,7 @@ def inspect_path(path: str, *, ledger_limit: int = 5, progress: Progress | None 
         with store.reader() as txn:
             kind = kinds.kind_of(txn)
             out = kind.hook("inspect", path)(txn, ledger_limit, progress)
+            out["replication"] = replog.describe(txn)  # None: not replicated (docs/replication.md)
         out.update(path=path, live=live, kind=kind.name)
         out["identity"] = {k: store.info.get(k) for k in ("store_id", "format", "version", "created")}
         out["bytes"].update(file=os.path.getsize(path), lmdb_pages_used=(info["last_pgno"] + 1) * page,

@@ -28,10 +28,12 @@ from typing import Any
 
 #: Named sub-databases of formats 1 and 2, and the tables of every format.
 TABLES = ("meta", "groups", "rows", "ledger", "index")
-#: The tables of the one-tree layout: :data:`TABLES` and (format 4) ``progress``.
-ONE_TREE_TABLES = (*TABLES, "progress")
+#: The tables of the one-tree layout: :data:`TABLES`, (format 4) ``progress`` and ``replog`` (the
+#: replication log and its state, present only in a replicated store: docs/replication.md).
+ONE_TREE_TABLES = (*TABLES, "progress", "replog")
 #: Format 3's prefix of each table in the main database.
-PREFIXES = {"meta": b"m", "index": b"i", "rows": b"r", "groups": b"g", "ledger": b"g", "progress": b"g"}
+PREFIXES = {"meta": b"m", "index": b"i", "rows": b"r", "groups": b"g", "ledger": b"g", "progress": b"g",
+            "replog": b"l"}
 #: The last byte of the tables that share the ``g`` prefix (a prompt's records, every kind).
 SUFFIXES = {"groups": b"\x00", "ledger": b"\x01", "progress": b"\x02"}
 #: The format versions each layout is written under (4 adds ``progress`` to 3).
@@ -134,7 +136,7 @@ class NamedTables(Layout):
         return stored not in _NAMED and not partial_copy_key(stored)
 
 
-_TABLE_OF_PREFIX = {b"m": "meta", b"i": "index", b"r": "rows"}
+_TABLE_OF_PREFIX = {b"m": "meta", b"i": "index", b"r": "rows", b"l": "replog"}
 _TABLE_OF_SUFFIX = {suffix: table for table, suffix in SUFFIXES.items()}
 
 

@@ -63,6 +63,7 @@ from kvckpt.errors import (
 from kvckpt.storage.fairlock import FairLock
 from kvckpt.storage.filecopy import copy_range
 from kvckpt.storage.layout import TABLES, Layout, NamedTables, OneTree, partial_copy_key
+from kvckpt.storage.replog import ReplicationLog
 from kvckpt.storage.txn import Txn
 
 FORMAT_NAME = "kvckpt"
@@ -152,6 +153,11 @@ class Store:
         FormatError: not a kvckpt store, or another format version.
     """
 
+    #: The replication log of a replicated store's writable handle (docs/replication.md), read from
+    #: the file at open: every write transaction of a primary appends its log record through it,
+    #: and a standby's refuses writes that are not applies. ``None`` for a store not replicated.
+    replication: ReplicationLog | None = None
+
     def __init__(self, path: str | os.PathLike[str], *, create: bool = False, readonly: bool = False,
                  map_size: int | None = None) -> None:
         self.path = os.fspath(path)
@@ -185,6 +191,7 @@ class Store:
             self.info = self._check_format()
             if not readonly:
                 self.env.reader_check()
+                self.replication = ReplicationLog.load(self)
             if create and not exists:  # the new file's directory entry must survive a power cut too
                 fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         except BaseException:
@@ -363,8 +370,11 @@ class Store:
             while True:
                 txn = self.env.begin(write=True)
                 try:
-                    result = fn(Txn(txn, self.layout, True))
-                    txn.commit()
+                    if self.replication is None:
+                        result = fn(Txn(txn, self.layout, True))
+                        txn.commit()
+                    else:  # captures, appends the log record and commits (docs/replication.md)
+                        result = self.replication.run(fn, Txn(txn, self.layout, True))
                     self._commits += 1
                     if self._commits % READER_CHECK_COMMITS == 0:
                         self.check_readers()
@@ -409,11 +419,16 @@ class Store:
             results: list[T | KvckptError] = []
             for fn in fns:
                 child = self.env.begin(write=True, parent=txn.raw)
+                view = Txn(child, self.layout, True)
+                if txn.capture is not None:  # replicated: the child's writes join the parent's record
+                    view.capture, mark = txn.capture, len(txn.capture)
                 try:
-                    results.append(fn(Txn(child, self.layout, True)))
+                    results.append(fn(view))
                     child.commit()
                 except KvckptError as exc:
                     child.abort()
+                    if txn.capture is not None:  # what the refused child wrote is rolled back, so unlogged
+                        del txn.capture[mark:]
                     results.append(exc)
                 except BaseException:
                     child.abort()

@@ -27,6 +27,11 @@ class Txn:
     Keys are a table's own keys; where they are stored is the store's :class:`~kvckpt.storage.layout.Layout`.
     """
 
+    #: The replication capture (docs/replication.md): ``None`` unless the store is replicated; then
+    #: a list that :meth:`put` and :meth:`delete` append ``(stored key, value or None)`` to, in order,
+    #: which the store's log turns into this transaction's one log record.
+    capture: list[tuple[bytes, bytes | None]] | None = None
+
     def __init__(self, txn: lmdb.Transaction, layout: Layout, write: bool) -> None:
         self.raw = txn
         self.layout = layout
@@ -46,11 +51,16 @@ class Txn:
         if len(stored) > MAX_KEY_BYTES:
             raise KvckptError(f"key of {len(key)} bytes exceeds LMDB's {MAX_KEY_BYTES}-byte limit")
         self.raw.put(stored, value, db=db)
+        if self.capture is not None:
+            self.capture.append((stored, bytes(value)))
 
     def delete(self, table: str, key: bytes) -> bool:
         """Delete ``key``; returns whether it existed."""
         db, stored = self.layout.place(table, key)
-        return self.raw.delete(stored, db=db)
+        found = self.raw.delete(stored, db=db)
+        if self.capture is not None and found:
+            self.capture.append((stored, None))
+        return found
 
     def has(self, table: str, key: bytes) -> bool:
         """Whether a lookup of ``key`` finds it (a cursor seek: the value is not copied)."""

@@ -59,3 +59,16 @@ def check_group_digest(group_id: str, recorded: Any, values: Sequence[bytes]) ->
             codec.decode_meta(value, f"rows/{keys.row_id(group_id, index)}")  # raises for a damaged row
         raise CorruptRecord(f"groups/{group_id}", "its rows do not match the group digest recorded at commit "
                             "(a row was changed after the group was committed)")
+
+
+def table_digests(txn: Any, tables: Iterable[str]) -> dict[str, str]:
+    """A digest of each of ``tables`` as ``txn`` sees it: every key and value in key order, each
+    length-prefixed (two stores hold the same table exactly when the digests are equal)."""
+    out = {}
+    for table in tables:
+        h = hashlib.blake2b(digest_size=16)
+        for key, value in txn.iter_prefix(table, b""):
+            h.update(len(key).to_bytes(4, "big") + key + len(value).to_bytes(8, "big"))
+            h.update(value)
+        out[table] = h.hexdigest()
+    return out
