@@ -12,6 +12,7 @@ home module's docstring states.
 from __future__ import annotations
 
 from kvckpt.durability import kinds
+from kvckpt.durability.replication import compare_replicas
 from kvckpt.durability.safe_open import check_header, copy_used, open_readonly
 from kvckpt.durability.structure import is_sound
 from kvckpt.storage import keys, replog
@@ -27,6 +28,7 @@ from kvckpt.values import records as value_records
 
 __all__ = [
     "CONFIG_KEY", "DATALOADER_KEY", "GROUP_STATES", "SHORTFALL_KEY", "STAMP_KEY", "STATE_KEY", "GroupCommitter",
-    "Txn", "check_encoded", "check_group_digest", "check_header", "copy_used", "group_digest", "is_sound", "keys",
-    "kinds", "meta", "open_readonly", "replog", "row_digest", "stored_key", "value_records", "writer_active",
+    "Txn", "check_encoded", "check_group_digest", "check_header", "compare_replicas", "copy_used", "group_digest",
+    "is_sound", "keys", "kinds", "meta", "open_readonly", "replog", "row_digest", "stored_key", "value_records",
+    "writer_active",
 ]

@@ -352,7 +352,7 @@ def _render_against(doc: dict[str, Any]) -> list[str]:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     if args.against is not None:  # replicas: the same state at the same sequence (docs/replication.md)
-        from kvckpt.durability.replication import compare_replicas
+        from kvckpt.tooling import compare_replicas
         _require_file(args.path)
         _require_file(args.against)
         doc = compare_replicas(args.path, args.against)
