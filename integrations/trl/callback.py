@@ -11,6 +11,11 @@ same way, and logs that it did; it refuses only a store of another run or config
 the step trained and closes the kvckpt step; ``on_save`` writes that file into ``checkpoint-N/``
 (so TRL's ``save_total_limit`` rotation removes it with its checkpoint).
 
+A ``checkpoint-N/`` a kill left half written (inside TRL's save, or between it and ``on_save``:
+TRL's ``trainer_state.json``, its last file, or kvckpt's file missing) is set aside at train begin:
+renamed ``partial-checkpoint-N`` (never deleted), with a warning naming both paths, so neither the
+restart's refusal nor TRL's checkpoint discovery ever reads it (:func:`set_aside_partial_checkpoints`).
+
 Why a step's groups are known exactly: with ``token_budget=0`` TRL's ``FixedCountBatcher`` puts
 ``per_device_train_batch_size * num_processes`` rows in every micro-batch and a step trains
 ``gradient_accumulation_steps`` micro-batches, in the order the queue served them; the callback
@@ -22,16 +27,23 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 from typing import Any
 
 from kvckpt.integrations.trl.peer import trainer_callback_class
 
-from kvckpt import RecoveryPlan, ReplayBuffer, restore
+from kvckpt import RecoveryPlan, ReplayBuffer, fsync_dir, restore
 from kvckpt.errors import BadArgument, RecoveryError
 
 TrainerCallback = trainer_callback_class()
 
 BUFFER_FILE = "kvckpt_buffer.kvckpt"
+#: The files a complete ``checkpoint-N/`` holds last: TRL writes ``trainer_state.json`` after the model and
+#: optimizer, and the callback's ``on_save`` writes :data:`BUFFER_FILE` after TRL's save returned.
+COMPLETE_MARKERS = ("trainer_state.json", BUFFER_FILE)
+#: The prefix a partial ``checkpoint-N`` is renamed with (TRL and transformers look for ``checkpoint-N`` only).
+PARTIAL_PREFIX = "partial-"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 log = logging.getLogger("kvckpt.integrations.trl")
 
@@ -66,6 +78,7 @@ class KvckptCallback(TrainerCallback):
             raise BadArgument(f"{self.samples_per_step} rows per step is not a multiple of num_generations="
                               f"{self.worker.num_generations}: a group would be trained across two steps")
         step = int(state.global_step)
+        set_aside_partial_checkpoints(args.output_dir, keep=step)
         buffer, self.plan = open_store(self.worker, args.output_dir, step)
         self.worker.clock.pending_step = step
         self.worker.attach(buffer, self.plan.leases if self.plan is not None else ())
@@ -83,6 +96,40 @@ class KvckptCallback(TrainerCallback):
             return
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", BUFFER_FILE)
         self.worker.buffer.checkpoint(path, {"global_step": int(state.global_step)}, overwrite=True).wait()
+
+
+def set_aside_partial_checkpoints(output_dir: str, keep: int = 0) -> list[tuple[str, str]]:
+    """Rename every partial ``checkpoint-N`` of ``output_dir`` (one missing a file of
+    :data:`COMPLETE_MARKERS`: a kill inside TRL's save or before the callback's ``on_save``) to
+    ``partial-checkpoint-N`` (``.1``, ``.2``... if taken), logging a warning per directory; its files
+    are kept as they are. ``checkpoint-<keep>`` (the one a resumed run starts from) is left alone.
+
+    Returns:
+        ``(old path, new path)`` of each directory set aside.
+    """
+    moved = []
+    if not os.path.isdir(output_dir):
+        return moved
+    for name in sorted(os.listdir(output_dir)):
+        match = _CHECKPOINT.match(name)
+        path = os.path.join(output_dir, name)
+        if match is None or not os.path.isdir(path) or (keep and int(match.group(1)) == keep):
+            continue
+        missing = [marker for marker in COMPLETE_MARKERS if not os.path.isfile(os.path.join(path, marker))]
+        if not missing:
+            continue
+        target = os.path.join(output_dir, PARTIAL_PREFIX + name)
+        suffix = 0
+        while os.path.exists(target):
+            suffix += 1
+            target = os.path.join(output_dir, f"{PARTIAL_PREFIX}{name}.{suffix}")
+        os.rename(path, target)
+        fsync_dir(output_dir)
+        log.warning("%s is a partial checkpoint (no %s: the run was killed while saving it); set aside as %s, "
+                    "its files kept (delete it yourself once you no longer need it)", path, " and no ".join(missing),
+                    target)
+        moved.append((path, target))
+    return moved
 
 
 def open_store(worker: Any, output_dir: str, step: int) -> tuple[ReplayBuffer, RecoveryPlan | None]:

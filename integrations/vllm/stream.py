@@ -19,7 +19,8 @@ are written by one flusher thread of the recorder instead: :meth:`ProgressRecord
 hands the tokens over. Tokens that arrive while a flush is in flight are never dropped: they join
 their sequence's next chunk (coalesced), written by the flusher's next call. Backpressure waits: a
 sequence holding :data:`BACKLOG` intervals unrecorded makes ``on_step`` wait for the flush in
-flight before it takes more. :meth:`ProgressRecorder.close` returns once every due chunk (at an
+flight before it takes more, so a kill costs a sequence at most one interval (plus the tokens of the
+one stream event that crossed it). :meth:`ProgressRecorder.close` returns once every due chunk (at an
 abort: every pending token) is durable or refused and the flusher has stopped, so the worker's
 commit of a group comes after its last progress write, never beside it. A refusal found by the
 flusher stops the lease at the next ``on_step``, as in the synchronous mode.
@@ -38,8 +39,10 @@ import torch
 from kvckpt import Lease
 from kvckpt.errors import FutureVersion, KvckptError
 
-#: Unrecorded intervals a sequence may hold, in background mode, before ``on_step`` waits for the flush in flight.
-BACKLOG = 4
+#: Unrecorded intervals a sequence may hold, in background mode, before ``on_step`` waits for the flush in flight:
+#: one, so what a kill makes a sequence regenerate is at most one interval on the defaults (issue 49: with 4, a
+#: flusher lagging behind the reader left up to 4 intervals acknowledged to the reader and not durable).
+BACKLOG = 1
 
 #: ``(sequence number, new token ids, their logprobs)`` for one sequence in one engine step.
 Delta = tuple[int, list[int], list[float]]
