@@ -512,6 +512,20 @@ MUTATIONS += (
              (f"{CONFIGS}::test_nemo_rl_refuses_an_unknown_key_naming_its_section_and_file",)),
 )
 
+TRL_SAVE_KILL = ("tests/integrations/trl/test_trl_server.py::"
+                 "test_a_kill_inside_trls_first_save_sets_the_partial_checkpoint_aside_and_costs_one_interval",)
+# issue 49: TRL's server path under kills: a partial checkpoint set aside (not refused), one interval
+# regenerated on the defaults (the background recorder's backlog). Run with --python "$PWD/.venv-vllm/bin/python"
+# and KVCKPT_VLLM_PYTHON="$PWD/.venv-vllm/bin/python" (the copy has no .venv-vllm: the server tests skip otherwise).
+MUTATIONS += (
+    Mutation("trl-partial-checkpoint-not-set-aside", "integrations/trl/callback.py",
+             "        if not missing:\n            continue\n", "        if True:\n            continue\n",
+             TRL_SAVE_KILL),
+    Mutation("progress-backlog-four-intervals", "integrations/vllm/stream.py", "BACKLOG = 1\n", "BACKLOG = 4\n",
+             TRL_SAVE_KILL),
+)
+
+
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and
     map ``integrations``/``reference``/``tools`` into the package the way the build does."""

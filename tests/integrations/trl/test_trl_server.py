@@ -45,10 +45,10 @@ def server(tmp_path_factory):
         yield model, srv
 
 
-def _run(workdir, model, srv, *, kill_after_step=0, resume=None):
+def _run(workdir, model, srv, *, kill_after_step=0, kill_in_save=0, resume=None):
     cfg = {"workdir": str(workdir), "model": model, "server": srv.url, "max_steps": MAX_STEPS, "save_steps": 1,
-           "every": EVERY, "max_tokens": MAX_TOKENS, "kill_after_step": kill_after_step, "resume": resume,
-           "log": str(workdir / "log.jsonl")}
+           "every": EVERY, "max_tokens": MAX_TOKENS, "kill_after_step": kill_after_step, "kill_in_save": kill_in_save,
+           "resume": resume, "log": str(workdir / "log.jsonl")}
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run([sys.executable, RUN, json.dumps(cfg)], capture_output=True, text=True, timeout=600,
                           env=env)
@@ -125,3 +125,52 @@ def test_kill_mid_generation_resumes_each_sample_from_its_durable_prefix(tmp_pat
     print(json.dumps({"sequences_in_flight": len(in_flight), "tokens_in_flight": generated, "durable": durable,
                       "resumed": done["stats"]["tokens_resumed"], "regenerated": regenerated,
                       "interval": EVERY, "prompts_compared": len(compared)}))
+
+
+def test_a_kill_inside_trls_first_save_sets_the_partial_checkpoint_aside_and_costs_one_interval(tmp_path, server):
+    """Issue 49, on the worker's defaults (no ``after_step``): SIGKILL inside TRL's first save
+    (``checkpoint-1`` holds the model only) while a progress flush is held (a stalled disk) and the
+    stream's reader has to wait for it. The restart (no checkpoint to resume from: step 0) sets the
+    partial ``checkpoint-1`` aside, says so, recovers the live store at version 0 and trains to the
+    end; every sequence in flight regenerated at most one interval, and the interrupted prompt's
+    completions are bit-exact against it generated uninterrupted."""
+    model, srv = server
+    first = _run(tmp_path, model, srv, kill_in_save=1)
+    assert first.returncode == -9, first.stderr[-3000:] + srv.tail()
+    (killed,) = [e for e in _events(tmp_path) if "killed_in_save" in e]
+    in_flight = killed["in_flight"]
+    partial = tmp_path / "out" / "checkpoint-1"
+    assert not (partial / "trainer_state.json").exists() and not (partial / "kvckpt_buffer.kvckpt").exists()
+    kept = sorted(p.name for p in partial.iterdir())
+    assert kept, "TRL's save wrote nothing before the kill"
+    with ReplayBuffer.open(str(tmp_path / "buffer.kv"), readonly=True) as buf:
+        ledger = buf.ledger()
+        durable_at_kill = {(e.group_id, i): p.length for e in ledger
+                           for i, p in buf.progress(e.group_id).items()}
+    assert {s["group"] for s in in_flight} <= {e.group_id for e in ledger}
+    # What the store holds is what the recorder had acknowledged: the held flush never landed.
+    assert {(s["group"], s["index"]): s["durable"] for s in in_flight if s["durable"]} == durable_at_kill
+
+    second = _run(tmp_path, model, srv)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "is a partial checkpoint" in second.stderr and "partial-checkpoint-1" in second.stderr
+    assert sorted(p.name for p in (tmp_path / "out" / "partial-checkpoint-1").iterdir()) == kept  # set aside whole
+    assert (tmp_path / "out" / "checkpoint-1" / "trainer_state.json").is_file()  # the restart's own
+    (done,) = [e for e in _events(tmp_path) if "done" in e]
+    assert done["done"] == MAX_STEPS and done["plan"]["resume_version"] == 0
+    assert done["plan"]["groups_redispatched"] == len(ledger)
+    durable = sum(s["durable"] for s in in_flight)
+    assert done["plan"]["progress_tokens"] == sum(durable_at_kill.values()) == durable > 0
+    assert done["stats"]["tokens_resumed"] == durable
+    # The promise on the defaults: a kill costs a sequence at most one interval (one token per event).
+    regenerated = [s["generated"] - s["durable"] for s in in_flight]
+    assert max(regenerated) <= EVERY
+    got = _completions_by_prompt(tmp_path / "buffer.kv")
+    compared = sorted({s["prompt_idx"] for s in in_flight})
+    for prompt_idx in compared:
+        expected = _uninterrupted(model, srv, prompt_idx)
+        assert got[prompt_idx] == [expected] * len(got[prompt_idx]), prompt_idx
+    print(json.dumps({"kill": "inside TRL's first save", "sequences_in_flight": len(in_flight),
+                      "tokens_in_flight": sum(s["generated"] for s in in_flight), "durable": durable,
+                      "regenerated_per_sequence": regenerated, "interval": EVERY, "prompts_bit_exact": len(compared),
+                      "set_aside": kept}))
