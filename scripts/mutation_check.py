@@ -515,14 +515,28 @@ MUTATIONS += (
 TRL_SAVE_KILL = ("tests/integrations/trl/test_trl_server.py::"
                  "test_a_kill_inside_trls_first_save_sets_the_partial_checkpoint_aside_and_costs_one_interval",)
 # issue 49: TRL's server path under kills: a partial checkpoint set aside (not refused), one interval
-# regenerated on the defaults (the background recorder's backlog). Run with --python "$PWD/.venv-vllm/bin/python"
+# regenerated on the defaults (the background recorder's backlog), each token stamped with the weights that
+# made it when a weight sync lands mid-stream. Run with --python "$PWD/.venv-vllm/bin/python"
 # and KVCKPT_VLLM_PYTHON="$PWD/.venv-vllm/bin/python" (the copy has no .venv-vllm: the server tests skip otherwise).
+TRL_SYNC_KILL = ("tests/integrations/trl/test_trl_server.py::"
+                 "test_a_weight_sync_mid_stream_stamps_each_token_with_the_weights_that_made_it",)
 MUTATIONS += (
     Mutation("trl-partial-checkpoint-not-set-aside", "integrations/trl/callback.py",
-             "        if not missing:\n            continue\n", "        if True:\n            continue\n",
-             TRL_SAVE_KILL),
+             '        if not missing or (keep and path == os.path.join(output_dir, f"checkpoint-{keep}")):\n',
+             "        if True:\n", TRL_SAVE_KILL),
+    Mutation("trl-partial-checkpoint-counted-as-complete", "integrations/trl/callback.py",
+             "for path, missing in _checkpoints(output_dir).items() if not missing]",
+             "for path, missing in _checkpoints(output_dir).items() if True]", TRL_SAVE_KILL),
     Mutation("progress-backlog-four-intervals", "integrations/vllm/stream.py", "BACKLOG = 1\n", "BACKLOG = 4\n",
              TRL_SAVE_KILL),
+    Mutation("trl-server-keeps-tokens-read-after-the-pause", "integrations/trl/server.py",
+             "                    if epochs is not None and asked[i][0] != epochs.epoch:\n"
+             "                        cancel[i].set()",
+             "                    if False:\n                        cancel[i].set()", TRL_SYNC_KILL),
+    Mutation("progress-chunk-stamped-with-the-dispatch-weights", "integrations/vllm/stream.py",
+             "[int(version[0]) if version else self.version]", "[self.version]", TRL_SYNC_KILL),
+    Mutation("trl-group-end-stamped-with-the-dispatch-weights", "integrations/trl/worker.py",
+             "end_weight=newest)", "end_weight=weights)", TRL_SYNC_KILL),
 )
 
 

@@ -24,7 +24,6 @@ refuses any other set-up at train begin instead of guessing.
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import re
@@ -78,8 +77,11 @@ class KvckptCallback(TrainerCallback):
             raise BadArgument(f"{self.samples_per_step} rows per step is not a multiple of num_generations="
                               f"{self.worker.num_generations}: a group would be trained across two steps")
         step = int(state.global_step)
-        set_aside_partial_checkpoints(args.output_dir, keep=step)
+        transfer = self.worker.weight_transfer
+        if hasattr(transfer, "model"):  # the server path's ServerWeightSync builds TRL's own transfer from them
+            transfer.model, transfer.args = kwargs.get("model"), args
         buffer, self.plan = open_store(self.worker, args.output_dir, step)
+        set_aside_partial_checkpoints(args.output_dir, keep=step)
         self.worker.clock.pending_step = step
         self.worker.attach(buffer, self.plan.leases if self.plan is not None else ())
 
@@ -108,16 +110,10 @@ def set_aside_partial_checkpoints(output_dir: str, keep: int = 0) -> list[tuple[
         ``(old path, new path)`` of each directory set aside.
     """
     moved = []
-    if not os.path.isdir(output_dir):
-        return moved
-    for name in sorted(os.listdir(output_dir)):
-        match = _CHECKPOINT.match(name)
-        path = os.path.join(output_dir, name)
-        if match is None or not os.path.isdir(path) or (keep and int(match.group(1)) == keep):
+    for path, missing in _checkpoints(output_dir).items():
+        if not missing or (keep and path == os.path.join(output_dir, f"checkpoint-{keep}")):
             continue
-        missing = [marker for marker in COMPLETE_MARKERS if not os.path.isfile(os.path.join(path, marker))]
-        if not missing:
-            continue
+        name = os.path.basename(path)
         target = os.path.join(output_dir, PARTIAL_PREFIX + name)
         suffix = 0
         while os.path.exists(target):
@@ -132,6 +128,15 @@ def set_aside_partial_checkpoints(output_dir: str, keep: int = 0) -> list[tuple[
     return moved
 
 
+def _checkpoints(output_dir: str) -> dict[str, list[str]]:
+    """Every ``checkpoint-N`` directory of ``output_dir`` -> the files of :data:`COMPLETE_MARKERS` it lacks."""
+    if not os.path.isdir(output_dir):
+        return {}
+    paths = [os.path.join(output_dir, name) for name in sorted(os.listdir(output_dir)) if _CHECKPOINT.match(name)]
+    return {path: [marker for marker in COMPLETE_MARKERS if not os.path.isfile(os.path.join(path, marker))]
+            for path in paths if os.path.isdir(path)}
+
+
 def open_store(worker: Any, output_dir: str, step: int) -> tuple[ReplayBuffer, RecoveryPlan | None]:
     """The worker's store for a run starting at ``step``, and its recovery plan (``None`` if new).
 
@@ -144,9 +149,10 @@ def open_store(worker: Any, output_dir: str, step: int) -> tuple[ReplayBuffer, R
         RecoveryError: a run from scratch over a live store of another run or configuration: a
             buffer config other than the worker's (the differing keys are named), a store
             checkpointed at some step (its state's ``durable`` list: the run it belongs to saved,
-            so resume from that checkpoint), or an ``output_dir`` holding ``checkpoint-*``
-            directories (likewise). A resumed run finding neither a live
-            store at or past ``step`` nor ``checkpoint-<step>/kvckpt_buffer.kvckpt``.
+            so resume from that checkpoint), or an ``output_dir`` holding a complete ``checkpoint-N``
+            (likewise; a partial one is set aside by the callback once the store is open). A
+            resumed run finding neither a live store at or past ``step`` nor
+            ``checkpoint-<step>/kvckpt_buffer.kvckpt``.
     """
     live = worker.store_path
     saved = os.path.join(output_dir, f"checkpoint-{step}", BUFFER_FILE)
@@ -190,7 +196,7 @@ def _check_same_run(buffer: ReplayBuffer, worker: Any, output_dir: str) -> None:
     if saved:
         raise RecoveryError(f"{live} was checkpointed at step(s) {saved} but the trainer starts from step 0: pass "
                             "resume_from_checkpoint (or move the store away to start over)")
-    found = sorted(glob.glob(os.path.join(output_dir, "checkpoint-*")))
+    found = [path for path, missing in _checkpoints(output_dir).items() if not missing]  # partial ones are set aside
     if found:
         raise RecoveryError(f"{live} has trained {buffer.trainer_version} steps and {output_dir} holds {found[:3]}, "
                             "but the trainer starts from step 0: pass resume_from_checkpoint (or move both away)")

@@ -44,8 +44,9 @@ from kvckpt.errors import FutureVersion, KvckptError
 #: flusher lagging behind the reader left up to 4 intervals acknowledged to the reader and not durable).
 BACKLOG = 1
 
-#: ``(sequence number, new token ids, their logprobs)`` for one sequence in one engine step.
-Delta = tuple[int, list[int], list[float]]
+#: ``(sequence number, new token ids, their logprobs)`` for one sequence in one engine step, optionally followed
+#: by the weight version that generated those tokens (default: the recorder's ``weight_version``).
+Delta = tuple[int, list[int], list[float]] | tuple[int, list[int], list[float], int]
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class SequenceState:
     durable: int
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[float] = field(default_factory=list)
+    pending_versions: list[int] = field(default_factory=list)
     last_append: float = 0.0
     deferred: bool = False
 
@@ -93,7 +95,8 @@ class ProgressRecorder:
         sink: a :class:`kvckpt.ReplayBuffer` or anything with its ``record_progress_many``.
         owners: ``(lease, row index)`` of each sequence, in sequence-number order.
         prefix_lengths: the durable prefix each sequence starts from.
-        weight_version: the version of the weights generating (stamped on every chunk).
+        weight_version: the version of the weights generating, stamped on the tokens of a delta that
+            carries none (a chunk never mixes versions: a sequence's tokens of two versions go in two).
         every_tokens: append once a sequence has this many unrecorded tokens (0: never by count).
         every_seconds: append once this long passed since a sequence's last append (``None``: never by time).
         after_step: called with the :class:`SequenceState` list after each step's appends (a test
@@ -142,8 +145,8 @@ class ProgressRecorder:
         every sequence once a background flush failed)."""
         if self._thread is not None:
             return self._hand_over(deltas)
-        for i, ids, logprobs in deltas:
-            self._take(self.states[i], ids, logprobs)
+        for i, ids, logprobs, *version in deltas:
+            self._take(self.states[i], ids, logprobs, version)
         now = self.clock()
         due = [i for i, state in enumerate(self.states) if self._due(state, now)]
         if due:
@@ -170,10 +173,11 @@ class ProgressRecorder:
         if self.error is not None:
             raise self.error
 
-    def _take(self, state: SequenceState, ids: list[int], logprobs: list[float]) -> None:
+    def _take(self, state: SequenceState, ids: list[int], logprobs: list[float], version: Sequence[int]) -> None:
         state.generated += len(ids)
         state.pending_ids += ids
         state.pending_logprobs += logprobs
+        state.pending_versions += [int(version[0]) if version else self.version] * len(ids)
         state.deferred = False
 
     def _stopped(self) -> set[int]:
@@ -191,13 +195,13 @@ class ProgressRecorder:
 
     def _hand_over(self, deltas: Sequence[Delta]) -> set[int]:
         with self._cond:
-            for i, ids, logprobs in deltas:
+            for i, ids, logprobs, *version in deltas:
                 state = self.states[i]
                 while self._held_back(state, len(ids)):
                     self._kicked = True
                     self._cond.notify_all()
                     self._cond.wait()
-                self._take(state, ids, logprobs)
+                self._take(state, ids, logprobs, version)
             self._kicked = True
             self._cond.notify_all()
             if self.after_step is not None:  # a settled view: what this step made due is durable or refused
@@ -245,11 +249,12 @@ class ProgressRecorder:
         items, counts = [], []
         for i in due:
             s = self.states[i]
+            n = same_version_run(s.pending_versions)  # the rest (newer weights) goes in the next chunk
             items.append({"lease": s.lease, "index": s.index, "start": s.durable,
-                          "tokens": torch.tensor(s.pending_ids, dtype=torch.int64),
-                          "logprobs": torch.tensor(s.pending_logprobs, dtype=torch.float32),
-                          "weight_version": self.version})
-            counts.append(len(s.pending_ids))
+                          "tokens": torch.tensor(s.pending_ids[:n], dtype=torch.int64),
+                          "logprobs": torch.tensor(s.pending_logprobs[:n], dtype=torch.float32),
+                          "weight_version": s.pending_versions[0]})
+            counts.append(n)
         return items, counts
 
     def _apply(self, due: Sequence[int], counts: Sequence[int], results: Sequence[Any], now: float) -> None:
@@ -271,6 +276,13 @@ class ProgressRecorder:
             self.appends += 1
             s.durable, s.last_append = int(result), now
             del s.pending_ids[:n], s.pending_logprobs[:n]
+            del s.pending_versions[:n]
+
+
+def same_version_run(versions: Sequence[int]) -> int:
+    """How many of ``versions`` (non-empty) from the first are the first's version."""
+    first = versions[0]
+    return next((k for k, v in enumerate(versions) if v != first), len(versions))
 
 
 def prefixes(sink: Any, lease: Lease) -> Mapping[int, Any]:

@@ -45,10 +45,10 @@ def server(tmp_path_factory):
         yield model, srv
 
 
-def _run(workdir, model, srv, *, kill_after_step=0, kill_in_save=0, resume=None):
+def _run(workdir, model, srv, *, kill_after_step=0, resume=None, **probes):
     cfg = {"workdir": str(workdir), "model": model, "server": srv.url, "max_steps": MAX_STEPS, "save_steps": 1,
-           "every": EVERY, "max_tokens": MAX_TOKENS, "kill_after_step": kill_after_step, "kill_in_save": kill_in_save,
-           "resume": resume, "log": str(workdir / "log.jsonl")}
+           "every": EVERY, "max_tokens": MAX_TOKENS, "kill_after_step": kill_after_step, "resume": resume,
+           "log": str(workdir / "log.jsonl"), **probes}
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run([sys.executable, RUN, json.dumps(cfg)], capture_output=True, text=True, timeout=600,
                           env=env)
@@ -174,3 +174,58 @@ def test_a_kill_inside_trls_first_save_sets_the_partial_checkpoint_aside_and_cos
                       "tokens_in_flight": sum(s["generated"] for s in in_flight), "durable": durable,
                       "regenerated_per_sequence": regenerated, "interval": EVERY, "prompts_bit_exact": len(compared),
                       "set_aside": kept}))
+
+
+def test_a_weight_sync_mid_stream_stamps_each_token_with_the_weights_that_made_it(tmp_path, server):
+    """Issue 49: TRL's weight sync after step 2 lands while a sample streams (its progress flush is
+    held, so it is mid-stream whatever the timing) and really changes the server's weights (a
+    reload between TRL's pause and resume, to a marker model that generates one token only). SIGKILL
+    once a chunk of the new weights is durable. Each durable token's version is the weights that made
+    it: version 1 on exactly the tokens the startup weights generate uninterrupted, version 2 on
+    marker tokens only. A resume from checkpoint-1 (destroying the weights of step 2) keeps them, and
+    the group's stamps are its oldest and newest tokens' versions."""
+    import numpy as np
+
+    sys.path.insert(0, os.path.dirname(RUN))
+    from trl_cpu import marker_model, reload_server_weights
+
+    model, srv = server
+    marker = marker_model(model, str(tmp_path / "marker"))
+    try:
+        reload_server_weights(srv.url, marker)
+        marks = set(_uninterrupted(model, srv, 0)[0])
+    finally:
+        reload_server_weights(srv.url, model)
+    assert len(marks) == 1  # the marker's one token
+    (mark,) = marks
+    synced = 2  # TRL's third sync (cold, after step 1, after step 2) sends the weights of step 2: the marker's
+    try:
+        first = _run(tmp_path, model, srv, sync_mid_stream_at=synced, reload={"3": marker})
+        assert first.returncode == -9, first.stderr[-3000:] + srv.tail()
+        with ReplayBuffer.open(str(tmp_path / "buffer.kv"), readonly=True) as buf:
+            kept = [(e.group_id, e.prompt_idx, i, p.tokens.tolist(), p.versions.tolist())
+                    for e in buf.ledger() for i, p in buf.progress(e.group_id).items()]
+        second = _run(tmp_path, model, srv, resume=str(tmp_path / "out" / "checkpoint-1"), reload={"1": model})
+        assert second.returncode == 0, second.stderr[-3000:]
+    finally:
+        reload_server_weights(srv.url, model)  # the module's other tests need the startup weights
+    groups_kept: dict[str, set[int]] = {}
+    for gid, prompt_idx, _, tokens, versions in kept:
+        versions, tokens = np.array(versions), np.array(tokens)
+        assert (np.diff(versions) >= 0).all() and set(versions.tolist()) <= {synced - 1, synced}
+        assert set(tokens[versions == synced].tolist()) <= {mark}  # the new weights' tokens are the marker's
+        old = tokens[versions == synced - 1].tolist()
+        expected, _ = _uninterrupted(model, srv, prompt_idx)
+        assert old == expected[:len(old)]  # the old weights' tokens are the startup weights', in order
+        groups_kept.setdefault(gid, set()).update(versions.tolist())
+    straddled = [gid for gid, versions in groups_kept.items() if versions == {synced - 1, synced}]
+    assert straddled, kept  # the held sample was mid-stream at the sync: its group has tokens of both
+    with ReplayBuffer.open(str(tmp_path / "buffer.kv"), readonly=True) as buf:
+        groups = {g.group_id: g for g in buf.groups()}
+    for gid in straddled:  # committed by the resumed run: its oldest token is of step 1, its newest of step 2
+        assert (groups[gid].start_weight, groups[gid].end_weight) == (synced - 1, synced)
+    print(json.dumps({"kill": "after a weight sync mid-stream", "groups_straddling": len(straddled),
+                      "sequences_kept": len(kept),
+                      "tokens_old_weights": [int((np.array(k[4]) == synced - 1).sum()) for k in kept],
+                      "tokens_new_weights": [int((np.array(k[4]) == synced).sum()) for k in kept],
+                      "lineage_fork": [groups[gid].lineage_fork for gid in straddled]}))
