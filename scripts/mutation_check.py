@@ -537,6 +537,10 @@ MUTATIONS += (
              "[int(version[0]) if version else self.version]", "[self.version]", TRL_SYNC_KILL),
     Mutation("trl-group-end-stamped-with-the-dispatch-weights", "integrations/trl/worker.py",
              "end_weight=newest)", "end_weight=weights)", TRL_SYNC_KILL),
+    Mutation("trl-own-transfer-built-with-default-timeout", "integrations/trl/sync.py",
+             "        weight_sync_timeout=args.weight_sync_timeout)", "        )",
+             ("tests/integrations/trl/test_trl_server.py::"
+              "test_the_server_path_builds_trls_own_weight_transfer_as_trl_does",)),
 )
 
 

@@ -30,6 +30,7 @@ import re
 from typing import Any
 
 from kvckpt.integrations.trl.peer import trainer_callback_class
+from kvckpt.integrations.trl.sync import ServerWeightSync
 
 from kvckpt import RecoveryPlan, ReplayBuffer, fsync_dir, restore
 from kvckpt.errors import BadArgument, RecoveryError
@@ -78,7 +79,7 @@ class KvckptCallback(TrainerCallback):
                               f"{self.worker.num_generations}: a group would be trained across two steps")
         step = int(state.global_step)
         transfer = self.worker.weight_transfer
-        if hasattr(transfer, "model"):  # the server path's ServerWeightSync builds TRL's own transfer from them
+        if isinstance(transfer, ServerWeightSync):  # it builds TRL's own transfer from them, as TRL would
             transfer.model, transfer.args = kwargs.get("model"), args
         buffer, self.plan = open_store(self.worker, args.output_dir, step)
         set_aside_partial_checkpoints(args.output_dir, keep=step)

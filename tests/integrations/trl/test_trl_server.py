@@ -229,3 +229,25 @@ def test_a_weight_sync_mid_stream_stamps_each_token_with_the_weights_that_made_i
                       "tokens_old_weights": [int((np.array(k[4]) == synced - 1).sum()) for k in kept],
                       "tokens_new_weights": [int((np.array(k[4]) == synced).sum()) for k in kept],
                       "lineage_fork": [groups[gid].lineage_fork for gid in straddled]}))
+
+
+def test_the_server_path_builds_trls_own_weight_transfer_as_trl_does(tmp_path):
+    """``ServerWeightSync`` without an inner transfer builds TRL's ``WeightTransferClient`` from the
+    trainer's model and config exactly as ``AsyncGRPOTrainer.__init__`` would (no server needed)."""
+    from types import SimpleNamespace
+
+    from kvckpt.integrations.trl.sync import trl_weight_transfer
+    from kvckpt.integrations.vllm import ensure_tiny_model
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
+    from trl.experimental.async_grpo.weight_transfer import WeightTransferClient
+
+    model = AutoModelForCausalLM.from_pretrained(ensure_tiny_model(str(tmp_path / "model")))
+    args = SimpleNamespace(vllm_server_base_url="http://127.0.0.1:9/", vllm_server_timeout=3.0, weight_sync_timeout=7)
+    client = trl_weight_transfer(model, args)
+    assert isinstance(client, WeightTransferClient) and client.weight_sync_timeout == 7
+    assert (client.vllm.server_url, client.vllm.server_timeout) == ("http://127.0.0.1:9", 3.0)
+    params = list(_iter_vllm_named_params(model))
+    assert client._weight_update_info["names"] == [name for name, _ in params]
+    assert client._weight_update_info["shapes"] == [list(p.shape) for _, p in params]
+    assert set(client._weight_update_info["dtype_names"]) == {"float32"}
