@@ -293,7 +293,9 @@ class KvckptRolloutWorker:
             self.buffer.commit_group(lease, _rows(samples, rewards), end_weight=newest)
 
     def _stamped(self, lease: Lease, weights: int) -> Lease:
-        """``lease``, stamped with ``weights`` (the engine's, held under ``engine_lock``): a weight sync
+        """``lease``, stamped with ``weights`` (the engine's, held under ``engine_lock``; on the server
+        path the server's, from the weight epochs, and a sync before the first token restamps again at
+        commit): a weight sync
         that landed between admission (or a recovery's redispatch) and this generation would leave
         the stamp older than the weights that generate the group, so it is redispatched with the
         true stamp first (one transaction; the whole group is generated now, nothing is kept)."""
