@@ -375,11 +375,12 @@ MUTATIONS += (
     # run with --python "$PWD/.venv-vllm/bin/python" and KVCKPT_VLLM_PYTHON="$PWD/.venv-vllm/bin/python" (the
     # copy has no .venv-vllm: without it the server test skips and every mutant survives)
     Mutation("trl-server-resume-drops-prefix", "integrations/trl/server.py",
-             "self.payload(seq.prompt_ids + seq.prefix_ids, left, temperature)",
-             "self.payload(seq.prompt_ids, left, temperature)", TRL_SERVER_CRASH),
+             "self.payload(seq.prompt_ids + seq.prefix_ids + tuple(new[i]), left, temperature)",
+             "self.payload(seq.prompt_ids + tuple(new[i]), left, temperature)", TRL_SERVER_CRASH),
     Mutation("trl-server-resume-full-budget", "integrations/trl/server.py",
-             "self.payload(seq.prompt_ids + seq.prefix_ids, left, temperature)",
-             "self.payload(seq.prompt_ids + seq.prefix_ids, max_tokens, temperature)", TRL_SERVER_CRASH),
+             "self.payload(seq.prompt_ids + seq.prefix_ids + tuple(new[i]), left, temperature)",
+             "self.payload(seq.prompt_ids + seq.prefix_ids + tuple(new[i]), max_tokens, temperature)",
+             TRL_SERVER_CRASH),
     Mutation("trl-worker-ignores-prefixes", "integrations/vllm/stream.py",
              "    return sink.progress(lease) if lease.attempt > 0 else {}", "    return {}", TRL_SERVER_CRASH),
 )
