@@ -210,7 +210,7 @@ PROGRESS, PROMISES = "kvckpt/transitions/progress.py", "tests/core/test_progress
 VERIFY, VERIFY_TESTS = "kvckpt/durability/verify.py", "tests/durability/test_verify_progress.py"
 READS = "tests/core/test_read_promises.py"
 MUTATIONS += (
-    Mutation("progress-future-reads-weights-only", PROGRESS,
+    Mutation("progress-future-reads-weights-only", "kvckpt/transitions/progress_step.py",
              'newest = max(st["trainer_version"], st["weight_version"])', 'newest = st["weight_version"]',
              (f"{PROMISES}::test_rollout_weights_behind_the_trainer_a_chunk_up_to_the_trainer_version_is_not_future",)),
     Mutation("progress-oldest-is-first-chunk", PROGRESS, "    return int(versions.min())\n",
@@ -331,7 +331,7 @@ MUTATIONS += (
              "    return start_weight if lineage_fork is None else 2 * lineage_fork - start_weight\n",
              "    return start_weight\n", (LINEAGE,)),
     Mutation("recovery-forks-no-ready-group", "kvckpt/durability/recovery.py",
-             "        plan.groups_on_destroyed_lineage = _fork_ready(t, target)\n",
+             "        plan.groups_on_destroyed_lineage = _fork_ready(t, target) if rollback else 0\n",
              "        plan.groups_on_destroyed_lineage = 0\n", (LINEAGE,)),
     Mutation("entry-fork-never-moves-down", "kvckpt/durability/recovery.py",
              '    return {"lineage_fork": version if entry.lineage_fork is None else min(entry.lineage_fork, version)}',
@@ -376,11 +376,12 @@ MUTATIONS += (
     # run with --python "$PWD/.venv-vllm/bin/python" and KVCKPT_VLLM_PYTHON="$PWD/.venv-vllm/bin/python" (the
     # copy has no .venv-vllm: without it the server test skips and every mutant survives)
     Mutation("trl-server-resume-drops-prefix", "integrations/trl/server.py",
-             "self.payload(seq.prompt_ids + seq.prefix_ids, left, temperature)",
-             "self.payload(seq.prompt_ids, left, temperature)", TRL_SERVER_CRASH),
+             "self.payload(seq.prompt_ids + seq.prefix_ids + tuple(new[i]), left, temperature)",
+             "self.payload(seq.prompt_ids + tuple(new[i]), left, temperature)", TRL_SERVER_CRASH),
     Mutation("trl-server-resume-full-budget", "integrations/trl/server.py",
-             "self.payload(seq.prompt_ids + seq.prefix_ids, left, temperature)",
-             "self.payload(seq.prompt_ids + seq.prefix_ids, max_tokens, temperature)", TRL_SERVER_CRASH),
+             "self.payload(seq.prompt_ids + seq.prefix_ids + tuple(new[i]), left, temperature)",
+             "self.payload(seq.prompt_ids + seq.prefix_ids + tuple(new[i]), max_tokens, temperature)",
+             TRL_SERVER_CRASH),
     Mutation("trl-worker-ignores-prefixes", "integrations/vllm/stream.py",
              "    return sink.progress(lease) if lease.attempt > 0 else {}", "    return {}", TRL_SERVER_CRASH),
 )
@@ -493,7 +494,7 @@ MUTATIONS += (
              'return len(head) > 1 and head[0] == "kvckpt" and head[1] in exports', "return True",
              (f"{LAYERS_TEST}::test_an_integration_reaching_past_the_public_api_is_caught",)),
     Mutation("boundary-ignores-dotted-imports", "scripts/layers.py",
-             "for chain, line in module.dotted if not _public(chain, exports)]",
+             "for chain, line in module.dotted if not _public(chain, exports, module.name)]",
              "for chain, line in module.dotted if False]",
              (f"{LAYERS_TEST}::test_an_integration_reaching_past_the_public_api_is_caught",)),
 )
@@ -715,6 +716,38 @@ MUTATIONS += (
              ("tests/campaigns/test_replication_kills.py::"
               "test_a_primary_killed_mid_write_keeps_a_log_that_replays_to_its_state",)),
 )
+
+TRL_SAVE_KILL = ("tests/integrations/trl/test_trl_server.py::"
+                 "test_a_kill_inside_trls_first_save_sets_the_partial_checkpoint_aside_and_costs_one_interval",)
+# issue 49: TRL's server path under kills: a partial checkpoint set aside (not refused), one interval
+# regenerated on the defaults (the background recorder's backlog), each token stamped with the weights that
+# made it when a weight sync lands mid-stream. Run with --python "$PWD/.venv-vllm/bin/python"
+# and KVCKPT_VLLM_PYTHON="$PWD/.venv-vllm/bin/python" (the copy has no .venv-vllm: the server tests skip otherwise).
+TRL_SYNC_KILL = ("tests/integrations/trl/test_trl_server.py::"
+                 "test_a_weight_sync_mid_stream_stamps_each_token_with_the_weights_that_made_it",)
+MUTATIONS += (
+    Mutation("trl-partial-checkpoint-not-set-aside", "integrations/trl/callback.py",
+             '        if not missing or (keep and path == os.path.join(output_dir, f"checkpoint-{keep}")):\n',
+             "        if True:\n", TRL_SAVE_KILL),
+    Mutation("trl-partial-checkpoint-counted-as-complete", "integrations/trl/callback.py",
+             "for path, missing in _checkpoints(output_dir).items() if not missing]",
+             "for path, missing in _checkpoints(output_dir).items() if True]", TRL_SAVE_KILL),
+    Mutation("progress-backlog-four-intervals", "integrations/common/progress.py", "BACKLOG = 1\n", "BACKLOG = 4\n",
+             TRL_SAVE_KILL),
+    Mutation("trl-server-keeps-tokens-read-after-the-pause", "integrations/trl/server.py",
+             "                    if epochs is not None and asked[i][0] != epochs.epoch:\n"
+             "                        cancel[i].set()",
+             "                    if False:\n                        cancel[i].set()", TRL_SYNC_KILL),
+    Mutation("progress-chunk-stamped-with-the-dispatch-weights", "integrations/vllm/stream.py",
+             "[int(version[0]) if version else self.version]", "[self.version]", TRL_SYNC_KILL),
+    Mutation("trl-group-end-stamped-with-the-dispatch-weights", "integrations/trl/worker.py",
+             "end_weight=newest)", "end_weight=weights)", TRL_SYNC_KILL),
+    Mutation("trl-own-transfer-built-with-default-timeout", "integrations/trl/sync.py",
+             "        weight_sync_timeout=args.weight_sync_timeout)", "        )",
+             ("tests/integrations/trl/test_trl_server.py::"
+              "test_the_server_path_builds_trls_own_weight_transfer_as_trl_does",)),
+)
+
 
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and

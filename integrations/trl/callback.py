@@ -11,6 +11,11 @@ same way, and logs that it did; it refuses only a store of another run or config
 the step trained and closes the kvckpt step; ``on_save`` writes that file into ``checkpoint-N/``
 (so TRL's ``save_total_limit`` rotation removes it with its checkpoint).
 
+A ``checkpoint-N/`` a kill left half written (inside TRL's save, or between it and ``on_save``:
+TRL's ``trainer_state.json``, its last file, or kvckpt's file missing) is set aside at train begin:
+renamed ``partial-checkpoint-N`` (never deleted), with a warning naming both paths, so neither the
+restart's refusal nor TRL's checkpoint discovery ever reads it (:func:`set_aside_partial_checkpoints`).
+
 Why a step's groups are known exactly: with ``token_budget=0`` TRL's ``FixedCountBatcher`` puts
 ``per_device_train_batch_size * num_processes`` rows in every micro-batch and a step trains
 ``gradient_accumulation_steps`` micro-batches, in the order the queue served them; the callback
@@ -19,19 +24,26 @@ refuses any other set-up at train begin instead of guessing.
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
+import re
 from typing import Any
 
 from kvckpt.integrations.trl.peer import trainer_callback_class
+from kvckpt.integrations.trl.sync import ServerWeightSync
 
-from kvckpt import RecoveryPlan, ReplayBuffer, restore
+from kvckpt import RecoveryPlan, ReplayBuffer, fsync_dir, restore
 from kvckpt.errors import BadArgument, RecoveryError
 
 TrainerCallback = trainer_callback_class()
 
 BUFFER_FILE = "kvckpt_buffer.kvckpt"
+#: The files a complete ``checkpoint-N/`` holds last: TRL writes ``trainer_state.json`` after the model and
+#: optimizer, and the callback's ``on_save`` writes :data:`BUFFER_FILE` after TRL's save returned.
+COMPLETE_MARKERS = ("trainer_state.json", BUFFER_FILE)
+#: The prefix a partial ``checkpoint-N`` is renamed with (TRL and transformers look for ``checkpoint-N`` only).
+PARTIAL_PREFIX = "partial-"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 log = logging.getLogger("kvckpt.integrations.trl")
 
@@ -66,7 +78,11 @@ class KvckptCallback(TrainerCallback):
             raise BadArgument(f"{self.samples_per_step} rows per step is not a multiple of num_generations="
                               f"{self.worker.num_generations}: a group would be trained across two steps")
         step = int(state.global_step)
+        transfer = self.worker.weight_transfer
+        if isinstance(transfer, ServerWeightSync):  # it builds TRL's own transfer from them, as TRL would
+            transfer.model, transfer.args = kwargs.get("model"), args
         buffer, self.plan = open_store(self.worker, args.output_dir, step)
+        set_aside_partial_checkpoints(args.output_dir, keep=step)
         self.worker.clock.pending_step = step
         self.worker.attach(buffer, self.plan.leases if self.plan is not None else ())
 
@@ -85,6 +101,43 @@ class KvckptCallback(TrainerCallback):
         self.worker.buffer.checkpoint(path, {"global_step": int(state.global_step)}, overwrite=True).wait()
 
 
+def set_aside_partial_checkpoints(output_dir: str, keep: int = 0) -> list[tuple[str, str]]:
+    """Rename every partial ``checkpoint-N`` of ``output_dir`` (one missing a file of
+    :data:`COMPLETE_MARKERS`: a kill inside TRL's save or before the callback's ``on_save``) to
+    ``partial-checkpoint-N`` (``.1``, ``.2``... if taken), logging a warning per directory; its files
+    are kept as they are. ``checkpoint-<keep>`` (the one a resumed run starts from) is left alone.
+
+    Returns:
+        ``(old path, new path)`` of each directory set aside.
+    """
+    moved = []
+    for path, missing in _checkpoints(output_dir).items():
+        if not missing or (keep and path == os.path.join(output_dir, f"checkpoint-{keep}")):
+            continue
+        name = os.path.basename(path)
+        target = os.path.join(output_dir, PARTIAL_PREFIX + name)
+        suffix = 0
+        while os.path.exists(target):
+            suffix += 1
+            target = os.path.join(output_dir, f"{PARTIAL_PREFIX}{name}.{suffix}")
+        os.rename(path, target)
+        fsync_dir(output_dir)
+        log.warning("%s is a partial checkpoint (no %s: the run was killed while saving it); set aside as %s, "
+                    "its files kept (delete it yourself once you no longer need it)", path, " and no ".join(missing),
+                    target)
+        moved.append((path, target))
+    return moved
+
+
+def _checkpoints(output_dir: str) -> dict[str, list[str]]:
+    """Every ``checkpoint-N`` directory of ``output_dir`` -> the files of :data:`COMPLETE_MARKERS` it lacks."""
+    if not os.path.isdir(output_dir):
+        return {}
+    paths = [os.path.join(output_dir, name) for name in sorted(os.listdir(output_dir)) if _CHECKPOINT.match(name)]
+    return {path: [marker for marker in COMPLETE_MARKERS if not os.path.isfile(os.path.join(path, marker))]
+            for path in paths if os.path.isdir(path)}
+
+
 def open_store(worker: Any, output_dir: str, step: int) -> tuple[ReplayBuffer, RecoveryPlan | None]:
     """The worker's store for a run starting at ``step``, and its recovery plan (``None`` if new).
 
@@ -97,9 +150,10 @@ def open_store(worker: Any, output_dir: str, step: int) -> tuple[ReplayBuffer, R
         RecoveryError: a run from scratch over a live store of another run or configuration: a
             buffer config other than the worker's (the differing keys are named), a store
             checkpointed at some step (its state's ``durable`` list: the run it belongs to saved,
-            so resume from that checkpoint), or an ``output_dir`` holding ``checkpoint-*``
-            directories (likewise). A resumed run finding neither a live
-            store at or past ``step`` nor ``checkpoint-<step>/kvckpt_buffer.kvckpt``.
+            so resume from that checkpoint), or an ``output_dir`` holding a complete ``checkpoint-N``
+            (likewise; a partial one is set aside by the callback once the store is open). A
+            resumed run finding neither a live store at or past ``step`` nor
+            ``checkpoint-<step>/kvckpt_buffer.kvckpt``.
     """
     live = worker.store_path
     saved = os.path.join(output_dir, f"checkpoint-{step}", BUFFER_FILE)
@@ -143,7 +197,7 @@ def _check_same_run(buffer: ReplayBuffer, worker: Any, output_dir: str) -> None:
     if saved:
         raise RecoveryError(f"{live} was checkpointed at step(s) {saved} but the trainer starts from step 0: pass "
                             "resume_from_checkpoint (or move the store away to start over)")
-    found = sorted(glob.glob(os.path.join(output_dir, "checkpoint-*")))
+    found = [path for path, missing in _checkpoints(output_dir).items() if not missing]  # partial ones are set aside
     if found:
         raise RecoveryError(f"{live} has trained {buffer.trainer_version} steps and {output_dir} holds {found[:3]}, "
                             "but the trainer starts from step 0: pass resume_from_checkpoint (or move both away)")

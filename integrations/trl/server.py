@@ -11,7 +11,8 @@ hands ``on_step`` every batch of events that arrived together; the worker's ``on
 leaves the durable calls to its flusher thread, so reading never waits for an fsync. A continuation of a durable
 prefix is requested as prompt + prefix with ``max_tokens`` the remaining budget, so a redispatched
 sample resumes where its last durable append ended. Weight sync is not here: it stays TRL's own
-(the trainer's default ``WeightTransferClient``, NCCL into the same server).
+(the trainer's default ``WeightTransferClient``, NCCL into the same server), told to the stream by
+:mod:`~kvckpt.integrations.trl.sync`, so every token carries the version of the weights that made it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import torch
+from kvckpt.integrations.trl.sync import WeightEpochs
 from kvckpt.integrations.vllm.backends import Sample, grouped
 from kvckpt.integrations.vllm.stream import Continuation, Delta, finish
 
@@ -66,6 +68,9 @@ class VLLMServerBackend:
         self.request_timeout = float(request_timeout)
         self._seeds = random.Random(seed)
         self._seed_lock = threading.Lock()
+        #: The worker's :class:`~kvckpt.integrations.trl.sync.WeightEpochs` (set by the worker), or None:
+        #: no weight version is tracked (every delta is the caller's).
+        self.epochs: WeightEpochs | None = None
 
     def payload(self, prompt_ids: Sequence[int], max_tokens: int, temperature: float) -> dict[str, Any]:
         """TRL's ``/v1/completions`` request for ``prompt_ids``, streamed."""
@@ -88,27 +93,45 @@ class VLLMServerBackend:
         the remaining budget) and call ``on_step`` with each batch of stream events that arrived
         together; ``step_tokens`` is ignored (the server decides its steps).
 
+        With :attr:`epochs` (the worker's :class:`~kvckpt.integrations.trl.sync.WeightEpochs`), every
+        delta carries the weight version that generated it: a request's tokens taken while its epoch
+        is current are its weights'; once the server paused for a weight sync, what arrives for it is
+        dropped, the request closed, and the sequence asked again, after the resume, from prompt +
+        every token kept, with the new weights. Each sample's ``prefix_versions`` then holds the
+        version of every completion token.
+
         Raises:
             ServerGenerationError: a request failed (after all requests stopped).
         """
         import requests
 
         eos = self.tokenizer.eos_token_id
+        epochs = self.epochs
         events: queue.Queue = queue.Queue()
         cancel = [threading.Event() for _ in seqs]
+        stopped: set[int] = set()
+        asked = [(0, 0)] * len(seqs)  # (epoch, weight version) of each sequence's request
         new: list[list[int]] = [[] for _ in seqs]
         logps: list[list[float]] = [[] for _ in seqs]
+        versions: list[list[int]] = [[] for _ in seqs]
         session = requests.Session()
         threads = []
-        for i, seq in enumerate(seqs):
-            left = seq.remaining(max_tokens, eos)
-            if left:
-                body = self.payload(seq.prompt_ids + seq.prefix_ids, left, temperature)
-                thread = threading.Thread(target=self._request, args=(session, i, body, cancel[i], events),
-                                          name=f"kvckpt-trl-stream-{i}", daemon=True)
-                threads.append(thread)
-                thread.start()
-        running, errors = len(threads), []
+
+        def ask(i: int, epoch: int, version: int) -> int:
+            seq = seqs[i]
+            left = Continuation(seq.prompt_ids, seq.prefix_ids + tuple(new[i])).remaining(max_tokens, eos)
+            if not left:
+                return 0
+            body = self.payload(seq.prompt_ids + seq.prefix_ids + tuple(new[i]), left, temperature)
+            asked[i], cancel[i] = (epoch, version), threading.Event()
+            thread = threading.Thread(target=self._request, args=(session, i, body, cancel[i], events),
+                                      name=f"kvckpt-trl-stream-{i}", daemon=True)
+            threads.append(thread)
+            thread.start()
+            return 1
+
+        start = epochs.running() if epochs is not None else (0, 0)
+        running, errors = sum(ask(i, *start) for i in range(len(seqs))), []
         while running:
             batch = [events.get()]
             while True:
@@ -116,19 +139,26 @@ class VLLMServerBackend:
                     batch.append(events.get_nowait())
                 except queue.Empty:
                     break
-            deltas = []
+            deltas: list[Delta] = []
             for i, ids, lps in batch:
                 if ids is None:
                     running -= 1
                     if lps is not None:
                         errors.append(lps)
+                    elif epochs is not None and asked[i][0] != epochs.epoch and i not in stopped:
+                        running += ask(i, *epochs.running())  # cut by a weight sync: on with the new weights
                 elif ids and not cancel[i].is_set():
+                    if epochs is not None and asked[i][0] != epochs.epoch:
+                        cancel[i].set()  # the server paused since: these may be the next weights' tokens
+                        continue
                     new[i] += ids
                     logps[i] += lps
-                    deltas.append((i, ids, lps))
+                    versions[i] += [asked[i][1]] * len(ids)
+                    deltas.append((i, ids, lps, asked[i][1]) if epochs is not None else (i, ids, lps))
             if deltas and on_step is not None:
                 for i in on_step(deltas):
                     cancel[i].set()
+                    stopped.add(i)
         for thread in threads:
             thread.join()
         session.close()
@@ -137,8 +167,9 @@ class VLLMServerBackend:
                                         f"failed; first: {errors[0]}")
         return [Sample(seq.prompt_ids, seq.prefix_ids + tuple(ids), seq.prefix_logprobs + tuple(lps),
                        self.tokenizer.decode(seq.prefix_ids + tuple(ids), skip_special_tokens=True),
-                       finish(seq, ids, eos, max_tokens), seq.prefix_versions)
-                for seq, ids, lps in zip(seqs, new, logps, strict=True)]
+                       finish(seq, ids, eos, max_tokens),
+                       seq.prefix_versions + tuple(vs) if epochs is not None else seq.prefix_versions)
+                for seq, ids, lps, vs in zip(seqs, new, logps, versions, strict=True)]
 
     def _request(self, session: Any, i: int, body: dict[str, Any], cancel: threading.Event,
                  events: queue.Queue) -> None:

@@ -34,6 +34,7 @@ import torch
 from kvckpt.integrations.trl.peer import rollout_sample_class
 from kvckpt.integrations.trl.queue import BufferQueue, VersionClock
 from kvckpt.integrations.trl.server import SAMPLING_FIELDS, VLLMServerBackend
+from kvckpt.integrations.trl.sync import ServerWeightSync, WeightEpochs
 from kvckpt.integrations.vllm import PROGRESS_EVERY_TOKENS, SequenceState, create_backend, stream_leases
 
 from kvckpt import BufferConfig, GateTimeout, KvckptError, Lease, Prompt, ReplayBuffer
@@ -61,8 +62,10 @@ class KvckptRolloutWorker:
     ledger entry; every group is committed whole in one durable transaction before the trainer can
     see it; a crash loses no committed group and no in-flight prompt (the callback's recovery hands
     each in-flight prompt back exactly once, and this worker generates it before admitting more);
-    every group's ``start_weight`` is the optimizer step of the weights in the engine when it was
-    generated (a lease stamped otherwise is restamped first, see :meth:`_stamped`).
+    every token is stamped with the optimizer step of the weights that generated it (on the server
+    path, through the weight sync's epochs, :mod:`~kvckpt.integrations.trl.sync`, even when a sync
+    lands mid-stream), a group's ``start_weight`` is its oldest token's and its ``end_weight`` its
+    newest token's (a lease stamped otherwise is restamped, see :meth:`_stamped`).
 
     Args:
         store_path: the live kvckpt store (created on first train begin).
@@ -78,6 +81,9 @@ class KvckptRolloutWorker:
             by TRL's own weight transfer) or a kvckpt in-process backend (``"transformers"``,
             ``"vllm"``; weights synced by :class:`InProcessWeightTransfer`). Defaults to ``"server"``; left out,
             a ``FutureWarning`` says so for one release (:data:`DEFAULT_BACKEND_CHANGED`, CHANGELOG.md 0.2.0).
+        weight_transfer: on the server path, the transfer that moves the trainer's weights into the
+            server (TRL's ``WeightTransferProtocol``). Defaults to None: TRL's own ``WeightTransferClient``,
+            built as TRL builds it. Pass the trainer ``weight_transfer=worker.weight_transfer`` either way.
         progress_every_tokens: record each sample's tokens, logprobs and weight version durably every
             this many tokens (one step message per batch of engine steps; on the server
             path, written off the stream's reader by the recorder's flusher, tokens that arrive during
@@ -98,8 +104,9 @@ class KvckptRolloutWorker:
     """
 
     def __init__(self, store_path: str, model_path: str, dataset: Sequence[Any], reward_funcs: Any, args: Any, *,
-                 backend: str | None = None, capacity: int | None = None, prompts_per_admit: int = 1,
-                 retain_consumed: bool = False, seed: int = 0, progress_every_tokens: int | None = None,
+                 backend: str | None = None, weight_transfer: Any = None, capacity: int | None = None,
+                 prompts_per_admit: int = 1, retain_consumed: bool = False, seed: int = 0,
+                 progress_every_tokens: int | None = None,
                  progress_every_seconds: float | None = None,
                  after_step: Callable[[Sequence[SequenceState]], None] | None = None) -> None:
         if backend is None:
@@ -132,6 +139,10 @@ class KvckptRolloutWorker:
                 sampling={name: getattr(args, name, None) for name in SAMPLING_FIELDS})
         else:
             self.backend = create_backend(backend, model_path, seed=seed)
+        #: The server's weight epochs (told by :attr:`weight_transfer` on the server path).
+        self.epochs = WeightEpochs()
+        if self.server:
+            self.backend.epochs = self.epochs
         self.tokenizer = self.backend.tokenizer
         self.progress_every_tokens = int(progress_every_tokens if progress_every_tokens is not None
                                          else PROGRESS_EVERY_TOKENS if self.server else 0)
@@ -142,9 +153,11 @@ class KvckptRolloutWorker:
         self.progress_stats = {"tokens_generated": 0, "tokens_resumed": 0, "appends": 0, "append_calls": 0}
         self.engine_lock = threading.Lock()
         self.buffer: ReplayBuffer | None = None
-        #: TRL's ``weight_transfer=``: None on the server path (TRL then builds its own, NCCL into the
-        #: server), :class:`InProcessWeightTransfer` for an in-process backend.
-        self.weight_transfer = None if self.server else InProcessWeightTransfer(self)
+        #: TRL's ``weight_transfer=``: :class:`~kvckpt.integrations.trl.sync.ServerWeightSync` on the
+        #: server path (TRL's own transfer, which tells the stream when the server's weights change),
+        #: :class:`InProcessWeightTransfer` for an in-process backend.
+        self.weight_transfer: Any = (ServerWeightSync(self, weight_transfer) if self.server
+                                     else InProcessWeightTransfer(self))
         self._redispatch: list[Lease] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -162,6 +175,9 @@ class KvckptRolloutWorker:
         """Start the generation thread (TRL calls this once, after the cold weight sync)."""
         if self.buffer is None:
             raise InvariantViolation("the kvckpt store is not open: pass worker.callback in the trainer's callbacks")
+        if self.server and not self.epochs.synced:
+            raise InvariantViolation("the vLLM server's weights were synced without the worker knowing: pass the "
+                                     "trainer weight_transfer=worker.weight_transfer (the tokens' stamps need it)")
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop.clear()
@@ -262,7 +278,7 @@ class KvckptRolloutWorker:
         prompts = [self._prompt_ids(row["prompt"]) for row in rows]
         refused: dict[str, Any] = {}
         with self.engine_lock:
-            weights = self.clock.weights_step
+            weights = self.epochs.running()[1] if self.server else self.clock.weights_step
             leases = [self._stamped(lease, weights) for lease in leases]
             if self.progress_every_tokens > 0 or self.progress_every_seconds is not None:
                 groups, recorder = stream_leases(
@@ -282,10 +298,16 @@ class KvckptRolloutWorker:
                                          f"{self.num_generations} rows; this worker commits whole groups only")
             completions = [self._completion(row["prompt"], s.text) for s in samples]
             rewards = self._score(row, completions, [list(s.completion_ids) for s in samples])
-            self.buffer.commit_group(lease, _rows(samples, rewards), end_weight=weights)
+            stamps = [v for s in samples for v in token_versions(s, weights)]
+            oldest, newest = min(stamps, default=weights), max(stamps, default=weights)
+            if oldest > lease.start_weight:  # a weight sync landed before its first token: restamp (one transaction)
+                lease = self.buffer.redispatch(lease.group_id, start_weight=oldest)
+            self.buffer.commit_group(lease, _rows(samples, rewards), end_weight=newest)
 
     def _stamped(self, lease: Lease, weights: int) -> Lease:
-        """``lease``, stamped with ``weights`` (the engine's, held under ``engine_lock``): a weight sync
+        """``lease``, stamped with ``weights`` (the engine's, held under ``engine_lock``; on the server
+        path the server's, from the weight epochs, and a sync before the first token restamps again at
+        commit): a weight sync
         that landed between admission (or a recovery's redispatch) and this generation would leave
         the stamp older than the weights that generate the group, so it is redispatched with the
         true stamp first (one transaction; the whole group is generated now, nothing is kept)."""
@@ -320,6 +342,13 @@ class KvckptRolloutWorker:
                 completion_mask=mask.numpy().astype(np.int64), old_log_probs=row["old_log_probs"].numpy(),
                 advantage=float(row["advantage"]), model_version=model_version, group_id=int(info.prompt_idx),
                 metrics={"reward": reward})
+
+
+def token_versions(sample: Any, weights: int) -> list[int]:
+    """The weight version of each completion token of ``sample``: its ``prefix_versions`` (a durable
+    prefix's, or every token's on the server path), then ``weights`` (the generating engine's)."""
+    known = list(sample.prefix_versions)
+    return known + [weights] * (len(sample.completion_ids) - len(known))
 
 
 def _rows(samples: Sequence[Any], rewards: list[float]) -> list[dict[str, torch.Tensor]]:

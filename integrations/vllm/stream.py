@@ -19,7 +19,9 @@ stamped with them can arrive first; it stays pending and goes with the sequence'
 With ``background=True`` (the TRL server path: its reader must not wait for an fsync) the records
 are written by the recorder's flusher thread; :meth:`ProgressRecorder.close` returns once every due
 chunk (at an abort: every pending token) is durable or refused, so the worker's commit of a group
-comes after its last progress write, never beside it.
+comes after its last progress write, never beside it. Backpressure holds a sequence to one unrecorded
+interval (:data:`BACKLOG`), so a kill costs a sequence at most one interval (plus the tokens of the one
+stream event that crossed it).
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from kvckpt.errors import KvckptError
 
 __all__ = ["BACKLOG", "Continuation", "Delta", "ProgressRecorder", "SequenceState", "finish", "prefixes"]
 
-#: ``(sequence number, new token ids, their logprobs)`` for one sequence in one engine step.
-Delta = tuple[int, list[int], list[float]]
+#: ``(sequence number, new token ids, their logprobs)`` for one sequence in one engine step, optionally followed
+#: by the weight version that generated those tokens (default: the recorder's ``weight_version``).
+Delta = tuple[int, list[int], list[float]] | tuple[int, list[int], list[float], int]
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ class ProgressRecorder:
             ``progress_encoder``.
         owners: ``(lease, row index)`` of each sequence, in sequence-number order.
         prefix_lengths: the durable prefix each sequence starts from.
-        weight_version: the version of the weights generating (stamped on every chunk).
+        weight_version: the version of the weights generating, stamped on the tokens of a delta that
+            carries none (a chunk never mixes versions: a sequence's tokens of two versions go in two).
         every_tokens: append once a sequence has this many unrecorded tokens (0: never by count).
         every_seconds: append once this long passed since a sequence's last append (``None``: never by time).
         after_step: called with the :class:`SequenceState` list after each step's appends (a test
@@ -140,8 +144,8 @@ class ProgressRecorder:
         """Take one engine step's new tokens and record the due sequences (one call; in background
         mode, by the flusher); returns the sequence numbers to stop (their lease was refused, every
         sequence once a background flush failed or a drain began)."""
-        for i, ids, logprobs in deltas:
-            self.recorder.take(self.tails[i], ids, logprobs, [self.version] * len(ids))
+        for i, ids, logprobs, *version in deltas:
+            self.recorder.take(self.tails[i], ids, logprobs, [int(version[0]) if version else self.version] * len(ids))
         self.recorder.step(settle=self.after_step is not None)
         if self.after_step is not None:
             self.after_step(self.states)
@@ -157,13 +161,18 @@ class ProgressRecorder:
         self.recorder.close(tail=tail)
 
     def _write(self, batch: list[Pending]) -> list[Any]:
-        """One flush as one step message (one weight version per chunk: the recorder's)."""
-        lengths = [len(p.ids) for p in batch]
+        """One flush as one step message: one weight version per sequence, or one per token where a weight
+        sync landed inside a sequence's chunk (the store then writes one chunk per version)."""
+        lengths, total = [len(p.ids) for p in batch], sum(len(p.ids) for p in batch)
+        mixed = any(p.versions.count(p.versions[0]) != len(p.versions) for p in batch)
+        stamps: dict[str, Any] = (
+            {"token_versions": np.fromiter(itertools.chain.from_iterable(p.versions for p in batch), np.int64, total)}
+            if mixed else {"versions": [p.versions[0] for p in batch]})
         message = self.encoder.encode(
             [p.tail.key[0] for p in batch], [p.tail.key[1] for p in batch], [p.start for p in batch],
-            np.fromiter(itertools.chain.from_iterable(p.ids for p in batch), np.int64, sum(lengths)),
-            np.fromiter(itertools.chain.from_iterable(p.logprobs for p in batch), np.float32, sum(lengths)),
-            np.concatenate([[0], np.cumsum(lengths)]), versions=[p.versions[0] for p in batch])
+            np.fromiter(itertools.chain.from_iterable(p.ids for p in batch), np.int64, total),
+            np.fromiter(itertools.chain.from_iterable(p.logprobs for p in batch), np.float32, total),
+            np.concatenate([[0], np.cumsum(lengths)]), **stamps)
         return self.sink.record_progress_step(message)
 
 

@@ -143,6 +143,7 @@ def test_resume_without_live_store_restores_the_checkpoint_file(setup, tmp_path,
     worker.buffer.finish_step()
     state.global_step = 1
     (tmp_path / "out" / "checkpoint-1").mkdir(parents=True)
+    (tmp_path / "out" / "checkpoint-1" / "trainer_state.json").write_text("{}")  # TRL's save ends with it
     worker.callback.on_save(args, state, control)
     assert (tmp_path / "out" / "checkpoint-1" / BUFFER_FILE).is_file()
     worker.close()

@@ -133,14 +133,19 @@ class ServerWeightTransferOnCPU:
     them. This keeps every other call TRL's own, through TRL's ``VLLMClient`` on the same server:
     ``wait_for_server_ready`` at init, ``pause`` (``/pause?mode=keep``: in-flight requests wait) and
     ``resume``. ``send_weights`` consumes the trainer's parameter stream (TRL's ``_streaming_iter``)
-    and sends nothing, so the server keeps the weights it started with: the tests that use it train
-    with ``learning_rate=0``, where those are the trainer's weights exactly.
+    and sends nothing, so the server keeps the weights it has: the tests that use it train with
+    ``learning_rate=0``, where those are the trainer's weights exactly. ``reload`` (``{sync number:
+    model directory}``) makes a sync a real weight change instead: between TRL's pause and resume the
+    server reloads its weights in place from that directory (vLLM's ``reload_weights``, through its
+    dev-mode ``/collective_rpc``), as the NCCL broadcast would have changed them.
     """
 
-    def __init__(self, server_url: str) -> None:
+    def __init__(self, server_url: str, reload: dict[int, str] | None = None) -> None:
         from trl.experimental.async_grpo.vllm_client import VLLMClient
 
         self.vllm = VLLMClient(server_url, 120.0)
+        self.server_url = server_url
+        self.reload = dict(reload or {})
         self.syncs = 0
 
     def init_weight_transfer(self) -> None:
@@ -152,10 +157,12 @@ class ServerWeightTransferOnCPU:
         self.vllm.pause()
 
     def send_weights(self, iterator) -> None:
-        """Stands in for the NCCL broadcast: the parameters are read and not sent (module docstring)."""
+        """Stands in for the NCCL broadcast: the parameters are read and not sent (class docstring)."""
         for _ in iterator:
             pass
         self.syncs += 1
+        if self.syncs in self.reload:
+            reload_server_weights(self.server_url, self.reload[self.syncs])
 
     def resume(self) -> None:
         """TRL's ``/resume``."""
@@ -163,3 +170,35 @@ class ServerWeightTransferOnCPU:
 
     def destroy(self) -> None:
         """Nothing to tear down without NCCL."""
+
+
+def reload_server_weights(server_url: str, model_dir: str) -> None:
+    """Make the vLLM server reload its weights in place from ``model_dir`` (``/collective_rpc``)."""
+    import requests
+
+    response = requests.post(f"{server_url.rstrip('/')}/collective_rpc", timeout=300,
+                             json={"method": "reload_weights", "kwargs": {"weights_path": model_dir}})
+    assert response.status_code == 200, response.text
+
+
+def marker_model(model_dir: str, out_dir: str) -> str:
+    """A copy of ``model_dir`` whose logits are the same in every context, so every token it generates
+    greedily is one and the same (found by asking it once): every attention and MLP output is zeroed (the
+    residual stream is the input embedding) and every embedding row is the same vector. A token it
+    generated is recognisable in any completion."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
+    weights = load_file(os.path.join(model_dir, "model.safetensors"))
+    for name, tensor in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = torch.zeros_like(tensor)
+        elif name.endswith("norm.weight"):
+            weights[name] = torch.ones_like(tensor)
+        elif name.endswith("embed_tokens.weight"):
+            weights[name] = torch.full_like(tensor, 0.1)
+    save_file(weights, os.path.join(out_dir, "model.safetensors"))
+    return out_dir

@@ -9,7 +9,19 @@ the step where a sample has durable tokens and tokens generated since its last r
 generation thread waits until the step's checkpoint is complete (TRL's ``trainer_state.json`` and
 kvckpt's file both written; the batch's states cannot change meanwhile), then dies; the trainer
 waits once that checkpoint is saved, so the run cannot end first; 0: never), ``resume``
-(a checkpoint directory or null), ``log`` (a JSON-lines file, each event fsynced: the sequences in
+(a checkpoint directory or null), ``kill_in_save`` (SIGKILL this process inside TRL's own save of
+that step's checkpoint, after the model and before the optimizer state, so ``checkpoint-N/`` is left
+partial, with a prompt in flight, on the worker's defaults (no ``after_step``): the probe holds the
+engine until the batch in flight ended, lets the next batch's first progress flush through and holds
+its second, like a disk that stalls, and kills once the reader must wait for that flush before it
+takes more of a sequence, logging every sequence's tokens taken and durable under the recorder's
+lock; 0: never), ``reload`` (``{sync number: model directory}``: that weight sync really changes the
+server's weights, tests/integrations/trl/trl_cpu.py), ``sync_mid_stream_at`` (at the end of that step,
+before TRL's weight sync, the probe holds a progress flush of the next batch, so a sample is mid-stream
+when the sync lands; once the server resumed it lets the flush go, and it SIGKILLs the process once a
+chunk of the new weights is durable (on the flusher, before the batch can end), logging the ledger;
+0: never),
+``log`` (a JSON-lines file, each event fsynced: the sequences in
 flight at the kill, the recovery plan, the worker's progress counters at the end).
 
 Greedy (``top_k=1``: TRL's loss divides by the temperature, so ``temperature=0`` is refused, and vLLM
@@ -23,6 +35,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -87,13 +100,105 @@ def main() -> None:
                     worker.check_health(0)
                     worker.buffer.wait_for_change(0.1)
 
+    recorders = []  # the recorder of every batch the worker streamed (the probes read the last)
+
+    def stall_the_next_batch(buf, hold=2, landed=None):
+        """Let the next batch's progress flushes before its ``hold``-th land and hold that one until
+        ``go`` is set; ``landed(items)`` is called (on the flusher) once each flush from it on is durable."""
+        record, passed, held, go = buf.record_progress_many, [], threading.Event(), threading.Event()
+
+        def stalling(items):
+            if len(passed) == hold - 1 and not go.is_set():
+                held.set()
+                go.wait()
+            passed.append(len(items))
+            results = record(items)
+            if landed is not None and len(passed) >= hold:
+                landed(items)
+            return results
+
+        worker.engine_lock.acquire()  # the batch in flight ends; the next one starts behind the stalled disk
+        count = len(recorders)
+        buf.record_progress_many = stalling
+        worker.engine_lock.release()
+        while not (held.is_set() and len(recorders) > count):
+            make_room(buf)
+            worker.check_health(0)
+            time.sleep(0.02)
+        return recorders[-1], go
+
+    class SyncMidStream(TrainerCallback):
+        """At ``sync_mid_stream_at``'s step end (before TRL's sync): a sample is held mid-stream; a
+        thread lets it go once the server resumed and kills once new weights' tokens are durable."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step = cfg.get("sync_mid_stream_at")
+            if step != state.global_step:
+                return
+            buf = worker.buffer
+
+            def landed(items):  # on the held batch's flusher: its first chunk of the new weights is durable
+                if any(item["weight_version"] == step for item in items):
+                    log({"killed_after_sync": step, "ledger": [[e.group_id, e.prompt_idx, e.start_weight]
+                                                                for e in buf.ledger()]})
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            # its first flush is held: the reader stops a sample about one interval in, the rest stays unread
+            recorder, go = stall_the_next_batch(buf, hold=1, landed=landed)
+            log({"held": [{"index": s.index, "generated": s.generated, "durable": s.durable}
+                          for s in recorder.states]})
+
+            def after_the_sync():
+                while worker.epochs.version != step or worker.epochs.paused:
+                    time.sleep(0.02)
+                go.set()
+
+            threading.Thread(target=after_the_sync, daemon=True).start()
+
+        def on_save(self, args, state, control, **kwargs):
+            if cfg.get("sync_mid_stream_at") == state.global_step:
+                while True:  # until the thread kills this process (the run must not end first)
+                    make_room(worker.buffer)
+                    worker.check_health(0)
+                    worker.buffer.wait_for_change(0.1)
+
+
+    def kill_inside_trl_save(save):
+        """TRL's ``_save_optimizer_and_scheduler``, which at ``kill_in_save`` holds a flush and dies (see above)."""
+        def wrapped(output_dir):
+            if trainer.state.global_step != cfg.get("kill_in_save"):
+                return save(output_dir)
+            recorder, _ = stall_the_next_batch(worker.buffer)  # the held flush never lands: the process dies
+            while True:
+                with recorder._cond:  # the reader takes no token and the flusher applies no result meanwhile
+                    if any(recorder._held_back(s, 1) for s in recorder.states):
+                        log({"killed_in_save": trainer.state.global_step,
+                             "in_flight": [{"group": s.lease.group_id, "prompt_idx": s.lease.prompt_idx,
+                                            "index": s.index, "generated": s.generated, "durable": s.durable}
+                                           for s in recorder.states]})
+                        os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(0.02)
+        return wrapped
+
+    transfer = ServerWeightTransferOnCPU(cfg["server"], {int(k): v for k, v in cfg.get("reload", {}).items()})
     worker = KvckptRolloutWorker(os.path.join(cfg["workdir"], "buffer.kv"), cfg["model"], dataset, [reward], args,
-                                 capacity=8, retain_consumed=True, progress_every_tokens=cfg["every"],
-                                 after_step=kill_mid_generation)
+                                 weight_transfer=transfer, capacity=8, retain_consumed=True,
+                                 progress_every_tokens=cfg["every"],
+                                 after_step=kill_mid_generation if cfg.get("kill_after_step") else None)
+    stream = worker.backend.stream
+
+    def recorded_stream(seqs, max_tokens, temperature, on_step=None, step_tokens=None):
+        if on_step is not None:
+            recorders.append(on_step.__self__)
+        return stream(seqs, max_tokens, temperature, on_step, step_tokens)
+
+    worker.backend.stream = recorded_stream
     trainer = AsyncGRPOTrainer(model=cfg["model"], reward_funcs=[reward], args=args, train_dataset=dataset,
                                processing_class=AutoTokenizer.from_pretrained(cfg["model"]), rollout_worker=worker,
-                               weight_transfer=ServerWeightTransferOnCPU(cfg["server"]),
-                               callbacks=[worker.callback, HoldAfterTheCheckpoint()])
+                               weight_transfer=worker.weight_transfer,
+                               callbacks=[worker.callback, HoldAfterTheCheckpoint(), SyncMidStream()])
+    if cfg.get("kill_in_save"):
+        trainer._save_optimizer_and_scheduler = kill_inside_trl_save(trainer._save_optimizer_and_scheduler)
     trainer.train(resume_from_checkpoint=cfg.get("resume"))
     plan = worker.callback.plan
     log({"done": trainer.state.global_step, "plan": plan.report() if plan else None,
