@@ -25,10 +25,11 @@ cumulative outputs it keeps only the last. :class:`ProgressEngine` takes ``self.
 * **Fenced.** A write of a fenced attempt (a worker of a killed run) is refused by the store; the proxy
   then stops the request and raises that refusal, having written nothing.
 
-THE RECORDER SEAM: :class:`_Sequence` is the one place that talks to the producer recorder
-(``kvckpt.integrations.vllm.stream.ProgressRecorder`` today, one per sequence, synchronous). The recorder the
-trainers share is being merged (per-token versions, one flusher per engine); switching means reimplementing
-this class over it, nothing else.
+THE RECORDER SEAM: :class:`_Sequence` is the one place that talks to the producer recorder the trainers share
+(:mod:`kvckpt.integrations.common.progress`, through the vLLM workers' step-message adapter
+``kvckpt.integrations.vllm.stream.ProgressRecorder``): one synchronous recorder per sequence, each delta
+carrying its weight version, so a chunk that spans a refit is written as one step message that the store
+cuts into one chunk per version.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from kvckpt.integrations.nemo_rl.dispatch import bound_lease
 from kvckpt.integrations.vllm.stream import Continuation, ProgressRecorder, finish, prefixes
 
 from kvckpt import Lease
+from kvckpt.errors import InvariantViolation
 
 #: NeMo-RL's refit calls on its engine (``vllm_worker_async.py``): each moves the weight version once answered.
 WEIGHT_UPDATES = ("update_weights_via_ipc_zmq", "update_weights_from_collective", "nccl_reshard_refit")
@@ -90,26 +92,20 @@ class _Sequence:
                                           every_seconds=None)
 
     def take(self, ids: list[int], logprobs: list[float], version: int) -> None:
-        """Add new tokens made by weights ``version``; a due chunk is written (one progress call)."""
-        if version != self._recorder.version:  # a chunk carries one version: write the old one's tail first
-            self._flush()
-            self._recorder.version = version
-        self._check(self._recorder.on_step([(0, ids, logprobs)]))
+        """Add new tokens made by weights ``version``; a due chunk is written (one step message)."""
+        self._check(self._recorder.on_step([(0, ids, logprobs, version)]))
 
     def finish(self) -> None:
-        """The sequence ended: write its tail."""
-        self._flush()
+        """The sequence ended: write its whole tail, however short of an interval."""
+        self._recorder.close(tail=True)
+        self._check(set(self._recorder.refused))
 
-    def _flush(self) -> None:
-        every, self._recorder.every_tokens = self._recorder.every_tokens, 1
-        try:
-            self._check(self._recorder.on_step([]))
-        finally:
-            self._recorder.every_tokens = every
-
-    def _check(self, stopped: set[int]) -> None:
+    def _check(self, stopped: set[Any]) -> None:
         if stopped:
-            raise next(iter(self._recorder.refused.values()))
+            refusal = next(iter(self._recorder.refused.values()), None)
+            raise refusal if refusal is not None else InvariantViolation(
+                "token progress of this sequence stopped without a refusal (the recorder is draining); "
+                "nothing more of it is written")
 
 
 class ProgressEngine:

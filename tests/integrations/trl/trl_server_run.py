@@ -52,6 +52,8 @@ def main() -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
+    from kvckpt.storage.progress_message import decode_message
+
     task = AdditionTask()
     dataset = Dataset.from_list([{"prompt": task.prompt(i), "answer": task.answer(i)} for i in range(task.size)])
     log_fh = open(cfg["log"], "a")  # noqa: SIM115 - appended to until the process ends or is killed
@@ -103,23 +105,25 @@ def main() -> None:
     recorders = []  # the recorder of every batch the worker streamed (the probes read the last)
 
     def stall_the_next_batch(buf, hold=2, landed=None):
-        """Let the next batch's progress flushes before its ``hold``-th land and hold that one until
-        ``go`` is set; ``landed(items)`` is called (on the flusher) once each flush from it on is durable."""
-        record, passed, held, go = buf.record_progress_many, [], threading.Event(), threading.Event()
+        """Let the next batch's progress flushes (one step message each) before its ``hold``-th land and
+        hold that one until ``go`` is set; ``landed(versions)`` is called (on the flusher) with the weight
+        versions of each flush's tokens once that flush, from the held one on, is durable."""
+        record, passed, held, go = buf.record_progress_step, [], threading.Event(), threading.Event()
 
-        def stalling(items):
+        def stalling(message):
             if len(passed) == hold - 1 and not go.is_set():
                 held.set()
                 go.wait()
-            passed.append(len(items))
-            results = record(items)
+            passed.append(message)
+            results = record(message)
             if landed is not None and len(passed) >= hold:
-                landed(items)
+                sent = decode_message(buf.schema, message)
+                landed(set((sent.versions if sent.token_versions is None else sent.token_versions).tolist()))
             return results
 
         worker.engine_lock.acquire()  # the batch in flight ends; the next one starts behind the stalled disk
         count = len(recorders)
-        buf.record_progress_many = stalling
+        buf.record_progress_step = stalling
         worker.engine_lock.release()
         while not (held.is_set() and len(recorders) > count):
             make_room(buf)
@@ -137,8 +141,8 @@ def main() -> None:
                 return
             buf = worker.buffer
 
-            def landed(items):  # on the held batch's flusher: its first chunk of the new weights is durable
-                if any(item["weight_version"] == step for item in items):
+            def landed(versions):  # on the held batch's flusher: its first chunk of the new weights is durable
+                if step in versions:
                     log({"killed_after_sync": step, "ledger": [[e.group_id, e.prompt_idx, e.start_weight]
                                                                 for e in buf.ledger()]})
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -170,8 +174,9 @@ def main() -> None:
                 return save(output_dir)
             recorder, _ = stall_the_next_batch(worker.buffer)  # the held flush never lands: the process dies
             while True:
-                with recorder._cond:  # the reader takes no token and the flusher applies no result meanwhile
-                    if any(recorder._held_back(s, 1) for s in recorder.states):
+                # the reader takes no token and the flusher applies no result meanwhile
+                with recorder.recorder._cond:
+                    if any(recorder.recorder.held_back(t, 1) for t in recorder.tails):
                         log({"killed_in_save": trainer.state.global_step,
                              "in_flight": [{"group": s.lease.group_id, "prompt_idx": s.lease.prompt_idx,
                                             "index": s.index, "generated": s.generated, "durable": s.durable}
