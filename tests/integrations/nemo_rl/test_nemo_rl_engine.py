@@ -65,3 +65,14 @@ def test_a_request_without_a_sequence_key_passes_through_untouched() -> None:
     assert asyncio.run(collect()) == engine.outputs  # the engine's own objects, not copies
     assert engine.calls == [(prompt, params, "r1")]
     assert proxy.stats == {"requests": 0, "generated": 0, "resumed": 0, "refused": 0}
+
+
+def test_the_launcher_refuses_progress_it_cannot_attach(tmp_path: Any) -> None:
+    """``install()`` cannot reach NeMo-RL's Ray generation workers: a progress interval in its config is
+    refused, before NeMo-RL is needed, instead of being silently dropped."""
+    from kvckpt.integrations.nemo_rl.swap import install
+
+    config = {"async_rl": {"replay_buffer": {**store_config(str(tmp_path / "r.kv"), SAMPLERS["windowed"]),
+                                             "progress_every_tokens": 8}}}
+    with pytest.raises(BadArgument, match="does not yet attach the engine proxy"):
+        install(config)

@@ -177,8 +177,9 @@ def test_a_kill_inside_trls_first_save_sets_the_partial_checkpoint_aside_and_cos
 
 
 def test_a_weight_sync_mid_stream_stamps_each_token_with_the_weights_that_made_it(tmp_path, server):
-    """Issue 49: TRL's weight sync after step 2 lands while a sample streams (its progress flush is
-    held, so it is mid-stream whatever the timing) and really changes the server's weights (a
+    """Issue 49: TRL's weight sync after step 2 lands while a sample streams (the stream's reader is
+    held after its first engine step with tokens, in a batch with a sample short of its budget, so a
+    sample is mid-stream whatever the timing) and really changes the server's weights (a
     reload between TRL's pause and resume, to a marker model that generates one token only). SIGKILL
     once a chunk of the new weights is durable. Each durable token's version is the weights that made
     it: version 1 on exactly the tokens the startup weights generate uninterrupted, version 2 on

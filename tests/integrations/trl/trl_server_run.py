@@ -17,8 +17,10 @@ its second, like a disk that stalls, and kills once the reader must wait for tha
 takes more of a sequence, logging every sequence's tokens taken and durable under the recorder's
 lock; 0: never), ``reload`` (``{sync number: model directory}``: that weight sync really changes the
 server's weights, tests/integrations/trl/trl_cpu.py), ``sync_mid_stream_at`` (at the end of that step,
-before TRL's weight sync, the probe holds a progress flush of the next batch, so a sample is mid-stream
-when the sync lands; once the server resumed it lets the flush go, and it SIGKILLs the process once a
+before TRL's weight sync, the probe holds the stream reader of the next batch in which a sample is still
+short of ``max_tokens`` once the reader's first engine step with tokens was recorded, so that sample is
+mid-stream when the sync lands whatever the timing (a batch read whole in its first step is let go and
+the next one held); once the server resumed it lets the reader go, and it SIGKILLs the process once a
 chunk of the new weights is durable (on the flusher, before the batch can end), logging the ledger;
 0: never),
 ``log`` (a JSON-lines file, each event fsynced: the sequences in
@@ -103,23 +105,19 @@ def main() -> None:
                     worker.buffer.wait_for_change(0.1)
 
     recorders = []  # the recorder of every batch the worker streamed (the probes read the last)
+    armed = []  # (held, go) of a reader hold the next batch takes (hold_a_reader_mid_stream)
 
-    def stall_the_next_batch(buf, hold=2, landed=None):
-        """Let the next batch's progress flushes (one step message each) before its ``hold``-th land and
-        hold that one until ``go`` is set; ``landed(versions)`` is called (on the flusher) with the weight
-        versions of each flush's tokens once that flush, from the held one on, is durable."""
-        record, passed, held, go = buf.record_progress_step, [], threading.Event(), threading.Event()
+    def stall_the_next_batch(buf):
+        """Let the next batch's first progress flush (one step message) land and hold its second until the
+        process dies, like a disk that stalls."""
+        record, passed, held = buf.record_progress_step, [], threading.Event()
 
         def stalling(message):
-            if len(passed) == hold - 1 and not go.is_set():
+            if len(passed) == 1:
                 held.set()
-                go.wait()
+                threading.Event().wait()  # never set: the held flush never lands
             passed.append(message)
-            results = record(message)
-            if landed is not None and len(passed) >= hold:
-                sent = decode_message(buf.schema, message)
-                landed(set((sent.versions if sent.token_versions is None else sent.token_versions).tolist()))
-            return results
+            return record(message)
 
         worker.engine_lock.acquire()  # the batch in flight ends; the next one starts behind the stalled disk
         count = len(recorders)
@@ -129,7 +127,43 @@ def main() -> None:
             make_room(buf)
             worker.check_health(0)
             time.sleep(0.02)
+        return recorders[-1]
+
+    def hold_a_reader_mid_stream(buf, landed):
+        """Hold the stream reader of the next batch with a sample short of ``max_tokens`` after the
+        reader's first engine step with tokens (the tokens it read so far are the old weights'), until
+        ``go`` is set; ``landed(versions)`` is called (on the flusher) with the weight versions of every
+        progress flush's tokens once that flush is durable."""
+        record, held, go = buf.record_progress_step, threading.Event(), threading.Event()
+
+        def recording(message):
+            results = record(message)
+            sent = decode_message(buf.schema, message)
+            landed(set((sent.versions if sent.token_versions is None else sent.token_versions).tolist()))
+            return results
+
+        buf.record_progress_step = recording
+        armed.append((held, go))
+        while not held.is_set():
+            make_room(buf)
+            worker.check_health(0)
+            time.sleep(0.02)
         return recorders[-1], go
+
+    def holding(recorder, on_step):
+        """``on_step``, holding the reader as :func:`hold_a_reader_mid_stream` asked (if it did)."""
+        if not armed:
+            return on_step
+
+        def step(deltas):
+            stop = on_step(deltas)
+            if (armed and any(ids for _, ids, *_ in deltas)
+                    and any(s.generated < cfg["max_tokens"] for s in recorder.states)):
+                held, go = armed.pop()
+                held.set()
+                go.wait()
+            return stop
+        return step
 
     class SyncMidStream(TrainerCallback):
         """At ``sync_mid_stream_at``'s step end (before TRL's sync): a sample is held mid-stream; a
@@ -147,8 +181,7 @@ def main() -> None:
                                                                 for e in buf.ledger()]})
                     os.kill(os.getpid(), signal.SIGKILL)
 
-            # its first flush is held: the reader stops a sample about one interval in, the rest stays unread
-            recorder, go = stall_the_next_batch(buf, hold=1, landed=landed)
+            recorder, go = hold_a_reader_mid_stream(buf, landed)
             log({"held": [{"index": s.index, "generated": s.generated, "durable": s.durable}
                           for s in recorder.states]})
 
@@ -172,7 +205,7 @@ def main() -> None:
         def wrapped(output_dir):
             if trainer.state.global_step != cfg.get("kill_in_save"):
                 return save(output_dir)
-            recorder, _ = stall_the_next_batch(worker.buffer)  # the held flush never lands: the process dies
+            recorder = stall_the_next_batch(worker.buffer)  # the held flush never lands: the process dies
             while True:
                 # the reader takes no token and the flusher applies no result meanwhile
                 with recorder.recorder._cond:
@@ -195,6 +228,7 @@ def main() -> None:
     def recorded_stream(seqs, max_tokens, temperature, on_step=None, step_tokens=None):
         if on_step is not None:
             recorders.append(on_step.__self__)
+            on_step = holding(on_step.__self__, on_step)
         return stream(seqs, max_tokens, temperature, on_step, step_tokens)
 
     worker.backend.stream = recorded_stream
