@@ -21,32 +21,13 @@ import asyncio
 import os
 import sys
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from _nemo_rl import Completion, PromptGroupRecord
-from _verl_engine import TinyEngine
+from _verl_engine import SamplingParams, TinyEngine
 
 SOURCE = os.environ.get("KVCKPT_NEMO_RL_SOURCE")
-
-
-@dataclass
-class SamplingParams:
-    """The ``SamplingParams`` keywords NeMo-RL's ``_build_sampling_params`` passes (the tiny engine reads some)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    logprobs: int | None = None
-    stop_token_ids: list[int] | None = None
-    stop: list[str] | None = None
-    include_stop_str_in_output: bool = False
-    bad_words: list[str] | None = None
-    ignore_eos: bool = False
-    seed: int | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class RefitEngine(TinyEngine):

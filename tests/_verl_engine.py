@@ -38,7 +38,8 @@ VLLM_VERSION = "0.20.0"
 
 @dataclass
 class SamplingParams:
-    """The fields of vLLM's ``SamplingParams`` verl's ``generate`` sets and the tiny engine reads."""
+    """The fields of vLLM's ``SamplingParams`` that verl's ``generate`` and NeMo-RL's ``_build_sampling_params``
+    set (tests/_nemo_rl_worker.py uses it too); the tiny engine reads some."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -50,6 +51,11 @@ class SamplingParams:
     seed: int | None = None
     prompt_logprobs: int | None = None
     extra_args: dict | None = None
+    stop_token_ids: list[int] | None = None
+    stop: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    bad_words: list[str] | None = None
+    extra: dict | None = None
 
 
 class _Placeholder:
