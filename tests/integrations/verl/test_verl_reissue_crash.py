@@ -84,7 +84,7 @@ def test_verls_reissue_resumes_each_inflight_sample_from_its_durable_prefix(resu
 def test_a_sample_killed_between_its_clients_return_and_its_stored_trajectory_is_not_regenerated(
         result: dict) -> None:
     """The window: its progress (done) outlived the client's return, so the re-issued sample generates nothing."""
-    assert sorted(result["killed"]["held"]) == [["p0_0_0"], ["p0_1_0"]]  # both held at verl's trajectory put (either first)
+    assert sorted(result["killed"]["held"]) == [["p0_0_0"], ["p0_1_0"]]  # both held at the trajectory put, either first
     for s in WINDOW:
         assert result["durable"][s]["tokens"] == BUDGET and result["durable"][s]["done"]
     assert result["admitted"] == len(MIDWAY)  # only p1's samples reached the engine after the restart
