@@ -630,7 +630,8 @@ MUTATIONS += (
              "bound = None",
              (f"{NEMO_RL_CRASH}::test_each_recovered_prompt_is_reissued_once_and_a_zombie_is_refused",)),
     Mutation("nemo-rl-launcher-drops-progress", "integrations/nemo_rl/swap.py",
-             "    if cfg.progress_every_tokens:\n        raise BadArgument(", "    if False:\n        raise BadArgument(",
+             "    if cfg.progress_every_tokens:\n        raise BadArgument(",
+             "    if False:\n        raise BadArgument(",
              ("tests/integrations/nemo_rl/test_nemo_rl_engine.py::test_the_launcher_refuses_progress_it_cannot_attach",)),
     # NeMo-Gym's token store, killed by Gym's own conformance suite: run with --python "$PWD/.venv-gym/bin/python"
     Mutation("gym-drop-ignores-the-version", "integrations/nemo_gym/store.py",
