@@ -41,9 +41,8 @@ from typing import Any, NamedTuple
 
 from kvckpt.errors import FutureVersion, KvckptError
 
-#: Unrecorded intervals a sequence may hold (a flush in flight included) before ``take`` waits for the flush:
-#: one, so what a kill makes a sequence regenerate is at most one interval on the defaults (issue 49: with 4, a
-#: flusher lagging behind the reader left up to 4 intervals acknowledged to the reader and not durable).
+#: Unrecorded intervals a sequence may hold (a flush in flight included) before ``take`` waits for the flush: one,
+#: so a kill costs a sequence at most one interval (with 4, a lagging flusher left 4 not durable: issue 49).
 BACKLOG = 1
 
 
