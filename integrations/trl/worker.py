@@ -17,6 +17,9 @@ kvckpt generation backend — scores them with the
 trainer's reward functions as TRL's own worker does (group-normalised advantage), and commits each
 group in one transaction. The store is opened by :class:`~kvckpt.integrations.trl.callback.KvckptCallback`
 on train begin, which also recovers it on a resume; the worker only generates once it is open.
+
+The module is long because the worker is TRL's whole protocol in one class (the queue, the generation
+thread, both weight-sync paths and the commit), each part short and tied to the others' locks.
 """
 
 from __future__ import annotations
