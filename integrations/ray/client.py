@@ -322,6 +322,23 @@ class BufferClient:
             return False
 
 
+def holder_name(scope: str = "node") -> str:
+    """The lease holder name of this Ray process (``admit(..., holder=...)``): ``node:<node id>`` (what
+    dies with the node: ``leases_held_by`` after a node death) or, with ``scope="actor"``,
+    ``actor:<actor id>`` (what dies with this actor; only inside one).
+
+    Raises:
+        BadArgument: an unknown ``scope``, or ``"actor"`` outside an actor.
+    """
+    context = ray.get_runtime_context()
+    if scope == "node":
+        return f"node:{context.get_node_id()}"
+    actor_id = context.get_actor_id() if scope == "actor" else None
+    if actor_id is None:
+        raise BadArgument(f"holder_name: scope must be 'node' or 'actor' (inside an actor), got {scope!r}")
+    return f"actor:{actor_id}"
+
+
 def wait_for_actor(actor: Any, timeout: float = 60.0) -> dict[str, Any]:
     """Wait until the buffer actor answers (after a restart: its new incarnation) and return its
     ``info()``. Ray itself resubmits this read-only call until the restarted actor runs it
