@@ -753,8 +753,11 @@ MUTATIONS += (
 )
 
 
-# issue 45 (this session): lease holders (leases_held_by, redispatch_held_by), TRL's SIGTERM drain.
+# issue 45 (this session): lease holders (leases_held_by, redispatch_held_by), TRL's SIGTERM drain,
+# BufferClient.record_progress_many's message built in the producer.
 HOLDERS = "tests/core/test_lease_holders.py"
+MANY_MESSAGE = (f"{RAY_STEP}::test_record_progress_many_sends_one_message_built_here_and_its_resend_after_a_"
+                "restart_is_exactly_once")
 HOLDERS_RESTART = f"{HOLDERS}::test_a_dead_nodes_leases_are_listed_and_redispatched_in_one_call_across_restarts"
 MUTATIONS += (
     Mutation("admit-records-no-holder", "kvckpt/transitions/admission.py", "                            holder=holder)",
@@ -784,6 +787,14 @@ MUTATIONS += (
              "                    if e.holder == holder]\n\n    def redispatch_held_by",
              "                    ]\n\n    def redispatch_held_by",
              (f"{HOLDERS}::test_every_surface_records_and_answers_holders_alike",)),
+    Mutation("client-many-ships-items-to-the-owner", "integrations/ray/client.py",
+             "        out: list[Any] = [None] * len(items)\n        by_fields",
+             "        return ray.get(self.actor.record_progress_many.remote([{**to_wire(dict(i)), \"lease\": "
+             "_lease_dict(i[\"lease\"])} for i in items]))\n"
+             "        out: list[Any] = [None] * len(items)\n        by_fields", (MANY_MESSAGE,)),
+    Mutation("client-many-refuses-the-message-for-one-item", "integrations/ray/client.py",
+             "        except KvckptError:\n            for n in ns:",
+             "        except KvckptError:\n            raise\n            for n in ns:", (MANY_MESSAGE,)),
     Mutation("trl-worker-admits-without-its-holder", "integrations/trl/worker.py",
              "weight_version=self.clock.weights_step, holder=self.holder)",
              "weight_version=self.clock.weights_step)",
