@@ -29,7 +29,7 @@ kvckpt's) is refused with :class:`~kvckpt.ForeignLease`. The driver fetches the 
 with :meth:`BufferActor.recovery_plan`. A restart never creates a store: if the file is gone (the
 actor landed on another node), the restart fails instead of silently starting empty.
 
-The module is long (about 580 lines) because the actor mirrors the buffer's whole public API as
+The module is long (about 600 lines) because the actor mirrors the buffer's whole public API as
 async methods, each with its wire conversion (leases, batches, plans as plain dicts) and its
 restart behaviour (and the per-caller order of progress calls); the client side is
 :mod:`kvckpt.integrations.ray.client`.

@@ -11,7 +11,11 @@ the restarted actor and resends the *same* items (same rows, same leases). Commi
 come back ``replayed=True`` (the core recognises an identical re-commit); commits that had not
 landed are refused with :class:`~kvckpt.AbandonedTimeline` (a :class:`~kvckpt.StaleAttempt`),
 because the restart's recovery moved their prompts to a new timeline: the driver redispatches them
-from the actor's ``recovery_plan()``. """
+from the actor's ``recovery_plan()``.
+
+The module is long (about 430 lines) because the client carries the producer's whole side of the
+wire: pipelined commits and step messages with their order tags and restart resends, the step
+messages it builds from ``record_progress_many``'s items, and the decoding of the actor's replies. """
 
 from __future__ import annotations
 

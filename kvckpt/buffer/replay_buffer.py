@@ -13,7 +13,7 @@ covers the step, or kept with ``retain_consumed``). Side exits: ``evict`` (ready
 and ``abort`` (in flight). Group records stay as small tombstones so every prompt that ever left
 the dataloader remains accounted for.
 
-The module is long (about 770 lines) only because every public method carries its whole contract
+The module is long (about 830 lines) only because every public method carries its whole contract
 (arguments, refusals, what is written) in its docstring; the logic is in :mod:`kvckpt.transitions`.
 """
 
