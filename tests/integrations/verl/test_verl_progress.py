@@ -384,3 +384,17 @@ def test_a_format_1_ledger_the_buffers_rules_refuse_is_not_opened_and_not_change
     ledger = VerlLedger(str(path))
     assert ledger.progress("u1", 0)["tokens"] == [11, 12, 13, 14, 15]
     ledger.close()
+
+
+def test_a_zombies_drop_and_final_mark_are_refused_and_change_nothing(tmp_path: Path) -> None:
+    """A replaced run's call is refused item by item (``StaleRun``) and writes nothing: not its drop, not its done
+    mark; a final chunk the rules refuse (a gap) marks nothing done either."""
+    ledger, old = _ledger(tmp_path)
+    chunk = {"session": 0, "start": 0, "tokens": [1, 2], "logprobs": [0.0, 0.0], "versions": [0, 0]}
+    assert ledger.record_progress(old, [{**chunk, "uid": "u"}, {**chunk, "uid": "x", "start": 3, "final": True}]
+                                  )[0] == 2
+    assert ledger.progress("x", 0) is None
+    ledger.open_run()
+    out = ledger.record_progress(old, [{"uid": "u", "session": 0, "drop": True}, {**chunk, "uid": "w", "final": True}])
+    assert all(isinstance(r, StaleRun) and r.run == old for r in out)
+    assert ledger.progress("u", 0)["tokens"] == [1, 2] and ledger.progress("w", 0) is None
