@@ -752,6 +752,31 @@ MUTATIONS += (
               "test_the_server_path_builds_trls_own_weight_transfer_as_trl_does",)),
 )
 
+# issue 45 (this session): one progress rule set for both store kinds; the value store's progress
+# (ValueStore.record_progress, the verl ledger's), killed by the value store's own test (no verl needed).
+VALUE_PROGRESS = ("tests/core/test_value_store.py::"
+                  "test_value_store_progress_is_the_buffers_transition_inside_one_fenced_transaction",)
+MUTATIONS += (
+    Mutation("value-progress-max-tokens-unchecked", "kvckpt/transitions/progress_values.py",
+             "        if start + len(ids) > max_tokens:", "        if False:", VALUE_PROGRESS),
+    Mutation("value-progress-one-chunk-for-all-versions", "kvckpt/transitions/progress_values.py",
+             "    runs = [0, *(np.flatnonzero(np.diff(vs)) + 1).tolist(), len(ids)] if len(ids) else []",
+             "    runs = [0, len(ids)] if len(ids) else []", VALUE_PROGRESS),
+    Mutation("value-progress-fenced-call-drops", "kvckpt/buffer/values.py",
+             "            if fenced is None:\n                for gone in drop:",
+             "            if True:\n                for gone in drop:", VALUE_PROGRESS),
+    Mutation("value-progress-fenced-call-marks", "kvckpt/buffer/values.py",
+             "            if fenced is None and then is not None:", "            if then is not None:", VALUE_PROGRESS),
+    Mutation("value-progress-unfenced", "kvckpt/buffer/values.py",
+             "                records.check_fence(txn, self.path, fence)\n            except FencedWrite",
+             "                pass\n            except FencedWrite", VALUE_PROGRESS),
+    Mutation("value-progress-stray-key-taken-for-a-chunk", "kvckpt/values/records.py",
+             "    if len(tail) != 10 or not tail.isdigit():", "    if False:", VALUE_PROGRESS),
+    Mutation("value-progress-fenced-resend-refused", "kvckpt/transitions/progress_step.py",
+             "        if not isinstance(exc, ForeignLease) and s.chunks and all(", "        if False and all(",
+             VALUE_PROGRESS),
+)
+
 
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and
