@@ -11,6 +11,10 @@ applies one, with the same fencing and refusals, reading the state record once a
 group's ledger entry once (no sequence changes either). Each sequence checks everything before
 it writes anything, so a refused sequence writes nothing and the others still land.
 
+The rules themselves are :func:`append`, one sequence's transition over either store kind's chunks
+(:class:`ChunkRows`): the value store runs it too (:mod:`kvckpt.transitions.progress_values`, the
+verl ledger's progress), with its fence record in place of the lease.
+
 Exactly-once across retries: a sequence's result is where its chunk ends (``start + length``).
 A sequence whose chunk is already durable with identical bytes at the same start returns that
 same result, even when its lease has been fenced since (a recovery after the owner restarted
@@ -189,8 +193,8 @@ def _record_one(t: Tables, store_id: str, s: StepSequence, newest: int, versions
 class ChunkRows(Protocol):
     """The chunks of one store kind, inside one open write transaction: what :func:`append` reads and
     writes. :class:`~kvckpt.tables.access.Tables` is the buffer's; the value store's is
-    ``kvckpt.buffer.values``' (its chunks under a caller's key prefix). ``row`` is a sample's key
-    (:attr:`StepSequence.row`)."""
+    :class:`~kvckpt.values.records.ValueChunks` (its chunks under a caller's key prefix). ``row`` is a
+    sample's key (:attr:`StepSequence.row`)."""
 
     def last_progress_chunk_of(self, row: bytes) -> tuple[int, bytes] | None:
         """``(start, stored chunk)`` of the sample's last chunk, or ``None``."""
