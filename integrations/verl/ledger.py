@@ -319,6 +319,7 @@ class VerlLedger:
             StaleRun: ``token`` is not the current run's; nothing changes.
             CheckpointError: the file's stamp is not ``checkpoint_id``; nothing changes.
             FormatError / CorruptRecord / RecoveryError: the file is not a valid ledger checkpoint; nothing changes.
+                (A format-1 checkpoint, an older kvckpt's, is upgraded after its copy, :mod:`.upgrade`.)
         """
         self._check(token)
         if self._values.stamp_id() == checkpoint_id and self._get(CHECKPOINT_KEY) is not None:
@@ -330,6 +331,7 @@ class VerlLedger:
             return False
         run = self._get(RUN_KEY) or {}
         self._values.load(source, checkpoint_id=checkpoint_id)
+        upgrade_progress(self._values, self.max_tokens)  # a checkpoint an older kvckpt wrote: format 1
         self._values.put([RUN_KEY], [encode_value(RUN_KEY, {"run": run.get("run", 0)}, token, _LEVEL)])
         return True
 

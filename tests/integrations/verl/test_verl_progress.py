@@ -398,3 +398,23 @@ def test_a_zombies_drop_and_final_mark_are_refused_and_change_nothing(tmp_path: 
     out = ledger.record_progress(old, [{"uid": "u", "session": 0, "drop": True}, {**chunk, "uid": "w", "final": True}])
     assert all(isinstance(r, StaleRun) and r.run == old for r in out)
     assert ledger.progress("u", 0)["tokens"] == [1, 2] and ledger.progress("w", 0) is None
+
+
+def test_a_format_1_checkpoint_loaded_into_a_ledger_reads_as_before(tmp_path: Path) -> None:
+    """A checkpoint an older kvckpt's ledger wrote (format 1, stamped) that ``load`` copies in is upgraded too."""
+    from kvckpt import ValueStore
+
+    old = tmp_path / "old.kv"
+    shutil.copyfile(GOLDEN, old)
+    values = ValueStore(str(old))  # the value store itself: no upgrade, the checkpoint keeps format 1
+    stamp = values.checkpoint(str(tmp_path / "ckpt.kv"))
+    values.close()
+    ledger, token = _ledger(tmp_path)
+    assert ledger.load(str(tmp_path / "ckpt.kv"), stamp["checkpoint_id"], token) is True
+    golden = json.loads(GOLDEN.with_suffix(".json").read_text())
+    for name, want in golden["progress"].items():
+        uid, session = name.split("/")
+        assert _as_read(ledger.progress(uid, int(session))) == want, name
+    assert ledger.record_progress(token, [{"uid": "u1", "session": 0, "start": 5, "tokens": [16], "logprobs": [0.0],
+                                           "versions": [5]}]) == [6]
+    ledger.close()
