@@ -283,10 +283,10 @@ FLEET = "tests/integrations/ray/test_ray_fleet.py"
 #: a rollout node's, the store actor's and the owner node's death may not cost, each on a real cluster.
 MUTATIONS += (
     Mutation("step-resend-of-landed-chunk-refused", "kvckpt/transitions/progress_step.py",
-             "            if t.progress_chunk_of(s.row, c.start) == c.value:\n                continue",
+             "            if rows.progress_chunk_of(s.row, c.start) == c.value:\n                continue",
              "            if False:\n                continue", ("tests/core/test_progress_step.py",)),
     Mutation("progress-retry-of-landed-chunk-refused", "kvckpt/transitions/progress_step.py",
-             "            if t.progress_chunk_of(s.row, c.start) == c.value:\n                continue",
+             "            if rows.progress_chunk_of(s.row, c.start) == c.value:\n                continue",
              "            if False:\n                continue",
              ("tests/core/test_progress.py::test_chunks_append_a_retry_is_a_noop_and_a_conflict_or_gap_is_refused",)),
     Mutation("fleet-restart-leaves-leases-valid", "kvckpt/durability/recovery.py",
@@ -419,11 +419,11 @@ STEP = "tests/core/test_progress_step.py"
 #: The progress step message (issue 36): retry dedupe, the per-sequence checks, per-sequence isolation.
 MUTATIONS += (
     Mutation("step-retry-not-recognised-under-a-fenced-lease", "kvckpt/transitions/progress_step.py",
-             "        if not isinstance(exc, ForeignLease) and all(", "        if False and all(",
+             "        if not isinstance(exc, ForeignLease) and s.chunks and all(", "        if False and all(",
              (f"{STEP}::test_a_resent_message_returns_the_same_results_after_the_owner_restarts",)),
     Mutation("step-retry-takes-other-bytes-for-a-replay", "kvckpt/transitions/progress_step.py",
-             "t.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks)",
-             "t.progress_chunk_of(s.row, c.start) is not None for c in s.chunks)",
+             "rows.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks)",
+             "rows.progress_chunk_of(s.row, c.start) is not None for c in s.chunks)",
              (f"{STEP}::test_a_resent_message_returns_the_same_results_after_the_owner_restarts",)),
     Mutation("step-offsets-end-unchecked", "kvckpt/transitions/progress_step.py",
              " or (i == n - 1 and b != total)", "",
@@ -602,12 +602,12 @@ MUTATIONS += (
              "        reports = drain_all(grace)\n", "        reports = [r.drain(0.0) for r in ()]\n",
              (f"{DRAIN}::test_sigterm_mid_generation_then_sigkill_leaves_no_token_to_regenerate",)),
     Mutation("progress-many-resend-refused-as-stale", "kvckpt/transitions/progress_step.py",
-             "                t.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks):",
-             "                t.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks) and False:",
+             "                rows.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks):",
+             "                rows.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks) and False:",
              ("tests/core/test_progress.py::test_a_resend_of_record_progress_many_items_is_answered_as_a_step_messages_resend",)),
     Mutation("progress-many-retry-answers-the-durable-length", "kvckpt/transitions/progress_step.py",
-             "            if t.progress_chunk_of(s.row, c.start) == c.value:\n                continue",
-             "            if t.progress_chunk_of(s.row, c.start) == c.value:\n                return length",
+             "            if rows.progress_chunk_of(s.row, c.start) == c.value:\n                continue",
+             "            if rows.progress_chunk_of(s.row, c.start) == c.value:\n                return length",
              ("tests/core/test_progress.py::test_chunks_append_a_retry_is_a_noop_and_a_conflict_or_gap_is_refused",)),
 )
 
@@ -750,6 +750,31 @@ MUTATIONS += (
              "        weight_sync_timeout=args.weight_sync_timeout)", "        )",
              ("tests/integrations/trl/test_trl_server.py::"
               "test_the_server_path_builds_trls_own_weight_transfer_as_trl_does",)),
+)
+
+# issue 45 (this session): one progress rule set for both store kinds; the value store's progress
+# (ValueStore.record_progress, the verl ledger's), killed by the value store's own test (no verl needed).
+VALUE_PROGRESS = ("tests/core/test_value_store.py::"
+                  "test_value_store_progress_is_the_buffers_transition_inside_one_fenced_transaction",)
+MUTATIONS += (
+    Mutation("value-progress-max-tokens-unchecked", "kvckpt/transitions/progress_values.py",
+             "        if start + len(ids) > max_tokens:", "        if False:", VALUE_PROGRESS),
+    Mutation("value-progress-one-chunk-for-all-versions", "kvckpt/transitions/progress_values.py",
+             "    runs = [0, *(np.flatnonzero(np.diff(vs)) + 1).tolist(), len(ids)] if len(ids) else []",
+             "    runs = [0, len(ids)] if len(ids) else []", VALUE_PROGRESS),
+    Mutation("value-progress-fenced-call-drops", "kvckpt/buffer/values.py",
+             "            if fenced is None:\n                for gone in drop:",
+             "            if True:\n                for gone in drop:", VALUE_PROGRESS),
+    Mutation("value-progress-fenced-call-marks", "kvckpt/buffer/values.py",
+             "            if fenced is None and then is not None:", "            if then is not None:", VALUE_PROGRESS),
+    Mutation("value-progress-unfenced", "kvckpt/buffer/values.py",
+             "                records.check_fence(txn, self.path, fence)\n            except FencedWrite",
+             "                pass\n            except FencedWrite", VALUE_PROGRESS),
+    Mutation("value-progress-stray-key-taken-for-a-chunk", "kvckpt/values/records.py",
+             "    if len(tail) != 10 or not tail.isdigit():", "    if False:", VALUE_PROGRESS),
+    Mutation("value-progress-fenced-resend-refused", "kvckpt/transitions/progress_step.py",
+             "        if not isinstance(exc, ForeignLease) and s.chunks and all(", "        if False and all(",
+             VALUE_PROGRESS),
 )
 
 
