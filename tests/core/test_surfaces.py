@@ -74,8 +74,8 @@ def test_a_generated_method_has_replay_buffers_signature_hints_and_summary() -> 
     method = AsyncReplayBuffer.commit_encoded
     assert inspect.signature(method) == inspect.signature(ReplayBuffer.commit_encoded)
     assert typing.get_type_hints(method) == typing.get_type_hints(ReplayBuffer.commit_encoded)
-    assert method.__doc__.startswith("Commit rows a producer encoded itself") and "kvckpt.ReplayBuffer.commit_encoded" in \
-        method.__doc__
+    assert method.__doc__.startswith("Commit rows a producer encoded itself")
+    assert "kvckpt.ReplayBuffer.commit_encoded" in method.__doc__
     remote = BufferActor.__ray_actor_class__.commit_group
     assert shape(remote) == shape(ReplayBuffer.commit_group) and "lease" in remote.__doc__
 
