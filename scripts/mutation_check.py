@@ -320,7 +320,7 @@ MUTATIONS += (
     Mutation("demo-parks-before-mid-way", "reference/demo.py",
              "max(s.generated for s in mine) >= self.park_tokens", "True",
              (f"{_DEMO}test_the_demo_parks_its_rollout_mid_way_through_generation",)),
-    Mutation("repeat-reward-ignores-extra-words", "integrations/vllm/tiny_model.py",
+    Mutation("repeat-reward-ignores-extra-words", "kvckpt/testing/fixtures/tiny_model.py",
              "        if len(words) > self.repeat:\n            return 0.0\n", "",
              (f"{_DEMO}test_the_default_demo_generates_long_completions_with_progress_well_inside_them",)),
 )
@@ -776,7 +776,7 @@ MUTATIONS += (
              "            return await run(getattr(self.buffer, 'ledger' if name == 'state' else name),"
              " *args, **kwargs)",
              (f"{SCENARIO_TESTS}::test_every_operation_runs_its_scenario_on_every_surface_that_offers_it",)),
-    Mutation("scenario-skips-an-offered-operation", "kvckpt/testing/buffer_scenarios.py",
+    Mutation("scenario-skips-an-offered-operation", "kvckpt/testing/conformance/scenarios.py",
              "        offer, why = offered(surface, row.name)\n",
              "        offer, why = offered(surface, row.name)\n        offer = offer and row.name != 'claim'\n",
              (f"{SCENARIO_TESTS}::test_every_operation_runs_its_scenario_on_every_surface_that_offers_it",)),

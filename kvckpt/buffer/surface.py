@@ -12,7 +12,7 @@ What is made from it: the facade's pass-through coroutines (:func:`kvckpt.buffer
 the actor's methods (one function over the table, with the codecs of
 ``kvckpt.integrations.ray.wire``). What checks it: ``tests/core/test_surfaces.py`` fails on a surface
 that does not offer an operation as its row says, and the conformance suite drives every operation
-on every surface that offers it (``kvckpt.testing.buffer_conformance.run_operation_scenarios``).
+on every surface that offers it (``kvckpt.testing.conformance.buffer.run_operation_scenarios``).
 
 Adding a transition is one method on ReplayBuffer and one row here.
 """

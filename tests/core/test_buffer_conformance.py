@@ -1,4 +1,4 @@
-"""The buffer conformance suite (kvckpt.testing.buffer_conformance) on the surfaces other than
+"""The buffer conformance suite (kvckpt.testing.conformance.buffer) on the surfaces other than
 ReplayBuffer itself (tests/core/test_buffer_stateful.py runs that one): the asyncio facade through a
 synchronous shim, and the reference trainer's in-memory buffer (which lacks durability by design).
 Each surface's missing capabilities are declared with their reason; the Ray actor's run is in
@@ -13,14 +13,14 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 from kvckpt.buffer.surface import TABLE
-from kvckpt.testing.buffer_conformance import (
+from kvckpt.testing.conformance.buffer import (
     ASYNC_SURFACE,
     REPLAY_BUFFER_SURFACE,
     BufferSurface,
     run_buffer_conformance,
 )
-from kvckpt.testing.buffer_scenarios import SCENARIOS, run_operation_scenarios
-from kvckpt.testing.memory_buffer import MemoryReplayBuffer
+from kvckpt.testing.conformance.scenarios import SCENARIOS, run_operation_scenarios
+from kvckpt.testing.fixtures.memory_buffer import MemoryReplayBuffer
 
 SAMPLERS = ["in_order", "weight_fifo", "windowed", "ready_first"]
 #: Smaller than the buffer's own profile: the facade adds only its event loop hop to each call.
@@ -88,7 +88,7 @@ def test_every_operation_of_the_table_has_a_scenario() -> None:
 
 @pytest.mark.parametrize("surface", [REPLAY_BUFFER_SURFACE, ASYNC_SURFACE, MEMORY_SURFACE], ids=lambda s: s.name)
 def test_every_operation_runs_its_scenario_on_every_surface_that_offers_it(surface: BufferSurface) -> None:
-    """One explicit scenario per operation (kvckpt.testing.buffer_scenarios); an operation is skipped only where
+    """One explicit scenario per operation (kvckpt.testing.conformance.scenarios); an operation is skipped only where
     the operation table says the surface does not offer it (the Ray actor's run: tests/integrations/ray)."""
     outcome = run_operation_scenarios(surface)
     assert list(outcome) == [row.name for row in TABLE]

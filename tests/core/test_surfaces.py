@@ -24,7 +24,7 @@ def _surfaces() -> dict[str, type]:
     from kvckpt.integrations.ray.actor import BufferActor
     from kvckpt.integrations.ray.client import BufferClient
 
-    from kvckpt.testing.memory_buffer import MemoryReplayBuffer
+    from kvckpt.testing.fixtures.memory_buffer import MemoryReplayBuffer
 
     return {"async": AsyncReplayBuffer, "actor": BufferActor.__ray_actor_class__, "client": BufferClient,
             "memory": MemoryReplayBuffer}

@@ -1,11 +1,11 @@
-"""The buffer conformance suite (kvckpt.testing.buffer_conformance) on the Ray actor: trainer calls on
+"""The buffer conformance suite (kvckpt.testing.conformance.buffer) on the Ray actor: trainer calls on
 the actor handle, producer calls (commits, token progress) through :class:`BufferClient`, as a
 trainer and its rollout workers drive it. Ray runs on loopback; the profile is small and
 derandomized (the same examples every run) so CI stays cheap: one actor start per example.
 
 Declared differences: a (re)started actor recovers its store on open (``reopen`` is the ``recover``
 rule there). Besides the state machine, every operation of the table runs its scenario
-(kvckpt.testing.buffer_scenarios) through the actor and the client, or is skipped where the table says
+(kvckpt.testing.conformance.scenarios) through the actor and the client, or is skipped where the table says
 neither offers it.
 """
 
@@ -27,8 +27,8 @@ import ray
 from kvckpt import BufferConfig, Lease, ReplayBuffer
 from kvckpt.buffer.surface import BY_NAME, HAND, TABLE
 from kvckpt.durability.checkpoint import CheckpointResult
-from kvckpt.testing.buffer_conformance import BufferSurface, run_buffer_conformance
-from kvckpt.testing.buffer_scenarios import run_operation_scenarios
+from kvckpt.testing.conformance.buffer import BufferSurface, run_buffer_conformance
+from kvckpt.testing.conformance.scenarios import run_operation_scenarios
 
 pytestmark = pytest.mark.ray
 

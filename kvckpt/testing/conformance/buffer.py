@@ -7,7 +7,7 @@ the Ray actor through a shim, the reference trainer's in-memory buffer, or an in
 Describe it with a :class:`BufferSurface` (a factory, and the capabilities it lacks, each with its
 reason) and run::
 
-    from kvckpt.testing.buffer_conformance import BufferSurface, run_buffer_conformance
+    from kvckpt.testing.conformance.buffer import BufferSurface, run_buffer_conformance
 
     def test_my_buffer_conforms():
         run_buffer_conformance(BufferSurface("mine", create=MyBuffer.create), "in_order")
@@ -159,7 +159,7 @@ class BufferSurface:
         close: ``close(handle)``; default ``handle.close()``.
         offers: the columns of the operation table (:data:`kvckpt.buffer.surface.SURFACES`) whose
             operations the surface offers (any of them); empty (the default): every operation, as
-            ReplayBuffer. :func:`kvckpt.testing.buffer_scenarios.run_operation_scenarios` skips an
+            ReplayBuffer. :func:`kvckpt.testing.conformance.scenarios.run_operation_scenarios` skips an
             operation only where the table says these columns do not offer it.
     """
 

@@ -1,11 +1,11 @@
 """One explicit scenario per operation of the buffer, run on every surface that offers it.
 
-The state machine of :mod:`kvckpt.testing.buffer_conformance` draws random sequences of the buffer's
+The state machine of :mod:`kvckpt.testing.conformance.buffer` draws random sequences of the buffer's
 main transitions; this module drives *every* row of the operation table
 (:data:`kvckpt.buffer.surface.TABLE`) deterministically: :data:`SCENARIOS` holds one scenario per
 operation (a fresh buffer, the operation called, its result and its effect checked against what
 :class:`~kvckpt.ReplayBuffer` answers), and :func:`run_operation_scenarios` runs them on a
-:class:`~kvckpt.testing.buffer_conformance.BufferSurface`. An operation the surface does not offer is
+:class:`~kvckpt.testing.conformance.buffer.BufferSurface`. An operation the surface does not offer is
 skipped only where the table says so (with its reason); a capability the surface declares it lacks
 (``durability``, ``reopen``) is held to its declaration: the operation must refuse with
 :class:`NotImplementedError`. A row without a scenario fails the run, so a new operation needs one.
@@ -26,7 +26,7 @@ from kvckpt import BufferConfig, MalformedMessage, ProgressEncoder, StaleAttempt
 from kvckpt.buffer.surface import TABLE
 from kvckpt.durability.safe_open import verify_path
 from kvckpt.storage.encoding import RowEncoder
-from kvckpt.testing.buffer_conformance import MSCHEMA, BufferSurface, N, row_for
+from kvckpt.testing.conformance.buffer import MSCHEMA, BufferSurface, N, row_for
 
 #: Every scenario's buffer: prompts stamped for a step (in_order), three steps of look-ahead, room for four.
 CONFIG = BufferConfig(group_size=N, schema=MSCHEMA, sampler={"name": "in_order", "max_lookahead_versions": 3},
