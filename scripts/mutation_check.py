@@ -791,6 +791,63 @@ MUTATIONS += (
 )
 
 
+# issue 45 (this session): lease holders (leases_held_by, redispatch_held_by), TRL's SIGTERM drain,
+# BufferClient.record_progress_many's message built in the producer.
+HOLDERS = "tests/core/test_lease_holders.py"
+MANY_MESSAGE = (f"{RAY_STEP}::test_record_progress_many_sends_one_message_built_here_and_its_resend_after_a_"
+                "restart_is_exactly_once")
+HOLDERS_RESTART = f"{HOLDERS}::test_a_dead_nodes_leases_are_listed_and_redispatched_in_one_call_across_restarts"
+MUTATIONS += (
+    Mutation("admit-records-no-holder", "kvckpt/transitions/admission.py", "                            holder=holder)",
+             "                            holder=None)", (HOLDERS_RESTART,)),
+    Mutation("held-by-lists-every-lease", "kvckpt/transitions/inflight.py",
+             "    return [e.lease(store_id) for e in t.entries() if e.holder == holder]",
+             "    return [e.lease(store_id) for e in t.entries()]", (HOLDERS_RESTART,)),
+    Mutation("redispatch-held-by-takes-every-lease", "kvckpt/transitions/inflight.py",
+             "for e in t.entries() if e.holder == holder]\n    t.put_state(st)",
+             "for e in t.entries()]\n    t.put_state(st)", (HOLDERS_RESTART,)),
+    Mutation("redispatch-keeps-the-old-holder", "kvckpt/transitions/inflight.py",
+             '"timeline": st["timeline"], "holder": holder,', '"timeline": st["timeline"],', (HOLDERS_RESTART,)),
+    Mutation("redispatch-held-by-does-not-fence", "kvckpt/transitions/inflight.py",
+             '**entry.to_dict(), "attempt": entry.attempt + 1,', '**entry.to_dict(), "attempt": entry.attempt,',
+             (HOLDERS_RESTART,)),
+    Mutation("recovery-drops-the-holder", "kvckpt/durability/recovery.py",
+             '"timeline": st["timeline"], **stamps})', '"timeline": st["timeline"], "holder": None, **stamps})',
+             (HOLDERS_RESTART,)),
+    Mutation("holder-written-when-none", "kvckpt/tables/records.py",
+             '_OMITTED_WHEN_NONE = frozenset({"lineage_fork", "holder"})',
+             '_OMITTED_WHEN_NONE = frozenset({"lineage_fork"})',
+             (f"{HOLDERS}::test_an_entry_without_a_holder_is_the_bytes_an_older_kvckpt_wrote",)),
+    Mutation("verify-ignores-a-holder-of-another-type", "kvckpt/durability/verify.py",
+             'if ledger and not isinstance(doc.get("holder", ""), str):', "if False:",
+             (f"{HOLDERS}::test_a_holder_that_is_not_a_string_is_malformed",)),
+    Mutation("memory-buffer-held-by-ignores-holder", "kvckpt/testing/fixtures/memory_buffer.py",
+             "                    if e.holder == holder]\n\n    def redispatch_held_by",
+             "                    ]\n\n    def redispatch_held_by",
+             (f"{HOLDERS}::test_every_surface_records_and_answers_holders_alike",)),
+    Mutation("client-many-ships-items-to-the-owner", "integrations/ray/client.py",
+             "        out: list[Any] = [None] * len(items)\n        by_fields",
+             "        return ray.get(self.actor.record_progress_many.remote([{**to_wire(dict(i)), \"lease\": "
+             "_lease_dict(i[\"lease\"])} for i in items]))\n"
+             "        out: list[Any] = [None] * len(items)\n        by_fields", (MANY_MESSAGE,)),
+    Mutation("client-many-refuses-the-message-for-one-item", "integrations/ray/client.py",
+             "        except KvckptError:\n            for n in ns:",
+             "        except KvckptError:\n            raise\n            for n in ns:", (MANY_MESSAGE,)),
+    Mutation("actor-redispatch-held-by-drops-the-new-holder", "integrations/ray/actor.py",
+             '        del arguments["self"]\n',
+             '        del arguments["self"]\n'
+             '        if name == "redispatch_held_by":\n            arguments.pop("to", None)\n',
+             ("tests/integrations/ray/test_ray_conformance.py"
+              "::test_every_operation_runs_its_scenario_through_the_actor_and_its_client",)),
+    Mutation("trl-worker-admits-without-its-holder", "integrations/trl/worker.py",
+             "weight_version=self.clock.weights_step, holder=self.holder)",
+             "weight_version=self.clock.weights_step)",
+             ("tests/integrations/trl/test_trl_drain.py",)),
+    Mutation("trl-worker-installs-no-sigterm-drain", "integrations/trl/worker.py",
+             "            drain_on_sigterm(drain_seconds)\n", "            pass\n",
+             ("tests/integrations/trl/test_trl_drain.py",)),
+)
+
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and
     map ``integrations``/``reference``/``tools`` into the package the way the build does."""

@@ -11,6 +11,7 @@ effect in this process too (:func:`init_local_ray` applies it either way).
 * :func:`batch_from_dict`, :func:`plan_from_dict`: rebuild kvckpt objects from actor replies;
   :func:`call` runs any operation of the table on the actor with ReplayBuffer's result types
   (:mod:`kvckpt.integrations.ray.wire`: one codec per kind of value on the wire).
+* :func:`holder_name`: the lease holder name of a Ray process (its node or actor id).
 """
 
 import os
@@ -33,7 +34,7 @@ from kvckpt.integrations.ray.actor import (  # noqa: E402  (after the environmen
     keep_ray_on_loopback,
     start_buffer_actor,
 )
-from kvckpt.integrations.ray.client import BufferClient, wait_for_actor  # noqa: E402
+from kvckpt.integrations.ray.client import BufferClient, holder_name, wait_for_actor  # noqa: E402
 from kvckpt.integrations.ray.wire import (  # noqa: E402
     CODECS,
     batch_from_dict,
@@ -45,6 +46,6 @@ from kvckpt.integrations.ray.wire import (  # noqa: E402
 
 __all__ = [
     "CODECS", "DEFAULT_NAME", "DEFAULT_NAMESPACE", "LOOPBACK_ENV", "BufferActor", "BufferClient", "batch_from_dict",
-    "call", "init_local_ray", "keep_ray_on_loopback", "plan_from_dict", "progress_from_dict",
+    "call", "holder_name", "init_local_ray", "keep_ray_on_loopback", "plan_from_dict", "progress_from_dict",
     "start_buffer_actor", "to_wire", "wait_for_actor",
 ]

@@ -140,7 +140,7 @@ class AsyncReplayBuffer:
     # -- admission -------------------------------------------------------------------------------
     async def admit(self, prompts: Sequence[Prompt | int | Mapping[str, Any]], dataloader_state: bytes | None = None,
                     *, timeout: float | None = None, weight_version: int | None = None,
-                    admission: Admission | None = None) -> list[Lease]:
+                    admission: Admission | None = None, holder: str | None = None) -> list[Lease]:
         """Admit one dataloader batch (see :meth:`ReplayBuffer.admit`); the gate wait never
         blocks the loop or holds a pool thread.
 
@@ -149,7 +149,7 @@ class AsyncReplayBuffer:
             CapacityError, BadArgument: as :meth:`ReplayBuffer.admit`, at once.
         """
         return await self._when_open(self.buffer.admit, prompts, dataloader_state, timeout=timeout,
-                                     weight_version=weight_version, admission=admission)
+                                     weight_version=weight_version, admission=admission, holder=holder)
 
     async def advance_dispatch(self, dataloader_state: bytes | None = None, *,
                                timeout: float | None = None) -> Admission:

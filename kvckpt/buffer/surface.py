@@ -146,6 +146,8 @@ TABLE: tuple[Operation, ...] = (
     op("advance_dispatch", writes=True, result="admission",
        async_=hand("the gate wait runs on the loop between non-blocking tries")),
     op("redispatch", writes=True, result="lease"),
+    op("leases_held_by", result="leases"),
+    op("redispatch_held_by", writes=True, result="leases"),
     op("abort", writes=True),
     op("abort_stale_inflight", writes=True),
     # -- commits and progress -----------------------------------------------------------------------

@@ -10,7 +10,7 @@ skipped only where the table says so (with its reason); a capability the surface
 (``durability``, ``reopen``) is held to its declaration: the operation must refuse with
 :class:`NotImplementedError`. A row without a scenario fails the run, so a new operation needs one.
 
-Long (over 400 lines): one short scenario per row of the table (40), in the table's order; split, a
+Long (over 400 lines): one short scenario per row of the table (42), in the table's order; split, a
 row's scenario would be looked for in two places.
 """
 
@@ -140,6 +140,20 @@ def redispatch(s: Scene) -> None:
     except StaleAttempt:
         pass
     assert s.buf.commit_group(new, s.rows(new)).ready
+
+
+def leases_held_by(s: Scene) -> None:
+    [mine] = s.buf.admit([0], holder="w1")
+    s.buf.admit([1], holder="w2")
+    assert [(x.group_id, x.attempt) for x in s.buf.leases_held_by("w1")] == [(mine.group_id, 0)]
+    assert s.buf.leases_held_by("nobody") == []
+
+
+def redispatch_held_by(s: Scene) -> None:
+    [old] = s.buf.admit([0], holder="w1")
+    [new] = s.buf.redispatch_held_by("w1", to="w2")
+    assert (new.group_id, new.attempt) == (old.group_id, 1)
+    assert [x.group_id for x in s.buf.leases_held_by("w2")] == [old.group_id] and s.buf.leases_held_by("w1") == []
 
 
 def abort(s: Scene) -> None:
