@@ -44,10 +44,10 @@ def main() -> None:
     from _nemo_rl_worker import SamplingParams
     from _verl_engine import TinyEngine
     from kvckpt.integrations.nemo_rl.engine import ProgressEngine, sequence
-    from kvckpt.integrations.vllm.tiny_model import AdditionTask, ensure_tiny_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvckpt import BufferConfig, Prompt, ReplayBuffer
+    from kvckpt.testing.fixtures.tiny_model import AdditionTask, ensure_tiny_model
 
     model_path = ensure_tiny_model()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)

@@ -35,7 +35,7 @@ from kvckpt.integrations.trl.server import VLLMServerBackend
 from kvckpt.integrations.vllm import AdditionTask, Continuation, ensure_tiny_model, stream_leases
 
 from kvckpt import BufferConfig, Prompt, ReplayBuffer
-from kvckpt.testing.vllm_server import VLLMServer
+from kvckpt.testing.fixtures.vllm_server import VLLMServer
 
 SCHEMA = {"input_ids": ("int64", "token"), "completion_mask": ("int64", "token")}
 

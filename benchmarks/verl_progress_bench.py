@@ -56,10 +56,11 @@ def main() -> None:
     from kvckpt.integrations.verl.mirror import NAMESPACE, Mirror, install
     from kvckpt.integrations.verl.progress import ServerProgress
     from kvckpt.integrations.verl.server import KvckptHttpServer, ledger_sink
-    from kvckpt.integrations.vllm.tiny_model import AdditionTask, ensure_tiny_model
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+
+    from kvckpt.testing.fixtures.tiny_model import AdditionTask, ensure_tiny_model
 
     torch.set_num_threads(1)  # the engine and the ledger actor share the cores: no intra-op oversubscription
     init_local_ray(num_cpus=2, object_store_memory=128 << 20, namespace="kvckpt_verl_bench")

@@ -7,7 +7,7 @@
 Build ``.venv-vllm`` first (``bash scripts/setup_peer_env.sh vllm``). It has no Ray, and needs
 none here: the engine side of a fleet's progress is the producer's edge, which this measures
 without importing Ray. vLLM's CPU engine (:class:`kvckpt.integrations.vllm.backends.VLLMBackend`,
-in-process, the tiny model of :mod:`kvckpt.integrations.vllm.tiny_model`) generates ``sequences``
+in-process, the tiny model of :mod:`kvckpt.testing.fixtures.tiny_model`) generates ``sequences``
 sequences greedily, one token per sequence per engine step, with an ``on_step`` hook:
 
 * ``off``: no hook (vLLM alone);

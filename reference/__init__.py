@@ -13,7 +13,7 @@ from kvckpt.reference.config import TrainerConfig
 from kvckpt.reference.faults import CrashAt, Hooks, ParkRollout
 from kvckpt.reference.grpo import GRPOTrainer, group_advantages, grpo_loss, sft_warmup
 
-from kvckpt.testing.memory_buffer import MemoryReplayBuffer
+from kvckpt.testing.fixtures.memory_buffer import MemoryReplayBuffer
 
 __all__ = ["CrashAt", "GRPOTrainer", "Hooks", "MemoryReplayBuffer", "ParkRollout", "TrainerConfig",
            "group_advantages", "grpo_loss", "sft_warmup"]

@@ -36,7 +36,7 @@ class ModelConfig:
     """The tiny policy and its supervised warm-up.
 
     Args:
-        cache_dir: where :func:`~kvckpt.integrations.vllm.tiny_model.ensure_tiny_model` caches
+        cache_dir: where :func:`~kvckpt.testing.fixtures.tiny_model.ensure_tiny_model` caches
             the model. Defaults to ``~/.cache/kvckpt/tiny-model``.
         sft_steps: supervised steps on correct answers before RL (gives GRPO a reward signal),
             skipped when resuming. Defaults to 100.
@@ -52,7 +52,7 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    """The verifiable task (see :class:`~kvckpt.integrations.vllm.tiny_model.AdditionTask`).
+    """The verifiable task (see :class:`~kvckpt.testing.fixtures.tiny_model.AdditionTask`).
 
     Args:
         name: only ``"addition"``. Defaults to it.

@@ -23,7 +23,7 @@ and redispatched — no generation lost) or restores ``buffer.kvckpt`` over it (
 checkpoint``). The dataloader resumes from the state stored with the last admission, so no
 prompt is served twice or skipped.
 
-``replay_buffer.backend: memory`` swaps in :class:`~kvckpt.testing.memory_buffer.MemoryReplayBuffer` (same
+``replay_buffer.backend: memory`` swaps in :class:`~kvckpt.testing.fixtures.memory_buffer.MemoryReplayBuffer` (same
 samplers, nothing durable) for comparison; ``generation.ray: true`` hosts the workers — and the
 kvckpt buffer, as a :class:`~kvckpt.integrations.ray.BufferActor` — in Ray actors.
 
@@ -57,7 +57,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from kvckpt.integrations.vllm.tiny_model import AdditionTask, TinyModelSpec, ensure_tiny_model
 from kvckpt.integrations.vllm.worker import DEFAULT_SCHEMA, RolloutWorker
 from kvckpt.reference.config import TrainerConfig
 from kvckpt.reference.faults import CrashAt, Hooks
@@ -75,7 +74,8 @@ from kvckpt import (
     sink_from_config,
 )
 from kvckpt.errors import BadArgument, GateTimeout
-from kvckpt.testing.memory_buffer import MemoryReplayBuffer
+from kvckpt.testing.fixtures.memory_buffer import MemoryReplayBuffer
+from kvckpt.testing.fixtures.tiny_model import AdditionTask, TinyModelSpec, ensure_tiny_model
 
 logger = logging.getLogger(__name__)
 MODEL_FILE, BUFFER_FILE = "model.pt", "buffer.kvckpt"

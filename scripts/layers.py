@@ -55,8 +55,9 @@ CONSUMERS = ("kvckpt.integrations", "kvckpt.reference", "kvckpt.tools", "benchma
 #: (kvckpt/tooling.py, the file-level parts the tools and benchmarks build on).
 FACES = {"kvckpt.tooling": ("kvckpt.tools", "benchmarks")}
 #: Packages public as a whole (but for their ``_private`` parts), beside the names ``kvckpt`` exports: the error
-#: classes, the samplers and their registry (for sampler authors), and the shipped harnesses.
-PUBLIC_PACKAGES = ("kvckpt.errors", "kvckpt.samplers", "kvckpt.testing")
+#: classes, the samplers and their registry (for sampler authors), the shipped harnesses, and the operation table
+#: (for authors of a surface of the buffer: the Ray actor is made from it).
+PUBLIC_PACKAGES = ("kvckpt.errors", "kvckpt.samplers", "kvckpt.testing", "kvckpt.buffer.surface")
 #: Private names of other libraries' public API (namedtuple methods, ``os._exit``...).
 FOREIGN_PRIVATE_API = frozenset({"_replace", "_asdict", "_fields", "_make", "_exit", "_getframe", "_field_defaults"})
 #: A peer's private methods an adapter calls on purpose, each because the adapter must behave exactly as the peer

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what the power-cut campaign (kvckpt.testing.powerfs) needs to mount FUSE: fuse3
+# Install what the power-cut campaign (kvckpt.testing.campaigns.powerfs) needs to mount FUSE: fuse3
 # (fusermount3 and libfuse3). Idempotent: does nothing when fusermount3 is already there, and
 # nothing (the tests then skip, saying why) without root, apt-get or /dev/fuse.
 set -euo pipefail

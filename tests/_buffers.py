@@ -2,7 +2,7 @@
 
 Import them directly (``from _buffers import SCHEMA, make_row, make_group, dump_store, refused``); tests/
 is on ``sys.path`` (pyproject's pytest ``pythonpath``). The schema, rows and dumps are the buffer
-conformance suite's (:mod:`kvckpt.testing.buffer_conformance`), so the suite and the tests build the same rows.
+conformance suite's (:mod:`kvckpt.testing.conformance.buffer`), so the suite and the tests build the same rows.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from kvckpt import ReplayBuffer
-from kvckpt.testing.buffer_conformance import SCHEMA, dump_store, make_row
+from kvckpt.testing.conformance.buffer import SCHEMA, dump_store, make_row
 
 if TYPE_CHECKING:  # no torch at import: tests/conftest.py loads this in .venv-gym too
     import torch

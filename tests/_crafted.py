@@ -1,7 +1,7 @@
 """Hostile checkpoint files, built on purpose (not random flips), and a runner for one entry point.
 
 :func:`build_all` writes one file per :data:`CASES` entry from two valid checkpoints
-(:func:`kvckpt.testing.fuzz.build_base`): valid LMDB with valid record checksums and hostile content,
+(:func:`kvckpt.testing.campaigns.fuzz.build_base`): valid LMDB with valid record checksums and hostile content,
 and files with edited pages. Each case says what it attacks (the issue-20 class) and whether a
 reader may accept it (``either``: the data must then be exactly right) or must refuse it
 (``refuse``: a specific kvckpt error, or a CLI exit status with a named message).
@@ -428,7 +428,7 @@ CASES: tuple[Case, ...] = (
 
 def build_all(directory: str) -> dict[str, str]:
     """Write the two bases and every case into ``directory``; returns case name -> file."""
-    from kvckpt.testing.fuzz import build_base
+    from kvckpt.testing.campaigns.fuzz import build_base
 
     bases = {}
     for kind in ("small", "large"):

@@ -25,10 +25,10 @@ from _phases import write_json
 from kvckpt.integrations.nemo_rl import TQReplayBuffer, configure
 from kvckpt.integrations.nemo_rl.engine import KeyedGeneration, ProgressEngine, attach, install_worker, sequence
 from kvckpt.integrations.nemo_rl.reissue import install_generate_and_push, reissue_inflight
-from kvckpt.integrations.vllm.tiny_model import AdditionTask, ensure_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvckpt import READY
+from kvckpt.testing.fixtures.tiny_model import AdditionTask, ensure_tiny_model
 
 PHASE, WORK = sys.argv[1], sys.argv[2]
 EVERY, BUDGET, REFIT_AT, KILL_AT, PROMPTS, N = 8, 40, 11, 29, 2, 2

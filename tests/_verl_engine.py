@@ -6,7 +6,7 @@ imports vLLM at module level, so :func:`install_vllm_standin` puts a stand-in ``
 ``sys.modules`` that provides the few names verl's *request path* uses (``SamplingParams``, ``TokensPrompt``,
 ``RequestOutput``'s shape, ``__version__``); every other name is an inert placeholder that verl only touches
 when launching a real vLLM (never here). :class:`TinyEngine` is the engine verl's ``generate`` streams from:
-kvckpt's tiny Qwen2 (:mod:`kvckpt.integrations.vllm.tiny_model`) decoding one token per engine step for every
+kvckpt's tiny Qwen2 (:mod:`kvckpt.testing.fixtures.tiny_model`) decoding one token per engine step for every
 admitted request, greedy or seeded sampling, full recompute per token (no KV cache), so a continuation from
 ``prompt + prefix`` reproduces the uninterrupted run's tokens and logprobs bit for bit. It implements what
 verl's ``generate``, ``abort_all_requests`` and ``resume_generation`` call on ``AsyncLLM``: ``generate``

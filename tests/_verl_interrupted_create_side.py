@@ -11,7 +11,7 @@ from typing import Any
 from kvckpt.integrations.verl import campaign
 
 from kvckpt.storage.store import fsync_dir, fsync_file
-from kvckpt.testing.sides import Side
+from kvckpt.testing.campaigns.sides import Side
 
 _MARK = "interrupted-create"
 

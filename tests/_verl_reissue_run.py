@@ -51,13 +51,14 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from kvckpt.integrations.verl.buffer import KvckptReplayBufferAsync  # noqa: E402
 from kvckpt.integrations.verl.client import AGENT_LOOP  # noqa: E402
 from kvckpt.integrations.verl.server import KvckptHttpServer  # noqa: E402
-from kvckpt.integrations.vllm.tiny_model import AdditionTask, ensure_tiny_model  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ  # noqa: E402
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient  # noqa: E402
+
+from kvckpt.testing.fixtures.tiny_model import AdditionTask, ensure_tiny_model  # noqa: E402
 
 MODE, WORK = sys.argv[1], sys.argv[2]
 ACTOR = "kvckpt_verl_reissue"

@@ -43,10 +43,11 @@ from kvckpt.integrations.verl.ledger import ledger_actor  # noqa: E402
 from kvckpt.integrations.verl.mirror import NAMESPACE, Mirror, install  # noqa: E402
 from kvckpt.integrations.verl.progress import SampleKey, ServerProgress  # noqa: E402
 from kvckpt.integrations.verl.server import KvckptHttpServer, ledger_sink  # noqa: E402
-from kvckpt.integrations.vllm.tiny_model import AdditionTask, ensure_tiny_model  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient  # noqa: E402
+
+from kvckpt.testing.fixtures.tiny_model import AdditionTask, ensure_tiny_model  # noqa: E402
 
 MODE, WORK = sys.argv[1], sys.argv[2]
 ACTOR = "kvckpt_verl_stream"

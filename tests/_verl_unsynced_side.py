@@ -10,7 +10,7 @@ from typing import Any
 import lmdb
 from kvckpt.integrations.verl import campaign
 
-from kvckpt.testing.sides import Side
+from kvckpt.testing.campaigns.sides import Side
 
 
 def _start(run: str, log: Any, seed: int) -> None:

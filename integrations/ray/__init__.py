@@ -8,7 +8,9 @@ effect in this process too (:func:`init_local_ray` applies it either way).
 * :class:`BufferActor` / :func:`start_buffer_actor`: the process that owns the store.
 * :class:`BufferClient`: producers batch several groups per call and keep several calls in
   flight; retries after an actor restart are idempotent.
-* :func:`batch_from_dict`, :func:`plan_from_dict`: rebuild kvckpt objects from actor replies.
+* :func:`batch_from_dict`, :func:`plan_from_dict`: rebuild kvckpt objects from actor replies;
+  :func:`call` runs any operation of the table on the actor with ReplayBuffer's result types
+  (:mod:`kvckpt.integrations.ray.wire`: one codec per kind of value on the wire).
 * :func:`holder_name`: the lease holder name of a Ray process (its node or actor id).
 """
 
@@ -31,19 +33,19 @@ from kvckpt.integrations.ray.actor import (  # noqa: E402  (after the environmen
     init_local_ray,
     keep_ray_on_loopback,
     start_buffer_actor,
-    to_wire,
 )
-from kvckpt.integrations.ray.client import (  # noqa: E402
-    BufferClient,
+from kvckpt.integrations.ray.client import BufferClient, holder_name, wait_for_actor  # noqa: E402
+from kvckpt.integrations.ray.wire import (  # noqa: E402
+    CODECS,
     batch_from_dict,
-    holder_name,
+    call,
     plan_from_dict,
     progress_from_dict,
-    wait_for_actor,
+    to_wire,
 )
 
 __all__ = [
-    "DEFAULT_NAME", "DEFAULT_NAMESPACE", "LOOPBACK_ENV", "BufferActor", "BufferClient", "batch_from_dict",
-    "holder_name", "init_local_ray", "keep_ray_on_loopback", "plan_from_dict", "progress_from_dict",
+    "CODECS", "DEFAULT_NAME", "DEFAULT_NAMESPACE", "LOOPBACK_ENV", "BufferActor", "BufferClient", "batch_from_dict",
+    "call", "holder_name", "init_local_ray", "keep_ray_on_loopback", "plan_from_dict", "progress_from_dict",
     "start_buffer_actor", "to_wire", "wait_for_actor",
 ]

@@ -6,11 +6,12 @@ transactions run on the facade's thread pool (serialised by the store's writer l
 ``admit`` waits on the event loop, so it never blocks the commits and ``finish_step`` that open
 the gate.
 
-What crosses the wire:
+What crosses the wire (:mod:`kvckpt.integrations.ray.wire`, one codec per kind of value, named per
+operation by the operation table :data:`kvckpt.buffer.surface.TABLE`):
 
 * leases, commit results, selections, group records and recovery plans as plain dicts (the
   records' ``to_dict``; rebuild them with ``from_dict`` or the helpers in
-  :mod:`kvckpt.integrations.ray.client`);
+  :mod:`kvckpt.integrations.ray.wire`, or call through :func:`kvckpt.integrations.ray.wire.call`);
 * row payloads as numpy arrays inside one Ray object per call (:func:`to_wire` turns torch
   tensors into zero-copy numpy views; Ray ships numpy out of band, so the actor decodes them
   straight from the object store);
@@ -29,40 +30,42 @@ kvckpt's) is refused with :class:`~kvckpt.ForeignLease`. The driver fetches the 
 with :meth:`BufferActor.recovery_plan`. A restart never creates a store: if the file is gone (the
 actor landed on another node), the restart fails instead of silently starting empty.
 
-The module is long (about 600 lines) because the actor mirrors the buffer's whole public API as
-async methods, each with its wire conversion (leases, batches, plans as plain dicts) and its
-restart behaviour (and the per-caller order of progress calls); the client side is
+The module is long (about 520 lines): most of the buffer's operations are made from the operation table
+(:func:`remote_method`), but the actor's own behaviour is written here: its start (create, or open and
+recover), its restart, restore, the per-caller order of progress calls, checkpoints that wait, its call
+counters; the wire is :mod:`kvckpt.integrations.ray.wire` and the client side
 :mod:`kvckpt.integrations.ray.client`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
+import inspect
 import os
 import uuid
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import ray
 from kvckpt.integrations.ray import LOOPBACK_ENV
+from kvckpt.integrations.ray.wire import CODECS, plan_to_dict, progress_to_dict
+from kvckpt.integrations.ray.wire import batch_to_dict as batch_to_dict  # public here too
+from kvckpt.integrations.ray.wire import to_wire as to_wire  # public here too
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvckpt import (
     DEFAULT_WORKERS,
-    Admission,
     AsyncReplayBuffer,
-    Batch,
     BufferConfig,
     CheckpointHandle,
     Lease,
-    RecoveryPlan,
     ReplayBuffer,
     check,
     restore,
 )
+from kvckpt.buffer.surface import GENERATED, Operation, mark_generated, offered_by, signature, summary
 from kvckpt.errors import BadArgument, KvckptError, RecoveryError, StaleAttempt
 
 LOOPBACK = "127.0.0.1"
@@ -121,36 +124,6 @@ def keep_ray_on_loopback() -> None:
         ray_constants.ENABLE_RAY_CLUSTER = False
 
 
-# -- wire format -----------------------------------------------------------------------------------
-def to_wire(value: Any) -> Any:
-    """Rows (nested dicts/lists of tensors) with every CPU torch tensor replaced by a zero-copy
-    numpy view, so Ray ships it out of band. Dtypes numpy lacks (bfloat16) stay torch tensors."""
-    if isinstance(value, Mapping):
-        return {k: to_wire(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_wire(v) for v in value]
-    if hasattr(value, "detach") and hasattr(value, "numpy"):
-        tensor = value.detach().cpu()
-        with contextlib.suppress(TypeError):
-            return tensor.numpy()
-        return tensor
-    return value
-
-
-def plan_to_dict(plan: RecoveryPlan) -> dict[str, Any]:
-    """A recovery plan as a dict (leases as dicts); inverse of
-    :func:`kvckpt.integrations.ray.client.plan_from_dict`."""
-    return dataclasses.asdict(plan)
-
-
-def batch_to_dict(batch: Batch) -> dict[str, Any]:
-    """A batch with numpy payloads and dict group records (see
-    :func:`kvckpt.integrations.ray.client.batch_from_dict`)."""
-    return {"group_ids": batch.group_ids, "row_indices": batch.row_indices, "lengths": to_wire(batch.lengths),
-            "tensors": to_wire(batch.tensors), "cu_seqlens": to_wire(batch.cu_seqlens),
-            "rows": to_wire(batch.rows), "groups": [g.to_dict() for g in batch.groups]}
-
-
 #: Seconds a tagged record_progress_steps call waits for its client's earlier calls before it goes ahead.
 ORDER_WAIT_S = 60.0
 
@@ -164,7 +137,6 @@ class _ClientOrder:
 
 
 # -- the actor -------------------------------------------------------------------------------------
-@ray.remote
 class BufferActor:
     """The process that owns one kvckpt store; every method is one buffer operation.
 
@@ -240,9 +212,12 @@ class BufferActor:
         return self._plan
 
     async def recover(self, resume_version: int | None = None, sampler: Any = None,
-                      max_buffered_rollouts: int | None = None) -> dict[str, Any]:
-        """Reconcile the live store to ``resume_version`` (see :func:`kvckpt.recover`)."""
-        plan = await self._abuf.recover(resume_version, sampler=sampler, max_buffered_rollouts=max_buffered_rollouts)
+                      max_buffered_rollouts: int | None = None, checksums: bool = False,
+                      deep: bool = False) -> dict[str, Any]:
+        """Reconcile the live store to ``resume_version`` (see :meth:`kvckpt.ReplayBuffer.recover`); the
+        plan is kept for :meth:`recovery_plan`."""
+        plan = await self._abuf.recover(resume_version, sampler=sampler, max_buffered_rollouts=max_buffered_rollouts,
+                                        checksums=checksums, deep=deep)
         self._plan = plan_to_dict(plan)
         return self._plan
 
@@ -267,50 +242,6 @@ class BufferActor:
         return self._plan
 
     # -- producers -------------------------------------------------------------------------------
-    async def admit(self, prompts: Sequence[Any], dataloader_state: bytes | None = None,
-                    timeout: float | None = None, weight_version: int | None = None,
-                    admission: Mapping[str, Any] | None = None, holder: str | None = None) -> list[dict[str, Any]]:
-        """Admit one dataloader batch (or join ``admission``, a dict from :meth:`advance_dispatch`)
-        for the producer ``holder`` (:func:`holder_name` on a Ray producer); returns the leases as
-        dicts (see :meth:`kvckpt.ReplayBuffer.admit`)."""
-        joined = None if admission is None else Admission.from_dict(dict(admission))
-        leases = await self._abuf.admit(prompts, dataloader_state, timeout=timeout, weight_version=weight_version,
-                                        admission=joined, holder=holder)
-        return [lease.to_dict() for lease in leases]
-
-    async def advance_dispatch(self, dataloader_state: bytes | None = None,
-                               timeout: float | None = None) -> dict[str, Any]:
-        """Make an admission without prompts yet (see :meth:`kvckpt.ReplayBuffer.advance_dispatch`)."""
-        return (await self._abuf.advance_dispatch(dataloader_state, timeout=timeout)).to_dict()
-
-    async def redispatch(self, group_id: str, start_weight: int | None = None,
-                         holder: str | None = None) -> dict[str, Any]:
-        """Fence an in-flight prompt's lease and return a new one (see :meth:`kvckpt.ReplayBuffer.redispatch`)."""
-        return (await self._abuf.redispatch(group_id, start_weight=start_weight, holder=holder)).to_dict()
-
-    async def leases_held_by(self, holder: str) -> list[dict[str, Any]]:
-        """The leases ``holder`` holds as dicts, in one read (see :meth:`kvckpt.ReplayBuffer.leases_held_by`)."""
-        return [lease.to_dict() for lease in await self._abuf.leases_held_by(holder)]
-
-    async def redispatch_held_by(self, holder: str, to: str | None = None,
-                                 start_weight: int | None = None) -> list[dict[str, Any]]:
-        """Redispatch what ``holder`` (a dead producer, a dead node) holds to ``to``, in one transaction;
-        the new leases as dicts (see :meth:`kvckpt.ReplayBuffer.redispatch_held_by`)."""
-        return [lease.to_dict() for lease in await self._abuf.redispatch_held_by(holder, to=to,
-                                                                                 start_weight=start_weight)]
-
-    async def commit_group(self, lease: Mapping[str, Any], rows: Any, end_weight: int | None = None,
-                           ) -> dict[str, Any]:
-        """Commit one group (see :meth:`kvckpt.ReplayBuffer.commit_group`); idempotent on retry."""
-        result = await self._abuf.commit_group(Lease.from_dict(dict(lease)), rows, end_weight=end_weight)
-        return result.to_dict()
-
-    async def commit_sample(self, lease: Mapping[str, Any], index: int, row: Mapping[str, Any],
-                            end_weight: int | None = None) -> dict[str, Any]:
-        """Commit one row of a group (see :meth:`kvckpt.ReplayBuffer.commit_sample`)."""
-        result = await self._abuf.commit_sample(Lease.from_dict(dict(lease)), index, row, end_weight=end_weight)
-        return result.to_dict()
-
     async def commit_many(self, items: Sequence[Mapping[str, Any]]) -> list[dict[str, Any] | BaseException]:
         """Commit several groups (or samples) in one call and one durable transaction (group
         commit), each its own transition.
@@ -394,23 +325,11 @@ class BufferActor:
             order.ready.notify_all()
         return await queued
 
-    async def record_progress(self, lease: Mapping[str, Any], index: int, start: int, tokens: Any, logprobs: Any,
-                              weight_version: int, fields: Mapping[str, Any] | None = None) -> int:
-        """Record one chunk of a sample's token progress (see :meth:`kvckpt.ReplayBuffer.record_progress`)."""
-        return await self._abuf.record_progress(Lease.from_dict(dict(lease)), index, start=start, tokens=tokens,
-                                                logprobs=logprobs, weight_version=weight_version, fields=fields)
-
     async def progress(self, group_id: str) -> dict[int, dict[str, Any]]:
         """A group's durable token prefixes: ``{index: {"tokens", "logprobs", "versions", "fields"}}``
         with numpy payloads (see :meth:`kvckpt.ReplayBuffer.progress`;
         :func:`kvckpt.integrations.ray.client.progress_from_dict` rebuilds them)."""
-        found = await self._abuf.progress(group_id)
-        return {i: to_wire({"tokens": p.tokens, "logprobs": p.logprobs, "versions": p.versions, "fields": p.fields})
-                for i, p in found.items()}
-
-    async def abort(self, group_id: str, reason: str) -> None:
-        """Give up on an in-flight prompt (see :meth:`kvckpt.ReplayBuffer.abort`)."""
-        await self._abuf.abort(group_id, reason)
+        return progress_to_dict(await self._abuf.progress(group_id))
 
     # -- trainer ---------------------------------------------------------------------------------
     async def select(self, min_groups: int = 1, max_groups: int | None = None) -> dict[str, Any]:
@@ -424,18 +343,6 @@ class BufferActor:
         selection = await self._abuf.claim(list(group_ids))
         return {**selection.to_dict(), "session": self.session}
 
-    async def release_claims(self, group_ids: Iterable[str]) -> list[str]:
-        """Return claims of the current step to ready (see :meth:`kvckpt.ReplayBuffer.release_claims`)."""
-        return await self._abuf.release_claims(list(group_ids))
-
-    async def read_batch(self, groups: Iterable[str] | Mapping[str, Any], fields: Sequence[str] | None = None,
-                         layout: str = "padded", pad_value: float = 0) -> dict[str, Any]:
-        """Read the rows of ``groups`` (ids or a selection dict) as numpy payloads (see
-        :func:`kvckpt.integrations.ray.client.batch_from_dict`)."""
-        gids = [g["group_id"] for g in groups["groups"]] if isinstance(groups, Mapping) else list(groups)
-        batch = await self._abuf.read_batch(gids, fields=fields, layout=layout, pad_value=pad_value)
-        return batch_to_dict(batch)
-
     async def finish_step(self, weight_version: int | None = None, session: str | None = None) -> int:
         """Close the current step; returns the new trainer version.
 
@@ -448,22 +355,6 @@ class BufferActor:
                                f"restored since (session {self.session}); recovery returned its groups to ready: "
                                "select again before finishing the step")
         return await self._abuf.finish_step(weight_version=weight_version)
-
-    async def evict(self, group_ids: Iterable[str] | None = None) -> list[str]:
-        """Remove out-of-window (or the named) ready groups (see :meth:`kvckpt.ReplayBuffer.evict`)."""
-        return await self._abuf.evict(None if group_ids is None else list(group_ids))
-
-    async def promote_ready_group(self, to_target_step: int) -> int | None:
-        """See :meth:`kvckpt.ReplayBuffer.promote_ready_group`."""
-        return await self._abuf.promote_ready_group(to_target_step)
-
-    async def count_for_target_step(self, step: int) -> int:
-        """In-flight plus ready groups stamped for ``step``."""
-        return await self._abuf.count_for_target_step(step)
-
-    async def abort_stale_inflight(self) -> list[str]:
-        """Abort in-flight prompts the sampler says are useless now."""
-        return await self._abuf.abort_stale_inflight()
 
     # -- checkpoints -----------------------------------------------------------------------------
     async def checkpoint(self, dest: str, trainer_state: Mapping[str, Any] | None = None, overwrite: bool = False,
@@ -524,18 +415,6 @@ class BufferActor:
                 "actor_step_messages": calls["step_messages"], "actor_step_calls_parked": calls["step_calls_parked"],
                 "actor_step_calls_unparked_by_timeout": calls["step_calls_unparked_by_timeout"]}
 
-    async def state(self) -> dict[str, Any]:
-        """Cursors, counts and counters (see :meth:`kvckpt.ReplayBuffer.state`)."""
-        return await self._abuf.state()
-
-    async def groups(self, states: Iterable[str] | None = None) -> list[dict[str, Any]]:
-        """Group records as dicts, optionally filtered by state, in dispatch order."""
-        return [g.to_dict() for g in await self._abuf.groups(None if states is None else list(states))]
-
-    async def ledger(self) -> list[dict[str, Any]]:
-        """In-flight ledger entries as dicts, in dispatch order."""
-        return [e.to_dict() for e in await self._abuf.ledger()]
-
     async def verify(self, deep: bool = False) -> dict[str, Any]:
         """Run :func:`kvckpt.durability.verify.check` on a snapshot of the live store; the report as a dict."""
         store = self._abuf.buffer.store
@@ -547,6 +426,47 @@ class BufferActor:
         call before ``ray.kill`` for a clean shutdown (a kill is safe too: every acknowledged
         call is durable)."""
         await self._abuf.close()
+
+
+# -- made from the operation table -----------------------------------------------------------------
+def remote_method(row: Operation) -> Callable[..., Any]:
+    """The actor's method of one operation of :data:`kvckpt.buffer.surface.TABLE`: a coroutine that takes
+    :class:`~kvckpt.ReplayBuffer`'s parameters (each also by position: a Ray call passes them either
+    way), rebuilds the arguments the row names a codec for, runs the operation on the actor's
+    :class:`~kvckpt.AsyncReplayBuffer` and returns its result through the row's result codec
+    (:data:`kvckpt.integrations.ray.wire.CODECS`)."""
+    name = row.name
+    reference = signature(name)
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + [
+        p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                  annotation=CODECS[row.args[p.name]].wire if p.name in row.args else p.annotation)
+        for p in reference.parameters.values()]
+    result = CODECS[row.result]
+    remote = reference.replace(parameters=params, return_annotation=result.wire or reference.return_annotation)
+
+    async def method(self: BufferActor, *args: Any, **kwargs: Any) -> Any:
+        arguments = remote.bind(self, *args, **kwargs).arguments
+        del arguments["self"]
+        for param, codec in row.args.items():
+            if param in arguments:
+                arguments[param] = CODECS[codec].from_wire(arguments[param])
+        return result.to_wire(await getattr(self._abuf, name)(**arguments))
+
+    wire = ", ".join(f"``{param}`` as {codec}" for param, codec in row.args.items())
+    method.__name__, method.__qualname__, method.__module__ = name, f"BufferActor.{name}", __name__
+    method.__doc__ = (f"{summary(name)}\n\nOn the actor: " + (f"arguments {wire}; " if wire else "")
+                      + f"the result crosses the wire as {row.result} (:data:`kvckpt.integrations.ray.wire.CODECS`). "
+                      f"See :meth:`kvckpt.ReplayBuffer.{name}`.")
+    method.__signature__ = remote  # type: ignore[attr-defined]
+    method.__annotations__ = {p.name: p.annotation for p in params[1:]} | {"return": remote.return_annotation}
+    return mark_generated(method)
+
+
+for _row in offered_by("actor", GENERATED):
+    if _row.name in vars(BufferActor):
+        raise TypeError(f"BufferActor.{_row.name} is written by hand, but the table says it is generated")
+    setattr(BufferActor, _row.name, remote_method(_row))
+BufferActor = ray.remote(BufferActor)  # after the table's methods: Ray reads the class's methods here
 
 
 def _with_leases(items: Sequence[Mapping[str, Any]], what: str) -> list[Any]:

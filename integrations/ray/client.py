@@ -27,20 +27,19 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import ray
-from kvckpt.integrations.ray.actor import to_wire
+from kvckpt.integrations.ray.wire import batch_from_dict as batch_from_dict  # public here too
+from kvckpt.integrations.ray.wire import lease_dict as _lease_dict
+from kvckpt.integrations.ray.wire import plan_from_dict as plan_from_dict  # public here too
+from kvckpt.integrations.ray.wire import progress_from_dict, to_wire
 from ray.exceptions import ActorUnschedulableError, GetTimeoutError, RayActorError
 
 from kvckpt import (
-    Batch,
     CommitResult,
-    GroupInfo,
     Lease,
     Progress,
     ProgressEncoder,
     ProgressMessage,
-    RecoveryPlan,
     RowEncoder,
 )
 from kvckpt.errors import BadArgument, KvckptError
@@ -396,41 +395,3 @@ def wait_for_actor(actor: Any, timeout: float = 60.0) -> dict[str, Any]:
 def _fail(call: _Call, exc: BaseException) -> None:
     for future in call.futures:
         future.set_exception(exc)
-
-
-def _lease_dict(lease: Lease | Mapping[str, Any]) -> dict[str, Any]:
-    return lease.to_dict() if isinstance(lease, Lease) else dict(lease)
-
-
-def _to_torch(value: Any) -> Any:
-    import torch
-
-    if isinstance(value, np.ndarray):
-        # Arrays deserialised from Ray's object store are read-only views of shared memory.
-        return torch.from_numpy(value if value.flags.writeable else value.copy())
-    if isinstance(value, Mapping):
-        return {k: _to_torch(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_torch(v) for v in value]
-    return value
-
-
-def batch_from_dict(doc: Mapping[str, Any]) -> Batch:
-    """Rebuild a :class:`~kvckpt.Batch` (torch tensors, owning their memory) from the dict
-    :meth:`BufferActor.read_batch <kvckpt.integrations.ray.actor.BufferActor.read_batch>` returns."""
-    return Batch(list(doc["group_ids"]), list(doc["row_indices"]), _to_torch(doc["lengths"]),
-                 tensors=_to_torch(dict(doc["tensors"])), cu_seqlens=_to_torch(doc["cu_seqlens"]),
-                 rows=_to_torch(list(doc["rows"])), groups=[GroupInfo.from_dict(g) for g in doc["groups"]])
-
-
-def progress_from_dict(doc: Mapping[Any, Mapping[str, Any]]) -> dict[int, Progress]:
-    """Rebuild :class:`~kvckpt.Progress` records (torch tensors, owning their memory) from the dict
-    :meth:`BufferActor.progress <kvckpt.integrations.ray.actor.BufferActor.progress>` returns."""
-    return {int(i): Progress(int(i), _to_torch(p["tokens"]), _to_torch(p["logprobs"]), _to_torch(p["versions"]),
-                             _to_torch(dict(p["fields"]))) for i, p in doc.items()}
-
-
-def plan_from_dict(doc: Mapping[str, Any]) -> RecoveryPlan:
-    """Rebuild a :class:`~kvckpt.RecoveryPlan` (leases as :class:`~kvckpt.Lease`) from the dict
-    the actor's ``recovery_plan()``, ``recover()`` or ``restore()`` returns."""
-    return RecoveryPlan(**{**doc, "leases": [Lease.from_dict(dict(x)) for x in doc["leases"]]})

@@ -1,7 +1,7 @@
-"""The verl ledger's part of the kill campaign: a side workload (:mod:`kvckpt.testing.sides`) that drives a
+"""The verl ledger's part of the kill campaign: a side workload (:mod:`kvckpt.testing.campaigns.sides`) that drives a
 :class:`~.ledger.VerlLedger` (``verl.kv`` in the run directory) the way verl's trainer and rollout servers do, and
 the checker of what it logged. Run it with ``run_crash_campaign(..., sides=[__name__])`` or
-``python -m kvckpt.testing.campaign --kills N --side kvckpt.integrations.verl.campaign``.
+``python -m kvckpt.testing.campaigns.campaign --kills N --side kvckpt.integrations.verl.campaign``.
 
 Each child restarts the run as verl does (``lrun`` :meth:`~.ledger.VerlLedger.open_run`, ``lresume``
 :meth:`~.ledger.VerlLedger.resume`, ``lsettle`` :meth:`~.ledger.VerlLedger.settle_progress` keeping the prompts in
@@ -34,8 +34,8 @@ from kvckpt.integrations.verl.ledger import VerlLedger
 from kvckpt.integrations.verl.records import FIELD, TAG, record_key
 
 from kvckpt import KvckptError, ValueStore, keep_latest
-from kvckpt.testing.harness import start_writer
-from kvckpt.testing.sides import Side
+from kvckpt.testing.campaigns.harness import start_writer
+from kvckpt.testing.campaigns.sides import Side
 
 LEDGER_FILE = "verl.kv"
 CHECKPOINT_GLOB = "verl-*.kv"
@@ -205,7 +205,7 @@ class LedgerWriter:
 
 def start(run: str, log: Any, seed: int) -> None:
     """Open the run's ledger and start its writer on a daemon thread: the restart, then operations until the
-    process dies (:func:`~kvckpt.testing.harness.start_writer`)."""
+    process dies (:func:`~kvckpt.testing.campaigns.harness.start_writer`)."""
     writer = LedgerWriter(run, log, seed)
     start_writer("kvckpt-campaign-verl", writer.step, writer.rng, first=writer.restart)
 
@@ -316,5 +316,5 @@ def tidy(run: str, ops: list[dict[str, Any]]) -> None:
                 os.unlink(path)
 
 
-#: The side workload the kill and power-cut campaigns run (:mod:`kvckpt.testing.sides`).
+#: The side workload the kill and power-cut campaigns run (:mod:`kvckpt.testing.campaigns.sides`).
 SIDE = Side(start, check, tidy)

@@ -20,8 +20,9 @@ from kvckpt.integrations.vllm.backends import (
 )
 from kvckpt.integrations.vllm.rows import TEXT_FIELDS, make_row, rows_from_vllm, sampled_logprobs
 from kvckpt.integrations.vllm.stream import Continuation, ProgressRecorder, SequenceState
-from kvckpt.integrations.vllm.tiny_model import AdditionTask, TinyModelSpec, ensure_tiny_model, train_tokenizer
 from kvckpt.integrations.vllm.worker import DEFAULT_SCHEMA, PROGRESS_EVERY_TOKENS, RolloutWorker, stream_leases
+
+from kvckpt.testing.fixtures.tiny_model import AdditionTask, TinyModelSpec, ensure_tiny_model, train_tokenizer
 
 __all__ = [
     "BACKENDS", "DEFAULT_SCHEMA", "PROGRESS_EVERY_TOKENS", "TEXT_FIELDS", "AdditionTask", "Continuation",

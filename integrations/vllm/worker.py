@@ -25,10 +25,10 @@ from kvckpt.integrations.common.progress import drain_on_sigterm
 from kvckpt.integrations.vllm.backends import Sample, create_backend, grouped
 from kvckpt.integrations.vllm.rows import make_row
 from kvckpt.integrations.vllm.stream import Continuation, ProgressRecorder, SequenceState, prefixes
-from kvckpt.integrations.vllm.tiny_model import AdditionTask
 
 from kvckpt import CommitResult, Lease
 from kvckpt.errors import KvckptError
+from kvckpt.testing.fixtures.tiny_model import AdditionTask
 
 #: The row schema the worker fills (NeMo-RL's field names). A store may declare fewer of these
 #: fields (the worker keeps only declared ones) or more (supply them with ``extra_fields``).

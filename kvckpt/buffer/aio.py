@@ -36,26 +36,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvckpt.buffer.batch import Batch
 from kvckpt.buffer.replay_buffer import ReplayBuffer
 from kvckpt.buffer.step_batcher import StepBatcher
+from kvckpt.buffer.surface import GENERATED, Operation, mark_generated, offered_by, summary
 from kvckpt.durability.checkpoint import CheckpointHandle, CheckpointResult
-from kvckpt.durability.recovery import RecoveryPlan
 from kvckpt.errors import BadArgument, GateTimeout
 from kvckpt.storage.progress_message import ProgressMessage
 from kvckpt.tables.records import (
     Admission,
-    CommitResult,
-    GroupInfo,
     Lease,
-    LedgerEntry,
-    Progress,
     Prompt,
-    Selection,
 )
 from kvckpt.transitions.config import BufferConfig
 
@@ -184,35 +179,7 @@ class AsyncReplayBuffer:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(changed.wait(), wait)
 
-    async def admissible(self, count: int = 1) -> bool:
-        """Whether ``count`` prompts could be admitted now."""
-        return await self._run(self.buffer.admissible, count)
-
-    # -- commits ---------------------------------------------------------------------------------
-    async def commit_group(self, lease: Lease, rows: Sequence[Mapping[str, Any]] | Mapping[int, Mapping[str, Any]],
-                           *, end_weight: int | None = None) -> CommitResult:
-        """Commit a whole group (see :meth:`ReplayBuffer.commit_group`); rows are encoded in the pool."""
-        return await self._write(self.buffer.commit_group, lease, rows, end_weight=end_weight)
-
-    async def commit_sample(self, lease: Lease, index: int, row: Mapping[str, Any],
-                            *, end_weight: int | None = None) -> CommitResult:
-        """Commit one row of a group (see :meth:`ReplayBuffer.commit_sample`)."""
-        return await self._write(self.buffer.commit_sample, lease, index, row, end_weight=end_weight)
-
-    async def commit_many(self, items: Sequence[Mapping[str, Any]]) -> list[Any]:
-        """Commit several groups or rows in one durable transaction (see :meth:`ReplayBuffer.commit_many`)."""
-        return await self._write(self.buffer.commit_many, items)
-
-    async def record_progress(self, lease: Lease, index: int, *, start: int, tokens: Any, logprobs: Any,
-                              weight_version: int, fields: Mapping[str, Any] | None = None) -> int:
-        """Record one chunk of a sample's token progress (see :meth:`ReplayBuffer.record_progress`)."""
-        return await self._run(self.buffer.record_progress, lease, index, start=start, tokens=tokens,
-                               logprobs=logprobs, weight_version=weight_version, fields=fields)
-
-    async def record_progress_many(self, items: Sequence[Mapping[str, Any]]) -> list[Any]:
-        """Record several chunks in one durable transaction (see :meth:`ReplayBuffer.record_progress_many`)."""
-        return await self._run(self.buffer.record_progress_many, items)
-
+    # -- progress step messages (batched) ---------------------------------------------------------
     async def record_progress_step(self, message: ProgressMessage | bytes) -> list[Any]:
         """Record one engine step's progress message (see :meth:`ReplayBuffer.record_progress_step`)."""
         [result] = await self.record_progress_steps([message])
@@ -225,61 +192,6 @@ class AsyncReplayBuffer:
         shared with the messages of concurrent calls (:class:`~kvckpt.buffer.step_batcher.StepBatcher`:
         one pool handoff per batch, not per call)."""
         return await self._steps.submit(messages)
-
-    async def progress(self, lease_or_group_id: Lease | str) -> dict[int, Progress]:
-        """A group's durable token prefixes (see :meth:`ReplayBuffer.progress`)."""
-        return await self._run(self.buffer.progress, lease_or_group_id)
-
-    # -- training side ---------------------------------------------------------------------------
-    async def select(self, min_groups: int = 1, max_groups: int | None = None) -> Selection:
-        """Claim groups for the current step (see :meth:`ReplayBuffer.select`)."""
-        return await self._write(self.buffer.select, min_groups, max_groups)
-
-    async def claim(self, group_ids: Iterable[str]) -> Selection:
-        """Claim exactly the named ready groups for the current step (see :meth:`ReplayBuffer.claim`)."""
-        return await self._write(self.buffer.claim, list(group_ids))
-
-    async def release_claims(self, group_ids: Iterable[str]) -> list[str]:
-        """Return claims of the current step to ready (see :meth:`ReplayBuffer.release_claims`)."""
-        return await self._write(self.buffer.release_claims, list(group_ids))
-
-    async def read_batch(self, groups: Selection | Iterable[str], **kwargs: Any) -> Batch:
-        """Read and decode the rows of ``groups`` (see :meth:`ReplayBuffer.read_batch`)."""
-        return await self._run(self.buffer.read_batch, groups, **kwargs)
-
-    async def finish_step(self, *, weight_version: int | None = None) -> int:
-        """Close the current step (see :meth:`ReplayBuffer.finish_step`); wakes gated admissions."""
-        return await self._write(self.buffer.finish_step, weight_version=weight_version)
-
-    async def evict(self, group_ids: Iterable[str] | None = None) -> list[str]:
-        """Remove out-of-window (or the named) ready groups (see :meth:`ReplayBuffer.evict`)."""
-        return await self._write(self.buffer.evict, group_ids)
-
-    async def promote_ready_group(self, to_target_step: int) -> int | None:
-        """Re-stamp the latest-stamped ready group onto ``to_target_step`` (see
-        :meth:`ReplayBuffer.promote_ready_group`)."""
-        return await self._write(self.buffer.promote_ready_group, to_target_step)
-
-    async def redispatch(self, group_id: str, *, start_weight: int | None = None, holder: str | None = None) -> Lease:
-        """Hand an in-flight prompt to a new attempt (see :meth:`ReplayBuffer.redispatch`)."""
-        return await self._write(self.buffer.redispatch, group_id, start_weight=start_weight, holder=holder)
-
-    async def leases_held_by(self, holder: str) -> list[Lease]:
-        """The leases ``holder`` holds, in one read (see :meth:`ReplayBuffer.leases_held_by`)."""
-        return await self._run(self.buffer.leases_held_by, holder)
-
-    async def redispatch_held_by(self, holder: str, *, to: str | None = None,
-                                 start_weight: int | None = None) -> list[Lease]:
-        """Redispatch what ``holder`` holds, in one transaction (see :meth:`ReplayBuffer.redispatch_held_by`)."""
-        return await self._write(self.buffer.redispatch_held_by, holder, to=to, start_weight=start_weight)
-
-    async def abort(self, group_id: str, reason: str) -> None:
-        """Give up on an in-flight prompt (see :meth:`ReplayBuffer.abort`)."""
-        await self._write(self.buffer.abort, group_id, reason)
-
-    async def abort_stale_inflight(self) -> list[str]:
-        """Abort in-flight prompts the sampler says are useless (see :meth:`ReplayBuffer.abort_stale_inflight`)."""
-        return await self._write(self.buffer.abort_stale_inflight)
 
     # -- checkpoint and recovery -----------------------------------------------------------------
     async def checkpoint(self, dest: str, trainer_state: Mapping[str, Any] | None = None, *,
@@ -301,41 +213,48 @@ class AsyncReplayBuffer:
         """
         return await asyncio.to_thread(handle.wait)
 
-    async def recover(self, resume_version: int | None = None, *, sampler: Any = None,
-                      max_buffered_rollouts: int | None = None) -> RecoveryPlan:
-        """Reconcile the store and fence in-flight work (see :meth:`kvckpt.ReplayBuffer.recover`)."""
-        return await self._write(self.buffer.recover, resume_version, sampler=sampler,
-                                 max_buffered_rollouts=max_buffered_rollouts)
 
-    # -- inspection ------------------------------------------------------------------------------
-    async def stats(self) -> dict[str, Any]:
-        """Counters and latencies (see :meth:`ReplayBuffer.stats`)."""
-        return await self._run(self.buffer.stats)
+# -- made from the operation table -----------------------------------------------------------------
+def passthrough(row: Operation) -> Callable[..., Any]:
+    """The facade's method of one operation of :data:`kvckpt.buffer.surface.TABLE`: a coroutine with
+    :class:`~kvckpt.ReplayBuffer`'s signature, type hints and summary that runs the buffer's method on
+    the facade's pool (and, after a write that may open the gate, wakes gated admissions). An
+    operation whose result is ``local`` (an encoder: no transaction) is a plain method instead."""
+    name = row.name
+    reference = getattr(ReplayBuffer, name)
+    signature = inspect.signature(reference)
+    lists = [param for param, codec in row.args.items() if codec in ("ids", "ids?")]
+    if row.result == "local":
+        def method(self: AsyncReplayBuffer, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self.buffer, name)(*args, **kwargs)
 
-    async def state(self) -> dict[str, Any]:
-        """Cursors, counts and counters (see :meth:`ReplayBuffer.state`)."""
-        return await self._run(self.buffer.state)
+        how = "Made on the calling thread (no transaction: nothing to await)."
+    else:
+        async def method(self: AsyncReplayBuffer, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+            if lists:  # iterables of group ids are read here, not on a pool thread
+                bound = signature.bind(self, *args, **kwargs)
+                for param in lists:
+                    if bound.arguments.get(param) is not None:
+                        bound.arguments[param] = list(bound.arguments[param])
+                args, kwargs = bound.args[1:], bound.kwargs
+            run = self._write if row.wakes_admissions else self._run
+            return await run(getattr(self.buffer, name), *args, **kwargs)
 
-    async def group(self, group_id: str) -> GroupInfo | None:
-        """A group's record, or ``None``."""
-        return await self._run(self.buffer.group, group_id)
+        how = ("A coroutine: the call runs on the facade's thread pool"
+               + ("; gated admissions wake after it." if row.wakes_admissions else "."))
+    method.__name__, method.__qualname__, method.__module__ = name, f"AsyncReplayBuffer.{name}", __name__
+    method.__doc__ = f"{summary(name)}\n\n{how} See :meth:`kvckpt.ReplayBuffer.{name}`."
+    method.__signature__ = signature  # type: ignore[attr-defined]
+    method.__annotations__ = dict(reference.__annotations__)
+    method.__wrapped__ = reference  # type: ignore[attr-defined]  # typing.get_type_hints reads its module
+    return mark_generated(method)
 
-    async def groups(self, states: Iterable[str] | None = None) -> list[GroupInfo]:
-        """Group records, optionally filtered by state, in dispatch order."""
-        return await self._run(self.buffer.groups, states)
 
-    async def ledger(self) -> list[LedgerEntry]:
-        """Every in-flight prompt, in dispatch order."""
-        return await self._run(self.buffer.ledger)
+def _install(cls: type, rows: Iterable[Operation]) -> None:
+    for row in rows:
+        if row.name in vars(cls):
+            raise TypeError(f"{cls.__name__}.{row.name} is written by hand, but the table says it is generated")
+        setattr(cls, row.name, passthrough(row))
 
-    async def dataloader_state(self) -> bytes | None:
-        """The dataloader state stored with the last admission."""
-        return await self._run(self.buffer.dataloader_state)
 
-    async def batch_shortfall(self) -> dict[int, int]:
-        """Prompts aborted per target step."""
-        return await self._run(self.buffer.batch_shortfall)
-
-    async def count_for_target_step(self, step: int) -> int:
-        """In-flight plus ready groups stamped for ``step``."""
-        return await self._run(self.buffer.count_for_target_step, step)
+_install(AsyncReplayBuffer, offered_by("async", GENERATED))

@@ -1,6 +1,6 @@
 """The crash campaign: SIGKILL a live workload again and again; every acknowledged operation stays.
 
-The 200-kill run is the CI proof (``python -m kvckpt.testing.campaign --kills 5000`` is the soak); the other
+The 200-kill run is the CI proof (``python -m kvckpt.testing.campaigns.campaign --kills 5000`` is the soak); the other
 tests show the checker can fail, that a torn log line is cut, and what a trainer does next after a
 kill, in a fresh process.
 """
@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 
 from kvckpt import CommitResult, Prompt, ReplayBuffer, ValueStore
-from kvckpt.testing.history import check_history, holdings
-from kvckpt.testing.kill import Chain, run_child, run_crash_campaign
-from kvckpt.testing.values_workload import KINDS as VALUE_KINDS
-from kvckpt.testing.values_workload import VALUES_FILE, check_values, value_of
-from kvckpt.testing.workload import (
+from kvckpt.testing.campaigns.history import check_history, holdings
+from kvckpt.testing.campaigns.kill import Chain, run_child, run_crash_campaign
+from kvckpt.testing.campaigns.values_workload import KINDS as VALUE_KINDS
+from kvckpt.testing.campaigns.values_workload import VALUES_FILE, check_values, value_of
+from kvckpt.testing.campaigns.workload import (
     COMMIT_PATHS,
     REFUSALS,
     SAMPLERS,
@@ -130,7 +130,7 @@ def test_after_the_kills_a_fresh_trainer_redispatches_once_and_selects_everythin
     code = textwrap.dedent(f"""
         import json
         from kvckpt import ReplayBuffer
-        from kvckpt.testing.workload import make_row
+        from kvckpt.testing.campaigns.workload import make_row
         buf = ReplayBuffer.open({str(store)!r})
         assert buf.sampler.name == "ready_first"
         plan = buf.recover()
@@ -154,13 +154,14 @@ def test_after_the_kills_a_fresh_trainer_redispatches_once_and_selects_everythin
 
 
 def test_command_line_prints_the_summary(tmp_path: Path) -> None:
-    kill = subprocess.run([sys.executable, "-m", "kvckpt.testing.campaign", "--kills", "2",
+    kill = subprocess.run([sys.executable, "-m", "kvckpt.testing.campaigns.campaign", "--kills", "2",
                            "--dir", str(tmp_path / "k")],
                           capture_output=True, text=True, timeout=300)
     assert kill.returncode == 0, kill.stderr
     assert kill.stdout.startswith("crash campaign: kills 2, operations checked ")
     assert "violations found 0" in kill.stdout
-    fuzz = subprocess.run([sys.executable, "-m", "kvckpt.testing.campaign", "fuzz", "--cases", "10", "--workers", "1",
+    fuzz = subprocess.run([sys.executable, "-m", "kvckpt.testing.campaigns.campaign", "fuzz", "--cases", "10",
+                           "--workers", "1",
                            "--dir",
                            str(tmp_path / "f")], capture_output=True, text=True, timeout=300)
     assert fuzz.returncode == 0, fuzz.stderr
@@ -249,7 +250,7 @@ def test_the_campaign_runs_where_mfusepy_is_installed_but_finds_no_libfuse(tmp_p
         pytest.skip("mfusepy is not installed")
     code = textwrap.dedent("""
         import sys
-        from kvckpt.testing.kill import run_crash_campaign
+        from kvckpt.testing.campaigns.kill import run_crash_campaign
         result = run_crash_campaign(2, seed=1, directory=sys.argv[1])
         print(result.summary())
         sys.exit(1 if result.violations else 0)

@@ -5,7 +5,7 @@ storage layer and of the one durable-publish helper, and right after the file is
 synced), in each of three modes, and opens what survives the way the next run does.
 
 The FUSE tests need /dev/fuse, root and fusermount3 (``scripts/setup_fuse.sh``); elsewhere they skip with the
-reason :func:`kvckpt.testing.powerfs.unavailable` gives.
+reason :func:`kvckpt.testing.campaigns.powerfs.unavailable` gives.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import pytest
 
 from kvckpt import ReplayBuffer, ValueStore
 from kvckpt.storage.store import Store
-from kvckpt.testing import powerfs
-from kvckpt.testing.workload import SAMPLERS, workload_config
+from kvckpt.testing.campaigns import powerfs
+from kvckpt.testing.campaigns.workload import SAMPLERS, workload_config
 
 store_module = importlib.import_module("kvckpt.storage.store")
 replace_module = importlib.import_module("kvckpt.storage.replace")

@@ -3,7 +3,7 @@ power-cut campaign (>= 100 cuts here, 2,000 in the slow soak), including the bro
 configurations it must catch.
 
 The FUSE tests need /dev/fuse, root and fusermount3 (``scripts/setup_fuse.sh``, run by
-``make test``); elsewhere they skip with the reason :func:`kvckpt.testing.powerfs.unavailable` gives.
+``make test``); elsewhere they skip with the reason :func:`kvckpt.testing.campaigns.powerfs.unavailable` gives.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import pytest
 
 from kvckpt import Prompt, ReplayBuffer, restore
 from kvckpt.storage.store import Store
-from kvckpt.testing import powerfs
-from kvckpt.testing.powercut import run_powercut_campaign
-from kvckpt.testing.values_workload import KINDS as VALUE_KINDS
-from kvckpt.testing.workload import COMMIT_PATHS, SAMPLERS, workload_config
+from kvckpt.testing.campaigns import powerfs
+from kvckpt.testing.campaigns.powercut import run_powercut_campaign
+from kvckpt.testing.campaigns.values_workload import KINDS as VALUE_KINDS
+from kvckpt.testing.campaigns.workload import COMMIT_PATHS, SAMPLERS, workload_config
 
 checkpoint_module = importlib.import_module("kvckpt.durability.checkpoint")  # the module, not the function
 store_module = importlib.import_module("kvckpt.storage.store")

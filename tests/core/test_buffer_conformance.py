@@ -1,4 +1,4 @@
-"""The buffer conformance suite (kvckpt.testing.buffer_conformance) on the surfaces other than
+"""The buffer conformance suite (kvckpt.testing.conformance.buffer) on the surfaces other than
 ReplayBuffer itself (tests/core/test_buffer_stateful.py runs that one): the asyncio facade through a
 synchronous shim, and the reference trainer's in-memory buffer (which lacks durability by design).
 Each surface's missing capabilities are declared with their reason; the Ray actor's run is in
@@ -12,8 +12,15 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from kvckpt.testing.buffer_conformance import ASYNC_SURFACE, BufferSurface, run_buffer_conformance
-from kvckpt.testing.memory_buffer import MemoryReplayBuffer
+from kvckpt.buffer.surface import TABLE
+from kvckpt.testing.conformance.buffer import (
+    ASYNC_SURFACE,
+    REPLAY_BUFFER_SURFACE,
+    BufferSurface,
+    run_buffer_conformance,
+)
+from kvckpt.testing.conformance.scenarios import SCENARIOS, run_operation_scenarios
+from kvckpt.testing.fixtures.memory_buffer import MemoryReplayBuffer
 
 SAMPLERS = ["in_order", "weight_fifo", "windowed", "ready_first"]
 #: Smaller than the buffer's own profile: the facade adds only its event loop hop to each call.
@@ -34,7 +41,8 @@ MEMORY_SURFACE = BufferSurface(
     "MemoryReplayBuffer", create=lambda path, config: MemoryReplayBuffer(config),
     lacks={"durability": "nothing survives the process: checkpoint and recover raise NotImplementedError",
            "reopen": "an in-memory buffer has no file to open again",
-           "store_file": "an in-memory buffer has no file: refusals are held to every public read instead"})
+           "store_file": "an in-memory buffer has no file: refusals are held to every public read instead"},
+    offers=("memory",))
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS)
@@ -72,3 +80,25 @@ def test_the_suite_fails_a_surface_with_a_bug() -> None:
 def test_an_unknown_capability_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown capabilities"):
         BufferSurface("typo", create=lambda path, config: None, lacks={"durablity": "spelt wrong"})
+
+
+def test_every_operation_of_the_table_has_a_scenario() -> None:
+    assert [row.name for row in TABLE] == list(SCENARIOS)
+
+
+@pytest.mark.parametrize("surface", [REPLAY_BUFFER_SURFACE, ASYNC_SURFACE, MEMORY_SURFACE], ids=lambda s: s.name)
+def test_every_operation_runs_its_scenario_on_every_surface_that_offers_it(surface: BufferSurface) -> None:
+    """One explicit scenario per operation (kvckpt.testing.conformance.scenarios); an operation is skipped only where
+    the operation table says the surface does not offer it (the Ray actor's run: tests/integrations/ray)."""
+    outcome = run_operation_scenarios(surface)
+    assert list(outcome) == [row.name for row in TABLE]
+    skipped = {op for op, how in outcome.items() if how != "driven"}
+    expected = {row.name for row in TABLE if surface.offers and not any(row.on(c).offered for c in surface.offers)}
+    assert skipped == expected
+
+
+def test_a_scenario_fails_a_surface_with_a_bug() -> None:
+    broken = BufferSurface("broken", create=lambda path, config: _WeightsFollowTheTrainer(config),
+                           lacks=MEMORY_SURFACE.lacks, offers=("memory",))
+    with pytest.raises(AssertionError, match="the scenario of finish_step failed"):
+        run_operation_scenarios(broken, only=["finish_step"])

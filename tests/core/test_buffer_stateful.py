@@ -1,4 +1,4 @@
-"""The buffer state machine of :mod:`kvckpt.testing.buffer_conformance` on :class:`~kvckpt.ReplayBuffer`
+"""The buffer state machine of :mod:`kvckpt.testing.conformance.buffer` on :class:`~kvckpt.ReplayBuffer`
 itself, with every capability: the model, the rules and the invariants are documented there.
 
 CI runs a short, derandomized profile (about 30 s in all on a quiet machine, the same examples every run);
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from kvckpt.testing.buffer_conformance import REPLAY_BUFFER_SURFACE as SURFACE
-from kvckpt.testing.buffer_conformance import BufferMachine, machine_for, run_buffer_conformance
+from kvckpt.testing.conformance.buffer import REPLAY_BUFFER_SURFACE as SURFACE
+from kvckpt.testing.conformance.buffer import BufferMachine, machine_for, run_buffer_conformance
 
 
 @pytest.mark.parametrize("sampler", ["in_order", "weight_fifo", "windowed", "ready_first"])

@@ -1,4 +1,4 @@
-"""The sampler conformance suite (kvckpt.testing.conformance): the four built-ins pass it, and each
+"""The sampler conformance suite (kvckpt.testing.conformance.samplers): the four built-ins pass it, and each
 deliberately broken sampler fails the check that names its bug (so the suite can fail)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from kvckpt import Sampler, create_sampler, register
 from kvckpt.samplers import BufferView
 from kvckpt.samplers.base import GatedStalenessSampler
-from kvckpt.testing.conformance import (
+from kvckpt.testing.conformance.samplers import (
     assert_sampler_conforms,
     check_capacity_refuses_deadlock,
     check_config_round_trip,

@@ -27,7 +27,7 @@ from kvckpt import (
     verify_path,
 )
 from kvckpt.storage import keys
-from kvckpt.testing.memory_buffer import MemoryReplayBuffer
+from kvckpt.testing.fixtures.memory_buffer import MemoryReplayBuffer
 
 SCHEMA = {"input_ids": ("int64", "token"), "total_reward": ("float32", "row")}
 CONFIG = {"group_size": 2, "schema": SCHEMA, "sampler": "ready_first", "max_buffered_rollouts": 8}

@@ -359,7 +359,7 @@ def test_deep_verify_holds_rows_to_the_pins(buffer_factory):
 
 def test_the_in_memory_baseline_buffer_reads_text_and_bfloat16_like_the_store():
     from kvckpt import BufferConfig
-    from kvckpt.testing.memory_buffer import MemoryReplayBuffer
+    from kvckpt.testing.fixtures.memory_buffer import MemoryReplayBuffer
 
     mem = MemoryReplayBuffer(BufferConfig(group_size=3, schema=TEXT_SCHEMA))
     [lease] = mem.admit([0])

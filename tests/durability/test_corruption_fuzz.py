@@ -1,6 +1,6 @@
 """Damaged checkpoint files: every case ends in a specific kvckpt error or in identical data.
 
-The fuzz campaign (:func:`kvckpt.testing.fuzz.run_fuzz_campaign`) damages valid checkpoints 1,000 ways
+The fuzz campaign (:func:`kvckpt.testing.campaigns.fuzz.run_fuzz_campaign`) damages valid checkpoints 1,000 ways
 and restores each in long-lived worker processes; the other tests pin the pieces it relies on: the
 deep verifier flags each kind of inconsistency by its code, :mod:`kvckpt.durability.safe_open` survives every
 damaged page in-process, and the trusted path reports damaged pages instead of leaking raw LMDB
@@ -32,8 +32,8 @@ from kvckpt.durability.safe_open import check_structure, verify_path, verify_unt
 from kvckpt.storage import codec, keys
 from kvckpt.storage.store import Txn
 from kvckpt.tables.digest import group_digest, row_digest
-from kvckpt.testing.fuzz import build_base, build_foreign, run_fuzz_campaign
-from kvckpt.testing.workload import make_row, workload_config
+from kvckpt.testing.campaigns.fuzz import build_base, build_foreign, run_fuzz_campaign
+from kvckpt.testing.campaigns.workload import make_row, workload_config
 
 PAGE = 4096
 

@@ -20,7 +20,7 @@ import _crafted
 import pytest
 from _crafted_runs import AS_LIMIT, ENTRIES, RSS_LIMIT, judge, run_cli, run_in_process_entries
 
-from kvckpt.testing.workload import GROUP_SIZE
+from kvckpt.testing.campaigns.workload import GROUP_SIZE
 
 
 @pytest.fixture(scope="module")

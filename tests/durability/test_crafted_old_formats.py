@@ -55,7 +55,7 @@ def as_old_format(path: str, version: int) -> None:
 
 def build_bases(directory: str) -> dict[str, str]:
     """The two valid format-3 checkpoints every case of every format is made from."""
-    from kvckpt.testing.fuzz import build_base
+    from kvckpt.testing.campaigns.fuzz import build_base
 
     os.makedirs(directory, exist_ok=True)
     bases = {kind: os.path.join(directory, f"base-{kind}.kvckpt") for kind in ("small", "large")}

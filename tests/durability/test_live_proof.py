@@ -26,7 +26,7 @@ from kvckpt import Prompt, ReplayBuffer
 from kvckpt.durability.structure import is_sound, proven_keys
 from kvckpt.storage import keys
 from kvckpt.storage.store import Store
-from kvckpt.testing.workload import make_row, workload_config
+from kvckpt.testing.campaigns.workload import make_row, workload_config
 
 _COUNTING = """
 import json, sys

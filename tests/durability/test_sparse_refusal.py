@@ -88,7 +88,7 @@ def _probe(path: str, base: str, work: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def sparse(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    from kvckpt.testing.fuzz import build_base
+    from kvckpt.testing.campaigns.fuzz import build_base
 
     folder = tmp_path_factory.mktemp("sparse")
     base = str(folder / "base.kvckpt")

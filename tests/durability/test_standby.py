@@ -19,7 +19,7 @@ from kvckpt.errors import FormatError, LogGap, NotStandby, StaleEpoch
 from kvckpt.storage import replog
 from kvckpt.storage.replica import apply_batch, make_standby
 from kvckpt.storage.store import Store
-from kvckpt.testing.buffer_conformance import SCHEMA
+from kvckpt.testing.conformance.buffer import SCHEMA
 
 
 def ship(primary: Store, standby: Store, batch: int = 64) -> int:

@@ -21,7 +21,7 @@ from kvckpt import restore
 from kvckpt.durability import structure
 from kvckpt.durability.structure import is_sound
 from kvckpt.errors import FormatError
-from kvckpt.testing.fuzz import build_base
+from kvckpt.testing.campaigns.fuzz import build_base
 
 PAGE = _crafted.PAGE
 _BRANCH, _LEAF, _OVERFLOW = 0x01, 0x02, 0x04

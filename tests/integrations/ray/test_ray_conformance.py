@@ -1,16 +1,17 @@
-"""The buffer conformance suite (kvckpt.testing.buffer_conformance) on the Ray actor: trainer calls on
+"""The buffer conformance suite (kvckpt.testing.conformance.buffer) on the Ray actor: trainer calls on
 the actor handle, producer calls (commits, token progress) through :class:`BufferClient`, as a
 trainer and its rollout workers drive it. Ray runs on loopback; the profile is small and
 derandomized (the same examples every run) so CI stays cheap: one actor start per example.
 
 Declared differences: a (re)started actor recovers its store on open (``reopen`` is the ``recover``
-rule there); the actor offers no ``batch_shortfall``/``dataloader_state`` yet (tests/core/test_surfaces.py
-declares it), so the shim reads those from a read-only handle on the store file, the handle the suite
-inspects the store through.
+rule there). Besides the state machine, every operation of the table runs its scenario
+(kvckpt.testing.conformance.scenarios) through the actor and the client, or is skipped where the table says
+neither offers it.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from typing import Any
@@ -22,11 +23,12 @@ pytest.importorskip("ray")
 
 import kvckpt.integrations.ray as kray
 import ray
-from kvckpt.integrations.ray.client import batch_from_dict, plan_from_dict
 
-from kvckpt import BufferConfig, GroupInfo, Lease, LedgerEntry, ReplayBuffer, Selection
+from kvckpt import BufferConfig, Lease, ReplayBuffer
+from kvckpt.buffer.surface import BY_NAME, HAND, TABLE
 from kvckpt.durability.checkpoint import CheckpointResult
-from kvckpt.testing.buffer_conformance import BufferSurface, run_buffer_conformance
+from kvckpt.testing.conformance.buffer import BufferSurface, run_buffer_conformance
+from kvckpt.testing.conformance.scenarios import run_operation_scenarios
 
 pytestmark = pytest.mark.ray
 
@@ -48,7 +50,10 @@ class _Done:
 
 
 class RayBuffer:
-    """The Ray buffer actor behind ReplayBuffer's synchronous operations and result types."""
+    """The Ray buffer actor behind ReplayBuffer's synchronous operations and result types: the producer's
+    operations through :class:`BufferClient`, every other operation the actor offers on its handle through
+    ``kray.call`` (the operation table's codecs). Nothing per operation is written here but the client's
+    futures and the checkpoint's wait."""
 
     def __init__(self, path: str, config: BufferConfig) -> None:
         self.path = path
@@ -64,93 +69,46 @@ class RayBuffer:
         self.inspector = ReplayBuffer.open(self.path, readonly=True)
         return self.inspector
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return ray.get(getattr(self.actor, method).remote(*args, **kwargs))
-        except ray.exceptions.RayTaskError as exc:  # the actor's kvckpt error, as a local caller gets it
-            raise exc.cause from None
+    def __getattr__(self, name: str) -> Any:
+        row = BY_NAME.get(name)
+        if row is None or not (row.on("actor").offered or row.on("client").offered):
+            raise AttributeError(name)
+        if row.on("client").how == HAND and name not in CLIENT_QUEUES:  # the client's blocking producer calls
+            return getattr(self.client, name)
+        return functools.partial(kray.call, self.actor, name)
 
     def _produce(self, future: Any) -> Any:
         self.client.flush()
         return future.result()
 
-    # producers: through the client
+    # the client's queued calls: their futures
     def commit_group(self, lease: Lease, rows: Any, *, end_weight: int | None = None) -> Any:
         return self._produce(self.client.commit(lease, rows, end_weight=end_weight))
 
     def commit_sample(self, lease: Lease, index: int, row: Any, *, end_weight: int | None = None) -> Any:
         return self._produce(self.client.commit_sample(lease, index, row, end_weight=end_weight))
 
-    def record_progress(self, lease: Lease, index: int, **kwargs: Any) -> int:
-        return self.client.record_progress(lease, index, **kwargs)
-
-    def progress(self, group_id: str) -> Any:
-        return self.client.progress(group_id)
-
-    # the trainer: on the actor handle
-    def admit(self, prompts: Any, dataloader_state: bytes | None = None, *, timeout: float | None = None,
-              weight_version: int | None = None) -> list[Lease]:
-        return [Lease.from_dict(d) for d in self._call("admit", prompts, dataloader_state, timeout=timeout,
-                                                         weight_version=weight_version)]
-
-    def select(self, min_groups: int = 1, max_groups: int | None = None) -> Selection:
-        doc = self._call("select", min_groups, max_groups)
-        return Selection(doc["step"], tuple(GroupInfo.from_dict(g) for g in doc["groups"]))
-
-    def read_batch(self, selection: Selection, **kwargs: Any) -> Any:
-        return batch_from_dict(self._call("read_batch", selection.group_ids, **kwargs))
-
-    def finish_step(self, *, weight_version: int | None = None) -> int:
-        return self._call("finish_step", weight_version)
-
-    def evict(self, group_ids: Any = None) -> list[str]:
-        return self._call("evict", group_ids)
-
-    def abort(self, group_id: str, reason: str) -> None:
-        self._call("abort", group_id, reason)
-
-    def abort_stale_inflight(self) -> list[str]:
-        return self._call("abort_stale_inflight")
-
-    def redispatch(self, group_id: str, *, start_weight: int | None = None) -> Lease:
-        return Lease.from_dict(self._call("redispatch", group_id, start_weight))
-
-    def promote_ready_group(self, to_target_step: int) -> int | None:
-        return self._call("promote_ready_group", to_target_step)
+    def record_progress_step(self, message: Any) -> Any:
+        return self._produce(self.client.record_progress_step(message))
 
     def checkpoint(self, dest: str, trainer_state: Any = None) -> _Done:
-        return _Done(CheckpointResult(**self._call("checkpoint", dest, trainer_state)["result"]))
-
-    def recover(self, resume_version: int | None = None) -> Any:
-        return plan_from_dict(self._call("recover", resume_version))
+        return _Done(kray.call(self.actor, "checkpoint", dest, trainer_state))
 
     def restore(self, checkpoint_file: str) -> Any:
-        return plan_from_dict(self._call("restore", checkpoint_file))
-
-    def state(self) -> dict[str, Any]:
-        return self._call("state")
-
-    def ledger(self) -> list[LedgerEntry]:
-        return [LedgerEntry.from_dict(d) for d in self._call("ledger")]
-
-    def groups(self) -> list[GroupInfo]:
-        return [GroupInfo.from_dict(d) for d in self._call("groups")]
-
-    # not offered by the actor yet (test_surfaces.py): read from the store file
-    def batch_shortfall(self) -> dict[int, int]:
-        return (self.inspector or self.inspect()).batch_shortfall()
-
-    def dataloader_state(self) -> bytes | None:
-        return (self.inspector or self.inspect()).dataloader_state()
+        return kray.plan_from_dict(ray.get(self.actor.restore.remote(checkpoint_file)))
 
     def close(self) -> None:
         try:
             self.client.flush()
-            self._call("close")
+            kray.call(self.actor, "close")
         finally:
             ray.kill(self.actor)
             if self.inspector is not None:
                 self.inspector.close()
+
+
+#: The client's operations that queue (and return a future) rather than block.
+CLIENT_QUEUES = frozenset({"commit_sample", "record_progress_step"})
 
 
 def _restore(handle: RayBuffer, checkpoint: str, path: str) -> tuple[RayBuffer, Any]:
@@ -159,7 +117,8 @@ def _restore(handle: RayBuffer, checkpoint: str, path: str) -> tuple[RayBuffer, 
 
 RAY_SURFACE = BufferSurface(
     "BufferActor", create=RayBuffer, restore=_restore, inspect=RayBuffer.inspect,
-    lacks={"reopen": "a (re)started actor recovers its store on open: the recover rule is its reopen"})
+    lacks={"reopen": "a (re)started actor recovers its store on open: the recover rule is its reopen"},
+    offers=("actor", "client"))
 
 
 #: The module's Ray (``ray_local``, tests/conftest.py).
@@ -177,3 +136,10 @@ RAY_MUST_SEE = ["foreign zombie", "timeline zombie", "zombie progress", "weights
 @pytest.mark.parametrize("sampler", ["in_order", "windowed"])
 def test_the_ray_actor_conforms(ray_local: str, sampler: str) -> None:
     run_buffer_conformance(RAY_SURFACE, sampler, RAY_PROFILE, must_see=RAY_MUST_SEE)
+
+
+def test_every_operation_runs_its_scenario_through_the_actor_and_its_client(ray_local: str) -> None:
+    outcome = run_operation_scenarios(RAY_SURFACE)
+    skipped = {op for op, how in outcome.items() if how != "driven"}
+    assert skipped == {row.name for row in TABLE if not (row.on("actor").offered or row.on("client").offered)}
+    assert skipped == {"create", "open", "path", "row_encoder", "trainer_version", "wait_for_change"}

@@ -24,7 +24,7 @@ import sys
 import pytest
 
 from kvckpt import ReplayBuffer
-from kvckpt.testing.vllm_server import VLLMServer, vllm_python
+from kvckpt.testing.fixtures.vllm_server import VLLMServer, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.trl,
               pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL not installed"),

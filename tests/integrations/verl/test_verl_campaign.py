@@ -1,8 +1,8 @@
 """The kill campaign covers the verl ledger: its side workload (kvckpt.integrations.verl.campaign) drives every kind
 of ledger call beside the buffer's workload, in child processes (forked from a fork server that never opened a store)
 SIGKILLed at random moments, and after each kill the parent finds the file holding exactly what was acknowledged
-(``python -m kvckpt.testing.campaign --kills 500 --side kvckpt.integrations.verl.campaign`` is the soak). The second
-test shows the checker fails when the file differs from the acknowledged state.
+(``python -m kvckpt.testing.campaigns.campaign --kills 500 --side kvckpt.integrations.verl.campaign`` is the soak).
+The second test shows the checker fails when the file differs from the acknowledged state.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ pytest.importorskip("transfer_queue")
 from kvckpt.integrations.verl import campaign
 from kvckpt.integrations.verl.ledger import VerlLedger
 
-from kvckpt.testing.kill import run_crash_campaign
-from kvckpt.testing.workload import OpLog, read_log
+from kvckpt.testing.campaigns.kill import run_crash_campaign
+from kvckpt.testing.campaigns.workload import OpLog, read_log
 
 pytestmark = pytest.mark.verl
 

@@ -1,8 +1,8 @@
 """The power-cut campaign covers the verl ledger: its side workload (kvckpt.integrations.verl.campaign) drives every
 kind of ledger call beside the buffer's workload on a FUSE filesystem whose power is cut at random moments (strict
 and random cuts), and the image that survives each cut, checked in a fresh process, holds exactly what was
-acknowledged (``python -m kvckpt.testing.powercut --soak --side kvckpt.integrations.verl.campaign`` is the soak). The
-second test shows the side's check fails on that path when the ledger's durability is broken.
+acknowledged (``python -m kvckpt.testing.campaigns.powercut --soak --side kvckpt.integrations.verl.campaign`` is the
+soak). The second test shows the side's check fails on that path when the ledger's durability is broken.
 
 The tests need /dev/fuse, root and fusermount3 (``scripts/setup_fuse.sh``); elsewhere they skip saying why.
 """
@@ -16,8 +16,8 @@ pytest.importorskip("transfer_queue")
 
 from kvckpt.integrations.verl import campaign
 
-from kvckpt.testing import powerfs
-from kvckpt.testing.powercut import run_powercut_campaign
+from kvckpt.testing.campaigns import powerfs
+from kvckpt.testing.campaigns.powercut import run_powercut_campaign
 
 pytestmark = pytest.mark.verl
 

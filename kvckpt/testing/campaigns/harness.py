@@ -130,18 +130,18 @@ def fork_server(preload: Sequence[str] = ()) -> Any:
     state inherited.
 
     ``preload``: more modules the server imports when this call is the first (a campaign's side workloads,
-    :mod:`kvckpt.testing.sides`, whose imports can take seconds); a server made earlier keeps its list, and
+    :mod:`kvckpt.testing.campaigns.sides`, whose imports can take seconds); a server made earlier keeps its list, and
     a child then imports them itself (slower, the same workload)."""
     global _FORK_SERVER
     if _FORK_SERVER is None:
         _FORK_SERVER = multiprocessing.get_context("forkserver")
-        # mfusepy: kvckpt.testing.powerfs; torch: ReplayBuffer.progress returns tensors, and a child
+        # mfusepy: kvckpt.testing.campaigns.powerfs; torch: ReplayBuffer.progress returns tensors, and a child
         # importing it itself spends seconds of its short life doing so. The server skips a preload
         # that raises ImportError and dies of any other error, so mfusepy, which raises OSError
         # where it finds no libfuse, is preloaded only where it imports.
         fuse = ["mfusepy"] if _imports("mfusepy") else []
-        _FORK_SERVER.set_forkserver_preload(["__main__", "kvckpt.testing.kill", "kvckpt.testing.powercut",
-                                             *fuse, "torch", *preload])
+        _FORK_SERVER.set_forkserver_preload(["__main__", "kvckpt.testing.campaigns.kill",
+                                             "kvckpt.testing.campaigns.powercut", *fuse, "torch", *preload])
     return _FORK_SERVER
 
 

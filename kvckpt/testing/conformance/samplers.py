@@ -2,7 +2,7 @@
 
 A custom sampler (see :mod:`kvckpt.samplers.base`) runs it from its own tests::
 
-    from kvckpt.testing.conformance import assert_sampler_conforms
+    from kvckpt.testing.conformance.samplers import assert_sampler_conforms
 
     def test_my_sampler_conforms(tmp_path):
         assert_sampler_conforms(MySampler(window=2), str(tmp_path))
@@ -53,7 +53,7 @@ from kvckpt import (
 )
 from kvckpt.samplers import BufferView
 from kvckpt.storage.store import Txn
-from kvckpt.testing.workload import SCHEMA, make_row
+from kvckpt.testing.campaigns.workload import SCHEMA, make_row
 
 _GROUP_SIZE = 2
 GROUPS_PER_STEP = 2

@@ -15,7 +15,7 @@ does: one :meth:`~kvckpt.ReplayBuffer.record_progress_many` per "engine step" (s
 ``progress`` with the durable length, resuming a redispatched sample from its durable prefix (which
 must be the row's own first tokens). The trainer admits, selects, finishes steps, evicts, aborts
 and checkpoints in the background to numbered files. Beside the buffer, a writer thread drives a
-value store in the same run directory (:mod:`kvckpt.testing.values_workload`).
+value store in the same run directory (:mod:`kvckpt.testing.campaigns.values_workload`).
 
 Every row is :func:`make_row` of its group and index, so a checker can regenerate any stored row.
 """
@@ -53,7 +53,7 @@ from kvckpt import (
     keep_latest,
 )
 from kvckpt.storage.encoding import RowEncoder
-from kvckpt.testing.values_workload import start_value_writer
+from kvckpt.testing.campaigns.values_workload import start_value_writer
 
 SCHEMA = {"input_ids": ("int64", "token"), "logprobs": ("float32", "token"), "reward": ("float32", "row")}
 GROUP_SIZE = 4

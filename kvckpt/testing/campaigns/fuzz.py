@@ -1,4 +1,4 @@
-"""Corruption fuzzing (:func:`run_fuzz_campaign`, ``python -m kvckpt.testing.campaign fuzz --cases N``).
+"""Corruption fuzzing (:func:`run_fuzz_campaign`, ``python -m kvckpt.testing.campaigns.campaign fuzz --cases N``).
 
 Valid checkpoint files are damaged (bit flips in meta pages, page headers and data, bursts,
 truncation, zeroed, swapped and duplicated pages, appended garbage, foreign LMDB files, random
@@ -46,8 +46,8 @@ from kvckpt.storage.layout import ONE_TREE_TABLES
 from kvckpt.storage.store import TABLES, Store
 from kvckpt.tables.access import Tables
 from kvckpt.tables.digest import row_digest
-from kvckpt.testing.harness import CampaignRun, Findings
-from kvckpt.testing.workload import GROUP_SIZE, GROUPS_PER_STEP, SAMPLERS, make_row, workload_config
+from kvckpt.testing.campaigns.harness import CampaignRun, Findings
+from kvckpt.testing.campaigns.workload import GROUP_SIZE, GROUPS_PER_STEP, SAMPLERS, make_row, workload_config
 
 #: Damage kinds and their weights in a fuzz campaign.
 DAMAGE = {"flip": 4, "flip-meta": 2, "flip-header": 3, "flip-data": 3, "burst": 2, "truncate": 2, "zero-page": 2,
@@ -308,7 +308,7 @@ class _Worker:
 
     def run(self, case: dict[str, Any], timeout: float) -> tuple[str, str]:
         if self.proc is None:
-            cmd = [sys.executable, "-m", "kvckpt.testing.campaign", "fuzz-worker", self.directory] + \
+            cmd = [sys.executable, "-m", "kvckpt.testing.campaigns.campaign", "fuzz-worker", self.directory] + \
                   (["--trusted"] if self.trusted else [])
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         try:

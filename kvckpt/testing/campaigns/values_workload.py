@@ -33,7 +33,7 @@ import numpy as np
 from kvckpt import FencedWrite, KvckptError, ValueStore, keep_latest, verify_path
 from kvckpt.durability.safe_open import open_readonly
 from kvckpt.storage import codec
-from kvckpt.testing.harness import start_writer
+from kvckpt.testing.campaigns.harness import start_writer
 from kvckpt.values.records import KEY_PREFIX, write_id_of
 
 VALUES_FILE = "values.kv"
@@ -125,7 +125,7 @@ class ValueWriter:
 
 def start_value_writer(run: str, log: Any, seed: int) -> None:
     """Open the run's value store and start its writer on a daemon thread
-    (:func:`~kvckpt.testing.harness.start_writer`)."""
+    (:func:`~kvckpt.testing.campaigns.harness.start_writer`)."""
     writer = ValueWriter(run, log, seed)
     start_writer("kvckpt-campaign-values", writer.step, writer.rng)
 

@@ -1,23 +1,23 @@
 """Power-loss campaign: cut the power under a live kvckpt workload, many times, and check every
 promise on the disk image that survives.
 
-``python -m kvckpt.testing.powercut --cuts N`` (or ``python -m kvckpt.testing.campaign powercut --cuts N``).
+``python -m kvckpt.testing.campaigns.powercut --cuts N`` (or ``python -m kvckpt.testing.campaigns.campaign powercut``).
 Each cut:
 
-1. mounts a :mod:`~kvckpt.testing.powerfs` filesystem over the previous cut's surviving image (a
+1. mounts a :mod:`~kvckpt.testing.campaigns.powerfs` filesystem over the previous cut's surviving image (a
    chain starts from an empty one), and starts a child process (forked from a fork server that
    never opened a store) that creates a store, recovers it, reopens it as it is, or restores its
    newest checkpoint into a new run directory, then runs the crash campaign's workload on it
-   (:func:`kvckpt.testing.workload.run_workload`: admit, commit_group, commit_sample, edge-encoded
+   (:func:`kvckpt.testing.campaigns.workload.run_workload`: admit, commit_group, commit_sample, edge-encoded
    commit_encoded, commit_many batches with a refused item, select, finish_step, evict, abort,
    redispatch, background checkpoints racing commits). The child sends
    each *acknowledged* operation down a pipe to the parent, outside the mount;
 2. at a random moment cuts the power (``strict``: only what was made durable survives;
    ``random``: also a random subset of unsynced pages and a random prefix of unsynced directory
    operations), SIGKILLs the child and unmounts;
-3. checks the image in another fresh process (:func:`kvckpt.testing.image_check.check_image`).
+3. checks the image in another fresh process (:func:`kvckpt.testing.campaigns.image_check.check_image`).
 
-Side workloads (:mod:`kvckpt.testing.sides`, ``sides=[...]``, ``--side MODULE``) run in each child on the
+Side workloads (:mod:`kvckpt.testing.campaigns.sides`, ``sides=[...]``, ``--side MODULE``) run in each child on the
 mounted run directory beside the buffer's; the image check runs each side's check on the surviving image.
 
 :data:`BREAKAGES` names deliberately broken configurations (LMDB without ``sync``/``metasync``; a
@@ -48,13 +48,13 @@ from typing import Any
 
 from kvckpt import ReplayBuffer, restore
 from kvckpt.storage.store import fsync_dir
-from kvckpt.testing import powerfs
-from kvckpt.testing.harness import CampaignRun, every, fork_server, in_fresh_process, report, tally
-from kvckpt.testing.history import WorkloadFindings
-from kvckpt.testing.image_check import checker
-from kvckpt.testing.sides import load_side
-from kvckpt.testing.values_workload import is_value_op
-from kvckpt.testing.workload import CHECKPOINT_GLOB, SAMPLERS, run_workload, workload_config
+from kvckpt.testing.campaigns import powerfs
+from kvckpt.testing.campaigns.harness import CampaignRun, every, fork_server, in_fresh_process, report, tally
+from kvckpt.testing.campaigns.history import WorkloadFindings
+from kvckpt.testing.campaigns.image_check import checker
+from kvckpt.testing.campaigns.sides import load_side
+from kvckpt.testing.campaigns.values_workload import is_value_op
+from kvckpt.testing.campaigns.workload import CHECKPOINT_GLOB, SAMPLERS, run_workload, workload_config
 
 #: Deliberately broken durability, applied in the child before it opens anything.
 BREAKAGES = ("lmdb-nosync", "checkpoint-nofsync")
@@ -319,12 +319,12 @@ def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = N
             about other durability use it so a create bug cannot mask theirs. Defaults to False.
         minutes: start no cut after this many minutes (``result.cuts`` says how many ran).
         progress: called after every cut with the running result.
-        sides: modules of side workloads an integration plugs in (:mod:`kvckpt.testing.sides`): each child
+        sides: modules of side workloads an integration plugs in (:mod:`kvckpt.testing.campaigns.sides`): each child
             runs them on the mounted run directory beside the buffer's workload, and each cut's image check
             runs their checks on the surviving image.
 
     Raises:
-        RuntimeError: powerfs cannot run here (:func:`kvckpt.testing.powerfs.unavailable` says why).
+        RuntimeError: powerfs cannot run here (:func:`kvckpt.testing.campaigns.powerfs.unavailable` says why).
     """
     why = powerfs.unavailable()
     if why is not None:
@@ -358,9 +358,9 @@ def run_powercut_campaign(cuts: int, *, seed: int = 0, directory: str | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvckpt.testing.powercut --cuts N [--soak] [--break KIND] [--side MODULE]``; exits 1 when a
+    """``python -m kvckpt.testing.campaigns.powercut --cuts N [--soak] [--break KIND] [--side MODULE]``; exits 1 when a
     violation was found, 2 when powerfs cannot run here."""
-    parser = argparse.ArgumentParser(prog="python -m kvckpt.testing.powercut")
+    parser = argparse.ArgumentParser(prog="python -m kvckpt.testing.campaigns.powercut")
     parser.add_argument("--cuts", type=int, default=100)
     parser.add_argument("--soak", action="store_true", help="the soak size: 2000 cuts (overrides --cuts)")
     parser.add_argument("--seed", type=int, default=0)
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="keep the campaign's files here (default: a temp dir)")
     parser.add_argument("--minutes", type=float, default=None, help="start no cut after this long")
     parser.add_argument("--side", action="append", default=[],
-                        help="module of a side workload to run and check too (kvckpt.testing.sides)")
+                        help="module of a side workload to run and check too (kvckpt.testing.campaigns.sides)")
     opts = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # unwind, so the mount is detached
     why = powerfs.unavailable()

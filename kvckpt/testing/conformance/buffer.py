@@ -7,7 +7,7 @@ the Ray actor through a shim, the reference trainer's in-memory buffer, or an in
 Describe it with a :class:`BufferSurface` (a factory, and the capabilities it lacks, each with its
 reason) and run::
 
-    from kvckpt.testing.buffer_conformance import BufferSurface, run_buffer_conformance
+    from kvckpt.testing.conformance.buffer import BufferSurface, run_buffer_conformance
 
     def test_my_buffer_conforms():
         run_buffer_conformance(BufferSurface("mine", create=MyBuffer.create), "in_order")
@@ -157,6 +157,10 @@ class BufferSurface:
             it through (capability ``store_file``); default the handle itself. Called again after
             every reopen and restore.
         close: ``close(handle)``; default ``handle.close()``.
+        offers: the columns of the operation table (:data:`kvckpt.buffer.surface.SURFACES`) whose
+            operations the surface offers (any of them); empty (the default): every operation, as
+            ReplayBuffer. :func:`kvckpt.testing.conformance.scenarios.run_operation_scenarios` skips an
+            operation only where the table says these columns do not offer it.
     """
 
     name: str
@@ -166,6 +170,7 @@ class BufferSurface:
     restore: Callable[[Any, str, str], tuple[Any, Any]] | None = None
     inspect: Callable[[Any], Any] = lambda handle: handle
     close: Callable[[Any], None] = lambda handle: handle.close()
+    offers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         unknown = set(self.lacks) - set(CAPABILITIES)
@@ -1080,6 +1085,6 @@ def _async_restore(handle: SyncAsyncBuffer, checkpoint: str, path: str) -> tuple
 ASYNC_SURFACE = BufferSurface(
     "AsyncReplayBuffer", create=lambda path, config: SyncAsyncBuffer(lambda: AsyncReplayBuffer.create(path, config)),
     open=lambda path: SyncAsyncBuffer(lambda: AsyncReplayBuffer.open(path)), restore=_async_restore,
-    inspect=lambda handle: handle.buffer)
+    inspect=lambda handle: handle.buffer, offers=("async",))
 #: The buffer itself as a surface: every capability, the reference the others are held to.
 REPLAY_BUFFER_SURFACE = BufferSurface("ReplayBuffer", create=ReplayBuffer.create)

@@ -1,7 +1,7 @@
 """Workloads beside the buffer's that the crash and power-cut campaigns also run and check: the public hook an
 integration plugs its own store into (``run_crash_campaign(..., sides=["pkg.module"])``,
-``python -m kvckpt.testing.campaign --side pkg.module``; ``run_powercut_campaign(..., sides=[...])``,
-``python -m kvckpt.testing.powercut --side pkg.module``).
+``python -m kvckpt.testing.campaigns.campaign --side pkg.module``; ``run_powercut_campaign(..., sides=[...])``,
+``python -m kvckpt.testing.campaigns.powercut --side pkg.module``).
 
 A side is named by its module, so every child (forked from the fork server or a fresh interpreter)
 imports it itself; the module defines ``SIDE``, a :class:`Side`. kvckpt never imports an integration:
@@ -46,5 +46,5 @@ def load_side(module: str) -> Side:
     """
     side = getattr(importlib.import_module(module), "SIDE", None)
     if not isinstance(side, Side):
-        raise TypeError(f"campaign side {module!r} defines no SIDE (a kvckpt.testing.sides.Side)")
+        raise TypeError(f"campaign side {module!r} defines no SIDE (a kvckpt.testing.campaigns.sides.Side)")
     return side

@@ -1,13 +1,13 @@
-"""The crash campaign (:func:`run_crash_campaign`, ``python -m kvckpt.testing.campaign --kills N``):
+"""The crash campaign (:func:`run_crash_campaign`, ``python -m kvckpt.testing.campaigns.campaign --kills N``):
 SIGKILL a live workload again and again and check every promise after each kill.
 
-A child process runs the :mod:`~kvckpt.testing.workload` on a live store (it never imports torch;
+A child process runs the :mod:`~kvckpt.testing.campaigns.workload` on a live store (it never imports torch;
 it is forked from a fork server, itself a fresh interpreter that never opened a store, or with
 ``--exec`` started as a fresh interpreter every time). After each call returns, the child appends
 the operation to an fsynced JSON-lines log: the log holds only *acknowledged* operations. The
 parent SIGKILLs the child at a random moment, then, in its own process:
 
-1. verifies the live store and replays the log against it (:mod:`kvckpt.testing.history`): every
+1. verifies the live store and replays the log against it (:mod:`kvckpt.testing.campaigns.history`): every
    acknowledged admission is a group or a ledger entry with its prompt, every acknowledged commit
    (group, sample, edge-encoded or ``commit_many``) is a committed group with the acknowledged
    digest (or, for a single sample, a recorded sibling), acknowledged evictions, aborts and
@@ -18,8 +18,8 @@ parent SIGKILLs the child at a random moment, then, in its own process:
    cursor exactly once, and everything it holds as committed is committed in the live store with
    the same digest;
 3. checks the value store beside it against its logged operations and loads every value-store
-   checkpoint (:func:`kvckpt.testing.values_workload.check_values`);
-4. runs the check of each side workload an integration plugged in (:mod:`kvckpt.testing.sides`);
+   checkpoint (:func:`kvckpt.testing.campaigns.values_workload.check_values`);
+4. runs the check of each side workload an integration plugged in (:mod:`kvckpt.testing.campaigns.sides`);
 5. recovers the live store (:meth:`ReplayBuffer.recover`; sometimes the next child does it) and
    lets the next child resume the workload on it, so a campaign is a chain of crashes.
 """
@@ -43,11 +43,11 @@ from typing import Any
 
 from kvckpt import ReplayBuffer, restore
 from kvckpt.durability.safe_open import verify_untrusted
-from kvckpt.testing.harness import CampaignRun, fork_server, tally
-from kvckpt.testing.history import Holdings, WorkloadFindings, check_buffer, check_history, compare_checkpoint
-from kvckpt.testing.sides import load_side
-from kvckpt.testing.values_workload import check_values
-from kvckpt.testing.workload import CHECKPOINT_GLOB, SAMPLERS, OpLog, read_log, run_workload, workload_config
+from kvckpt.testing.campaigns.harness import CampaignRun, fork_server, tally
+from kvckpt.testing.campaigns.history import Holdings, WorkloadFindings, check_buffer, check_history, compare_checkpoint
+from kvckpt.testing.campaigns.sides import load_side
+from kvckpt.testing.campaigns.values_workload import check_values
+from kvckpt.testing.campaigns.workload import CHECKPOINT_GLOB, SAMPLERS, OpLog, read_log, run_workload, workload_config
 
 
 @dataclass
@@ -71,7 +71,7 @@ class CampaignResult(WorkloadFindings):
 def child_main(run: str, seed: int, recover_first: bool, ready: Callable[[], None],
                sides: Sequence[str] = ()) -> None:
     """The workload of one child on the chain directory ``run`` (and each side workload of ``sides``,
-    :mod:`kvckpt.testing.sides`); calls ``ready`` once it runs."""
+    :mod:`kvckpt.testing.campaigns.sides`); calls ``ready`` once it runs."""
     buf = ReplayBuffer.open(os.path.join(run, "live.kv"))
     log = OpLog(os.path.join(run, "ops.jsonl"))
     for side in sides:
@@ -103,7 +103,7 @@ class Chain:
     ops_counted: int = 0
     recovered: bool = True  # a fresh store needs no recovery
     verified: set[str] = field(default_factory=set)
-    sides: tuple[str, ...] = ()  #: the side workloads' modules (kvckpt.testing.sides)
+    sides: tuple[str, ...] = ()  #: the side workloads' modules (kvckpt.testing.campaigns.sides)
     rows_seen: set[bytes] = field(default_factory=set)
 
     @property
@@ -183,13 +183,13 @@ def run_child(chain: Chain, seed: int, rng: random.Random, max_delay: float, fre
     """Start a child on ``chain``, SIGKILL it after a random delay; return its exit status and stderr.
 
     The child recovers the store itself when the parent did not after the previous kill. ``fresh``
-    starts it as ``python -m kvckpt.testing.campaign child`` (a new interpreter each time, about 0.4 s);
+    starts it as ``python -m kvckpt.testing.campaigns.campaign child`` (a new interpreter each time, about 0.4 s);
     otherwise the fork server forks it.
     """
     errpath = os.path.join(chain.run, "child.stderr")
     open(errpath, "wb").close()  # here, not in the child: a kill may land before the child runs a line
     if fresh:
-        cmd = [sys.executable, "-m", "kvckpt.testing.campaign", "child", chain.run, "--seed", str(seed)]
+        cmd = [sys.executable, "-m", "kvckpt.testing.campaigns.campaign", "child", chain.run, "--seed", str(seed)]
         if not chain.recovered:
             cmd.append("--recover")
         cmd += [arg for side in chain.sides for arg in ("--side", side)]
@@ -251,7 +251,7 @@ def run_crash_campaign(kills: int, *, seed: int = 0, directory: str | None = Non
             from a fork server (slower start, same workload). Defaults to False.
         minutes: start no kill cycle after this many minutes (``result.kills`` says how many ran).
         progress: called after every kill with the running result.
-        sides: modules of side workloads an integration plugs in (:mod:`kvckpt.testing.sides`): each child
+        sides: modules of side workloads an integration plugs in (:mod:`kvckpt.testing.campaigns.sides`): each child
             runs them beside the buffer's workload and each kill checks them.
     """
     rng = random.Random(seed)

@@ -1,9 +1,9 @@
 """The command line of kvckpt's fault campaigns (the harness of :mod:`kvckpt.testing`).
 
-``python -m kvckpt.testing.campaign [--kills N]`` runs the crash campaign
-(:func:`kvckpt.testing.kill.run_crash_campaign`), ``... fuzz --cases N`` the corruption fuzzing
-(:func:`kvckpt.testing.fuzz.run_fuzz_campaign`) and ``... powercut --cuts N`` the power-loss
-campaign (:mod:`kvckpt.testing.powercut`). Each prints one summary line and exits 1 when a
+``python -m kvckpt.testing.campaigns.campaign [--kills N]`` runs the crash campaign
+(:func:`kvckpt.testing.campaigns.kill.run_crash_campaign`), ``... fuzz --cases N`` the corruption fuzzing
+(:func:`kvckpt.testing.campaigns.fuzz.run_fuzz_campaign`) and ``... powercut --cuts N`` the power-loss
+campaign (:mod:`kvckpt.testing.campaigns.powercut`). Each prints one summary line and exits 1 when a
 violation was found. ``child`` and ``fuzz-worker`` are the campaigns' own subprocesses.
 """
 
@@ -13,22 +13,22 @@ import argparse
 import sys
 from typing import Any
 
-from kvckpt.testing.fuzz import fuzz_worker, run_fuzz_campaign
-from kvckpt.testing.harness import every, report
-from kvckpt.testing.kill import child_main, run_crash_campaign
+from kvckpt.testing.campaigns.fuzz import fuzz_worker, run_fuzz_campaign
+from kvckpt.testing.campaigns.harness import every, report
+from kvckpt.testing.campaigns.kill import child_main, run_crash_campaign
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvckpt.testing.campaign [--kills N] ...``, ``... fuzz --cases N ...`` or
-    ``python -m kvckpt.testing.campaign powercut --cuts N ...`` (:mod:`kvckpt.testing.powercut`); exits 1
-    when a violation was found."""
+    """``python -m kvckpt.testing.campaigns.campaign [--kills N] ...``, ``... fuzz --cases N ...`` or
+    ``python -m kvckpt.testing.campaigns.campaign powercut --cuts N ...``
+    (:mod:`kvckpt.testing.campaigns.powercut`); exits 1 when a violation was found."""
     args = list(sys.argv[1:] if argv is None else argv)
     command = args.pop(0) if args and not args[0].startswith("-") else "kill"
-    if command == "powercut":  # power loss on a FUSE filesystem: kvckpt.testing.powercut
-        from kvckpt.testing.powercut import main as powercut_main
+    if command == "powercut":  # power loss on a FUSE filesystem: kvckpt.testing.campaigns.powercut
+        from kvckpt.testing.campaigns.powercut import main as powercut_main
 
         return powercut_main(args)
-    parser = argparse.ArgumentParser(prog=f"python -m kvckpt.testing.campaign {command}")
+    parser = argparse.ArgumentParser(prog=f"python -m kvckpt.testing.campaigns.campaign {command}")
     parser.add_argument("--seed", type=int, default=0)
     if command == "child":
         parser.add_argument("run")
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--chain", type=int, default=25, help="kills per live store before a fresh one")
         parser.add_argument("--exec", action="store_true", help="start each child as a fresh interpreter")
         parser.add_argument("--side", action="append", default=[],
-                            help="module of a side workload to run and check too (kvckpt.testing.sides)")
+                            help="module of a side workload to run and check too (kvckpt.testing.campaigns.sides)")
         opts = parser.parse_args(args)
         result = run_crash_campaign(opts.kills, seed=opts.seed, directory=opts.dir, chain=opts.chain,
                                     fresh_interpreter=opts.exec, minutes=opts.minutes,

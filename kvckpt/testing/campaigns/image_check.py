@@ -2,12 +2,12 @@
 survived a power cut, checked in a fresh process (:func:`checker`).
 
 The store exists and verifies (:func:`kvckpt.check`, ``deep=True``), every acknowledged operation
-survives (:func:`kvckpt.testing.history.check_history`), exactly-once holds, every stored row is the
+survives (:func:`kvckpt.testing.campaigns.history.check_history`), exactly-once holds, every stored row is the
 row its producer generated, an acknowledged restore survived, the acknowledged checkpoint exists,
 and *every* file under a checkpoint name restores, verifies and agrees with the live store; the
 value store beside it holds what its acknowledged writes left and its checkpoints load
-(:func:`kvckpt.testing.values_workload.check_values`); each side workload's check
-(:mod:`kvckpt.testing.sides`) passes on the image.
+(:func:`kvckpt.testing.campaigns.values_workload.check_values`); each side workload's check
+(:mod:`kvckpt.testing.campaigns.sides`) passes on the image.
 
 Nothing here writes to the image: the next cut's filesystem starts from it. The buffer and the value
 store open read-only; a side whose check must open its store for writing does so on a copy in ``scratch``.
@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvckpt import KvckptError, ReplayBuffer, restore
-from kvckpt.testing.history import check_buffer, check_history, compare_checkpoint
-from kvckpt.testing.sides import load_side
-from kvckpt.testing.values_workload import check_values
-from kvckpt.testing.workload import CHECKPOINT_GLOB
+from kvckpt.testing.campaigns.history import check_buffer, check_history, compare_checkpoint
+from kvckpt.testing.campaigns.sides import load_side
+from kvckpt.testing.campaigns.values_workload import check_values
+from kvckpt.testing.campaigns.workload import CHECKPOINT_GLOB
 
 
 def check_image(image: str, timeline: str, ops: list[dict[str, Any]], scratch: str,

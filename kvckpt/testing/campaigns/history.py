@@ -1,12 +1,12 @@
 """The checker of the kill and power-cut campaigns: what a store holds, whether it kept every
-promise of the acknowledged operations a :mod:`~kvckpt.testing.workload` logged, and whether a
+promise of the acknowledged operations a :mod:`~kvckpt.testing.campaigns.workload` logged, and whether a
 restored checkpoint agrees with the live store.
 
 * :func:`check_buffer`: the store verifies (:func:`kvckpt.check`), the prompts held are exactly
   ``0 .. cursor-1``, each once (a committed group or a ledger entry, never both), and every stored
-  row is byte-for-byte the row its producer generated (:func:`~kvckpt.testing.workload.make_row`);
+  row is byte-for-byte the row its producer generated (:func:`~kvckpt.testing.campaigns.workload.make_row`);
 * :func:`check_history`: every acknowledged admission, commit (by any of the
-  :data:`~kvckpt.testing.workload.COMMIT_PATHS`), token-progress chunk (present after the cut: the
+  :data:`~kvckpt.testing.campaigns.workload.COMMIT_PATHS`), token-progress chunk (present after the cut: the
   sample's durable prefix is at least as long, unless the sample was committed or its group
   aborted since), selection, finished step, eviction and abort is reflected by the store; every
   durable prefix is its row's own first tokens and logprobs (:func:`check_buffer`);
@@ -26,8 +26,8 @@ import numpy as np
 from kvckpt import ReplayBuffer, check
 from kvckpt.storage import codec
 from kvckpt.tables.records import ABORTED, CLAIMED, CONSUMED, EVICTED, READY
-from kvckpt.testing.harness import Findings
-from kvckpt.testing.workload import make_row
+from kvckpt.testing.campaigns.harness import Findings
+from kvckpt.testing.campaigns.workload import make_row
 
 COMMITTED = (READY, CLAIMED, CONSUMED, EVICTED)
 
