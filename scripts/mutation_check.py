@@ -813,6 +813,10 @@ MUTATIONS += (
              '    "ids?": Codec(_optional(list), _optional(list), "Iterable[str] | None"),',
              '    "ids?": Codec(_optional(list), lambda ids: None, "Iterable[str] | None"),',
              (f"{RAY_SCENARIOS}::test_every_operation_runs_its_scenario_through_the_actor_and_its_client",)),
+    Mutation("refused-admission-wakes-itself", "kvckpt/buffer/aio.py",
+             "                admitted = await self._run(fn, *args, timeout=0, **kwargs)",
+             "                admitted = await self._write(fn, *args, timeout=0, **kwargs)",
+             ("tests/core/test_aio.py::test_a_waiting_admission_sleeps_until_a_write_lands",)),
 )
 
 

@@ -132,10 +132,13 @@ class AsyncReplayBuffer:
         try:
             return await self._run(fn, *args, **kwargs)
         finally:
-            # Wake admissions waiting on the gate; a fresh event for the next round of waiters.
-            event, self._changed = self._changed, None
-            if event is not None:
-                event.set()
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wake admissions waiting on the gate; a fresh event for the next round of waiters."""
+        event, self._changed = self._changed, None
+        if event is not None:
+            event.set()
 
     # -- admission -------------------------------------------------------------------------------
     async def admit(self, prompts: Sequence[Prompt | int | Mapping[str, Any]], dataloader_state: bytes | None = None,
@@ -169,9 +172,12 @@ class AsyncReplayBuffer:
         while True:
             changed = self._change_event()
             try:
-                return await self._write(fn, *args, timeout=0, **kwargs)
-            except GateTimeout as exc:
+                admitted = await self._run(fn, *args, timeout=0, **kwargs)
+            except GateTimeout as exc:  # a refused try wrote nothing: it must not wake the waiters, itself included
                 blocked = exc
+            else:
+                self._wake()
+                return admitted
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
                 raise GateTimeout(f"admission still blocked after {timeout}s ({blocked})") from None

@@ -90,6 +90,43 @@ def test_gate_wait_holds_no_thread_and_never_blocks_the_loop(tmp_path):
     assert (state["dispatch_index"], state["trainer_version"], state["inflight"]) == (2, 1, 4)
 
 
+def test_a_waiting_admission_sleeps_until_a_write_lands(tmp_path):
+    """A refused try writes nothing, so it wakes no waiter, itself included: with an hour's poll
+    interval, the admission tries once while the gate stays closed, then once more per write that
+    lands (the commits, select and finish_step that open the gate), never in a loop."""
+    tries = 0
+
+    async def scenario():
+        nonlocal tries
+        buf = await AsyncReplayBuffer.create(str(tmp_path / "b.kv"), config(), poll_interval=3600)
+        first = await buf.admit([Prompt(0, group_id="g0"), Prompt(1, group_id="g1")])
+        await buf.admit([Prompt(2, group_id="g2"), Prompt(3, group_id="g3")])
+        admit = buf.buffer.admit
+
+        def counted(*args, **kwargs):
+            nonlocal tries
+            tries += 1
+            return admit(*args, **kwargs)
+
+        buf.buffer.admit = counted
+        waiting = asyncio.create_task(buf.admit([Prompt(4, group_id="g4"), Prompt(5, group_id="g5")], timeout=60))
+        for _ in range(50):  # many turns of the loop, and pool round trips, while the gate is closed
+            await buf.admissible(2)
+        tries_while_closed = tries
+        for i, lease in enumerate(first):
+            await buf.commit_group(lease, make_group(2, i))
+        await buf.select(2, 2)
+        await buf.finish_step()
+        second = await asyncio.wait_for(waiting, 30)
+        await buf.close()
+        return tries_while_closed, [x.group_id for x in second]
+
+    tries_while_closed, second = asyncio.run(scenario())
+    assert tries_while_closed == 1
+    assert 2 <= tries <= 5  # one per gate-changing write at most, the last one admitted
+    assert second == ["g4", "g5"]
+
+
 def test_gate_timeout_writes_nothing(tmp_path):
     async def scenario():
         async with await AsyncReplayBuffer.create(str(tmp_path / "b.kv"), config()) as buf:
