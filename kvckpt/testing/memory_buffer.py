@@ -285,14 +285,17 @@ class MemoryReplayBuffer:
             consumed = [self._consume(gid, i, row) for i, row in arrays]
             for i, _ in arrays:
                 self._progress.get(gid, {}).pop(i, None)
-            weights = [w for w in (self._token_weight.get(gid), *consumed) if w is not None]
+            spans = [span for span in consumed if span is not None]
+            weights = [w for w in (self._token_weight.get(gid), *(lo for lo, _ in spans)) if w is not None]
             if weights:
                 self._token_weight[gid] = min(weights)
+            newest = max([entry.newest_weight, *(hi for _, hi in spans), *([] if end_weight is None else [end_weight])])
             partial.update(arrays)
             if not whole:
                 self._counters["samples_committed"] += len(arrays)
             if len(partial) < entry.group_size:
-                self._ledger[gid] = dataclasses.replace(entry, siblings=tuple(sorted(partial)))
+                self._ledger[gid] = dataclasses.replace(entry, siblings=tuple(sorted(partial)),
+                                                        lineage_newest=_above(newest, entry.start_weight))
                 return CommitResult(gid, ready=False, rows_written=len(arrays))
             del self._ledger[gid]
             self._progress.pop(gid, None)
@@ -302,7 +305,7 @@ class MemoryReplayBuffer:
             self._groups[gid] = GroupInfo(
                 entry.group_id, entry.prompt_idx, entry.task_name, entry.admission_id, entry.seq, entry.group_size,
                 READY, start, self._st["weight_version"] if end_weight is None else int(end_weight),
-                entry.target_step, entry.attempt, "", timeline=entry.timeline)
+                entry.target_step, entry.attempt, "", timeline=entry.timeline, lineage_newest=_above(newest, start))
             self._counters["committed"] += 1
             self._lock.notify_all()
             return CommitResult(gid, ready=True, rows_written=len(arrays))
@@ -320,8 +323,8 @@ class MemoryReplayBuffer:
                                   "were dropped")
         return CommitResult(gid, ready=True, replayed=True)
 
-    def _consume(self, gid: str, index: int, row: Mapping[str, Any]) -> int | None:
-        """Hold a row against its sample's progress (as the kvckpt commit does); the oldest version of it."""
+    def _consume(self, gid: str, index: int, row: Mapping[str, Any]) -> tuple[int, int] | None:
+        """Hold a row against its sample's progress (as the kvckpt commit does); its oldest and newest version."""
         chunks = self._progress.get(gid, {}).get(index)
         if not chunks:
             return None
@@ -329,7 +332,7 @@ class MemoryReplayBuffer:
         tokens = np.concatenate([r.arrays["tokens"] for r in records])
         versions = np.concatenate([np.full(c.length, c.version, np.int64) for c in chunks])
         hold_row_against_prefix(f"row {index} of group {gid!r}", row, tokens, versions)
-        return int(versions.min())
+        return int(versions.min()), int(versions.max())
 
     # -- token progress --------------------------------------------------------------------------
     def record_progress(self, lease: Lease, index: int, *, start: int, tokens: Any, logprobs: Any,
@@ -526,8 +529,9 @@ class MemoryReplayBuffer:
             entry = self._ledger.get(group_id)
             if entry is None:
                 raise UnknownGroup(f"group {group_id!r} is not in flight")
-            entry = dataclasses.replace(entry, attempt=entry.attempt + 1, timeline=self.timeline,
-                                        start_weight=entry.start_weight if start_weight is None else int(start_weight))
+            stamp = entry.start_weight if start_weight is None else int(start_weight)
+            entry = dataclasses.replace(entry, attempt=entry.attempt + 1, timeline=self.timeline, start_weight=stamp,
+                                        lineage_newest=_above(max(entry.newest_weight, stamp), stamp))
             self._ledger[group_id] = entry
             self._counters["redispatched"] += 1
             return entry.lease(self.store_id)
@@ -557,7 +561,7 @@ class MemoryReplayBuffer:
             self._groups[gid] = GroupInfo(gid, entry.prompt_idx, entry.task_name, entry.admission_id, entry.seq,
                                           entry.group_size, ABORTED, entry.start_weight, -1, entry.target_step,
                                           entry.attempt, "", rows_stored=False, reason=reason,
-                                          timeline=entry.timeline)
+                                          timeline=entry.timeline, lineage_newest=entry.lineage_newest)
         self._counters["aborted"] += len(gids)
         if gids:
             self._lock.notify_all()
@@ -646,3 +650,8 @@ def _same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Whether two validated rows hold the same values."""
     return a.keys() == b.keys() and all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) if not isinstance(
         a[k], (str, bytes)) else a[k] == b[k] for k in a)
+
+
+def _above(newest: int, start: int) -> int | None:
+    """``lineage_newest`` as kvckpt stores it: only when newer than the stamp."""
+    return newest if newest > start else None

@@ -12,8 +12,9 @@ from kvckpt.transitions.config import BufferConfig
 def redispatch(t: Tables, store_id: str, group_id: str, start_weight: int | None) -> Lease:
     """The entry's ``attempt`` + 1 on the current timeline (fencing the old lease) and, if given, a
     new ``start_weight``; committed siblings are kept. Returns the new lease. An entry a recovery
-    forked (``lineage_fork``: it kept work of weights the rollback destroyed) keeps its stamp:
-    that work is its stalest part, and a stamp at or below the fork would break the lineage rule.
+    forked (``lineage_fork``: it kept work of weights the rollback destroyed) keeps its stamps:
+    that work is its stalest part. ``lineage_newest`` stays the newest of the kept work's version and
+    the stamp (dropped once the new stamp is as new).
 
     Raises:
         UnknownGroup: no ledger entry for ``group_id``.
@@ -22,10 +23,11 @@ def redispatch(t: Tables, store_id: str, group_id: str, start_weight: int | None
     if entry is None:
         raise UnknownGroup(f"group {group_id!r} is not in flight; nothing to redispatch")
     st = t.state()
+    stamp = entry.start_weight if start_weight is None or entry.lineage_fork is not None else start_weight
+    newest = max(entry.newest_weight, stamp)  # the kept work's newest, or the new stamp if newer
     new = LedgerEntry.from_dict({
-        **entry.to_dict(), "attempt": entry.attempt + 1, "timeline": st["timeline"],
-        "start_weight": entry.start_weight if start_weight is None or entry.lineage_fork is not None
-        else start_weight})
+        **entry.to_dict(), "attempt": entry.attempt + 1, "timeline": st["timeline"], "start_weight": stamp,
+        "lineage_newest": newest if newest > stamp else None})
     t.replace_entry(new, was=entry)
     st["counters"]["redispatched"] += 1
     t.put_state(st)
@@ -33,8 +35,8 @@ def redispatch(t: Tables, store_id: str, group_id: str, start_weight: int | None
 
 
 def abort(t: Tables, group_ids: list[str], reason: str) -> None:
-    """Ledger entries -> aborted tombstones with ``reason`` (keeping the entry's stamp and
-    ``lineage_fork``), their partial rows and token progress deleted, and
+    """Ledger entries -> aborted tombstones with ``reason`` (keeping the entry's stamps,
+    ``lineage_fork`` and ``lineage_newest``), their partial rows and token progress deleted, and
     ``batch_shortfall[target_step]`` credited.
 
     Raises:
@@ -52,7 +54,8 @@ def abort(t: Tables, group_ids: list[str], reason: str) -> None:
         t.put_group(GroupInfo(
             gid, entry.prompt_idx, entry.task_name, entry.admission_id, entry.seq, entry.group_size,
             ABORTED, entry.start_weight, -1, entry.target_step, entry.attempt, "", rows_stored=False,
-            reason=reason, timeline=entry.timeline, lineage_fork=entry.lineage_fork))
+            reason=reason, timeline=entry.timeline, lineage_fork=entry.lineage_fork,
+            lineage_newest=entry.lineage_newest))
         if entry.target_step is not None:
             shortfall[str(entry.target_step)] = shortfall.get(str(entry.target_step), 0) + 1
     st["inflight"] -= len(group_ids)
