@@ -62,6 +62,10 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 RECOVER = """
 from kvckpt.samplers import BufferView
+def row(tokens, versions):
+    n = len(tokens)
+    return {"input_ids": torch.tensor([101, *tokens]), "generation_logprobs": torch.full((1 + n,), -0.5),
+            "token_mask": torch.tensor([0] + [1] * n), "token_versions": torch.tensor([-1, *versions])}
 def stamps(buf):
     return {r.group_id: [r.start_weight, r.lineage_newest, r.lineage_fork, r.lineage_weight]
             for r in [*buf.groups(["ready"]), *buf.ledger()]}
@@ -77,6 +81,12 @@ for name in ARGS["samplers"]:
             "staleness": {r.group_id: cur - r.lineage_weight for r in [*buf.groups(["ready"]), *buf.ledger()]},
             "eligible": eligible, "evicted": buf.evict(), "aborted": buf.abort_stale_inflight()}
         buf.finish_step()
+    if name == "ready_first":  # the forked in-flight prompt finishes with the weights of version 4 (trained anew)
+        [lease] = [lease for lease in plan.leases if lease.group_id == "inflight"]
+        buf.commit_group(lease, [row([7, 8, 9, 10], [1, 1, 2, 4])], end_weight=4)
+        [done] = [g for g in buf.groups() if g.group_id == "inflight"]
+        out[name]["committed"] = [done.start_weight, done.end_weight, done.lineage_newest, done.lineage_fork,
+                                  buf.trainer_version - done.lineage_weight]
     buf.close()
 print(json.dumps(out), flush=True)
 """
@@ -163,6 +173,13 @@ def test_a_spanning_group_is_selectable_exactly_while_its_distance_is_within_eac
     assert all(in_order[v]["aborted"] == [] for v in ("1", "2", "3"))
 
 
+def test_a_forked_entry_commits_with_the_newest_its_fork_froze(runs):
+    """A forked in-flight prompt finished after the resume by the weights of version 4 (trained
+    anew, not the destroyed 2 nor a token of its lineage) keeps ``lineage_newest`` 2: its stalest
+    token is still the destroyed 2, ``(2 - 1) + (4 - 1) = 4`` versions from version 4."""
+    assert runs["recover"]["ready_first"]["committed"] == [1, 4, 2, 1, 4]
+
+
 def test_the_fork_is_durable_and_verifies_in_a_fresh_process(runs):
     """A third process reads the same stamps from each store after the clean close, and
     verification holds every weight index against the new lineage weight. ``end_weight`` is the
@@ -174,11 +191,11 @@ def test_the_fork_is_durable_and_verifies_in_a_fresh_process(runs):
     for name in SAMPLERS:
         got = runs["reopen"][name]
         assert got["ok"], name
-        aborted = {"inflight": ["aborted", 1, -1, 2, 1]} if name == "windowed" else {}  # the tombstone keeps both
+        done = {"windowed": {"inflight": ["aborted", 1, -1, 2, 1]},  # the tombstone keeps both
+                "ready_first": {"inflight": ["ready", 1, 4, 2, 1]}}.get(name, {})  # committed after the resume
         assert got["records"] == {**{gid: ["evicted" if gid in evicted[name] else "ready", *stamps]
-                                     for gid, stamps in expected.items()}, **aborted}, name
-        assert got["ledger"] == ({"inflight1": [1, None, None]} if name == "windowed" else
-                                 {"inflight": [1, 2, 1], "inflight1": [1, None, None]}), name
+                                     for gid, stamps in expected.items()}, **done}, name
+        assert got["ledger"] == {**({} if done else {"inflight": [1, 2, 1]}), "inflight1": [1, None, None]}, name
 
 
 def test_records_without_the_field_keep_their_bytes(tmp_path):
