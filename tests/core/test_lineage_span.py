@@ -22,6 +22,7 @@ from pathlib import Path
 
 import _golden
 import pytest
+from _cli import kv
 
 from kvckpt import GroupInfo, LedgerEntry, ReplayBuffer
 from kvckpt.storage import codec, keys
@@ -113,7 +114,9 @@ def runs(tmp_path_factory) -> dict:
     assert got["rc"] == 0, got["err"]
     again = run_fresh(REOPEN, dir=directory, samplers=SAMPLERS)
     assert again["rc"] == 0, again["err"]
-    return {"recover": got["out"], "reopen": again["out"]}
+    inspected = {"json": json.loads(kv("inspect", "--json", f"{directory}/ready_first.kv").stdout),
+                 "text": kv("inspect", f"{directory}/ready_first.kv").stdout}
+    return {"recover": got["out"], "reopen": again["out"], "inspect": inspected}
 
 
 # start_weight, lineage_newest, lineage_fork, lineage weight right after recover(resume_version=1)
@@ -196,6 +199,15 @@ def test_the_fork_is_durable_and_verifies_in_a_fresh_process(runs):
         assert got["records"] == {**{gid: ["evicted" if gid in evicted[name] else "ready", *stamps]
                                      for gid, stamps in expected.items()}, **done}, name
         assert got["ledger"] == {**({} if done else {"inflight": [1, 2, 1]}), "inflight1": [1, None, None]}, name
+
+
+def test_inspect_reports_the_destroyed_lineage(runs):
+    """``kvckpt inspect`` counts the held records on a destroyed lineage and those spanning a sync,
+    with the lowest lineage weight (the same rule as the samplers'): the ready_first store holds
+    tail, chunks and the committed inflight, forked at 1 with newest 2 (lineage weight 0)."""
+    assert runs["inspect"]["json"]["lineage"] == {"forked": 3, "spanning": 3, "lowest": 0}
+    assert "lineage  3 held on a destroyed lineage (lowest lineage weight 0), 3 spanning a weight sync" \
+        in runs["inspect"]["text"]
 
 
 def test_records_without_the_field_keep_their_bytes(tmp_path):
