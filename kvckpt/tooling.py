@@ -23,12 +23,12 @@ from kvckpt.storage.store import Txn, writer_active
 from kvckpt.tables import meta
 from kvckpt.tables.digest import check_group_digest, group_digest, row_digest
 from kvckpt.tables.meta import CONFIG_KEY, DATALOADER_KEY, SHORTFALL_KEY, STAMP_KEY, STATE_KEY
-from kvckpt.tables.records import GROUP_STATES
+from kvckpt.tables.records import GROUP_STATES, lineage_weight
 from kvckpt.values import records as value_records
 
 __all__ = [
     "CONFIG_KEY", "DATALOADER_KEY", "GROUP_STATES", "SHORTFALL_KEY", "STAMP_KEY", "STATE_KEY", "GroupCommitter",
     "Txn", "check_encoded", "check_group_digest", "check_header", "compare_replicas", "copy_used", "group_digest",
-    "is_sound", "keys", "kinds", "meta", "open_readonly", "replog", "row_digest", "stored_key", "value_records",
-    "writer_active",
+    "is_sound", "keys", "kinds", "lineage_weight", "meta", "open_readonly", "replog", "row_digest", "stored_key",
+    "value_records", "writer_active",
 ]

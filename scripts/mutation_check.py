@@ -216,15 +216,15 @@ MUTATIONS += (
     Mutation("progress-future-reads-weights-only", "kvckpt/transitions/progress_step.py",
              'newest = max(st["trainer_version"], st["weight_version"])', 'newest = st["weight_version"]',
              (f"{PROMISES}::test_rollout_weights_behind_the_trainer_a_chunk_up_to_the_trainer_version_is_not_future",)),
-    Mutation("progress-oldest-is-first-chunk", PROGRESS, "    return int(versions.min())\n",
-             "    return int(versions[0])\n",
+    Mutation("progress-oldest-is-first-chunk", PROGRESS, "    return int(versions.min()), int(versions.max())\n",
+             "    return int(versions[0]), int(versions.max())\n",
              (f"{PROMISES}::test_start_weight_is_the_oldest_when_the_rollout_weights_go_down_mid_sample",)),
     Mutation("abort-drops-the-entrys-fork", "kvckpt/transitions/inflight.py",
-             "reason=reason, timeline=entry.timeline, lineage_fork=entry.lineage_fork))",
-             "reason=reason, timeline=entry.timeline))",
+             "reason=reason, timeline=entry.timeline, lineage_fork=entry.lineage_fork,\n",
+             "reason=reason, timeline=entry.timeline,\n",
              (f"{PROMISES}::test_an_aborted_forked_entry_keeps_its_fork_in_the_tombstone",)),
     Mutation("commit-forgets-sibling-token-weight", "kvckpt/transitions/commit.py",
-             "oldest = [w for w in (entry.token_weight, *(consume(", "oldest = [w for w in (None, *(consume(",
+             "oldest = [w for w in (entry.token_weight, *(lo for", "oldest = [w for w in (None, *(lo for",
              (f"{PROMISES}::test_a_sibling_commits_oldest_tokens_are_not_forgotten_by_the_next_commit",)),
     Mutation("progress-bound-off-by-one", PROGRESS, "    if start + len(ids) > schema.max_tokens:\n",
              "    if start + len(ids) >= schema.max_tokens:\n",
@@ -235,9 +235,8 @@ MUTATIONS += (
              "    if type(length) is not int",
              (f"{PROMISES}::test_a_chunk_stored_under_another_key_is_corrupt_on_the_live_read_path",)),
     Mutation("progress-length-skips-identity", PROGRESS,
-             'length < 1 or (meta.get("group_id"), meta.get("index"), meta.get("start")) \\\n'
-             "            != (group_id, index, start):",
-             'length < 1 or meta.get("start") != start:',
+             '            or (meta.get("group_id"), meta.get("index"), meta.get("start")) != (group_id, index, start):',
+             '            or meta.get("start") != start:',
              (f"{PROMISES}::test_a_chunk_stored_under_another_key_is_corrupt_on_the_live_read_path[another-sample]",)),
     Mutation("progress-delete-index-0-is-the-group", "kvckpt/tables/access.py",
              "        prefix = keys.row_prefix(group_id) if index is None else keys.row_key(group_id, index)\n"
@@ -330,23 +329,24 @@ LINEAGE = "tests/core/test_lineage.py"
 TRL_STAMPS = "tests/integrations/trl/test_trl_stamps.py"
 MUTATIONS += (
     Mutation("recovery-keeps-destroyed-stamp", "kvckpt/durability/recovery.py",
-             '        return {"start_weight": version, "lineage_fork": None}\n', "        return {}\n", (LINEAGE,)),
+             '        return {"start_weight": version, "lineage_fork": None, "lineage_newest": None}\n',
+             "        return {}\n", (LINEAGE,)),
     Mutation("lineage-weight-ignores-fork", "kvckpt/tables/records.py",
-             "    return start_weight if lineage_fork is None else 2 * lineage_fork - start_weight\n",
-             "    return start_weight\n", (LINEAGE,)),
+             "    if lineage_fork is None:\n        return start_weight\n",
+             "    if True:\n        return start_weight\n", (LINEAGE,)),
     Mutation("recovery-forks-no-ready-group", "kvckpt/durability/recovery.py",
              "        plan.groups_on_destroyed_lineage = _fork_ready(t, target) if rollback else 0\n",
              "        plan.groups_on_destroyed_lineage = 0\n", (LINEAGE,)),
     Mutation("entry-fork-never-moves-down", "kvckpt/durability/recovery.py",
-             '    return {"lineage_fork": version if entry.lineage_fork is None else min(entry.lineage_fork, version)}',
-             '    return {"lineage_fork": version if entry.lineage_fork is None else entry.lineage_fork}', (LINEAGE,)),
+             '    return {"lineage_fork": version if entry.lineage_fork is None else min(entry.lineage_fork, version),',
+             '    return {"lineage_fork": version if entry.lineage_fork is None else entry.lineage_fork,', (LINEAGE,)),
     Mutation("commit-drops-entry-fork", "kvckpt/transitions/commit.py",
-             ", lineage_fork=entry.lineage_fork)", ")", (LINEAGE,)),
+             "timeline=entry.timeline, lineage_fork=entry.lineage_fork,\n", "timeline=entry.timeline,\n", (LINEAGE,)),
     Mutation("verify-allows-fork-at-stamp", "kvckpt/durability/verify.py",
-             '    if fork is not None and fork >= doc["start_weight"]:', "    if False:",
+             "    if fork is not None and fork >= (start if newest is None else newest):", "    if False:",
              ("tests/durability/test_corruption_fuzz.py::test_verifier_flags_each_inconsistency",)),
     Mutation("verify-indexes-the-stamp", "kvckpt/durability/verify.py",
-             "    return lineage_weight(doc[\"start_weight\"], fork)", "    return doc[\"start_weight\"]",
+             "    return lineage_weight(start, fork, newest)", "    return start",
              ("tests/durability/test_corruption_fuzz.py::test_verifier_flags_each_inconsistency",)),
     Mutation("redispatch-restamps-forked-entry", "kvckpt/transitions/inflight.py",
              "if start_weight is None or entry.lineage_fork is not None", "if start_weight is None", (LINEAGE,)),
@@ -876,6 +876,34 @@ MUTATIONS += (
              "            drain_on_sigterm(drain_seconds)\n", "            pass\n",
              ("tests/integrations/trl/test_trl_drain.py",)),
 )
+
+# issue 49 (this session): the destroyed-lineage decision for a record whose tokens span a weight sync: its
+# newest token's version (lineage_newest) decides the fork and enters the lineage weight min(start, 2f - newest).
+SPAN = "tests/core/test_lineage_span.py"
+SPAN_FORKED = (f"{SPAN}::test_a_group_spanning_the_sync_is_forked_at_the_resume_version",)
+MUTATIONS += (
+    Mutation("lineage-fork-decided-from-start-only", "kvckpt/durability/recovery.py",
+             "        if group.newest_weight > version:\n", "        if group.start_weight > version:\n", SPAN_FORKED),
+    Mutation("lineage-weight-ignores-newest", "kvckpt/tables/records.py",
+             "    newest = start_weight if lineage_newest is None else lineage_newest\n", "    newest = start_weight\n",
+             (f"{SPAN}::test_the_staleness_is_the_tree_distance_of_the_newest_token",)),
+    Mutation("inflight-fork-ignores-durable-progress", "kvckpt/durability/recovery.py",
+             "        newest = max(newest, durable)\n", "        pass\n", SPAN_FORKED),
+    Mutation("commit-newest-ignores-end-weight", "kvckpt/transitions/commit.py",
+             " + ([] if end_weight is None else [int(end_weight)])", "", SPAN_FORKED),
+    Mutation("commit-newest-ignores-consumed-chunks", "kvckpt/transitions/commit.py",
+             "[hi for _, hi in spans] + ", "", SPAN_FORKED),
+    Mutation("forked-commit-raises-newest", "kvckpt/transitions/commit.py",
+             "    if entry.lineage_fork is not None:\n        return entry.newest_weight\n", "",
+             (f"{SPAN}::test_a_forked_entry_commits_with_the_newest_its_fork_froze",)),
+    Mutation("verify-ignores-lineage-newest", "kvckpt/durability/verify.py",
+             "    return lineage_weight(start, fork, newest)", "    return lineage_weight(start, fork)",
+             ("tests/durability/test_corruption_fuzz.py::test_verifier_flags_each_inconsistency",)),
+    Mutation("verify-allows-newest-at-stamp", "kvckpt/durability/verify.py",
+             "    if newest is not None and newest <= start:", "    if False:",
+             ("tests/durability/test_corruption_fuzz.py::test_verifier_flags_each_inconsistency",)),
+)
+
 
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and

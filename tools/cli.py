@@ -277,6 +277,11 @@ def _render_inspect(doc: dict[str, Any]) -> list[str]:
     out += ["", "weight versions (start_weight)"]
     out += _pairs([("held", "{oldest}..{newest}  (groups with rows, and in flight)".format(**weights["held"])),
                    ("ever", "{oldest}..{newest}  (every record, tombstones included)".format(**weights["all"]))])
+    lineage = doc.get("lineage") or {}
+    if lineage.get("forked") or lineage.get("spanning"):  # after a rollback, or tokens of two weights
+        out += _pairs([("lineage", f"{lineage['forked']} held on a destroyed lineage (lowest lineage weight "
+                                   f"{lineage['lowest'] if lineage['lowest'] is not None else '-'}), "
+                                   f"{lineage['spanning']} spanning a weight sync")])
     hist = doc["histogram"]
     if hist["by_weight"]:
         rows, more = _limit(hist["by_weight"], 30)

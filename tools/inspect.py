@@ -36,6 +36,7 @@ from kvckpt.tooling import (
     STATE_KEY,
     Txn,
     kinds,
+    lineage_weight,
     open_readonly,
     replog,
     writer_active,
@@ -67,7 +68,8 @@ def _scan(txn: Txn, table: str, problems: list[dict[str, str]], progress: Progre
 #: The fields of group records and ledger entries the scan reads, and the types kvckpt writes.
 _FIELDS = {"group_id": (str,), "state": (str,), "start_weight": (int,), "target_step": (int, type(None)),
            "claimed_step": (int, type(None)), "consumed_step": (int, type(None)), "rows_stored": (bool,),
-           "raw_bytes": (int,), "stored_bytes": (int,), "seq": (int,), "siblings": (list,)}
+           "raw_bytes": (int,), "stored_bytes": (int,), "seq": (int,), "siblings": (list,),
+           "lineage_fork": (int, type(None)), "lineage_newest": (int, type(None))}
 _REQUIRED = {"groups": ("group_id", "state", "start_weight"), "ledger": ("group_id", "start_weight")}
 
 
@@ -190,12 +192,15 @@ def _describe(txn: Txn, ledger_limit: int, progress: Progress | None) -> dict[st
     by_step: dict[int, Counter[str]] = defaultdict(Counter)
     held_weights: list[int] = []
     all_weights: list[int] = []
+    lineage: list[tuple[bool, int, bool]] = []  # per held record: forked, lineage weight, spans a sync
     raw = stored = 0
     for doc in _scan(txn, "groups", problems, progress, done, total):
         if not _well_formed(doc, "groups", problems):
             continue
         name = doc.get("state")
         counts[name] += 1
+        if name in (READY, CLAIMED):
+            lineage.append(_lineage(doc))
         weight = doc.get("start_weight")
         if isinstance(weight, int):
             by_weight[weight][name] += 1
@@ -217,6 +222,7 @@ def _describe(txn: Txn, ledger_limit: int, progress: Progress | None) -> dict[st
         if not _well_formed(doc, "ledger", problems):
             continue
         entries.append(doc)
+        lineage.append(_lineage(doc))
         counts[INFLIGHT] += 1
         by_weight[doc["start_weight"]][INFLIGHT] += 1
         all_weights.append(doc["start_weight"])
@@ -248,12 +254,22 @@ def _describe(txn: Txn, ledger_limit: int, progress: Progress | None) -> dict[st
                                   "trainer_state")}
     out["bytes"] = {"raw": raw, "stored": stored}
     out["weights"] = {"held": _span(held_weights), "all": _span(all_weights)}
+    forked = [weight for fork, weight, _ in lineage if fork]
+    out["lineage"] = {"forked": len(forked), "spanning": sum(span for _, _, span in lineage),
+                      "lowest": min(forked, default=None)}
     step_columns = ("target_inflight", "target_ready", CLAIMED, CONSUMED)
     out["histogram"] = {
         "by_weight": [{"weight": w, **{s: by_weight[w].get(s, 0) for s in HISTOGRAM_STATES}}
                       for w in sorted(by_weight)],
         "by_step": [{"step": s, **{c: by_step[s].get(c, 0) for c in step_columns}} for s in sorted(by_step)]}
     return out
+
+
+def _lineage(doc: dict[str, Any]) -> tuple[bool, int, bool]:
+    """A ready, claimed or in-flight record's lineage: forked by a rollback, its lineage weight (the one
+    rule every sampler reads), and whether its tokens span a weight sync (``lineage_newest``)."""
+    fork, newest = doc.get("lineage_fork"), doc.get("lineage_newest")
+    return fork is not None, lineage_weight(doc["start_weight"], fork, newest), newest is not None
 
 
 kinds.attach("values", inspect=_describe_values)

@@ -230,7 +230,8 @@ _STATE_INTS = ("seq", "trainer_version", "dispatch_index", "inflight", "ready", 
 #: Counters of ``meta/state`` that the verifier and recovery read.
 _STATE_COUNTERS = ("admitted", "committed", "evicted", "aborted", "redispatched")
 _RECORD_INTS = ("seq", "group_size", "prompt_idx", "start_weight", "attempt", "raw_bytes", "stored_bytes")
-_OPTIONAL_INTS = ("end_weight", "target_step", "claimed_step", "consumed_step", "token_weight", "lineage_fork")
+_OPTIONAL_INTS = ("end_weight", "target_step", "claimed_step", "consumed_step", "token_weight", "lineage_fork",
+                  "lineage_newest")
 _INT64 = 1 << 63
 
 
@@ -516,12 +517,17 @@ def _check_progress(txn: Any, report: Report, schema: RowSchema, ledger: dict[st
 
 
 def _lineage_weight(doc: dict[str, Any], gid: str, report: Report) -> int:
-    """The record's lineage weight (its weight indexes' key); a ``lineage_fork`` at or above its
-    ``start_weight`` is ``malformed`` (recovery sets one only below the stamp)."""
-    fork = doc.get("lineage_fork")
-    if fork is not None and fork >= doc["start_weight"]:
-        report.add("malformed", gid, f"lineage_fork {fork} is not below start_weight {doc['start_weight']}")
-    return lineage_weight(doc["start_weight"], fork)
+    """The record's lineage weight (its weight indexes' key). ``malformed``: a ``lineage_newest`` not
+    above its ``start_weight`` (a commit writes one only for tokens that span a sync), a
+    ``lineage_fork`` not below its newest version (recovery sets one only below it)."""
+    start, fork, newest = doc["start_weight"], doc.get("lineage_fork"), doc.get("lineage_newest")
+    if newest is not None and newest <= start:
+        report.add("malformed", gid, f"lineage_newest {newest} is not above start_weight {start}")
+    if fork is not None and fork >= (start if newest is None else newest):
+        report.add("malformed", gid, f"lineage_fork {fork} is not below the newest weight version "
+                                     f"{start if newest is None else newest} (start_weight {start}"
+                                     f"{'' if newest is None else f', lineage_newest {newest}'})")
+    return lineage_weight(start, fork, newest)
 
 
 def _check_group_state(doc: dict[str, Any], gid: str, version: int, report: Report) -> None:

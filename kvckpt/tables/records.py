@@ -50,20 +50,28 @@ def _plain(value: Any) -> Any:
 
 #: Fields a document leaves out of :meth:`_Doc.to_dict` while they are ``None``: added after format 4
 #: was pinned, so a record that does not use them is byte for byte what an older kvckpt wrote.
-_OMITTED_WHEN_NONE = frozenset({"lineage_fork", "holder"})
+_OMITTED_WHEN_NONE = frozenset({"lineage_fork", "lineage_newest", "holder"})
 
 
-def lineage_weight(start_weight: int, lineage_fork: int | None) -> int:
-    """The weight version that puts a stamp on the trained lineage: staleness at trainer version
-    ``current`` is ``current - lineage_weight(...)``.
+def lineage_weight(start_weight: int, lineage_fork: int | None, lineage_newest: int | None = None) -> int:
+    """The weight version that puts a record on the trained lineage: staleness at trainer version
+    ``current`` is ``current - lineage_weight(...)``, the staleness of the record's stalest token.
 
-    A stamp on the current lineage (``lineage_fork is None``) is its own lineage weight. A stamp
-    ``v`` on a lineage a recovery destroyed (weights newer than the version ``f`` it rolled back
-    to, never an ancestor of the weights trained since) is as far from version ``current`` as the
-    path through the version tree: down from ``v`` to the fork, then up to ``current``,
-    ``(v - f) + (current - f)``, so its lineage weight is ``2f - v`` (below ``f``, possibly below 0).
+    A record on the current lineage (``lineage_fork is None``) reads its stamp ``start_weight``,
+    its oldest token's version. A token of version ``v`` on a lineage a recovery destroyed (weights
+    newer than the version ``f`` it rolled back to, never an ancestor of the weights trained since)
+    is as far from version ``current`` as the path through the version tree: down from ``v`` to
+    the fork, then up to ``current``, ``(v - f) + (current - f)``, so its lineage weight is ``2f - v``
+    (below ``f``, possibly below 0) and the *newest* destroyed token is the stalest. A forked record
+    holds tokens of versions ``start_weight .. newest`` (``lineage_newest``, or ``start_weight``
+    without it), so its lineage weight is ``min(start_weight, 2f - newest)``: the stamp where its
+    oldest tokens are on the trained lineage and further from it than its newest, ``2f - newest``
+    otherwise.
     """
-    return start_weight if lineage_fork is None else 2 * lineage_fork - start_weight
+    if lineage_fork is None:
+        return start_weight
+    newest = start_weight if lineage_newest is None else lineage_newest
+    return min(start_weight, 2 * lineage_fork - newest)
 
 
 class _Doc:
@@ -150,10 +158,14 @@ class GroupInfo(_Doc):
     """A committed group's metadata and stamps (no row payload).
 
     ``start_weight`` is the oldest weight version that generated any of its rows' tokens, on the
-    lineage it was generated on. ``lineage_fork`` is ``None`` while that lineage is the trained
-    one; a recovery to a version ``f < start_weight`` sets it to ``f`` (the newest version the
-    group's lineage shares with the weights trained since), and a later recovery to an older
-    version lowers it. Staleness reads :attr:`lineage_weight`, never ``start_weight`` alone.
+    lineage it was generated on. ``lineage_newest`` is the newest weight version among its tokens
+    the store was told of (progress chunks, an ``end_weight`` passed to the commit), present only
+    when it is newer than ``start_weight`` (a group whose tokens span a weight sync).
+    ``lineage_fork`` is ``None`` while that lineage is the trained one; a recovery to a version
+    ``f`` below the newest (``lineage_newest``, else ``start_weight``) sets it to ``f`` (the newest
+    version the group's lineage shares with the weights trained since), and a later recovery to an
+    older version lowers it; from then on ``lineage_newest`` stays (tokens generated after the fork
+    are on the trained lineage). Staleness reads :attr:`lineage_weight`, never ``start_weight`` alone.
     """
 
     group_id: str
@@ -176,11 +188,17 @@ class GroupInfo(_Doc):
     stored_bytes: int = 0
     timeline: str = ""
     lineage_fork: int | None = None
+    lineage_newest: int | None = None
+
+    @property
+    def newest_weight(self) -> int:
+        """The newest weight version among its tokens: ``lineage_newest``, else ``start_weight``."""
+        return self.start_weight if self.lineage_newest is None else self.lineage_newest
 
     @property
     def lineage_weight(self) -> int:
-        """:func:`lineage_weight` of this group's stamp: ``current - lineage_weight`` is its staleness."""
-        return lineage_weight(self.start_weight, self.lineage_fork)
+        """:func:`lineage_weight` of this group's stamps: ``current - lineage_weight`` is its staleness."""
+        return lineage_weight(self.start_weight, self.lineage_fork, self.lineage_newest)
 
 
 @dataclass(frozen=True)
@@ -192,11 +210,13 @@ class LedgerEntry(_Doc):
     the fencing identity of the one lease that may commit it now (with the store's id).
     ``token_weight`` is the oldest weight version of the token progress (:class:`Progress`) its
     committed siblings consumed, or ``None``: the group's ``start_weight`` stamp takes it into
-    account when the group completes. ``lineage_fork`` is :class:`GroupInfo`'s: set by a recovery
-    that rolled the weights back below ``start_weight`` while the entry kept work generated by the
-    destroyed weights (committed siblings or token progress); the group inherits it. ``holder``
-    names the producer its current lease was issued to (a name the producer gives: an actor id, a
-    node id), or ``None``: :meth:`~kvckpt.ReplayBuffer.leases_held_by` reads it.
+    account when the group completes. ``lineage_newest`` is the newest version of the work it kept
+    (its committed siblings' consumed progress and ``end_weight``), present only when newer than
+    ``start_weight``. ``lineage_fork`` is :class:`GroupInfo`'s: set by a recovery that rolled the
+    weights back below the newest version of work the entry kept (committed siblings or token
+    progress), with ``lineage_newest`` then frozen at that work's newest; the group inherits both.
+    ``holder`` names the producer its current lease was issued to (a name the producer gives: an
+    actor id, a node id), or ``None``: :meth:`~kvckpt.ReplayBuffer.leases_held_by` reads it.
     """
 
     group_id: str
@@ -217,11 +237,17 @@ class LedgerEntry(_Doc):
     token_weight: int | None = None
     lineage_fork: int | None = None
     holder: str | None = None
+    lineage_newest: int | None = None
+
+    @property
+    def newest_weight(self) -> int:
+        """The newest weight version of the work it kept: ``lineage_newest``, else ``start_weight``."""
+        return self.start_weight if self.lineage_newest is None else self.lineage_newest
 
     @property
     def lineage_weight(self) -> int:
-        """:func:`lineage_weight` of this entry's stamp."""
-        return lineage_weight(self.start_weight, self.lineage_fork)
+        """:func:`lineage_weight` of this entry's stamps."""
+        return lineage_weight(self.start_weight, self.lineage_fork, self.lineage_newest)
 
     def lease(self, store_id: str) -> Lease:
         """The lease a worker needs to finish this entry, issued by the store ``store_id``."""

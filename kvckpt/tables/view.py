@@ -44,7 +44,7 @@ class BufferView:
     def group_weight(self, group_id: str) -> int:
         """The lineage weight of a committed group (one record read)."""
         doc = self._txn.get_json("groups", keys.group_key(group_id))
-        return lineage_weight(doc["start_weight"], doc.get("lineage_fork"))
+        return lineage_weight(doc["start_weight"], doc.get("lineage_fork"), doc.get("lineage_newest"))
 
     def ready_with_weight(self, weight: int) -> Iterator[str]:
         """Ready groups whose lineage weight equals ``weight``."""

@@ -5,7 +5,10 @@ against its sample's durable token progress and delete that progress
 (:func:`kvckpt.transitions.progress.consume`), pin first-seen shapes, put the rows, then either
 record the sibling progress in the entry (a partial group) or delete the entry and write the ready
 group with its indexes. The group's ``start_weight`` stamp is the oldest of its entry's and of
-every consumed progress token's weight version, and it inherits the entry's ``lineage_fork``. A
+every consumed progress token's weight version; its ``lineage_newest`` the newest of the entry's,
+every consumed progress token's version and an ``end_weight`` passed to the commit (kept only when
+newer than the stamp), and it inherits the entry's ``lineage_fork``, whose ``lineage_newest`` a
+commit never raises (work done after the fork is on the trained lineage). A
 lease with no ledger entry is a retried commit: :func:`replayed` answers it from the committed group without writing.
 """
 
@@ -48,9 +51,10 @@ def commit(t: Tables, schema: RowSchema, store_id: str, lease: Lease, encoded: l
                 if merged.get(str(r.index)) == digests[str(r.index)]:
                     return CommitResult(gid, ready=False, replayed=True)
                 raise DuplicateCommit(f"row {keys.row_id(gid, r.index)} is already committed with other content")
-    oldest = [w for w in (entry.token_weight, *(consume(t, schema, gid, r.index, r.value) for r in encoded))
-              if w is not None]
+    spans = [span for r in encoded if (span := consume(t, schema, gid, r.index, r.value)) is not None]
+    oldest = [w for w in (entry.token_weight, *(lo for lo, _ in spans)) if w is not None]
     token_weight = min(oldest) if oldest else None
+    newest = _newest(entry, [hi for _, hi in spans] + ([] if end_weight is None else [int(end_weight)]))
     _pin_shapes(t, schema, encoded)
     st = t.state()
     raw, stored = entry.raw_bytes, entry.stored_bytes
@@ -71,14 +75,17 @@ def commit(t: Tables, schema: RowSchema, store_id: str, lease: Lease, encoded: l
     if len(siblings) < entry.group_size:
         t.replace_entry(LedgerEntry.from_dict({
             **entry.to_dict(), "siblings": tuple(sorted(siblings)), "digests": merged,
-            "raw_bytes": raw, "stored_bytes": stored, "token_weight": token_weight}), was=entry)
+            "raw_bytes": raw, "stored_bytes": stored, "token_weight": token_weight,
+            "lineage_newest": _above(newest, entry.start_weight)}), was=entry)
         t.put_state(st)
         return CommitResult(gid, ready=False, rows_written=len(encoded))
+    start = _stamp(entry, token_weight)
     group = GroupInfo(
         gid, entry.prompt_idx, entry.task_name, entry.admission_id, entry.seq, entry.group_size, READY,
-        _stamp(entry, token_weight), st["weight_version"] if end_weight is None else int(end_weight),
+        start, st["weight_version"] if end_weight is None else int(end_weight),
         entry.target_step, entry.attempt, group_digest(merged[str(i)] for i in range(entry.group_size)),
-        raw_bytes=raw, stored_bytes=stored, timeline=entry.timeline, lineage_fork=entry.lineage_fork)
+        raw_bytes=raw, stored_bytes=stored, timeline=entry.timeline, lineage_fork=entry.lineage_fork,
+        lineage_newest=_above(newest, start))
     t.remove_entry(entry)
     t.put_group(group)
     st["inflight"] -= 1
@@ -94,6 +101,20 @@ def _stamp(entry: LedgerEntry, token_weight: int | None) -> int:
     if token_weight is None or entry.lineage_fork is not None:
         return entry.start_weight
     return min(entry.start_weight, token_weight)
+
+
+def _newest(entry: LedgerEntry, versions: list[int]) -> int:
+    """The newest weight version of the entry's work after a commit that brings ``versions`` (its
+    consumed progress's newest and a given ``end_weight``); a forked entry's stays what the fork
+    froze (later work is on the trained lineage, whose version numbers say nothing of the destroyed one)."""
+    if entry.lineage_fork is not None:
+        return entry.newest_weight
+    return max([entry.newest_weight, *versions])
+
+
+def _above(newest: int, start: int) -> int | None:
+    """``lineage_newest`` as stored: only when newer than the stamp (else the record keeps its bytes)."""
+    return newest if newest > start else None
 
 
 def replayed(t: Tables, store_id: str, lease: Lease, digests: dict[str, str]) -> CommitResult:

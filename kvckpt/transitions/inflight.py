@@ -13,8 +13,9 @@ def redispatch(t: Tables, store_id: str, group_id: str, start_weight: int | None
     """The entry's ``attempt`` + 1 on the current timeline (fencing the old lease), ``holder`` as
     its holder (``None``: none recorded) and, if given, a new ``start_weight``; committed siblings
     are kept. Returns the new lease. An entry a recovery
-    forked (``lineage_fork``: it kept work of weights the rollback destroyed) keeps its stamp:
-    that work is its stalest part, and a stamp at or below the fork would break the lineage rule.
+    forked (``lineage_fork``: it kept work of weights the rollback destroyed) keeps its stamps:
+    that work is its stalest part. ``lineage_newest`` stays the newest of the kept work's version and
+    the stamp (dropped once the new stamp is as new).
 
     Raises:
         UnknownGroup: no ledger entry for ``group_id``.
@@ -45,18 +46,19 @@ def redispatch_held_by(t: Tables, store_id: str, holder: str, to: str | None, st
 def _bump(t: Tables, st: dict, store_id: str, entry: LedgerEntry, start_weight: int | None,
           holder: str | None) -> Lease:
     """One entry's redispatch (``st`` is put by the caller)."""
+    stamp = entry.start_weight if start_weight is None or entry.lineage_fork is not None else start_weight
+    newest = max(entry.newest_weight, stamp)  # the kept work's newest, or the new stamp if newer
     new = LedgerEntry.from_dict({
         **entry.to_dict(), "attempt": entry.attempt + 1, "timeline": st["timeline"], "holder": holder,
-        "start_weight": entry.start_weight if start_weight is None or entry.lineage_fork is not None
-        else start_weight})
+        "start_weight": stamp, "lineage_newest": newest if newest > stamp else None})
     t.replace_entry(new, was=entry)
     st["counters"]["redispatched"] += 1
     return new.lease(store_id)
 
 
 def abort(t: Tables, group_ids: list[str], reason: str) -> None:
-    """Ledger entries -> aborted tombstones with ``reason`` (keeping the entry's stamp and
-    ``lineage_fork``), their partial rows and token progress deleted, and
+    """Ledger entries -> aborted tombstones with ``reason`` (keeping the entry's stamps,
+    ``lineage_fork`` and ``lineage_newest``), their partial rows and token progress deleted, and
     ``batch_shortfall[target_step]`` credited.
 
     Raises:
@@ -74,7 +76,8 @@ def abort(t: Tables, group_ids: list[str], reason: str) -> None:
         t.put_group(GroupInfo(
             gid, entry.prompt_idx, entry.task_name, entry.admission_id, entry.seq, entry.group_size,
             ABORTED, entry.start_weight, -1, entry.target_step, entry.attempt, "", rows_stored=False,
-            reason=reason, timeline=entry.timeline, lineage_fork=entry.lineage_fork))
+            reason=reason, timeline=entry.timeline, lineage_fork=entry.lineage_fork,
+            lineage_newest=entry.lineage_newest))
         if entry.target_step is not None:
             shortfall[str(entry.target_step)] = shortfall.get(str(entry.target_step), 0) + 1
     st["inflight"] -= len(group_ids)

@@ -193,13 +193,22 @@ def durable_length_of(last: tuple[int, bytes] | None, group_id: str, index: int)
     if last is None:
         return 0
     start, value = last
+    return start + _header(group_id, index, start, value)["length"]
+
+
+def _header(group_id: str, index: int, start: int, value: bytes) -> dict[str, Any]:
+    """A stored chunk's header (no payload read), checked: it names its key, a length and a version.
+
+    Raises:
+        CorruptRecord: the header is not one kvckpt writes or names another key.
+    """
     meta = codec.decode_meta(value, _key_name(group_id, index, start))
     length = meta.get("length")
-    if type(length) is not int or length < 1 or (meta.get("group_id"), meta.get("index"), meta.get("start")) \
-            != (group_id, index, start):
+    if type(length) is not int or length < 1 or type(meta.get("version")) is not int \
+            or (meta.get("group_id"), meta.get("index"), meta.get("start")) != (group_id, index, start):
         raise CorruptRecord(_key_name(group_id, index, start), f"progress chunk header {meta!r:.200} is not one "
                                                                 "kvckpt writes")
-    return start + length
+    return meta
 
 
 def chunk_limits(schema: RowSchema) -> Limits:
@@ -260,9 +269,10 @@ def check_contiguous(group_id: str, index: int, records: list[codec.Record]) -> 
         end += r.meta["length"]
 
 
-def consume(t: Tables, schema: RowSchema, group_id: str, index: int, row: bytes) -> int | None:
+def consume(t: Tables, schema: RowSchema, group_id: str, index: int, row: bytes) -> tuple[int, int] | None:
     """Hold a committed row against its sample's durable prefix and delete the prefix (in the
-    commit's transaction); returns the oldest weight version of the prefix, or ``None`` without one.
+    commit's transaction); returns the oldest and the newest weight version of the prefix, or
+    ``None`` without one.
 
     Raises:
         BadArgument: the row's completion tokens (or its ``token_versions``) do not begin with the
@@ -280,7 +290,18 @@ def consume(t: Tables, schema: RowSchema, group_id: str, index: int, row: bytes)
     arrays = codec.decode(row, f"rows/{sample}", limits=schema.limits(t.shape_pins())).arrays
     hold_row_against_prefix(sample, arrays, tokens, versions)
     t.delete_progress(group_id, index)
-    return int(versions.min())
+    return int(versions.min()), int(versions.max())
+
+
+def durable_newest(t: Tables, group_id: str) -> int | None:
+    """The newest weight version of a group's durable token progress (its chunks' headers only), or
+    ``None`` without any: what recovery holds against the version it rolls back to.
+
+    Raises:
+        CorruptRecord: a chunk's header is not one kvckpt writes or names another key.
+    """
+    chunks = t.progress_chunks(group_id)
+    return max((_header(group_id, index, start, value)["version"] for index, start, value in chunks), default=None)
 
 
 def hold_row_against_prefix(sample: str, arrays: Mapping[str, Any], tokens: np.ndarray, versions: np.ndarray) -> None:

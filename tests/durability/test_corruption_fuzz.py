@@ -31,7 +31,9 @@ from kvckpt import (
 from kvckpt.durability.safe_open import check_structure, verify_path, verify_untrusted
 from kvckpt.storage import codec, keys
 from kvckpt.storage.store import Txn
+from kvckpt.tables.access import Tables
 from kvckpt.tables.digest import group_digest, row_digest
+from kvckpt.tables.records import GroupInfo, LedgerEntry
 from kvckpt.testing.campaigns.fuzz import build_base, build_foreign, run_fuzz_campaign
 from kvckpt.testing.campaigns.workload import make_row, workload_config
 
@@ -138,7 +140,31 @@ TAMPERING: dict[str, tuple[Callable[[Txn], None], bool, set[str]]] = {
                                                 {"index"}),
     "an in-flight fork the weight index does not follow": (lambda t: _doc(t, "ledger", "a0-p4", lineage_fork=1),
                                                            False, {"index"}),
+    # issue 49: a newest version only above the stamp, a fork only below it, and the weight indexes
+    # key on min(stamp, 2 * fork - newest)
+    "a newest version not above the stamp": (lambda t: _doc(t, "groups", "a0-p2", lineage_newest=2), False,
+                                             {"malformed"}),
+    "a fork not below the newest version": (lambda t: _doc(t, "groups", "a0-p2", lineage_fork=3, lineage_newest=3),
+                                            False, {"malformed"}),
+    "a newest version the forked weight index does not follow": (lambda t: _newest_after_fork(t, "groups"), False,
+                                                                  {"index"}),
+    "an in-flight newest version the weight index does not follow": (lambda t: _newest_after_fork(t, "ledger"),
+                                                                     False, {"index"}),
 }
+
+
+def _newest_after_fork(txn: Txn, table: str) -> None:
+    """Fork a record at 1 below its stamp 2 as a recovery does (its weight index moves to 2 * 1 - 2),
+    then give it a newer token (3) the index does not follow (it should move to 2 * 1 - 3)."""
+    t = Tables(txn)
+    if table == "groups":
+        group = t.group("a0-p2")
+        t.put_group(GroupInfo.from_dict({**group.to_dict(), "lineage_fork": 1}), was=group)
+        _doc(txn, "groups", "a0-p2", lineage_newest=3)
+    else:
+        entry = t.entry("a0-p4")
+        t.replace_entry(LedgerEntry.from_dict({**entry.to_dict(), "lineage_fork": 1}), was=entry)
+        _doc(txn, "ledger", "a0-p4", lineage_newest=3)
 
 
 @pytest.mark.parametrize("name", list(TAMPERING))

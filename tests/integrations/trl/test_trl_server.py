@@ -225,6 +225,10 @@ def test_a_weight_sync_mid_stream_stamps_each_token_with_the_weights_that_made_i
         groups = {g.group_id: g for g in buf.groups()}
     for gid in straddled:  # committed by the resumed run: its oldest token is of step 1, its newest of step 2
         assert (groups[gid].start_weight, groups[gid].end_weight) == (synced - 1, synced)
+        # The resume from checkpoint-1 destroyed the weights of step 2, which made its newest tokens (issue 49):
+        # forked at 1, its staleness that token's tree distance, (2 - 1) + (current - 1), lineage weight 0.
+        assert (groups[gid].lineage_fork, groups[gid].lineage_newest, groups[gid].lineage_weight) == \
+            (synced - 1, synced, 2 * (synced - 1) - synced)
     print(json.dumps({"kill": "after a weight sync mid-stream", "groups_straddling": len(straddled),
                       "sequences_kept": len(kept),
                       "tokens_old_weights": [int((np.array(k[4]) == synced - 1).sum()) for k in kept],
