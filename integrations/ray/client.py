@@ -16,6 +16,7 @@ from the actor's ``recovery_plan()``. """
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +40,10 @@ from kvckpt import (
     RecoveryPlan,
     RowEncoder,
 )
-from kvckpt.errors import BadArgument, KvckptError
+from kvckpt.errors import BadArgument, KvckptError, NotPrimary
+
+#: Seconds one look at an actor (the failed one, a failover candidate) waits for its answer.
+FAILOVER_POLL_S = 1.0
 
 
 class ClientFuture(Future):
@@ -100,6 +104,12 @@ class BufferClient:
             fails its future at once, before anything is sent. Defaults to True.
         batch_steps: progress step messages (:meth:`record_progress_step`) per call. Defaults to 1
             (each engine step's message leaves at once; up to ``max_in_flight`` are outstanding).
+        failover: names of standby actors (:func:`~kvckpt.integrations.ray.start_standby_actor`) to
+            look up when the actor is gone for good or answers that it was replaced
+            (:class:`~kvckpt.NotPrimary`): the first that is a primary of a newer epoch (promoted)
+            becomes this client's actor, and the calls in flight are resent to it, with the same
+            exactly-once answers as after a restart (docs/replication.md, "On Ray"). Defaults to none.
+        namespace: the namespace of the ``failover`` names. Defaults to the driver's.
 
     Examples:
         >>> with BufferClient(actor, batch_groups=8, max_in_flight=4) as client:  # doctest: +SKIP
@@ -109,7 +119,8 @@ class BufferClient:
     """
 
     def __init__(self, actor: Any, *, batch_groups: int = 8, max_in_flight: int = 4, retries: int = 3,
-                 restart_timeout: float = 60.0, encode_at_edge: bool = True, batch_steps: int = 1) -> None:
+                 restart_timeout: float = 60.0, encode_at_edge: bool = True, batch_steps: int = 1,
+                 failover: Sequence[str] = (), namespace: str | None = None) -> None:
         if batch_groups < 1 or max_in_flight < 1 or retries < 0 or batch_steps < 1:
             raise BadArgument("batch_groups, batch_steps and max_in_flight must be >= 1 and retries >= 0")
         self.batch_steps = batch_steps
@@ -126,8 +137,11 @@ class BufferClient:
         #: record_progress_steps' order tag: this client's id and its next call's sequence number.
         self._client_id = uuid.uuid4().hex
         self._next_seq = 0
-        self._encoder = RowEncoder.from_config(wait_for_actor(actor, restart_timeout)["config"]) \
-            if encode_at_edge else None
+        self.failover, self.namespace = tuple(failover), namespace
+        info = wait_for_actor(actor, restart_timeout)
+        #: The replication epoch of the primary this client writes to (0 when not replicated).
+        self.epoch: int = info.get("epoch") or 0
+        self._encoder = RowEncoder.from_config(info["config"]) if encode_at_edge else None
 
     def commit(self, lease: Lease | Mapping[str, Any], rows: Sequence[Mapping[str, Any]] | Mapping[int, Any], *,
                end_weight: int | None = None) -> Future[CommitResult]:
@@ -305,6 +319,12 @@ class BufferClient:
                     return
                 call.attempts += 1
                 call.result = self._remote(call)
+            except NotPrimary as exc:  # replaced by a promotion: what it ran is answered by the new primary
+                if call.attempts > self.retries or not self._find_primary(self.restart_timeout):
+                    _fail(call, exc)
+                    return
+                call.attempts += 1
+                call.result = self._remote(call)
             except Exception as exc:  # the whole call was refused (e.g. its payload did not deserialise)
                 _fail(call, exc)
                 return
@@ -315,11 +335,43 @@ class BufferClient:
                 future.set_result(CommitResult.from_dict(reply) if call.method == "commit_many" else reply)
 
     def _actor_back(self) -> bool:
-        try:
-            wait_for_actor(self.actor, self.restart_timeout)
-            return True
-        except (RayActorError, ActorUnschedulableError, GetTimeoutError):
-            return False
+        """Whether the actor answers again (restarted) or, with ``failover`` names, a promoted
+        standby took its place, within ``restart_timeout``."""
+        if not self.failover:
+            try:
+                wait_for_actor(self.actor, self.restart_timeout)
+                return True
+            except (RayActorError, ActorUnschedulableError, GetTimeoutError):
+                return False
+        deadline = time.monotonic() + self.restart_timeout
+        while True:
+            try:
+                wait_for_actor(self.actor, FAILOVER_POLL_S)
+                return True
+            except (RayActorError, ActorUnschedulableError, GetTimeoutError):
+                pass
+            if self._find_primary(0.0):
+                return True
+            if time.monotonic() > deadline:
+                return False
+
+    def _find_primary(self, timeout: float) -> bool:
+        """Look up the ``failover`` names (for ``timeout`` seconds, at least once) for a primary of
+        a newer epoch than this client's; make it this client's actor."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for name in self.failover:
+                try:
+                    handle = ray.get_actor(name, namespace=self.namespace)
+                    info = ray.get(handle.info.remote(), timeout=FAILOVER_POLL_S)
+                except (ValueError, RayActorError, ActorUnschedulableError, GetTimeoutError):
+                    continue  # not there (yet), or not answering
+                if info["role"] == "primary" and (info["epoch"] or 0) > self.epoch:
+                    self.actor, self.epoch = handle, info["epoch"]
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(FAILOVER_POLL_S / 4)
 
 
 def wait_for_actor(actor: Any, timeout: float = 60.0) -> dict[str, Any]:
