@@ -250,6 +250,7 @@ class BufferActor:
         self._side: StandbySide | None = None
         self.auto_promote = auto_promote
         self.promoted_at: float | None = None
+        self.promoted_from: int | None = None
         self._watcher: asyncio.Task[None] | None = None
         if standby:
             with contextlib.suppress(NotStandby):  # a promoted standby's restart: it is the primary now
@@ -339,6 +340,7 @@ class BufferActor:
         """
         side = self._standby_side()
         self._side = None
+        self.promoted_from = side.standby.applied if side.standby is not None else None
         buffer, plan = await asyncio.to_thread(side.promote, resume_version)
         self._abuf = AsyncReplayBuffer(buffer, max_workers=self.max_workers)
         self.session = uuid.uuid4().hex
@@ -370,13 +372,14 @@ class BufferActor:
         """Where and what this incarnation is: path, pid, node id, session, restarted, the
         buffer's config (what a producer needs to encode rows itself: ``RowEncoder.from_config``;
         ``None`` on a standby), ``role`` (``primary`` or ``standby``), ``epoch`` (``None`` when not
-        replicated) and ``promoted_at`` (when this incarnation was promoted, wall clock)."""
+        replicated), ``promoted_at`` (when this incarnation was promoted, wall clock) and
+        ``promoted_from`` (the sequence it had applied then)."""
         primary = self._async_buffer is not None
         status = replication_status(self._abuf.buffer) if primary else (self._side and self._side.status())
         return {"path": self.path, "pid": os.getpid(), "node_id": self.node_id, "session": self.session,
                 "restarted": self.restarted, "config": self._abuf.buffer.config.to_dict() if primary else None,
                 "role": "primary" if primary else "standby", "epoch": status and status["epoch"],
-                "promoted_at": self.promoted_at}
+                "promoted_at": self.promoted_at, "promoted_from": self.promoted_from}
 
     async def recovery_plan(self) -> dict[str, Any] | None:
         """The plan of the recovery this incarnation ran on start (or of the last

@@ -16,8 +16,8 @@ kray = pytest.importorskip("kvckpt.integrations.ray")  # before ray: loopback
 ray = pytest.importorskip("ray")
 
 from kvckpt import AbandonedTimeline, BadArgument  # noqa: E402
-from kvckpt.errors import NotPrimary, NotStandby  # noqa: E402
 from kvckpt.durability.replication import compare_replicas  # noqa: E402
+from kvckpt.errors import NotPrimary, NotStandby  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
