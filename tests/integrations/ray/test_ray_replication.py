@@ -100,9 +100,9 @@ def test_promotion_fences_the_old_primary_and_the_client_fails_over(ray_local, t
             sorted(x["group_id"] for x in done)
         # the old primary can no longer acknowledge anything: its standby refuses it as replaced
         with pytest.raises(NotPrimary):
-            ray.get(primary.commit_group.remote(inflight[0], rows(3)))
+            ray.get(primary.commit_group.remote(inflight[0], rows(3)), timeout=60)
         with pytest.raises(NotStandby):
-            ray.get(standby.apply_log.remote([]))
+            ray.get(standby.apply_log.remote([]), timeout=60)
         info = ray.get(standby.info.remote())
         assert info["role"] == "primary" and info["epoch"] == 2
         # the client's next call is refused by the fenced old primary (NotPrimary); the client finds
