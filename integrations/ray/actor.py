@@ -411,10 +411,10 @@ class BufferActor:
                                            max_workers=self.max_workers)
             raise
         self._abuf = AsyncReplayBuffer(buffer, max_workers=self.max_workers)
-        if self._shipper is not None:  # the file was replaced whole: the standby starts again from a snapshot
+        if self._shipper is not None:  # a new history (the restore drew it): the standby takes a snapshot
             await self._shipper.stop()
             enable_replication(buffer)
-            self._shipper = Shipper(buffer, self._shipper.config, self.node_id, fresh_standby=True)
+            self._shipper = Shipper(buffer, self._shipper.config, self.node_id)
         self.session = uuid.uuid4().hex
         self._plan = plan_to_dict(plan)
         return self._plan

@@ -11,7 +11,11 @@ the restarted actor and resends the *same* items (same rows, same leases). Commi
 come back ``replayed=True`` (the core recognises an identical re-commit); commits that had not
 landed are refused with :class:`~kvckpt.AbandonedTimeline` (a :class:`~kvckpt.StaleAttempt`),
 because the restart's recovery moved their prompts to a new timeline: the driver redispatches them
-from the actor's ``recovery_plan()``. """
+from the actor's ``recovery_plan()``. With ``failover`` names, the same resend goes to a promoted
+standby once the actor is gone for good or answers that it was replaced (docs/replication.md, "On Ray").
+
+The module is long (about 430 lines) because the client's pipeline, its retries and its failover are one
+state machine over the same calls in flight, and the reply decoders sit beside it."""
 
 from __future__ import annotations
 

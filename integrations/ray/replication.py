@@ -11,7 +11,8 @@
   the log from there in batches (``batch_records`` per call, one standby transaction each,
   idempotent by sequence, so a call that failed after it ran is simply sent again), trims the
   primary's log up to what was acknowledged, and when the standby is new or far behind (the log no
-  longer holds its next record) copies a snapshot to it in chunks and has it installed. Writes in
+  longer holds its next record, or its history is another: the primary's file was restored) copies
+  a snapshot to it in chunks and has it installed. Writes in
   a remote level wait for :meth:`Shipper.wait_acked`; a group of writes shares one round trip (one
   batch carries every record written meanwhile). If the standby answers that it is no longer a
   standby (it was promoted) or that the records' epoch is stale, the shipper **fences** this
@@ -100,12 +101,8 @@ class Shipper:
     """The primary's side: ships the log to the standby, tracks what it acknowledged, fences (see
     the module docstring). Runs as one task on the actor's event loop, started by :meth:`start`."""
 
-    def __init__(self, buffer: ReplayBuffer, config: ReplicationConfig, node_id: str, *,
-                 fresh_standby: bool = False) -> None:
+    def __init__(self, buffer: ReplayBuffer, config: ReplicationConfig, node_id: str) -> None:
         self.buffer, self.config, self.node_id = buffer, config, node_id
-        #: Install a snapshot on the standby before shipping anything (after a restore replaced the
-        #: primary's file, the standby's history is not this file's).
-        self.fresh_standby = fresh_standby
         #: The last sequence the standby acknowledged (``None`` until it answered).
         self.acked: int | None = None
         #: The error this primary is fenced with, once its standby refused it as replaced.
@@ -243,7 +240,7 @@ class Shipper:
             if status is not None and status["epoch"] > mine["epoch"]:
                 raise StaleEpoch(f"the standby {self.config.standby!r} is at epoch {status['epoch']}, past this "
                                  f"primary's {mine['epoch']}")
-            if status is None or status["store_tag"] != mine["store_tag"] or self.fresh_standby:
+            if status is None or status["store_tag"] != mine["store_tag"]:
                 await self._snapshot()
                 return
             await self._acknowledged(status["applied"])
@@ -280,7 +277,6 @@ class Shipper:
         finally:
             os.remove(path)
         self.snapshots += 1
-        self.fresh_standby = False
         log.warning("%s: standby %r installed a snapshot at sequence %d", self.buffer.store.path,
                     self.config.standby, applied)
         self.acked = None  # ask it again: it answers with what it installed
