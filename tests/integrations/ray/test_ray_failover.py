@@ -33,8 +33,15 @@ import pytest
 kray = pytest.importorskip("kvckpt.integrations.ray")  # before ray: loopback
 ray = pytest.importorskip("ray")
 
-import _fleet  # noqa: E402
-from _fleet import GROUP_SIZE, expected_tokens, fleet_config, kill_node, logprobs_of  # noqa: E402
+from _fleet import (  # noqa: E402
+    COMMON,
+    GROUP_SIZE,
+    expected_tokens,
+    fleet_config,
+    kill_node,
+    logprobs_of,
+    loopback_cluster,
+)
 
 from kvckpt import AbandonedTimeline, verify_path  # noqa: E402
 from kvckpt.durability.safe_open import open_readonly  # noqa: E402
@@ -45,30 +52,12 @@ pytestmark = pytest.mark.ray
 INTERVAL, STEPS = 4, 3  # tokens per engine step, steps per completion
 TOTAL = INTERVAL * STEPS
 PROMPTS, KILL_AFTER = 10, 3  # prompts admitted; acknowledged commits before the owner's node is killed
-COMMON = {"node_ip_address": "127.0.0.1", "include_dashboard": False, "object_store_memory": 80 << 20}
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    """Head, ``standby_b`` and ``rollout_c`` on loopback; a dead node is declared so after 3 missed
-    health checks 1 s apart (as tests/integrations/ray/test_ray_fleet.py)."""
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()
-    kray.keep_ray_on_loopback()
-    ray.cloudpickle.register_pickle_by_value(_fleet)  # tests/ is not on the workers' path
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    checks = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
-    made = Cluster(initialize_head=True, head_node_args={**COMMON, "num_cpus": 1, "resources": {"head": 4},
-                                                         "_system_config": checks})
-    made.add_node(**COMMON, num_cpus=1, resources={"standby_b": 4})
-    made.add_node(**COMMON, num_cpus=1, resources={"rollout_c": 4})
-    try:
-        ray.init(address=made.address, namespace="kvckpt-failover")
+    """Head, ``standby_b`` and ``rollout_c`` on loopback (a dead node declared so after 3 missed
+    health checks 1 s apart)."""
+    with loopback_cluster("kvckpt-failover", {"standby_b": 4, "rollout_c": 4}, sys.modules[__name__]) as made:
         yield made
-    finally:
-        ray.shutdown()
-        made.shutdown()
 
 
 def node_of(resource: str) -> str:
