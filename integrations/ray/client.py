@@ -317,14 +317,9 @@ class BufferClient:
             try:
                 replies = ray.get(call.result)
                 break
-            except RayActorError as exc:  # the actor died with this call in flight: it may have landed
-                if call.attempts > self.retries or not self._actor_back():
-                    _fail(call, exc)
-                    return
-                call.attempts += 1
-                call.result = self._remote(call)
-            except NotPrimary as exc:  # replaced by a promotion: what it ran is answered by the new primary
-                if call.attempts > self.retries or not self._find_primary(self.restart_timeout):
+            except (RayActorError, NotPrimary) as exc:  # the actor died with this call in flight (it may have
+                # landed), or a promotion replaced it (the new primary answers what it ran)
+                if call.attempts > self.retries or not self._back_after(exc):
                     _fail(call, exc)
                     return
                 call.attempts += 1
@@ -337,6 +332,11 @@ class BufferClient:
                 future.set_exception(reply)
             else:
                 future.set_result(CommitResult.from_dict(reply) if call.method == "commit_many" else reply)
+
+    def _back_after(self, exc: BaseException) -> bool:
+        """Whether a primary answers again after ``exc``: a promoted standby after a refusal as
+        replaced, else the actor itself or (with ``failover``) a promoted standby."""
+        return self._find_primary(self.restart_timeout) if isinstance(exc, NotPrimary) else self._actor_back()
 
     def _actor_back(self) -> bool:
         """Whether the actor answers again (restarted) or, with ``failover`` names, a promoted
@@ -352,7 +352,7 @@ class BufferClient:
             try:
                 wait_for_actor(self.actor, FAILOVER_POLL_S)
                 return True
-            except (RayActorError, ActorUnschedulableError, GetTimeoutError):
+            except (ActorUnschedulableError, RayActorError, GetTimeoutError):
                 pass
             if self._find_primary(0.0):
                 return True
