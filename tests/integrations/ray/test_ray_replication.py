@@ -239,6 +239,12 @@ def test_a_replaced_standby_and_a_restored_primary_each_start_from_a_snapshot(ra
         ray.get(primary.commit_group.remote(leases[i], rows(i)), timeout=60)
     # the standby's node is gone: a new standby under the same name, on an empty directory
     ray.kill(standby)
+    while True:  # its name is free once Ray has recorded the death (else the start would return the dead one)
+        try:
+            ray.get_actor("replaced-standby")
+        except ValueError:
+            break
+        time.sleep(0.05)
     fresh = kray.start_standby_actor(str(tmp_path / "standby2.kv"), name="replaced-standby")
     ray.get(primary.commit_group.remote(leases[6], rows(6)), timeout=120)
     assert compare_replicas(str(tmp_path / "primary.kv"), str(tmp_path / "standby2.kv"))["equal"]
