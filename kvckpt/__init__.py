@@ -22,6 +22,15 @@ the group states, the sample-id spelling :func:`row_id`, and the row encoder pro
 from kvckpt.buffer import Batch, BufferConfig, ReplayBuffer, checkpoint, recover, restore
 from kvckpt.buffer.aio import DEFAULT_WORKERS, AsyncReplayBuffer
 from kvckpt.buffer.batch import assemble_batch
+from kvckpt.buffer.standby import (
+    Standby,
+    enable_replication,
+    log_since,
+    promote,
+    replication_status,
+    snapshot_for_standby,
+    trim_log,
+)
 from kvckpt.buffer.values import ValueStore
 from kvckpt.durability.checkpoint import CheckpointHandle, CheckpointResult, keep_latest, read_stamp
 from kvckpt.durability.recovery import RecoveryPlan
@@ -97,8 +106,11 @@ __all__ = [
     "Prompt",
     "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer",
     "Report", "RowEncoder", "RowSchema", "SampleCommitted", "Sampler", "SchemaMismatch", "Selection", "StaleAttempt",
+    "Standby",
     "Store", "StoreLocked", "StoreNotFound", "UnknownGroup", "ValueStore", "VerificationFailed", "assemble_batch",
-    "check", "checkpoint", "codec", "create_sampler", "durable_replace", "fsync_dir", "fsync_file", "keep_latest",
-    "makedirs_durable", "read_stamp", "recover", "register", "restore", "row_id", "sink_from_config", "split_padded",
+    "check", "checkpoint", "codec", "create_sampler", "durable_replace",
+    "enable_replication", "fsync_dir", "fsync_file", "keep_latest", "log_since",
+    "makedirs_durable", "promote", "read_stamp", "recover", "register", "replication_status", "restore", "row_id",
+    "sink_from_config", "snapshot_for_standby", "split_padded", "trim_log",
     "verify_path", "write_durably", "write_id_of",
 ]

@@ -725,6 +725,43 @@ MUTATIONS += (
               "test_a_primary_killed_mid_write_keeps_a_log_that_replays_to_its_state",)),
 )
 
+# issue 44 (this session): the Ray standby actor, the shipper, the acknowledgement levels, fencing, failover
+RAY_REPL = "tests/integrations/ray/test_ray_replication.py"
+RAY_FAILOVER = "tests/integrations/ray/test_ray_failover.py"
+SHIP = "integrations/ray/replication.py"
+MUTATIONS += (
+    Mutation("ray-remote-level-does-not-wait", SHIP,
+             "        if self.config.ack == ASYNC:\n            return\n        await self.wait_acked(seq)\n",
+             "        return\n",
+             (f"{RAY_REPL}::test_a_remote_level_answers_only_after_the_standby_applied",)),
+    Mutation("ray-async-lag-unbounded", SHIP,
+             "and self.lag()[\"lag_s\"] > self.config.max_lag_s:", "and False:",
+             (f"{RAY_REPL}::test_async_holds_writes_while_the_connected_standby_lags_past_the_bound",)),
+    Mutation("ray-promoted-standby-does-not-fence", SHIP,
+             "    return isinstance(exc, (NotStandby, StaleEpoch))", "    return False",
+             (f"{RAY_REPL}::test_a_standby_that_was_promoted_fences_the_primary",)),
+    Mutation("ray-new-standby-gets-no-snapshot", SHIP,
+             "            if status is None or status[\"store_tag\"] != mine[\"store_tag\"]:",
+             "            if False:",
+             (f"{RAY_REPL}::test_a_replaced_standby_and_a_restored_primary_each_start_from_a_snapshot",)),
+    Mutation("restore-keeps-the-replication-history", "kvckpt/durability/checkpoint.py",
+             "        ReplicationLog.restart_history(store)\n", "",
+             (f"{STANDBY_TEST}::test_a_standby_refuses_the_log_of_a_restored_primary",
+              f"{RAY_REPL}::test_a_replaced_standby_and_a_restored_primary_each_start_from_a_snapshot")),
+    Mutation("ray-promoted-standby-still-takes-the-log", "integrations/ray/actor.py",
+             "        self._side = None\n        self.promoted_from", "        self.promoted_from",
+             (f"{RAY_REPL}::test_promotion_fences_the_old_primary_and_the_client_fails_over",)),
+    Mutation("ray-client-no-failover-on-refusal", "integrations/ray/client.py",
+             "self._find_primary(self.restart_timeout) if isinstance", "False if isinstance",
+             (f"{RAY_REPL}::test_promotion_fences_the_old_primary_and_the_client_fails_over",)),
+    Mutation("ray-client-no-failover-on-death", "integrations/ray/client.py",
+             "            if self._find_primary(0.0):\n", "            if False:\n",
+             (f"{RAY_FAILOVER}::test_remote_durable_loses_nothing_acknowledged_when_the_owners_node_and_disk_die",)),
+    Mutation("ray-no-auto-promotion", SHIP,
+             "    return any(n[\"NodeID\"] == node_id and n[\"Alive\"] for n in ray.nodes())", "    return True",
+             (f"{RAY_FAILOVER}::test_remote_durable_loses_nothing_acknowledged_when_the_owners_node_and_disk_die",)),
+)
+
 TRL_SAVE_KILL = ("tests/integrations/trl/test_trl_server.py::"
                  "test_a_kill_inside_trls_first_save_sets_the_partial_checkpoint_aside_and_costs_one_interval",)
 # issue 49: TRL's server path under kills: a partial checkpoint set aside (not refused), one interval

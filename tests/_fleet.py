@@ -22,7 +22,7 @@ import os
 import signal
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,6 +36,37 @@ from kvckpt import StaleAttempt
 SCHEMA = {"input_ids": ("int64", "token"), "generation_logprobs": ("float32", "token"),
           "total_reward": ("float32", "row")}
 GROUP_SIZE = 2
+#: What every node of a loopback test cluster gets (``Cluster.add_node`` keywords).
+COMMON = {"node_ip_address": "127.0.0.1", "include_dashboard": False, "object_store_memory": 80 << 20}
+
+
+@contextlib.contextmanager
+def loopback_cluster(namespace: str, nodes: Mapping[str, int], *by_value: Any) -> Iterator[Any]:
+    """A ``ray.cluster_utils.Cluster`` on loopback with this driver connected in ``namespace``: the
+    head (resource ``head``: 4) and one node per ``nodes`` item (its resource and amount), each with
+    one CPU; this module and ``by_value`` (test modules: tests/ is not on the workers' path) are
+    pickled by value. A killed node's raylet refuses the GCS's health checks: it is declared dead
+    after 3 (1 s apart), not Ray's default 5 (3 s apart); a live node stays live unless 3 checks in
+    a row time out (10 s each)."""
+    import sys
+
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    kray.keep_ray_on_loopback()
+    for module in (sys.modules[__name__], *by_value):
+        ray.cloudpickle.register_pickle_by_value(module)
+    checks = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+    made = Cluster(initialize_head=True, head_node_args={**COMMON, "num_cpus": 1, "resources": {"head": 4},
+                                                         "_system_config": checks})
+    for resource, amount in nodes.items():
+        made.add_node(**COMMON, num_cpus=1, resources={resource: amount})
+    try:
+        ray.init(address=made.address, namespace=namespace)
+        yield made
+    finally:
+        ray.shutdown()
+        made.shutdown()
 
 
 def fleet_config(capacity: int = 64) -> dict[str, Any]:

@@ -6,6 +6,9 @@ already (Ray on loopback only, no usage reporting); import it before ``ray`` so 
 effect in this process too (:func:`init_local_ray` applies it either way).
 
 * :class:`BufferActor` / :func:`start_buffer_actor`: the process that owns the store.
+* :func:`start_standby_actor`, :class:`ReplicationConfig`: a standby actor on another node that
+  the primary ships its log to, at an acknowledgement level (:data:`LEVELS`), and promotes on
+  failover (docs/replication.md, "On Ray").
 * :class:`BufferClient`: producers batch several groups per call and keep several calls in
   flight; retries after an actor restart are idempotent.
 * :func:`batch_from_dict`, :func:`plan_from_dict`: rebuild kvckpt objects from actor replies;
@@ -29,12 +32,15 @@ require_peer("ray", integration="kvckpt.integrations.ray", install="pip install 
 from kvckpt.integrations.ray.actor import (  # noqa: E402  (after the environment is set)
     DEFAULT_NAME,
     DEFAULT_NAMESPACE,
+    DEFAULT_STANDBY_NAME,
     BufferActor,
     init_local_ray,
     keep_ray_on_loopback,
     start_buffer_actor,
+    start_standby_actor,
 )
 from kvckpt.integrations.ray.client import BufferClient, holder_name, wait_for_actor  # noqa: E402
+from kvckpt.integrations.ray.replication import LEVELS, ReplicationConfig  # noqa: E402
 from kvckpt.integrations.ray.wire import (  # noqa: E402
     CODECS,
     batch_from_dict,
@@ -45,7 +51,8 @@ from kvckpt.integrations.ray.wire import (  # noqa: E402
 )
 
 __all__ = [
-    "CODECS", "DEFAULT_NAME", "DEFAULT_NAMESPACE", "LOOPBACK_ENV", "BufferActor", "BufferClient", "batch_from_dict",
-    "call", "holder_name", "init_local_ray", "keep_ray_on_loopback", "plan_from_dict", "progress_from_dict",
-    "start_buffer_actor", "to_wire", "wait_for_actor",
+    "CODECS", "DEFAULT_NAME", "DEFAULT_NAMESPACE", "DEFAULT_STANDBY_NAME", "LEVELS", "LOOPBACK_ENV", "BufferActor",
+    "BufferClient", "ReplicationConfig", "batch_from_dict", "call", "holder_name", "init_local_ray",
+    "keep_ray_on_loopback", "plan_from_dict", "progress_from_dict", "start_buffer_actor", "start_standby_actor",
+    "to_wire", "wait_for_actor",
 ]

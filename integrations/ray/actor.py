@@ -40,16 +40,20 @@ counters; the wire is :mod:`kvckpt.integrations.ray.wire` and the client side
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import inspect
 import os
+import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import ray
 from kvckpt.integrations.ray import LOOPBACK_ENV
+from kvckpt.integrations.ray.replication import WATCH_PERIOD_S, ReplicationConfig, Shipper, StandbySide, node_alive
 from kvckpt.integrations.ray.wire import CODECS, plan_to_dict, progress_to_dict
 from kvckpt.integrations.ray.wire import batch_to_dict as batch_to_dict  # public here too
 from kvckpt.integrations.ray.wire import to_wire as to_wire  # public here too
@@ -63,13 +67,16 @@ from kvckpt import (
     Lease,
     ReplayBuffer,
     check,
+    enable_replication,
+    replication_status,
     restore,
 )
 from kvckpt.buffer.surface import GENERATED, Operation, mark_generated, offered_by, signature, summary
-from kvckpt.errors import BadArgument, KvckptError, RecoveryError, StaleAttempt
+from kvckpt.errors import BadArgument, KvckptError, NotPrimary, NotStandby, RecoveryError, StaleAttempt
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_NAME = "kvckpt-buffer"
+DEFAULT_STANDBY_NAME = "kvckpt-buffer-standby"
 DEFAULT_NAMESPACE = "kvckpt"
 DEFAULT_OBJECT_STORE_BYTES = 512 << 20
 
@@ -136,6 +143,28 @@ class _ClientOrder:
     ready: asyncio.Condition
 
 
+R = TypeVar("R")
+
+
+def _replicated(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+    """A write method of the actor under its replication level: refused once this primary is
+    fenced, held back in ``async`` while the standby lags past the bound, and in a remote level
+    answered only once the standby acknowledged what it wrote (docs/replication.md, "On Ray")."""
+    @functools.wraps(method)
+    async def write(self: Any, *args: Any, **kwargs: Any) -> R:
+        shipper = self._shipper
+        if shipper is None:
+            return await method(self, *args, **kwargs)
+        shipper.start()
+        await shipper.before_write()
+        try:
+            return await method(self, *args, **kwargs)
+        finally:
+            await shipper.after_write()
+
+    return write
+
+
 # -- the actor -------------------------------------------------------------------------------------
 class BufferActor:
     """The process that owns one kvckpt store; every method is one buffer operation.
@@ -153,6 +182,15 @@ class BufferActor:
             Defaults to the store's trainer version.
         map_size: initial LMDB map size of a new store. Defaults to the store's default.
         max_workers: threads running transactions and row encoding. Defaults to 4.
+        replication: make the store a replicated primary shipping its log to the standby actor
+            this names, at its acknowledgement level (:class:`ReplicationConfig` or its dict).
+            Defaults to none.
+        standby: start as a standby (:func:`start_standby_actor`): the actor holds ``path`` as a
+            standby's file (installed from the primary's first snapshot) and answers only the
+            replication calls and :meth:`promote` until it is promoted; a restart of a promoted
+            one opens its file as the primary it became. Defaults to False.
+        auto_promote: as a standby, promote itself once Ray declares the primary's node dead.
+            Defaults to False.
 
     Raises (at creation, from the first call):
         RecoveryError: a restart found no store at ``path``, or the store fails verification.
@@ -161,7 +199,8 @@ class BufferActor:
 
     def __init__(self, path: str, config: BufferConfig | Mapping[str, Any] | None = None, *,
                  resume_version: int | None = None, map_size: int | None = None,
-                 max_workers: int = DEFAULT_WORKERS) -> None:
+                 max_workers: int = DEFAULT_WORKERS, replication: ReplicationConfig | Mapping[str, Any] | None = None,
+                 standby: bool = False, auto_promote: bool = False) -> None:
         self.path = os.path.abspath(path)
         self.max_workers = max_workers
         context = ray.get_runtime_context()
@@ -179,6 +218,17 @@ class BufferActor:
                        "step_calls_parked": 0, "step_calls_unparked_by_timeout": 0}
         #: Per record_progress_steps caller: the next sequence number to queue, and its waiters.
         self._order: dict[str, _ClientOrder] = {}
+        self._async_buffer: AsyncReplayBuffer | None = None
+        self._shipper: Shipper | None = None
+        self._side: StandbySide | None = None
+        self.auto_promote = auto_promote
+        self.promoted_at: float | None = None
+        self.promoted_from: int | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        if standby:
+            with contextlib.suppress(NotStandby):  # a promoted standby's restart: it is the primary now
+                self._side = StandbySide(self.path)
+                return
         if os.path.exists(self.path):
             buffer = ReplayBuffer.open(self.path)
             try:
@@ -197,13 +247,112 @@ class BufferActor:
                 config = BufferConfig.from_dict(config)
             buffer = ReplayBuffer.create(self.path, config, map_size=map_size)
         self._abuf = AsyncReplayBuffer(buffer, max_workers=max_workers)
+        replication = ReplicationConfig.of(replication)
+        if replication is not None:
+            enable_replication(buffer)
+            self._shipper = Shipper(buffer, replication, self.node_id)
+
+    @property
+    def _abuf(self) -> AsyncReplayBuffer:
+        if self._async_buffer is None:
+            raise NotPrimary(f"the actor of {self.path!r} is a standby: it serves the buffer once promoted")
+        return self._async_buffer
+
+    @_abuf.setter
+    def _abuf(self, value: AsyncReplayBuffer) -> None:
+        self._async_buffer = value
+
+    # -- replication -----------------------------------------------------------------------------
+    async def replica_status(self) -> dict[str, Any] | None:
+        """As a standby: its role, epoch, ``applied`` sequence and ``store_tag``, ``None`` before
+        its first snapshot. As a primary: its :func:`kvckpt.replication_status` (``role``
+        ``primary``), with the shipper's view when it replicates (``acked``, ``lag_records``,
+        ``lag_s``, ``connected``, ``fenced``, ``ack``)."""
+        if self._side is not None:
+            self._watch()
+            return self._side.status()
+        status = replication_status(self._abuf.buffer)
+        if status is not None and self._shipper is not None:
+            status = {**status, **self._shipper.lag()}
+        return status
+
+    async def apply_log(self, records: Sequence[bytes]) -> int:
+        """As a standby: apply a shipped batch in one durable transaction (see :meth:`kvckpt.Standby.apply`).
+
+        Raises:
+            NotStandby: this actor is a primary (promoted: the sender is an old primary).
+            LogGap: no snapshot installed yet, or the batch does not continue what is applied.
+            CorruptLogRecord, ForeignStore, StaleEpoch, RepeatedSequence: the batch is refused.
+        """
+        side = self._standby_side()
+        return await asyncio.to_thread(side.apply, records)
+
+    async def receive_snapshot(self, token: str, offset: int, data: bytes) -> None:
+        """As a standby: one chunk of a snapshot the primary is copying here."""
+        side = self._standby_side()
+        await asyncio.to_thread(side.receive, token, offset, data)
+
+    async def install_snapshot(self, token: str, size: int) -> int:
+        """As a standby: install the snapshot received under ``token``; returns the sequence it holds."""
+        side = self._standby_side()
+        return await asyncio.to_thread(side.install, token, size)
+
+    async def watch_primary(self, node_id: str) -> None:
+        """As a standby: the node of the primary that ships here (watched for automatic promotion)."""
+        self._standby_side().primary_node = node_id
+        self._watch()
+
+    async def promote(self, resume_version: int | None = None) -> dict[str, Any]:
+        """Promote this standby to the primary (see :func:`kvckpt.promote`: a new epoch, then
+        recovery as a restart runs it); returns the recovery plan (its ``leases`` are the in-flight
+        prompts to redispatch, each once). From then on the actor serves the buffer; it ships to no
+        standby until one is started for it, and the old primary's shipments are refused.
+
+        Raises:
+            NotStandby: this actor is a primary already.
+        """
+        side = self._standby_side()
+        self._side = None
+        self.promoted_from = side.standby.applied if side.standby is not None else None
+        buffer, plan = await asyncio.to_thread(side.promote, resume_version)
+        self._abuf = AsyncReplayBuffer(buffer, max_workers=self.max_workers)
+        self.session = uuid.uuid4().hex
+        self._plan = plan_to_dict(plan)
+        self.promoted_at = time.time()
+        return self._plan
+
+    def _standby_side(self) -> StandbySide:
+        if self._side is None:
+            raise NotStandby(f"the actor of {self.path!r} is a primary: it applies no shipped log (a sender of one "
+                             "is an old primary)")
+        return self._side
+
+    def _watch(self) -> None:
+        if self.auto_promote and self._watcher is None and self._side is not None:
+            self._watcher = asyncio.ensure_future(self._watch_primary())
+
+    async def _watch_primary(self) -> None:
+        while self._side is not None:
+            node = self._side.primary_node
+            if node is not None and not await asyncio.to_thread(node_alive, node):
+                with contextlib.suppress(NotStandby):
+                    await self.promote()
+                return
+            await asyncio.sleep(WATCH_PERIOD_S)
 
     # -- identity and recovery -------------------------------------------------------------------
     async def info(self) -> dict[str, Any]:
-        """Where and what this incarnation is: path, pid, node id, session, restarted, and the
-        buffer's config (what a producer needs to encode rows itself: ``RowEncoder.from_config``)."""
+        """Where and what this incarnation is: path, pid, node id, session, restarted, the
+        buffer's config (what a producer needs to encode rows itself: ``RowEncoder.from_config``;
+        ``None`` on a standby), ``role`` (``primary`` or ``standby``), ``epoch`` (``None`` when not
+        replicated), ``promoted_at`` (when this incarnation was promoted, wall clock) and
+        ``promoted_from`` (the sequence it had applied then)."""
+        primary = self._async_buffer is not None
+        status = replication_status(self._abuf.buffer) if primary else (self._side and self._side.status())
         return {"path": self.path, "pid": os.getpid(), "node_id": self.node_id, "session": self.session,
-                "restarted": self.restarted, "config": self._abuf.buffer.config.to_dict()}
+                "restarted": self.restarted, "config": self._abuf.buffer.config.to_dict() if primary else None,
+                "role": "primary" if primary else "standby", "epoch": status and status["epoch"],
+                "promoted_at": self.promoted_at, "promoted_from": self.promoted_from}
 
     async def recovery_plan(self) -> dict[str, Any] | None:
         """The plan of the recovery this incarnation ran on start (or of the last
@@ -211,6 +360,7 @@ class BufferActor:
         the in-flight prompts to redispatch, each once."""
         return self._plan
 
+    @_replicated
     async def recover(self, resume_version: int | None = None, sampler: Any = None,
                       max_buffered_rollouts: int | None = None, checksums: bool = False,
                       deep: bool = False) -> dict[str, Any]:
@@ -237,11 +387,16 @@ class BufferActor:
                                            max_workers=self.max_workers)
             raise
         self._abuf = AsyncReplayBuffer(buffer, max_workers=self.max_workers)
+        if self._shipper is not None:  # a new history (the restore drew it): the standby takes a snapshot
+            await self._shipper.stop()
+            enable_replication(buffer)
+            self._shipper = Shipper(buffer, self._shipper.config, self.node_id)
         self.session = uuid.uuid4().hex
         self._plan = plan_to_dict(plan)
         return self._plan
 
     # -- producers -------------------------------------------------------------------------------
+    @_replicated
     async def commit_many(self, items: Sequence[Mapping[str, Any]]) -> list[dict[str, Any] | BaseException]:
         """Commit several groups (or samples) in one call and one durable transaction (group
         commit), each its own transition.
@@ -273,6 +428,7 @@ class BufferActor:
             out.append(result if isinstance(result, BaseException) else result.to_dict())
         return out
 
+    @_replicated
     async def record_progress_many(self, items: Sequence[Mapping[str, Any]]) -> list[int | BaseException]:
         """Record chunks of token progress in one call and one durable transaction (group commit),
         each its own transition (see :meth:`kvckpt.ReplayBuffer.record_progress_many`). Each item
@@ -284,6 +440,7 @@ class BufferActor:
         results = iter(await self._abuf.record_progress_many(good))
         return [p if isinstance(p, BaseException) else next(results) for p in parsed]
 
+    @_replicated
     async def record_progress_steps(self, messages: Sequence[bytes], client: str | None = None, seq: int = 0,
                                     oldest: int = 0, wait: float = ORDER_WAIT_S,
                                     ) -> list[list[int | BaseException] | BaseException]:
@@ -332,17 +489,20 @@ class BufferActor:
         return progress_to_dict(await self._abuf.progress(group_id))
 
     # -- trainer ---------------------------------------------------------------------------------
+    @_replicated
     async def select(self, min_groups: int = 1, max_groups: int | None = None) -> dict[str, Any]:
         """Claim groups for the current step; the dict carries this incarnation's ``session``."""
         selection = await self._abuf.select(min_groups, max_groups)
         return {**selection.to_dict(), "session": self.session}
 
+    @_replicated
     async def claim(self, group_ids: Iterable[str]) -> dict[str, Any]:
         """Claim exactly the named ready groups (see :meth:`kvckpt.ReplayBuffer.claim`); the dict carries
         this incarnation's ``session``, as :meth:`select`'s."""
         selection = await self._abuf.claim(list(group_ids))
         return {**selection.to_dict(), "session": self.session}
 
+    @_replicated
     async def finish_step(self, weight_version: int | None = None, session: str | None = None) -> int:
         """Close the current step; returns the new trainer version.
 
@@ -357,6 +517,7 @@ class BufferActor:
         return await self._abuf.finish_step(weight_version=weight_version)
 
     # -- checkpoints -----------------------------------------------------------------------------
+    @_replicated
     async def checkpoint(self, dest: str, trainer_state: Mapping[str, Any] | None = None, overwrite: bool = False,
                          wait: bool = True) -> dict[str, Any]:
         """Stamp a checkpoint and copy it to ``dest`` (a path on the actor's node).
@@ -424,7 +585,12 @@ class BufferActor:
     async def close(self) -> None:
         """Close the store (after running transactions and checkpoint copies). Later calls fail;
         call before ``ray.kill`` for a clean shutdown (a kill is safe too: every acknowledged
-        call is durable)."""
+        call is durable). A standby closes its file."""
+        if self._shipper is not None:
+            await self._shipper.stop()
+        if self._side is not None:
+            self._side.close()
+            return
         await self._abuf.close()
 
 
@@ -459,7 +625,7 @@ def remote_method(row: Operation) -> Callable[..., Any]:
                       f"See :meth:`kvckpt.ReplayBuffer.{name}`.")
     method.__signature__ = remote  # type: ignore[attr-defined]
     method.__annotations__ = {p.name: p.annotation for p in params[1:]} | {"return": remote.return_annotation}
-    return mark_generated(method)
+    return mark_generated(_replicated(method) if row.writes else method)
 
 
 for _row in offered_by("actor", GENERATED):
@@ -485,7 +651,8 @@ def start_buffer_actor(path: str, config: BufferConfig | Mapping[str, Any] | Non
                        name: str = DEFAULT_NAME, namespace: str | None = None, max_restarts: int = 3,
                        detached: bool = False, node_id: str | None = None, resources: Mapping[str, float] | None = None,
                        num_cpus: float = 0, resume_version: int | None = None, map_size: int | None = None,
-                       max_workers: int = DEFAULT_WORKERS, get_if_exists: bool = True) -> Any:
+                       max_workers: int = DEFAULT_WORKERS, get_if_exists: bool = True,
+                       replication: ReplicationConfig | Mapping[str, Any] | None = None) -> Any:
     """Start (or find) the named buffer actor and return its handle.
 
     Args:
@@ -503,21 +670,56 @@ def start_buffer_actor(path: str, config: BufferConfig | Mapping[str, Any] | Non
         num_cpus: CPUs reserved for the actor. Defaults to 0 (its work is I/O and encoding).
         resume_version, map_size, max_workers: passed to :class:`BufferActor`.
         get_if_exists: return the running actor of that name instead of failing. Defaults to True.
+        replication: replicate to a standby actor (:func:`start_standby_actor`) at an
+            acknowledgement level (:class:`~kvckpt.integrations.ray.replication.ReplicationConfig`
+            or its dict; docs/replication.md, "On Ray"). Defaults to none.
 
     .. note::
        Ray does not resubmit calls that were running when the actor died (``max_task_retries``
        stays 0): whether such a commit landed is for the producer to find out by retrying it,
        which is idempotent (:class:`~kvckpt.integrations.ray.client.BufferClient` does this).
     """
+    options = _placement(name, namespace, max_restarts, node_id, resources, num_cpus, get_if_exists)
+    if detached:
+        options["lifetime"] = "detached"
+    config_of = ReplicationConfig.of(replication)
+    return BufferActor.options(**options).remote(path, config, resume_version=resume_version, map_size=map_size,
+                                                 max_workers=max_workers,
+                                                 replication=None if config_of is None else config_of.to_dict())
+
+
+def _placement(name: str, namespace: str | None, max_restarts: int, node_id: str | None,
+               resources: Mapping[str, float] | None, num_cpus: float, get_if_exists: bool) -> dict[str, Any]:
     options: dict[str, Any] = {"name": name, "max_restarts": max_restarts, "num_cpus": num_cpus,
                                "get_if_exists": get_if_exists}
     if namespace is not None:
         options["namespace"] = namespace
-    if detached:
-        options["lifetime"] = "detached"
     if node_id is not None:
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
     if resources:
         options["resources"] = dict(resources)
-    return BufferActor.options(**options).remote(path, config, resume_version=resume_version, map_size=map_size,
-                                                 max_workers=max_workers)
+    return options
+
+
+def start_standby_actor(path: str, *, name: str = DEFAULT_STANDBY_NAME, namespace: str | None = None,
+                        node_id: str | None = None, resources: Mapping[str, float] | None = None,
+                        auto_promote: bool = False, max_restarts: int = 3, num_cpus: float = 0,
+                        max_workers: int = DEFAULT_WORKERS, get_if_exists: bool = True) -> Any:
+    """Start (or find) a standby buffer actor holding ``path`` (on its own node's disk) and return
+    its handle. It is empty until the primary it is named in (``replication={"standby": name}``
+    of :func:`start_buffer_actor`) copies it a snapshot; then it applies the shipped log.
+
+    Args:
+        path: the standby's file on the node the actor runs on (pin it there with ``node_id`` or
+            ``resources``: a restart elsewhere would start empty and take a new snapshot).
+        name: the actor's name (the primary's ``ReplicationConfig.standby``, a
+            :class:`~kvckpt.integrations.ray.BufferClient`'s ``failover``). Defaults to
+            :data:`DEFAULT_STANDBY_NAME`.
+        auto_promote: promote itself once Ray declares the primary's node dead. Defaults to False
+            (call ``promote`` on it).
+        namespace, node_id, resources, max_restarts, num_cpus, max_workers, get_if_exists: as
+            :func:`start_buffer_actor`.
+    """
+    options = _placement(name, namespace, max_restarts, node_id, resources, num_cpus, get_if_exists)
+    return BufferActor.options(**options).remote(path, None, max_workers=max_workers, standby=True,
+                                                 auto_promote=auto_promote)

@@ -11,15 +11,18 @@ the restarted actor and resends the *same* items (same rows, same leases). Commi
 come back ``replayed=True`` (the core recognises an identical re-commit); commits that had not
 landed are refused with :class:`~kvckpt.AbandonedTimeline` (a :class:`~kvckpt.StaleAttempt`),
 because the restart's recovery moved their prompts to a new timeline: the driver redispatches them
-from the actor's ``recovery_plan()``.
+from the actor's ``recovery_plan()``. With ``failover`` names, the same resend goes to a promoted
+standby once the actor is gone for good or answers that it was replaced (docs/replication.md, "On Ray").
 
-The module is long (about 430 lines) because the client carries the producer's whole side of the
-wire: pipelined commits and step messages with their order tags and restart resends, the step
-messages it builds from ``record_progress_many``'s items, and the decoding of the actor's replies. """
+The module is long (about 450 lines) because the client carries the producer's whole side of the
+wire: pipelined commits and step messages with their order tags, restart resends and failover (one
+state machine over the same calls in flight), the step messages it builds from
+``record_progress_many``'s items, and the decoding of the actor's replies."""
 
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -42,7 +45,10 @@ from kvckpt import (
     ProgressMessage,
     RowEncoder,
 )
-from kvckpt.errors import BadArgument, KvckptError
+from kvckpt.errors import BadArgument, KvckptError, NotPrimary
+
+#: Seconds one look at an actor (the failed one, a failover candidate) waits for its answer.
+FAILOVER_POLL_S = 1.0
 
 
 class ClientFuture(Future):
@@ -103,6 +109,12 @@ class BufferClient:
             fails its future at once, before anything is sent. Defaults to True.
         batch_steps: progress step messages (:meth:`record_progress_step`) per call. Defaults to 1
             (each engine step's message leaves at once; up to ``max_in_flight`` are outstanding).
+        failover: names of standby actors (:func:`~kvckpt.integrations.ray.start_standby_actor`) to
+            look up when the actor is gone for good or answers that it was replaced
+            (:class:`~kvckpt.NotPrimary`): the first that is a primary of a newer epoch (promoted)
+            becomes this client's actor, and the calls in flight are resent to it, with the same
+            exactly-once answers as after a restart (docs/replication.md, "On Ray"). Defaults to none.
+        namespace: the namespace of the ``failover`` names. Defaults to the driver's.
 
     Examples:
         >>> with BufferClient(actor, batch_groups=8, max_in_flight=4) as client:  # doctest: +SKIP
@@ -112,7 +124,8 @@ class BufferClient:
     """
 
     def __init__(self, actor: Any, *, batch_groups: int = 8, max_in_flight: int = 4, retries: int = 3,
-                 restart_timeout: float = 60.0, encode_at_edge: bool = True, batch_steps: int = 1) -> None:
+                 restart_timeout: float = 60.0, encode_at_edge: bool = True, batch_steps: int = 1,
+                 failover: Sequence[str] = (), namespace: str | None = None) -> None:
         if batch_groups < 1 or max_in_flight < 1 or retries < 0 or batch_steps < 1:
             raise BadArgument("batch_groups, batch_steps and max_in_flight must be >= 1 and retries >= 0")
         self.batch_steps = batch_steps
@@ -129,8 +142,11 @@ class BufferClient:
         #: record_progress_steps' order tag: this client's id and its next call's sequence number.
         self._client_id = uuid.uuid4().hex
         self._next_seq = 0
-        self._encoder = RowEncoder.from_config(wait_for_actor(actor, restart_timeout)["config"]) \
-            if encode_at_edge else None
+        self.failover, self.namespace = tuple(failover), namespace
+        info = wait_for_actor(actor, restart_timeout)
+        #: The replication epoch of the primary this client writes to (0 when not replicated).
+        self.epoch: int = info.get("epoch") or 0
+        self._encoder = RowEncoder.from_config(info["config"]) if encode_at_edge else None
 
     def commit(self, lease: Lease | Mapping[str, Any], rows: Sequence[Mapping[str, Any]] | Mapping[int, Any], *,
                end_weight: int | None = None) -> Future[CommitResult]:
@@ -339,8 +355,9 @@ class BufferClient:
             try:
                 replies = ray.get(call.result)
                 break
-            except RayActorError as exc:  # the actor died with this call in flight: it may have landed
-                if call.attempts > self.retries or not self._actor_back():
+            except (RayActorError, NotPrimary) as exc:  # the actor died with this call in flight (it may have
+                # landed), or a promotion replaced it (the new primary answers what it ran)
+                if call.attempts > self.retries or not self._back_after(exc):
                     _fail(call, exc)
                     return
                 call.attempts += 1
@@ -354,12 +371,49 @@ class BufferClient:
             else:
                 future.set_result(CommitResult.from_dict(reply) if call.method == "commit_many" else reply)
 
+    def _back_after(self, exc: BaseException) -> bool:
+        """Whether a primary answers again after ``exc``: a promoted standby after a refusal as
+        replaced, else the actor itself or (with ``failover``) a promoted standby."""
+        return self._find_primary(self.restart_timeout) if isinstance(exc, NotPrimary) else self._actor_back()
+
     def _actor_back(self) -> bool:
-        try:
-            wait_for_actor(self.actor, self.restart_timeout)
-            return True
-        except (RayActorError, ActorUnschedulableError, GetTimeoutError):
-            return False
+        """Whether the actor answers again (restarted) or, with ``failover`` names, a promoted
+        standby took its place, within ``restart_timeout``."""
+        if not self.failover:
+            try:
+                wait_for_actor(self.actor, self.restart_timeout)
+                return True
+            except (RayActorError, ActorUnschedulableError, GetTimeoutError):
+                return False
+        deadline = time.monotonic() + self.restart_timeout
+        while True:
+            try:
+                wait_for_actor(self.actor, FAILOVER_POLL_S)
+                return True
+            except (ActorUnschedulableError, RayActorError, GetTimeoutError):
+                pass
+            if self._find_primary(0.0):
+                return True
+            if time.monotonic() > deadline:
+                return False
+
+    def _find_primary(self, timeout: float) -> bool:
+        """Look up the ``failover`` names (for ``timeout`` seconds, at least once) for a primary of
+        a newer epoch than this client's; make it this client's actor."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for name in self.failover:
+                try:
+                    handle = ray.get_actor(name, namespace=self.namespace)
+                    info = ray.get(handle.info.remote(), timeout=FAILOVER_POLL_S)
+                except (ValueError, RayActorError, ActorUnschedulableError, GetTimeoutError):
+                    continue  # not there (yet), or not answering
+                if info["role"] == "primary" and (info["epoch"] or 0) > self.epoch:
+                    self.actor, self.epoch = handle, info["epoch"]
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(FAILOVER_POLL_S / 4)
 
 
 def holder_name(scope: str = "node") -> str:

@@ -1,21 +1,169 @@
-"""Failover: promote a replay buffer's standby to primary and recover it as a restart does
-(docs/replication.md, "Epochs and promotion").
+"""Replication through a buffer's handle: a primary's log, a standby, and failover
+(docs/replication.md). What the Ray actors (:mod:`kvckpt.integrations.ray`) and other transports
+use, as the public API (``from kvckpt import Standby, enable_replication, ...``).
 
-:func:`promote` is two steps, each one transaction: the role and epoch change
-(:func:`kvckpt.storage.replica.promote_store`), then :meth:`kvckpt.ReplayBuffer.recover`, exactly
-as a restart after a crash runs it (every lease fenced onto a new timeline, the plan lists the
-in-flight prompts to redispatch once each). A crash between the two leaves a promoted primary not
-yet recovered, which the next open and recover (what a restart does) finishes.
+* the primary's side works on an open :class:`~kvckpt.ReplayBuffer`: :func:`enable_replication`,
+  :func:`replication_status`, :func:`log_since` (the records to ship), :func:`trim_log` (what the
+  standby acknowledged), :func:`snapshot_for_standby` (a snapshot for catch-up);
+* :class:`Standby` holds a standby's file: it installs a shipped snapshot (:meth:`Standby.install`),
+  applies shipped batches (:meth:`Standby.apply`: one durable transaction each, idempotent by
+  sequence) and is promoted (:meth:`Standby.promote`);
+* :func:`promote` is two steps, each one transaction: the role and epoch change
+  (:func:`kvckpt.storage.replica.promote_store`), then :meth:`kvckpt.ReplayBuffer.recover`, exactly
+  as a restart after a crash runs it (every lease fenced onto a new timeline, the plan lists the
+  in-flight prompts to redispatch once each). A crash between the two leaves a promoted primary
+  not yet recovered, which the next open and recover (what a restart does) finishes.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from typing import Any
 
 from kvckpt.buffer.replay_buffer import ReplayBuffer
+from kvckpt.durability import replication
+from kvckpt.durability.checkpoint import CheckpointHandle
 from kvckpt.durability.recovery import RecoveryPlan
-from kvckpt.storage.replica import promote_store
+from kvckpt.errors import NotPrimary, NotStandby
+from kvckpt.storage.replica import apply_batch, promote_store
+from kvckpt.storage.replog import DEFAULT_MAX_RECORDS, PRIMARY, STANDBY, ReplicationLog
 from kvckpt.storage.store import Store
+
+
+def _primary_log(buffer: ReplayBuffer) -> ReplicationLog:
+    log = buffer.store.replication
+    if log is None or log.role != PRIMARY:
+        raise NotPrimary(f"{buffer.store.path!r} is not a replicated primary (enable_replication makes it one)")
+    return log
+
+
+def enable_replication(buffer: ReplayBuffer, *, max_records: int = DEFAULT_MAX_RECORDS) -> dict[str, Any]:
+    """Make the open ``buffer``'s file a replicated primary (one transaction; a primary stays as it
+    is) and return :func:`replication_status`. From then on every write transaction appends one log
+    record, whoever opens the file.
+
+    Raises:
+        NotPrimary: the file is a standby. FormatError, ReadOnlyStore, BadArgument: as
+            :meth:`kvckpt.storage.replog.ReplicationLog.enable`.
+    """
+    return ReplicationLog.enable(buffer.store, max_records=max_records).status()
+
+
+def replication_status(buffer: ReplayBuffer) -> dict[str, Any] | None:
+    """The replication state of ``buffer``'s file (role, epoch, ``last`` sequence, ``acked``,
+    ``lag_records``, ``standby``: ``streaming`` or ``snapshot``; ``store_tag``: the hex of the store
+    id its records carry), ``None`` if not replicated."""
+    log = buffer.store.replication
+    return None if log is None else {**log.status(), "store_tag": log.tag.hex()}
+
+
+def log_since(buffer: ReplayBuffer, after: int, limit: int = 1024) -> list[bytes]:
+    """Up to ``limit`` log records after sequence ``after``, in order (what is shipped).
+
+    Raises:
+        NotPrimary: not a replicated primary. LogGap: the log no longer holds record ``after + 1``
+            (the standby must catch up from a snapshot).
+    """
+    return _primary_log(buffer).read_since(after, limit)
+
+
+def trim_log(buffer: ReplayBuffer, acked: int) -> None:
+    """Record that the standby holds every record through ``acked`` and delete them (one transaction).
+
+    Raises:
+        NotPrimary: not a replicated primary. BadArgument: ``acked`` is past the last record.
+    """
+    _primary_log(buffer).trim(acked)
+
+
+def snapshot_for_standby(buffer: ReplayBuffer, dest: str | os.PathLike[str]) -> CheckpointHandle:
+    """Copy the primary's state to ``dest`` for a standby (producers keep writing meanwhile); the
+    handle's ``wait().trainer_version`` is the log sequence the snapshot holds exactly.
+
+    Raises:
+        NotPrimary: not a replicated primary. CheckpointError: as :func:`kvckpt.checkpoint`.
+    """
+    _primary_log(buffer)
+    return replication.snapshot_for_standby(buffer.store, dest)
+
+
+class Standby:
+    """The writable handle of a standby's file: it changes only by :meth:`apply` (and
+    :meth:`install`, :meth:`promote`). One per file; close it before another process opens the file.
+
+    Raises (on open):
+        NotStandby: the file is not a standby's (not replicated, or a primary).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.path.abspath(path)
+        self._store: Store | None = Store(self.path)
+        log = self._store.replication
+        if log is None or log.role != STANDBY:
+            self._store.close()
+            self._store = None
+            raise NotStandby(f"{self.path!r} is not a standby's file")
+
+    @classmethod
+    def install(cls, snapshot_file: str, path: str | os.PathLike[str]) -> Standby:
+        """Install ``snapshot_file`` (:func:`snapshot_for_standby`'s, untrusted: proven first) at
+        ``path`` as a standby, replacing whatever is there (closed), and open it.
+
+        Raises:
+            FormatError: the file is damaged or not a replicated primary's snapshot (``path`` is
+                untouched).
+        """
+        replication.install_standby(snapshot_file, os.path.abspath(path))
+        return cls(path)
+
+    def _open(self) -> Store:
+        if self._store is None:
+            raise NotStandby(f"the standby handle of {self.path!r} is closed (or promoted)")
+        return self._store
+
+    @property
+    def applied(self) -> int:
+        """The last sequence applied (durable)."""
+        return self._open().replication.last
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the last primary whose records it applied."""
+        return self._open().replication.epoch
+
+    def status(self) -> dict[str, Any]:
+        """Role, epoch, ``applied`` (and ``last``, the same) and the store id tag (hex)."""
+        log = self._open().replication
+        return {**log.status(), "applied": log.last, "store_tag": log.tag.hex()}
+
+    def apply(self, records: Sequence[bytes]) -> int:
+        """Apply a shipped batch (one durable transaction) and return the sequence applied through;
+        a resend of what is applied is answered, not applied again.
+
+        Raises:
+            NotStandby, CorruptLogRecord, ForeignStore, StaleEpoch, RepeatedSequence, LogGap: as
+                :func:`kvckpt.storage.replica.apply_batch`: nothing was applied.
+        """
+        return apply_batch(self._open(), records)
+
+    def promote(self, resume_version: int | None = None) -> tuple[ReplayBuffer, RecoveryPlan]:
+        """Close this handle and :func:`promote` the file: the open buffer, now the primary, and its
+        recovery plan. The handle is closed afterwards whatever happens."""
+        self.close()
+        return promote(self.path, resume_version)
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def __enter__(self) -> Standby:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def promote(path: str, resume_version: int | None = None) -> tuple[ReplayBuffer, RecoveryPlan]:

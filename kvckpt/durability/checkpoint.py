@@ -56,6 +56,7 @@ from kvckpt.errors import (
 )
 from kvckpt.storage.layout import stored_key
 from kvckpt.storage.replace import PARTIAL_SUFFIX, partial_name, publish
+from kvckpt.storage.replog import ReplicationLog
 from kvckpt.storage.store import FILE_MODE, Store, Txn, fsync_dir, fsync_file, lock_or_close, writer_active
 from kvckpt.tables.access import Tables
 
@@ -603,9 +604,12 @@ def _name_user_file(exc: KvckptError, tmp: str, checkpoint_file: str) -> None:
 
 def _recover_copy(tmp: str, checkpoint_file: str, sampler: Any, max_buffered_rollouts: int | None,
                   deep: bool, *, lookups: bool | None, proven_rows: list[bytes] | None) -> RecoveryPlan:
-    """Open the private copy, read its stamp and recover it at the stamped version."""
+    """Open the private copy, start a new replication history on it if it is replicated (the
+    restore rewinds it: a standby of its old history must not take its log as a continuation), read
+    its stamp and recover it at the stamped version."""
     store = Store(tmp)
     try:
+        ReplicationLog.restart_history(store)
         try:
             config = buffer_config(store)
         except BadArgument:

@@ -42,12 +42,17 @@ from kvckpt.storage.txn import Txn
 def make_standby(store: Any, applied: int, epoch: int) -> ReplicationLog:
     """Make ``store`` (a byte-identical copy of a primary's state at sequence ``applied``, taken
     at ``epoch``) a standby, in one transaction: its log records are dropped and its state record
-    says ``standby``, ``applied``, ``epoch``. Returns its log."""
+    says ``standby``, ``applied``, ``epoch``, and keeps the copy's history (the primary's). Returns
+    its log."""
     def fn(txn: Txn) -> None:
         txn = bookkeeping(txn)
+        copied = read_state(txn) or {}
+        state = {"role": STANDBY, "epoch": epoch, "acked": applied, "trimmed": applied, "applied": applied,
+                 "standby": STREAMING, "max_records": 1}
+        if copied.get("history") is not None:
+            state["history"] = copied["history"]
         txn.delete_prefix("replog", RECORD_PREFIX)
-        txn.put_json("replog", STATE_KEY, {"role": STANDBY, "epoch": epoch, "acked": applied, "trimmed": applied,
-                                           "applied": applied, "standby": STREAMING, "max_records": 1})
+        txn.put_json("replog", STATE_KEY, state)
 
     store.replication = None  # the copy may say "primary": these writes are not the primary's to log
     store.write(fn)
@@ -87,8 +92,9 @@ def check_batch(log: ReplicationLog, records: Sequence[bytes]) -> list[LogRecord
     decoded = [decode_record(r) for r in records]
     for rec in decoded:
         if rec.store != log.tag:
-            raise ForeignStore(f"log record {rec.seq} belongs to another store than {log.store.path!r}; nothing "
-                               "applied")
+            raise ForeignStore(f"log record {rec.seq} belongs to another store than {log.store.path!r}, or to "
+                               "another history of it (a restore of the primary starts a new one: take a "
+                               "snapshot); nothing applied")
     seqs = [rec.seq for rec in decoded]
     if len(set(seqs)) != len(seqs):
         twice = next(seq for i, seq in enumerate(seqs) if seq in seqs[:i])

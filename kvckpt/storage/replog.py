@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import struct
 import zlib
 from collections.abc import Callable, Sequence
@@ -72,6 +73,16 @@ class LogRecord:
 def store_tag(store_id: str) -> bytes:
     """The 16 bytes a record carries for ``store_id`` (``meta/format``'s id; copies keep it)."""
     return hashlib.blake2b(store_id.encode(), digest_size=16).digest()
+
+
+def history_tag(store_id: str, history: str | None) -> bytes:
+    """The store tag records of ``store_id``'s log in ``history`` carry (:func:`store_tag` of both)."""
+    return store_tag(store_id if history is None else f"{store_id}/{history}")
+
+
+def new_history() -> str:
+    """A fresh random history id (16 hex digits)."""
+    return os.urandom(8).hex()
 
 
 def record_key(seq: int) -> bytes:
@@ -187,7 +198,11 @@ class ReplicationLog:
 
     def __init__(self, store: Any, state: dict[str, Any], first: int, last: int) -> None:
         self.store = store
-        self.tag = store_tag(store.store_id)
+        #: The history this file's log continues (drawn when replication is enabled, and again when a
+        #: restore rewinds the file): records carry it in their store tag, so a standby of another
+        #: history refuses them (``ForeignStore``). ``None`` on a file from before histories.
+        self.history: str | None = state.get("history")
+        self.tag = history_tag(store.store_id, self.history)
         self.role: str = state["role"]
         self.epoch: int = state["epoch"]
         self.acked: int = state["acked"]
@@ -225,8 +240,32 @@ class ReplicationLog:
                 raise NotPrimary(f"{store.path!r} is a standby; promote it to make it a primary")
             return current
         state = {"role": PRIMARY, "epoch": 1, "acked": 0, "trimmed": 0, "applied": 0, "standby": STREAMING,
-                 "max_records": max_records}
+                 "max_records": max_records, "history": new_history()}
         store.write(lambda txn: txn.put_json("replog", STATE_KEY, state))
+        store.replication = cls(store, state, 1, 0)
+        return store.replication
+
+    @classmethod
+    def restart_history(cls, store: Any) -> ReplicationLog | None:
+        """Start a new history on the replicated ``store`` (what a restore does to the file it
+        installs, before anything else writes to it): in one transaction every log record and the
+        state record are dropped and the store becomes a primary at epoch 1 with an empty log and a
+        new history id, keeping its bound. A standby of the old history then refuses its records
+        (``ForeignStore``) and must take a snapshot. Returns the new log, ``None`` (nothing done)
+        for a store that is not replicated."""
+        old = store.replication
+        if old is None:
+            return None
+        bound = old.max_records if type(old.max_records) is int and old.max_records >= 1 else DEFAULT_MAX_RECORDS
+        state = {"role": PRIMARY, "epoch": 1, "acked": 0, "trimmed": 0, "applied": 0, "standby": STREAMING,
+                 "max_records": bound, "history": new_history()}
+
+        def fn(txn: Txn) -> None:
+            bookkeeping(txn).delete_prefix("replog", b"")
+            txn.put_json("replog", STATE_KEY, state)
+
+        store.replication = None  # the drop is the history's end, not a write to log
+        store.write(fn)
         store.replication = cls(store, state, 1, 0)
         return store.replication
 
@@ -234,9 +273,12 @@ class ReplicationLog:
         """The state record as it stands, or as it will with ``changes`` (attribute names) made."""
         a = {"role": self.role, "epoch": self.epoch, "acked": self.acked, "standby": self.standby,
              "max_records": self.max_records, "first": self.first, "last": self.last, **changes}
-        return {"role": a["role"], "epoch": a["epoch"], "acked": a["acked"], "trimmed": a["first"] - 1,
-                "applied": a["last"] if a["role"] == STANDBY else a["acked"], "standby": a["standby"],
-                "max_records": a["max_records"]}
+        out = {"role": a["role"], "epoch": a["epoch"], "acked": a["acked"], "trimmed": a["first"] - 1,
+               "applied": a["last"] if a["role"] == STANDBY else a["acked"], "standby": a["standby"],
+               "max_records": a["max_records"]}
+        if self.history is not None:
+            out["history"] = self.history
+        return out
 
     def status(self) -> dict[str, Any]:
         """Role, epoch, last sequence, the standby's acknowledged sequence and its lag in records,

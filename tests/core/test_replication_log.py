@@ -37,7 +37,8 @@ def test_every_write_transaction_appends_one_record_that_replays_to_the_same_sta
     buf.store.write(lambda t: None)  # a transaction that writes nothing appends nothing
     recs = records(buf.store)
     assert [r.seq for r in recs] == list(range(1, writes + 1)) and log.last == writes
-    assert {r.epoch for r in recs} == {1} and {r.store for r in recs} == {replog.store_tag(buf.store.store_id)}
+    assert {r.epoch for r in recs} == {1} and {r.store for r in recs} == {log.tag}
+    assert log.tag == replog.history_tag(buf.store.store_id, log.history) != replog.store_tag(buf.store.store_id)
     assert replay(base, recs) == main_db(buf.store)
     assert any(v is None for r in recs for _, v in r.ops)  # deletes are captured too
 

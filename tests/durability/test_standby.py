@@ -12,10 +12,10 @@ from _cli import kv
 from _fresh import run_fresh
 from _replication import main_db
 
-from kvckpt import AbandonedTimeline, BufferConfig, Prompt, ReplayBuffer, ValueStore
+from kvckpt import AbandonedTimeline, BufferConfig, Prompt, ReplayBuffer, ValueStore, restore
 from kvckpt.buffer.standby import promote
 from kvckpt.durability.replication import compare_replicas, install_standby, snapshot_for_standby
-from kvckpt.errors import FormatError, LogGap, NotStandby, StaleEpoch
+from kvckpt.errors import ForeignStore, FormatError, LogGap, NotStandby, StaleEpoch
 from kvckpt.storage import replog
 from kvckpt.storage.replica import apply_batch, make_standby
 from kvckpt.storage.store import Store
@@ -127,6 +127,33 @@ def test_install_refuses_a_file_that_is_not_a_replicated_primarys_snapshot(tmp_p
     with pytest.raises(FormatError):
         install_standby(str(tmp_path / "junk.kvckpt"), str(tmp_path / "standby.kv"))
     assert (tmp_path / "standby.kv").read_bytes() == before
+
+
+def test_a_standby_refuses_the_log_of_a_restored_primary(tmp_path):
+    """A restore rewinds the primary: its standby (ahead of the checkpoint) must not take the
+    restored file's log as a continuation (it would skip its records as resends and diverge). The
+    restore starts a new history, whose records the standby refuses as another store's."""
+    owner, primary, write = producer("replay-buffer", str(tmp_path / "primary.kv"))
+    for i in range(3):
+        write(i)
+    snapshot_for_standby(primary, str(tmp_path / "snap.kvckpt")).wait()
+    install_standby(str(tmp_path / "snap.kvckpt"), str(tmp_path / "standby.kv"))
+    owner.checkpoint(str(tmp_path / "step.kvckpt")).wait()
+    for i in range(3, 6):
+        write(i)
+    old = primary.replication.status()
+    with Store(str(tmp_path / "standby.kv")) as standby:
+        applied = ship(primary, standby)
+        owner.close()
+        before = main_db(standby)
+        restored, _ = restore(str(tmp_path / "step.kvckpt"), str(tmp_path / "primary.kv"), overwrite=True)
+        status = restored.store.replication.status()
+        assert status["role"] == "primary" and status["epoch"] == 1 and status["history"] != old["history"]
+        restored.commit_group(restored.admit([Prompt(prompt_idx=99)])[0], make_group(2, 99))  # the new history
+        with pytest.raises(ForeignStore, match="another history"):
+            apply_batch(standby, restored.store.replication.read_since(0))
+        assert standby.replication.last == applied and main_db(standby) == before  # nothing applied
+        restored.close()
 
 
 def test_promotion_takes_a_new_epoch_recovers_as_a_restart_and_refuses_the_old_primary(tmp_path):

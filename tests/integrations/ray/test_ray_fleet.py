@@ -28,12 +28,14 @@ ray = pytest.importorskip("ray")
 
 import _fleet  # noqa: E402
 from _fleet import (  # noqa: E402
+    COMMON,
     GROUP_SIZE,
     Coordinator,
     Producer,
     expected_tokens,
     fleet_config,
     kill_node,
+    loopback_cluster,
 )
 
 from kvckpt import AbandonedTimeline, verify_path  # noqa: E402
@@ -42,29 +44,11 @@ pytestmark = pytest.mark.ray
 
 INTERVAL, STEPS = 4, 5  # tokens per engine step (the progress interval), steps per completion
 TOTAL = INTERVAL * STEPS
-COMMON = {"node_ip_address": "127.0.0.1", "include_dashboard": False, "object_store_memory": 80 << 20}
-
-
 @pytest.fixture(scope="module")
 def cluster():
     """Head (store actor, coordinator) and ``rollout_b`` (surviving producers), on loopback."""
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()
-    kray.keep_ray_on_loopback()
-    ray.cloudpickle.register_pickle_by_value(_fleet)  # tests/ is not on the workers' path
-    # a killed node's raylet refuses the GCS's health checks: declare it dead after 3 (1 s apart), not
-    # Ray's default 5 (3 s apart); a live node stays live unless 3 checks in a row time out (10 s each)
-    checks = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
-    made = Cluster(initialize_head=True, head_node_args={**COMMON, "num_cpus": 1, "resources": {"head": 4},
-                                                         "_system_config": checks})
-    made.add_node(**COMMON, num_cpus=1, resources={"rollout_b": 8})
-    try:
-        ray.init(address=made.address, namespace="kvckpt-fleet")
+    with loopback_cluster("kvckpt-fleet", {"rollout_b": 8}) as made:
         yield made
-    finally:
-        ray.shutdown()
-        made.shutdown()
 
 
 def on(resource: str) -> dict:
