@@ -196,6 +196,10 @@ def test_a_remote_level_answers_only_after_the_standby_applied(ray_local, tmp_pa
 def test_async_holds_writes_while_the_connected_standby_lags_past_the_bound(ray_local, tmp_path):
     primary, held = held_pair(tmp_path, "held-async", "async")
     first, second = ray.get(primary.admit.remote([0, 1]), timeout=60)
+    deadline = time.monotonic() + 60
+    while ray.get(primary.replica_status.remote())["lag_records"]:  # the standby caught up (its snapshot, the
+        assert time.monotonic() < deadline                          # admission): only the held commit can lag
+        time.sleep(0.05)
     ray.get(held.hold.remote(True))
     assert ray.get(primary.commit_group.remote(first, rows(0)), timeout=60)["ready"]  # async: answered at once
     deadline = time.monotonic() + 60
