@@ -73,8 +73,8 @@ BACKENDS = ("transformers", "vllm")
 #: 40% of the time, so GRPO has both signal (groups with right and wrong answers) and room to improve.
 #: A step's mean reward is mostly which prompts it drew (a prompt's completions tend to agree: all
 #: right or all wrong), so the full run spreads its 32 completions per step over 8 prompts of 4, not
-#: 4 of 8: less per-step noise (about 1/sqrt(2) of it) for the same generation work, so the reward
-#: trend stands out of the noise in every run (4 x 8 gave t = 2.6 to 4.9 over 60 steps).
+#: 4 of 8: less per-step noise (about 1/sqrt(2) of it) for the same generation work. Five runs gave
+#: t = 2.1 to 5.8 over 60 steps, mean 4.1 (4 x 8: 2.6 to 4.9, mean 3.5; docs/cli.md has both).
 PRESETS = {
     "full": {"steps": 60, "groups_per_step": 8, "group_size": 4, "every_steps": 20, "crash_step": 47,
              "sft_steps": 60, "sft_lr": 2e-3, "max_operand": 4, "repeat": 32, "lr": 4e-4},
