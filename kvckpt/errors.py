@@ -75,6 +75,11 @@ class SchemaMismatch(BadArgument):
     """Rows do not match the schema the store was configured with."""
 
 
+class ProgressGap(BadArgument):
+    """A token-progress chunk starts past the end of its sample's durable prefix (it would leave a gap);
+    nothing of it was written. The message names the sample, the chunk's start and the durable length."""
+
+
 class CapacityError(BadArgument):
     """The buffer capacity would deadlock the sampler, or admitting would exceed it."""
 

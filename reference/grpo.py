@@ -478,7 +478,7 @@ class GRPOTrainer:
             state = json.dumps({"cursor": start + gps}).encode()
             try:
                 leases = buffer.admit(list(range(start, start + gps)), dataloader_state=state, timeout=0.25,
-                                      weight_version=worker.weight_version)
+                                      weight_version=worker.weight_version, holder=getattr(worker, "holder", None))
             except GateTimeout:
                 return []
             self._cursor = start + gps

@@ -283,10 +283,10 @@ FLEET = "tests/integrations/ray/test_ray_fleet.py"
 #: a rollout node's, the store actor's and the owner node's death may not cost, each on a real cluster.
 MUTATIONS += (
     Mutation("step-resend-of-landed-chunk-refused", "kvckpt/transitions/progress_step.py",
-             "            if t.progress_chunk_of(s.row, c.start) == c.value:\n                continue",
+             "            if rows.progress_chunk_of(s.row, c.start) == c.value:\n                continue",
              "            if False:\n                continue", ("tests/core/test_progress_step.py",)),
     Mutation("progress-retry-of-landed-chunk-refused", "kvckpt/transitions/progress_step.py",
-             "            if t.progress_chunk_of(s.row, c.start) == c.value:\n                continue",
+             "            if rows.progress_chunk_of(s.row, c.start) == c.value:\n                continue",
              "            if False:\n                continue",
              ("tests/core/test_progress.py::test_chunks_append_a_retry_is_a_noop_and_a_conflict_or_gap_is_refused",)),
     Mutation("fleet-restart-leaves-leases-valid", "kvckpt/durability/recovery.py",
@@ -419,11 +419,11 @@ STEP = "tests/core/test_progress_step.py"
 #: The progress step message (issue 36): retry dedupe, the per-sequence checks, per-sequence isolation.
 MUTATIONS += (
     Mutation("step-retry-not-recognised-under-a-fenced-lease", "kvckpt/transitions/progress_step.py",
-             "        if not isinstance(exc, ForeignLease) and all(", "        if False and all(",
+             "        if not isinstance(exc, ForeignLease) and s.chunks and all(", "        if False and all(",
              (f"{STEP}::test_a_resent_message_returns_the_same_results_after_the_owner_restarts",)),
     Mutation("step-retry-takes-other-bytes-for-a-replay", "kvckpt/transitions/progress_step.py",
-             "t.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks)",
-             "t.progress_chunk_of(s.row, c.start) is not None for c in s.chunks)",
+             "rows.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks)",
+             "rows.progress_chunk_of(s.row, c.start) is not None for c in s.chunks)",
              (f"{STEP}::test_a_resent_message_returns_the_same_results_after_the_owner_restarts",)),
     Mutation("step-offsets-end-unchecked", "kvckpt/transitions/progress_step.py",
              " or (i == n - 1 and b != total)", "",
@@ -602,12 +602,12 @@ MUTATIONS += (
              "        reports = drain_all(grace)\n", "        reports = [r.drain(0.0) for r in ()]\n",
              (f"{DRAIN}::test_sigterm_mid_generation_then_sigkill_leaves_no_token_to_regenerate",)),
     Mutation("progress-many-resend-refused-as-stale", "kvckpt/transitions/progress_step.py",
-             "                t.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks):",
-             "                t.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks) and False:",
+             "                rows.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks):",
+             "                rows.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks) and False:",
              ("tests/core/test_progress.py::test_a_resend_of_record_progress_many_items_is_answered_as_a_step_messages_resend",)),
     Mutation("progress-many-retry-answers-the-durable-length", "kvckpt/transitions/progress_step.py",
-             "            if t.progress_chunk_of(s.row, c.start) == c.value:\n                continue",
-             "            if t.progress_chunk_of(s.row, c.start) == c.value:\n                return length",
+             "            if rows.progress_chunk_of(s.row, c.start) == c.value:\n                continue",
+             "            if rows.progress_chunk_of(s.row, c.start) == c.value:\n                return length",
              ("tests/core/test_progress.py::test_chunks_append_a_retry_is_a_noop_and_a_conflict_or_gap_is_refused",)),
 )
 
@@ -752,6 +752,85 @@ MUTATIONS += (
               "test_the_server_path_builds_trls_own_weight_transfer_as_trl_does",)),
 )
 
+# issue 45 (this session): one progress rule set for both store kinds; the value store's progress
+# (ValueStore.record_progress, the verl ledger's), killed by the value store's own test (no verl needed).
+VALUE_PROGRESS = ("tests/core/test_value_store.py::"
+                  "test_value_store_progress_is_the_buffers_transition_inside_one_fenced_transaction",)
+MUTATIONS += (
+    Mutation("value-progress-max-tokens-unchecked", "kvckpt/transitions/progress_values.py",
+             "        if start + len(ids) > max_tokens:", "        if False:", VALUE_PROGRESS),
+    Mutation("value-progress-one-chunk-for-all-versions", "kvckpt/transitions/progress_values.py",
+             "    runs = [0, *(np.flatnonzero(np.diff(vs)) + 1).tolist(), len(ids)] if len(ids) else []",
+             "    runs = [0, len(ids)] if len(ids) else []", VALUE_PROGRESS),
+    Mutation("value-progress-fenced-call-drops", "kvckpt/buffer/values.py",
+             "            if fenced is None:\n                for gone in drop:",
+             "            if True:\n                for gone in drop:", VALUE_PROGRESS),
+    Mutation("value-progress-fenced-call-marks", "kvckpt/buffer/values.py",
+             "            if fenced is None and then is not None:", "            if then is not None:", VALUE_PROGRESS),
+    Mutation("value-progress-unfenced", "kvckpt/buffer/values.py",
+             "                records.check_fence(txn, self.path, fence)\n            except FencedWrite",
+             "                pass\n            except FencedWrite", VALUE_PROGRESS),
+    Mutation("value-progress-stray-key-taken-for-a-chunk", "kvckpt/values/records.py",
+             "    if len(tail) != 10 or not tail.isdigit():", "    if False:", VALUE_PROGRESS),
+    Mutation("value-progress-fenced-resend-refused", "kvckpt/transitions/progress_step.py",
+             "        if not isinstance(exc, ForeignLease) and s.chunks and all(", "        if False and all(",
+             VALUE_PROGRESS),
+)
+
+
+# issue 45 (this session): lease holders (leases_held_by, redispatch_held_by), TRL's SIGTERM drain,
+# BufferClient.record_progress_many's message built in the producer.
+HOLDERS = "tests/core/test_lease_holders.py"
+MANY_MESSAGE = (f"{RAY_STEP}::test_record_progress_many_sends_one_message_built_here_and_its_resend_after_a_"
+                "restart_is_exactly_once")
+HOLDERS_RESTART = f"{HOLDERS}::test_a_dead_nodes_leases_are_listed_and_redispatched_in_one_call_across_restarts"
+MUTATIONS += (
+    Mutation("admit-records-no-holder", "kvckpt/transitions/admission.py", "                            holder=holder)",
+             "                            holder=None)", (HOLDERS_RESTART,)),
+    Mutation("held-by-lists-every-lease", "kvckpt/transitions/inflight.py",
+             "    return [e.lease(store_id) for e in t.entries() if e.holder == holder]",
+             "    return [e.lease(store_id) for e in t.entries()]", (HOLDERS_RESTART,)),
+    Mutation("redispatch-held-by-takes-every-lease", "kvckpt/transitions/inflight.py",
+             "for e in t.entries() if e.holder == holder]\n    t.put_state(st)",
+             "for e in t.entries()]\n    t.put_state(st)", (HOLDERS_RESTART,)),
+    Mutation("redispatch-keeps-the-old-holder", "kvckpt/transitions/inflight.py",
+             '"timeline": st["timeline"], "holder": holder,', '"timeline": st["timeline"],', (HOLDERS_RESTART,)),
+    Mutation("redispatch-held-by-does-not-fence", "kvckpt/transitions/inflight.py",
+             '**entry.to_dict(), "attempt": entry.attempt + 1,', '**entry.to_dict(), "attempt": entry.attempt,',
+             (HOLDERS_RESTART,)),
+    Mutation("recovery-drops-the-holder", "kvckpt/durability/recovery.py",
+             '"timeline": st["timeline"], **stamps})', '"timeline": st["timeline"], "holder": None, **stamps})',
+             (HOLDERS_RESTART,)),
+    Mutation("holder-written-when-none", "kvckpt/tables/records.py",
+             '_OMITTED_WHEN_NONE = frozenset({"lineage_fork", "holder"})',
+             '_OMITTED_WHEN_NONE = frozenset({"lineage_fork"})',
+             (f"{HOLDERS}::test_an_entry_without_a_holder_is_the_bytes_an_older_kvckpt_wrote",)),
+    Mutation("verify-ignores-a-holder-of-another-type", "kvckpt/durability/verify.py",
+             'if ledger and not isinstance(doc.get("holder", ""), str):', "if False:",
+             (f"{HOLDERS}::test_a_holder_that_is_not_a_string_is_malformed",)),
+    Mutation("memory-buffer-held-by-ignores-holder", "kvckpt/testing/memory_buffer.py",
+             "                    if e.holder == holder]\n\n    def redispatch_held_by",
+             "                    ]\n\n    def redispatch_held_by",
+             (f"{HOLDERS}::test_every_surface_records_and_answers_holders_alike",)),
+    Mutation("client-many-ships-items-to-the-owner", "integrations/ray/client.py",
+             "        out: list[Any] = [None] * len(items)\n        by_fields",
+             "        return ray.get(self.actor.record_progress_many.remote([{**to_wire(dict(i)), \"lease\": "
+             "_lease_dict(i[\"lease\"])} for i in items]))\n"
+             "        out: list[Any] = [None] * len(items)\n        by_fields", (MANY_MESSAGE,)),
+    Mutation("client-many-refuses-the-message-for-one-item", "integrations/ray/client.py",
+             "        except KvckptError:\n            for n in ns:",
+             "        except KvckptError:\n            raise\n            for n in ns:", (MANY_MESSAGE,)),
+    Mutation("actor-redispatch-held-by-drops-the-new-holder", "integrations/ray/actor.py",
+             "redispatch_held_by(holder, to=to,", "redispatch_held_by(holder, to=None,",
+             ("tests/integrations/ray/test_ray_fleet.py::test_a_rollout_node_killed_mid_stream_loses_at_most_one_interval",)),
+    Mutation("trl-worker-admits-without-its-holder", "integrations/trl/worker.py",
+             "weight_version=self.clock.weights_step, holder=self.holder)",
+             "weight_version=self.clock.weights_step)",
+             ("tests/integrations/trl/test_trl_drain.py",)),
+    Mutation("trl-worker-installs-no-sigterm-drain", "integrations/trl/worker.py",
+             "            drain_on_sigterm(drain_seconds)\n", "            pass\n",
+             ("tests/integrations/trl/test_trl_drain.py",)),
+)
 
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and

@@ -181,6 +181,10 @@ class Producer:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def holder(self) -> str:
+        """The lease holder name this producer gives (its node's: what dies with the node)."""
+        return kray.holder_name()
+
     def _items(self, step: int, starts: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
         items = []
         for gid, lease in self.leases.items():

@@ -127,7 +127,7 @@ async def resume(model: torch.nn.Module, eos: int, prompts: dict[str, list[int]]
     before = progress()
     durable = {k: len(v["tokens"]) if v else 0 for k, v in before.items()}
 
-    # A zombie server of the killed run streams on with that run's token: every flush is refused.
+    # A zombie server of the killed run streams on with that run's token: every chunk of its flushes is refused.
     zombie = World(model, eos, version=1, gather=1)
     stale = SampleKey(ACTOR, killed["token"], "p0", 0, len(prompts["p0"]) + durable["p0/0"], EVERY)
     await zombie.server.generate(prompts["p0"] + before["p0/0"]["tokens"],

@@ -9,6 +9,7 @@ effect in this process too (:func:`init_local_ray` applies it either way).
 * :class:`BufferClient`: producers batch several groups per call and keep several calls in
   flight; retries after an actor restart are idempotent.
 * :func:`batch_from_dict`, :func:`plan_from_dict`: rebuild kvckpt objects from actor replies.
+* :func:`holder_name`: the lease holder name of a Ray process (its node or actor id).
 """
 
 import os
@@ -35,6 +36,7 @@ from kvckpt.integrations.ray.actor import (  # noqa: E402  (after the environmen
 from kvckpt.integrations.ray.client import (  # noqa: E402
     BufferClient,
     batch_from_dict,
+    holder_name,
     plan_from_dict,
     progress_from_dict,
     wait_for_actor,
@@ -42,6 +44,6 @@ from kvckpt.integrations.ray.client import (  # noqa: E402
 
 __all__ = [
     "DEFAULT_NAME", "DEFAULT_NAMESPACE", "LOOPBACK_ENV", "BufferActor", "BufferClient", "batch_from_dict",
-    "init_local_ray", "keep_ray_on_loopback", "plan_from_dict", "progress_from_dict",
+    "holder_name", "init_local_ray", "keep_ray_on_loopback", "plan_from_dict", "progress_from_dict",
     "start_buffer_actor", "to_wire", "wait_for_actor",
 ]

@@ -29,7 +29,7 @@ kvckpt's) is refused with :class:`~kvckpt.ForeignLease`. The driver fetches the 
 with :meth:`BufferActor.recovery_plan`. A restart never creates a store: if the file is gone (the
 actor landed on another node), the restart fails instead of silently starting empty.
 
-The module is long (about 580 lines) because the actor mirrors the buffer's whole public API as
+The module is long (about 600 lines) because the actor mirrors the buffer's whole public API as
 async methods, each with its wire conversion (leases, batches, plans as plain dicts) and its
 restart behaviour (and the per-caller order of progress calls); the client side is
 :mod:`kvckpt.integrations.ray.client`.
@@ -269,12 +269,13 @@ class BufferActor:
     # -- producers -------------------------------------------------------------------------------
     async def admit(self, prompts: Sequence[Any], dataloader_state: bytes | None = None,
                     timeout: float | None = None, weight_version: int | None = None,
-                    admission: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
-        """Admit one dataloader batch (or join ``admission``, a dict from :meth:`advance_dispatch`);
-        returns the leases as dicts (see :meth:`kvckpt.ReplayBuffer.admit`)."""
+                    admission: Mapping[str, Any] | None = None, holder: str | None = None) -> list[dict[str, Any]]:
+        """Admit one dataloader batch (or join ``admission``, a dict from :meth:`advance_dispatch`)
+        for the producer ``holder`` (:func:`holder_name` on a Ray producer); returns the leases as
+        dicts (see :meth:`kvckpt.ReplayBuffer.admit`)."""
         joined = None if admission is None else Admission.from_dict(dict(admission))
         leases = await self._abuf.admit(prompts, dataloader_state, timeout=timeout, weight_version=weight_version,
-                                        admission=joined)
+                                        admission=joined, holder=holder)
         return [lease.to_dict() for lease in leases]
 
     async def advance_dispatch(self, dataloader_state: bytes | None = None,
@@ -282,9 +283,21 @@ class BufferActor:
         """Make an admission without prompts yet (see :meth:`kvckpt.ReplayBuffer.advance_dispatch`)."""
         return (await self._abuf.advance_dispatch(dataloader_state, timeout=timeout)).to_dict()
 
-    async def redispatch(self, group_id: str, start_weight: int | None = None) -> dict[str, Any]:
+    async def redispatch(self, group_id: str, start_weight: int | None = None,
+                         holder: str | None = None) -> dict[str, Any]:
         """Fence an in-flight prompt's lease and return a new one (see :meth:`kvckpt.ReplayBuffer.redispatch`)."""
-        return (await self._abuf.redispatch(group_id, start_weight=start_weight)).to_dict()
+        return (await self._abuf.redispatch(group_id, start_weight=start_weight, holder=holder)).to_dict()
+
+    async def leases_held_by(self, holder: str) -> list[dict[str, Any]]:
+        """The leases ``holder`` holds as dicts, in one read (see :meth:`kvckpt.ReplayBuffer.leases_held_by`)."""
+        return [lease.to_dict() for lease in await self._abuf.leases_held_by(holder)]
+
+    async def redispatch_held_by(self, holder: str, to: str | None = None,
+                                 start_weight: int | None = None) -> list[dict[str, Any]]:
+        """Redispatch what ``holder`` (a dead producer, a dead node) holds to ``to``, in one transaction;
+        the new leases as dicts (see :meth:`kvckpt.ReplayBuffer.redispatch_held_by`)."""
+        return [lease.to_dict() for lease in await self._abuf.redispatch_held_by(holder, to=to,
+                                                                                 start_weight=start_weight)]
 
     async def commit_group(self, lease: Mapping[str, Any], rows: Any, end_weight: int | None = None,
                            ) -> dict[str, Any]:

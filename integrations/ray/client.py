@@ -11,7 +11,11 @@ the restarted actor and resends the *same* items (same rows, same leases). Commi
 come back ``replayed=True`` (the core recognises an identical re-commit); commits that had not
 landed are refused with :class:`~kvckpt.AbandonedTimeline` (a :class:`~kvckpt.StaleAttempt`),
 because the restart's recovery moved their prompts to a new timeline: the driver redispatches them
-from the actor's ``recovery_plan()``. """
+from the actor's ``recovery_plan()``.
+
+The module is long (about 430 lines) because the client carries the producer's whole side of the
+wire: pipelined commits and step messages with their order tags and restart resends, the step
+messages it builds from ``record_progress_many``'s items, and the decoding of the actor's replies. """
 
 from __future__ import annotations
 
@@ -189,15 +193,52 @@ class BufferClient:
         return self._progress_encoder
 
     def record_progress_many(self, items: Sequence[Mapping[str, Any]]) -> list[int | BaseException]:
-        """Record chunks of token progress in ONE actor call (and one durable transaction), e.g.
-        every sequence of an engine step; blocks until they are durable. Each item holds
-        :meth:`kvckpt.ReplayBuffer.record_progress`'s keyword arguments plus ``lease`` and
-        ``index``; returns, in item order, each durable prefix length or the error that refused it.
-        Not retried across an actor restart: the restart's recovery fences the lease (a resend
-        would be refused with :class:`~kvckpt.AbandonedTimeline`), so the driver resumes the
-        sample from :meth:`progress` under the recovery plan's lease instead."""
-        payload = [{**to_wire(dict(item)), "lease": _lease_dict(item["lease"])} for item in items]
-        return ray.get(self.actor.record_progress_many.remote(payload))
+        """Record chunks of token progress, e.g. every sequence of an engine step, as ONE step message
+        built here (one per distinct set of per-token ``fields``, as :meth:`kvckpt.ReplayBuffer.record_progress_many`
+        groups them) and sent as :meth:`record_progress_step` sends it; blocks until they are durable.
+        Each item holds :meth:`kvckpt.ReplayBuffer.record_progress`'s keyword arguments plus ``lease``
+        and ``index``; returns, in item order, where each chunk ends or the error that refused it (an
+        item the encoder refuses is refused alone, the others are sent). Resends are the message's:
+        exactly once across an actor restart (a sequence whose first try landed gets the same answer,
+        the others are refused as fenced: resume them from :meth:`progress` under the recovery plan's
+        lease).
+
+        Raises:
+            ray.exceptions.RayActorError: the actor stayed unreachable through every retry.
+        """
+        out: list[Any] = [None] * len(items)
+        by_fields: dict[tuple[str, ...], list[int]] = {}
+        for n, item in enumerate(items):
+            try:
+                by_fields.setdefault(tuple(sorted(item.get("fields") or ())), []).append(n)
+            except (AttributeError, TypeError) as exc:
+                out[n] = BadArgument(f"a record_progress_many item must be a mapping with a mapping of fields: {exc!r}")
+        messages = [(ns, self._message(items, ns, out)) for ns in by_fields.values()]
+        sent = [([n for n in ns if out[n] is None], self.record_progress_step(m))
+                for ns, m in messages if m is not None]
+        for ns, future in sent:
+            try:
+                results = future.result()
+            except KvckptError as exc:  # the message as a whole (MalformedMessage)
+                results = [exc] * len(ns)
+            for n, result in zip(ns, results, strict=True):
+                out[n] = result
+        return out
+
+    def _message(self, items: Sequence[Mapping[str, Any]], ns: list[int], out: list[Any]) -> Any:
+        """The step message of ``items[n] for n in ns``; an item the encoder refuses gets its error in
+        ``out`` and is left out (the rest are encoded again without it; ``None`` if none is left)."""
+        encoder = self.progress_encoder()
+        try:
+            return encoder.encode_items([items[n] for n in ns])
+        except KvckptError:
+            for n in ns:
+                try:
+                    encoder.encode_items([items[n]])
+                except KvckptError as exc:
+                    out[n] = exc
+            kept = [items[n] for n in ns if out[n] is None]
+            return encoder.encode_items(kept) if kept else None
 
     def record_progress(self, lease: Lease | Mapping[str, Any], index: int, *, start: int, tokens: Any,
                         logprobs: Any, weight_version: int, fields: Mapping[str, Any] | None = None) -> int:
@@ -320,6 +361,23 @@ class BufferClient:
             return True
         except (RayActorError, ActorUnschedulableError, GetTimeoutError):
             return False
+
+
+def holder_name(scope: str = "node") -> str:
+    """The lease holder name of this Ray process (``admit(..., holder=...)``): ``node:<node id>`` (what
+    dies with the node: ``leases_held_by`` after a node death) or, with ``scope="actor"``,
+    ``actor:<actor id>`` (what dies with this actor; only inside one).
+
+    Raises:
+        BadArgument: an unknown ``scope``, or ``"actor"`` outside an actor.
+    """
+    context = ray.get_runtime_context()
+    if scope == "node":
+        return f"node:{context.get_node_id()}"
+    actor_id = context.get_actor_id() if scope == "actor" else None
+    if actor_id is None:
+        raise BadArgument(f"holder_name: scope must be 'node' or 'actor' (inside an actor), got {scope!r}")
+    return f"actor:{actor_id}"
 
 
 def wait_for_actor(actor: Any, timeout: float = 60.0) -> dict[str, Any]:

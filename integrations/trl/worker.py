@@ -34,11 +34,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from kvckpt.integrations.common.holder import default_holder
+from kvckpt.integrations.common.progress import drain_on_sigterm
 from kvckpt.integrations.trl.peer import rollout_sample_class
 from kvckpt.integrations.trl.queue import BufferQueue, VersionClock
 from kvckpt.integrations.trl.server import SAMPLING_FIELDS, VLLMServerBackend
 from kvckpt.integrations.trl.sync import ServerWeightSync, WeightEpochs
 from kvckpt.integrations.vllm import PROGRESS_EVERY_TOKENS, SequenceState, create_backend, stream_leases
+from kvckpt.integrations.vllm.worker import DRAIN_SECONDS
 
 from kvckpt import BufferConfig, GateTimeout, KvckptError, Lease, Prompt, ReplayBuffer
 from kvckpt.errors import BadArgument, InvariantViolation
@@ -104,6 +107,13 @@ class KvckptRolloutWorker:
         prompts_per_admit: prompts admitted and generated per engine call. Defaults to 1.
         retain_consumed: keep trained groups' rows in the store. Defaults to False.
         seed: the backend's sampling seed. Defaults to 0.
+        holder: the name its leases record (``leases_held_by``). Defaults to ``host:pid``.
+        drain_seconds: on SIGTERM (a preemption notice), stop generating and make every in-flight
+            sample's unrecorded tail durable within this many seconds, then let the signal end the
+            process (:func:`~kvckpt.integrations.common.progress.drain_on_sigterm`, as the vLLM
+            ``RolloutWorker``; installed when progress is recorded and the worker is built in the main
+            thread). ``None``: leave SIGTERM alone. Defaults to
+            :data:`~kvckpt.integrations.vllm.worker.DRAIN_SECONDS`.
     """
 
     def __init__(self, store_path: str, model_path: str, dataset: Sequence[Any], reward_funcs: Any, args: Any, *,
@@ -111,7 +121,8 @@ class KvckptRolloutWorker:
                  prompts_per_admit: int = 1, retain_consumed: bool = False, seed: int = 0,
                  progress_every_tokens: int | None = None,
                  progress_every_seconds: float | None = None,
-                 after_step: Callable[[Sequence[SequenceState]], None] | None = None) -> None:
+                 after_step: Callable[[Sequence[SequenceState]], None] | None = None,
+                 holder: str | None = None, drain_seconds: float | None = DRAIN_SECONDS) -> None:
         if backend is None:
             warnings.warn(DEFAULT_BACKEND_CHANGED, FutureWarning, stacklevel=2)
             backend = "server"
@@ -150,7 +161,11 @@ class KvckptRolloutWorker:
         self.progress_every_tokens = int(progress_every_tokens if progress_every_tokens is not None
                                          else PROGRESS_EVERY_TOKENS if self.server else 0)
         self.progress_every_seconds = progress_every_seconds
+        if drain_seconds is not None and (self.progress_every_tokens > 0 or progress_every_seconds is not None):
+            drain_on_sigterm(drain_seconds)
         self.after_step = after_step
+        #: The name the leases this worker admits and redispatches record (``leases_held_by``).
+        self.holder = holder or default_holder()
         #: Cumulative counts of the streaming path: tokens generated, tokens resumed from durable
         #: prefixes, progress appends and ``record_progress_step`` calls (one step message each).
         self.progress_stats = {"tokens_generated": 0, "tokens_resumed": 0, "appends": 0, "append_calls": 0}
@@ -261,7 +276,7 @@ class KvckptRolloutWorker:
         try:
             return self.buffer.admit([Prompt(cursor + i) for i in range(count)],
                                      dataloader_state=json.dumps({"next": cursor + count}).encode(),
-                                     timeout=0.2, weight_version=self.clock.weights_step)
+                                     timeout=0.2, weight_version=self.clock.weights_step, holder=self.holder)
         except GateTimeout:
             return []
 
@@ -304,7 +319,7 @@ class KvckptRolloutWorker:
             stamps = [v for s in samples for v in token_versions(s, weights)]
             oldest, newest = min(stamps, default=weights), max(stamps, default=weights)
             if oldest > lease.start_weight:  # a weight sync landed before its first token: restamp (one transaction)
-                lease = self.buffer.redispatch(lease.group_id, start_weight=oldest)
+                lease = self.buffer.redispatch(lease.group_id, start_weight=oldest, holder=self.holder)
             self.buffer.commit_group(lease, _rows(samples, rewards), end_weight=newest)
 
     def _stamped(self, lease: Lease, weights: int) -> Lease:
@@ -313,10 +328,11 @@ class KvckptRolloutWorker:
         commit): a weight sync
         that landed between admission (or a recovery's redispatch) and this generation would leave
         the stamp older than the weights that generate the group, so it is redispatched with the
-        true stamp first (one transaction; the whole group is generated now, nothing is kept)."""
-        if lease.start_weight == weights:
+        true stamp first (one transaction; the whole group is generated now, nothing is kept). A lease
+        of another holder (a recovery plan's, of the process before) is redispatched to this one."""
+        if lease.start_weight == weights and lease.holder == self.holder:
             return lease
-        return self.buffer.redispatch(lease.group_id, start_weight=weights)
+        return self.buffer.redispatch(lease.group_id, start_weight=weights, holder=self.holder)
 
     def _score(self, row: Any, completions: list[Any], completion_ids: list[list[int]]) -> list[float]:
         count = len(completions)

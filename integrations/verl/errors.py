@@ -1,8 +1,11 @@
-"""The refusal of the verl ledger: a write from a process of a run that a restart replaced."""
+"""The refusal of the verl ledger: a write from a process of a run that a restart replaced. (A progress chunk
+that would leave a gap is the replay buffer's refusal, :class:`kvckpt.errors.ProgressGap`, re-exported here.)"""
 
 from __future__ import annotations
 
-from kvckpt.errors import BadArgument, StaleAttempt
+from kvckpt.errors import ProgressGap, StaleAttempt
+
+__all__ = ["ProgressGap", "StaleRun"]
 
 
 class StaleRun(StaleAttempt):
@@ -21,7 +24,3 @@ class StaleRun(StaleAttempt):
 
     def __reduce__(self) -> tuple[type, tuple[str, str, str | None]]:
         return (type(self), (self.path, self.run, self.current))
-
-
-class ProgressGap(BadArgument):
-    """A progress chunk that does not start where the sample's durable tokens end (nothing of it is written)."""

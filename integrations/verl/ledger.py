@@ -51,26 +51,30 @@ from typing import Any, TypeVar
 
 import ray
 from kvckpt.integrations.transferqueue.values import decode_value, encode_value, new_write_id
-from kvckpt.integrations.verl import progress_store
-from kvckpt.integrations.verl.errors import ProgressGap, StaleRun
+from kvckpt.integrations.verl.errors import StaleRun
 from kvckpt.integrations.verl.records import (
     CHECKPOINT_KEY,
     CONSUMED,
     CURSOR_KEY,
     ITEMS,
     MARKS,
+    MAX_TOKENS,
+    PROGRESS,
     RUN_KEY,
     TAG,
+    done_key,
     groups_lacking,
     item_prefix,
     mark_index_key,
+    progress_prefix,
     record_key,
     split,
     split_mark_index,
 )
+from kvckpt.integrations.verl.upgrade import upgrade_progress
 
 from kvckpt import ValueStore, makedirs_durable, write_id_of
-from kvckpt.errors import FencedWrite
+from kvckpt.errors import FencedWrite, KvckptError
 
 _Call = TypeVar("_Call", bound=Callable[..., Any])
 
@@ -94,17 +98,25 @@ class VerlLedger:
     """The single writer of a verl ledger file (see the module docstring).
 
     Args:
-        path: the live ledger file; created if missing. Keep it on a local disk.
+        path: the live ledger file; created if missing (a format-1 file's token progress is moved into format 2
+            first: :mod:`.upgrade`). Keep it on a local disk.
+        max_tokens: the longest sample prefix its token progress records (a longer one is refused).
 
     Raises:
         FormatError: the file is a kvckpt store of another kind.
         StoreLocked: another process holds the file for writing.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, max_tokens: int = MAX_TOKENS) -> None:
         self._values = ValueStore(path)
         self.path = self._values.path
+        self.max_tokens = max_tokens
         self._mutex = threading.Lock()
+        try:
+            upgrade_progress(self._values, max_tokens)
+        except BaseException:
+            self._values.close()
+            raise
 
     def info(self) -> dict[str, Any]:
         """The live file's path, its run number, the step of its last checkpoint (``None`` before the first)
@@ -127,10 +139,13 @@ class VerlLedger:
         self._values.put([RUN_KEY], [encode_value(RUN_KEY, {"run": number}, token, _LEVEL)])
         return {"token": token, "run": number}
 
+    def _run_id(self) -> str | None:
+        raw = self._values.get([RUN_KEY])[0]
+        return None if raw is None else write_id_of(raw, RUN_KEY)
+
     def _check(self, token: str) -> None:
         """Refuse a stale ``token`` before work outside a transaction (a load's file copy, a checkpoint's directory)."""
-        raw = self._values.get([RUN_KEY])[0]
-        current = None if raw is None else write_id_of(raw, RUN_KEY)
+        current = self._run_id()
         if current != token:
             raise StaleRun(self.path, token, current)
 
@@ -147,13 +162,14 @@ class VerlLedger:
         """One TransferQueue put of a process of run ``token``: its encoded records, one transaction.
 
         ``ended``: the prompts whose groups this put ends (their ``finished`` / ``failure`` status): the token
-        progress of their samples is deleted in the same transaction (:func:`.progress_store.of_prompts`), so a
+        progress of their samples (every record under ``verl/progress/{uid}/``) is deleted in the same transaction, so a
         finished sample's progress lasts until its group's trajectories are all durable, and no longer.
 
         Raises:
             StaleRun: ``token`` is not the current run's.
         """
-        self._write(token, keys, values, progress_store.of_prompts(self._values, ended or []))
+        self._write(token, keys, values, [k for uid in dict.fromkeys(ended or []) for k in self._values.keys(
+            f"{PROGRESS}{uid}/")])
 
     @_exclusive
     def clear(self, token: str, partition_id: str, keys: list[str], consumed_step: int | None = None) -> int:
@@ -303,6 +319,7 @@ class VerlLedger:
             StaleRun: ``token`` is not the current run's; nothing changes.
             CheckpointError: the file's stamp is not ``checkpoint_id``; nothing changes.
             FormatError / CorruptRecord / RecoveryError: the file is not a valid ledger checkpoint; nothing changes.
+                (A format-1 checkpoint, an older kvckpt's, is upgraded after its copy, :mod:`.upgrade`.)
         """
         self._check(token)
         if self._values.stamp_id() == checkpoint_id and self._get(CHECKPOINT_KEY) is not None:
@@ -314,6 +331,7 @@ class VerlLedger:
             return False
         run = self._get(RUN_KEY) or {}
         self._values.load(source, checkpoint_id=checkpoint_id)
+        upgrade_progress(self._values, self.max_tokens)  # a checkpoint an older kvckpt wrote: format 1
         self._values.put([RUN_KEY], [encode_value(RUN_KEY, {"run": run.get("run", 0)}, token, _LEVEL)])
         return True
 
@@ -323,17 +341,44 @@ class VerlLedger:
 
     # -- token progress ----------------------------------------------------------------------------
     @_exclusive
-    def record_progress(self, token: str, items: list[dict[str, Any]]) -> list[int | ProgressGap]:
-        """One flush of a rollout server's token progress, in ONE write transaction of run ``token``
-        (:func:`.progress_store.stage`: chunks appended, finished samples dropped). Returns per item the sample's
-        durable token count after it, or the :class:`ProgressGap` refusing that chunk (nothing of it written).
+    def record_progress(self, token: str, items: list[dict[str, Any]]) -> list[int | KvckptError]:
+        """One flush of a rollout server's token progress, in ONE write transaction of run ``token``, under the
+        replay buffer's rules (``ValueStore.record_progress``: the buffer's progress transition over the ledger's
+        records, every check inside the transaction).
 
-        Raises:
-            StaleRun: ``token`` is not the current run's; nothing is written.
-            BadArgument: an item is malformed; nothing is written.
+        Each item is ``{"uid", "session", "start", "tokens", "logprobs", "versions"}`` (a chunk; ``"final": True``
+        also marks the sample done once the chunk is durable) or ``{"uid", "session", "drop": True}`` (the sample's
+        progress is deleted, before the chunks are judged). Returns per item the sample's durable token count
+        after it, or the kvckpt error refusing it (nothing of it written), as the buffer answers its progress:
+        :class:`~kvckpt.errors.ProgressGap` (a gap), ``SchemaMismatch`` (past ``max_tokens``, lengths that
+        differ), ``DuplicateCommit`` (other tokens where some are durable), :class:`~.errors.StaleRun` (``token``
+        is not the current run's; nothing of the call is written), and a resend of a durable chunk gets its
+        first answer, even from a replaced run.
         """
-        keys, values, deletes, out = progress_store.stage(self._values, items)
-        self._write(token, keys, values, deletes)
+        chunks, positions, drops, finals = [], [], [], []
+        for n, item in enumerate(items):
+            uid, session = item["uid"], item["session"]
+            if item.get("drop"):
+                drops += [progress_prefix(uid, session), done_key(uid, session)]
+                continue
+            positions.append(n)
+            finals.append(done_key(uid, session) if item.get("final") else None)
+            chunks.append({"group": uid, "index": session, "start": item["start"], "tokens": item["tokens"],
+                           "logprobs": item["logprobs"], "versions": item["versions"]})
+        written: list[bool] = []
+
+        def marks(results: list[int | KvckptError]) -> tuple[list[str], list[bytes]]:
+            written.append(True)  # the fence held
+            done = [key for key, r in zip(finals, results, strict=True) if key is not None and isinstance(r, int)]
+            return done, [encode_value(key, {}, new_write_id(), _LEVEL) for key in done]
+
+        results = self._values.record_progress(chunks, max_tokens=self.max_tokens, prefix=PROGRESS,
+                                               fence=(RUN_KEY, token), drop=drops, then=marks)
+        stale = None if written else StaleRun(self.path, token, next(
+            (r.found for r in results if isinstance(r, FencedWrite)), self._run_id()))
+        out: list[int | KvckptError] = [0 if stale is None else stale] * len(items)
+        for n, result in zip(positions, results, strict=True):
+            out[n] = stale if isinstance(result, FencedWrite) and stale is not None else result
         return out
 
     @_exclusive
@@ -344,13 +389,25 @@ class VerlLedger:
         Raises:
             StaleRun: ``token`` is not the current run's; nothing is deleted.
         """
-        doomed = progress_store.stale(self._values, set(inflight_uids))
+        keep = set(inflight_uids)
+        doomed = [k for k in self._values.keys(PROGRESS) if k[len(PROGRESS):].split("/", 1)[0] not in keep]
         self._write(token, [], [], doomed)
         return len(doomed)
 
     def progress(self, uid: str, session: int) -> dict[str, Any] | None:
-        """The durable progress of sample ``session`` of prompt ``uid`` (:func:`.progress_store.read`)."""
-        return progress_store.read(self._values, uid, session)
+        """The durable progress of sample ``session`` of prompt ``uid``: ``{"tokens", "logprobs", "versions"}``
+        (lists, in token order) and ``"done"``, or ``None`` if none is recorded.
+
+        Raises:
+            CorruptRecord: a chunk is damaged, or the chunks leave a gap or overlap.
+        """
+        held = self._values.progress(uid, session, max_tokens=self.max_tokens, prefix=PROGRESS)
+        done = self._values.get([done_key(uid, session)])[0] is not None
+        if held is None and not done:
+            return None
+        tokens, logprobs, versions = held if held is not None else ([], [], [])
+        return {"tokens": list(map(int, tokens)), "logprobs": list(map(float, logprobs)),
+                "versions": list(map(int, versions)), "done": done}
 
     # -- reading -----------------------------------------------------------------------------------
     def _get(self, key: str) -> Any:

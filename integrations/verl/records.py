@@ -164,24 +164,24 @@ def state_from_json(value: Any) -> Any:
     return value
 
 
-#: Token progress of in-flight samples: ``verl/progress/{uid}/{session}/{start:010d}/{t|l|v}`` (one chunk's
-#: token ids, logprobs and weight versions, each appended once, never rewritten) and ``.../done`` (the sample
-#: finished: its last chunk is in).
+#: Token progress of in-flight samples, recorded under the replay buffer's rules (``ValueStore.record_progress``,
+#: ledger format 2): ``verl/progress/{uid}/{session}/{start:010d}`` (one chunk of one weight version: token ids,
+#: logprobs, in the buffer's chunk encoding) and ``verl/progress/{uid}/{session}.done`` (the sample finished: its
+#: last chunk is in). Format 1 (kvckpt before issue 45) kept three records per chunk, ``.../{start:010d}/{t|l|v}``,
+#: and ``.../done``; :mod:`.upgrade` moves them into format 2 when the ledger opens.
 PROGRESS = "verl/progress/"
-CHUNK_FIELDS = ("t", "l", "v")
-DONE = "done"
+#: The longest sample prefix the ledger records (verl's ``response_length`` is far below it).
+MAX_TOKENS = 1 << 20
 
 
 def progress_prefix(uid: str, session: int) -> str:
-    """The prefix of every progress record of sample ``session`` of prompt ``uid``."""
+    """The prefix of every progress chunk of sample ``session`` of prompt ``uid``."""
     item_prefix("train", uid)  # the same refusal of a '/' in the uid
     if type(session) is not int or session < 0:
         raise BadArgument(f"verl ledger: a session id is an integer >= 0, got {session!r}")
     return f"{PROGRESS}{uid}/{session}/"
 
 
-def chunk_key(uid: str, session: int, start: int, name: str) -> str:
-    """The ledger key of field ``name`` (one of :data:`CHUNK_FIELDS`) of the chunk starting at token ``start``."""
-    if type(start) is not int or not 0 <= start < 10**10:
-        raise BadArgument(f"verl ledger: a chunk's start is an integer in [0, 10**10), got {start!r}")
-    return f"{progress_prefix(uid, session)}{start:010d}/{name}"
+def done_key(uid: str, session: int) -> str:
+    """The key of the mark that sample ``session`` of prompt ``uid`` finished."""
+    return progress_prefix(uid, session)[:-1] + ".done"

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+from kvckpt.integrations.common.holder import default_holder
 from kvckpt.integrations.common.progress import drain_on_sigterm
 from kvckpt.integrations.vllm.backends import Sample, create_backend, grouped
 from kvckpt.integrations.vllm.rows import make_row
@@ -82,10 +83,14 @@ class RolloutWorker:
             process (:func:`kvckpt.integrations.common.progress.drain_on_sigterm`; installed when the
             worker is built in the main thread). ``None``: leave SIGTERM alone. Defaults to
             :data:`DRAIN_SECONDS`.
+        holder: the name this worker's leases record (:attr:`holder`: the trainer admits and
+            redispatches for it with ``holder=worker.holder``, and after the worker dies
+            ``buffer.redispatch_held_by(worker.holder)`` hands its leases on in one call). Defaults to
+            ``host:pid`` (:func:`kvckpt.integrations.common.default_holder`).
 
     Examples:
         >>> worker = RolloutWorker(ensure_tiny_model())  # doctest: +SKIP
-        >>> leases = buffer.admit([0, 1])  # doctest: +SKIP
+        >>> leases = buffer.admit([0, 1], holder=worker.holder)  # doctest: +SKIP
         >>> worker.run(buffer, leases)  # doctest: +SKIP
         [CommitResult(group_id='a0-p0', ready=True, ...), ...]
     """
@@ -96,7 +101,8 @@ class RolloutWorker:
                  extra_fields: Callable[[Lease, int, Sample], Mapping[str, Any]] | None = None,
                  backend_options: Mapping[str, Any] | None = None,
                  progress_every_tokens: int = PROGRESS_EVERY_TOKENS,
-                 progress_every_seconds: float | None = None, drain_seconds: float | None = DRAIN_SECONDS) -> None:
+                 progress_every_seconds: float | None = None, drain_seconds: float | None = DRAIN_SECONDS,
+                 holder: str | None = None) -> None:
         if commit not in ("group", "sample"):
             raise ValueError(f"commit must be 'group' or 'sample', got {commit!r}")
         self.backend = create_backend(backend, model_path, seed=seed, **dict(backend_options or {}))
@@ -109,6 +115,8 @@ class RolloutWorker:
         self.extra_fields = extra_fields
         self.progress_every_tokens = int(progress_every_tokens)
         self.progress_every_seconds = progress_every_seconds
+        #: The lease holder name this worker gives (``admit(..., holder=worker.holder)``).
+        self.holder = holder or default_holder()
         #: Cumulative counts of the streaming path: tokens generated, tokens resumed from durable
         #: prefixes, progress appends and ``record_progress_step`` calls (one step message each).
         self.progress_stats = {"tokens_generated": 0, "tokens_resumed": 0, "appends": 0, "append_calls": 0}

@@ -145,7 +145,7 @@ class AsyncReplayBuffer:
     # -- admission -------------------------------------------------------------------------------
     async def admit(self, prompts: Sequence[Prompt | int | Mapping[str, Any]], dataloader_state: bytes | None = None,
                     *, timeout: float | None = None, weight_version: int | None = None,
-                    admission: Admission | None = None) -> list[Lease]:
+                    admission: Admission | None = None, holder: str | None = None) -> list[Lease]:
         """Admit one dataloader batch (see :meth:`ReplayBuffer.admit`); the gate wait never
         blocks the loop or holds a pool thread.
 
@@ -154,7 +154,7 @@ class AsyncReplayBuffer:
             CapacityError, BadArgument: as :meth:`ReplayBuffer.admit`, at once.
         """
         return await self._when_open(self.buffer.admit, prompts, dataloader_state, timeout=timeout,
-                                     weight_version=weight_version, admission=admission)
+                                     weight_version=weight_version, admission=admission, holder=holder)
 
     async def advance_dispatch(self, dataloader_state: bytes | None = None, *,
                                timeout: float | None = None) -> Admission:
@@ -260,9 +260,18 @@ class AsyncReplayBuffer:
         :meth:`ReplayBuffer.promote_ready_group`)."""
         return await self._write(self.buffer.promote_ready_group, to_target_step)
 
-    async def redispatch(self, group_id: str, *, start_weight: int | None = None) -> Lease:
+    async def redispatch(self, group_id: str, *, start_weight: int | None = None, holder: str | None = None) -> Lease:
         """Hand an in-flight prompt to a new attempt (see :meth:`ReplayBuffer.redispatch`)."""
-        return await self._write(self.buffer.redispatch, group_id, start_weight=start_weight)
+        return await self._write(self.buffer.redispatch, group_id, start_weight=start_weight, holder=holder)
+
+    async def leases_held_by(self, holder: str) -> list[Lease]:
+        """The leases ``holder`` holds, in one read (see :meth:`ReplayBuffer.leases_held_by`)."""
+        return await self._run(self.buffer.leases_held_by, holder)
+
+    async def redispatch_held_by(self, holder: str, *, to: str | None = None,
+                                 start_weight: int | None = None) -> list[Lease]:
+        """Redispatch what ``holder`` holds, in one transaction (see :meth:`ReplayBuffer.redispatch_held_by`)."""
+        return await self._write(self.buffer.redispatch_held_by, holder, to=to, start_weight=start_weight)
 
     async def abort(self, group_id: str, reason: str) -> None:
         """Give up on an in-flight prompt (see :meth:`ReplayBuffer.abort`)."""

@@ -13,7 +13,7 @@ covers the step, or kept with ``retain_consumed``). Side exits: ``evict`` (ready
 and ``abort`` (in flight). Group records stay as small tombstones so every prompt that ever left
 the dataloader remains accounted for.
 
-The module is long (about 770 lines) only because every public method carries its whole contract
+The module is long (about 830 lines) only because every public method carries its whole contract
 (arguments, refusals, what is written) in its docstring; the logic is in :mod:`kvckpt.transitions`.
 """
 
@@ -210,7 +210,7 @@ class ReplayBuffer:
 
     def admit(self, prompts: Sequence[Prompt | int | Mapping[str, Any]], dataloader_state: bytes | None = None,
               *, timeout: float | None = None, weight_version: int | None = None,
-              admission: Admission | None = None) -> list[Lease]:
+              admission: Admission | None = None, holder: str | None = None) -> list[Lease]:
         """Admit one dataloader batch: the prompts become ledger entries and get leases.
 
         Gated samplers first wait (outside any transaction) until ``dispatch_index <
@@ -233,6 +233,9 @@ class ReplayBuffer:
             admission: join an admission :meth:`advance_dispatch` already made instead of making
                 one: no gate wait and no cursor advance; the prompts get its ``admission_id`` and
                 ``target_step`` (only capacity is waited for). Defaults to a new admission.
+            holder: the name of the producer the leases go to (an actor id, a node id: a name
+                the producer gives), recorded in each ledger entry for :meth:`leases_held_by`.
+                Defaults to none recorded.
 
         Raises:
             GateTimeout: the gate or capacity stayed closed for ``timeout`` seconds.
@@ -242,6 +245,7 @@ class ReplayBuffer:
         """
         batch = [_as_prompt(p) for p in prompts]
         weight_version = args.optional_integer("weight_version", weight_version)
+        holder = _holder(holder)
         timeout = args.timeout("timeout", timeout)
         _check_dataloader_state(dataloader_state)
         if admission is not None and not isinstance(admission, Admission):
@@ -255,7 +259,7 @@ class ReplayBuffer:
         if len(ids) != len(set(ids)):
             raise BadArgument("duplicate group ids within one admission")
         return self._write_when_open(lambda t: _admission.admit(
-            t, self.config, self.store.store_id, batch, dataloader_state, weight_version, admission), timeout)
+            t, self.config, self.store.store_id, batch, dataloader_state, weight_version, admission, holder), timeout)
 
     def advance_dispatch(self, dataloader_state: bytes | None = None, *, timeout: float | None = None) -> Admission:
         """Make an admission without prompts yet; prompts join it with ``admit(..., admission=...)``.
@@ -618,17 +622,36 @@ class ReplayBuffer:
         """
         return self._write(lambda t: training.promote(t, to_target_step))
 
-    def redispatch(self, group_id: str, *, start_weight: int | None = None) -> Lease:
-        """Hand an in-flight prompt to a new attempt: its ``attempt`` + 1 (fencing the old lease)
-        and, if given, a new ``start_weight`` (the weight it is now generated with), in one
-        transaction. Siblings already committed one by one are kept (``lease.missing``).
+    def redispatch(self, group_id: str, *, start_weight: int | None = None, holder: str | None = None) -> Lease:
+        """Hand an in-flight prompt to a new attempt: its ``attempt`` + 1 (fencing the old lease),
+        ``holder`` as its holder (the producer it now goes to; ``None`` records none) and, if given,
+        a new ``start_weight`` (the weight it is now generated with), in one transaction. Siblings
+        already committed one by one are kept (``lease.missing``).
 
         Raises:
             UnknownGroup: no ledger entry for ``group_id``.
         """
         args.identifier("group_id", group_id)
         start_weight = args.optional_integer("start_weight", start_weight)
-        return self._write(lambda t: inflight.redispatch(t, self.store.store_id, group_id, start_weight))
+        holder = _holder(holder)
+        return self._write(lambda t: inflight.redispatch(t, self.store.store_id, group_id, start_weight, holder))
+
+    def leases_held_by(self, holder: str) -> list[Lease]:
+        """The current lease of every in-flight prompt whose ledger entry records ``holder`` (given
+        to :meth:`admit` or :meth:`redispatch`), in dispatch order, in one read: what a dead producer
+        or node held. A recovery keeps each entry's holder (its leases are fenced all the same)."""
+        args.identifier("holder", holder)
+        return self._read(lambda t: inflight.held_by(t, self.store.store_id, holder))
+
+    def redispatch_held_by(self, holder: str, *, to: str | None = None,
+                           start_weight: int | None = None) -> list[Lease]:
+        """:meth:`redispatch` every in-flight prompt ``holder`` holds, to the holder ``to``, in one
+        transaction: the trainer's one call after a producer or its node died. Returns the new
+        leases in dispatch order (none if ``holder`` holds nothing)."""
+        args.identifier("holder", holder)
+        to = _holder(to)
+        start_weight = args.optional_integer("start_weight", start_weight)
+        return self._write(lambda t: inflight.redispatch_held_by(t, self.store.store_id, holder, to, start_weight))
 
     def abort(self, group_id: str, reason: str) -> None:
         """Give up on an in-flight prompt: ledger entry -> aborted tombstone with ``reason``, its
@@ -790,6 +813,11 @@ def _as_prompt(value: Any) -> Prompt:
                               f"got keys {sorted(value)}")
         return Prompt(**value)
     return Prompt(prompt_idx=value)
+
+
+def _holder(holder: Any) -> str | None:
+    """A lease holder's name as given (``None``: none), or :class:`BadArgument`."""
+    return None if holder is None else args.identifier("holder", holder)
 
 
 def _group_ids(group_ids: Any) -> list[str]:

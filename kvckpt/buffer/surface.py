@@ -18,7 +18,8 @@ from typing import Any
 #: ReplayBuffer's public operations: constructors, transitions, reads, waits and checkpoints.
 OPERATIONS = (
     "create", "open", "close", "path",
-    "admissible", "admit", "advance_dispatch", "redispatch", "abort", "abort_stale_inflight",
+    "admissible", "admit", "advance_dispatch", "redispatch", "leases_held_by", "redispatch_held_by", "abort",
+    "abort_stale_inflight",
     "commit_group", "commit_sample", "commit_encoded", "commit_many", "row_encoder",
     "record_progress", "record_progress_many", "progress_encoder", "record_progress_step", "record_progress_steps",
     "progress",

@@ -36,16 +36,23 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
+from kvckpt import args
 from kvckpt.durability.checkpoint import install_checkpoint, private_copy, snapshot_to_file
 from kvckpt.durability.safe_open import open_readonly
-from kvckpt.errors import CheckpointError
+from kvckpt.errors import CheckpointError, FencedWrite, KvckptError
 from kvckpt.storage.replace import durable_replace
 from kvckpt.storage.store import Store
 from kvckpt.storage.txn import Txn
+from kvckpt.transitions import progress_values
 from kvckpt.values import records
+
+#: The default key prefix of :meth:`ValueStore.record_progress`'s records.
+PROGRESS = "progress/"
 
 
 class ValueStore:
@@ -86,6 +93,63 @@ class ValueStore:
         pairs = [(records.store_key(k), v) for k, v in zip(keys, values, strict=True)]
         gone = [records.store_key(k) for k in deletes]
         self._store.write(lambda txn: records.write(txn, self.path, pairs, gone, fence))
+
+    def record_progress(self, items: Sequence[Mapping[str, Any]], *, max_tokens: int, prefix: str = PROGRESS,
+                        fence: tuple[str, str] | None = None, drop: Sequence[str] = (),
+                        then: Callable[[list[int | KvckptError]], tuple[list[str], list[bytes]]] | None = None,
+                        ) -> list[int | KvckptError]:
+        """Record token progress under the replay buffer's rules, in ONE durable write transaction
+        (:mod:`kvckpt.transitions.progress_values`: the buffer's per-sequence transition over this store's
+        records). Each item is ``{"group", "index", "start", "tokens", "logprobs", "versions"}`` (a chunk of
+        sample ``index`` of ``group``, one weight version per token); its records lie under
+        ``{prefix}{group}/{index}/``. Returns per item where its durable prefix ends after it (a resend of a
+        landed chunk gets the same answer), or the kvckpt error refusing it (nothing of it is written).
+
+        Inside the transaction, in this order: the ``fence`` (as :meth:`write`'s; when it fails every item is
+        refused with :class:`~kvckpt.errors.FencedWrite`, unless its identical bytes already landed, and
+        nothing at all is written); every record under each of ``drop``'s prefixes is deleted; the items are
+        judged and appended; then ``then(results)`` names more records to put, ``(keys, values)`` (a caller's
+        marks of what landed).
+
+        Refusals per item: BadArgument, SchemaMismatch (lengths, a prefix past ``max_tokens``),
+        :class:`~kvckpt.errors.ProgressGap`, DuplicateCommit (other bytes at a durable position), FencedWrite.
+        """
+        max_tokens = args.integer("max_tokens", max_tokens, minimum=1)
+        sequences = [progress_values.sequence(prefix, item, max_tokens) for item in items]
+
+        def run(txn: Txn) -> list[int | KvckptError]:
+            fenced: FencedWrite | None = None
+            try:
+                records.check_fence(txn, self.path, fence)
+            except FencedWrite as exc:
+                fenced = exc
+
+            def holds() -> None:
+                if fenced is not None:
+                    raise fenced
+
+            if fenced is None:
+                for gone in drop:
+                    txn.delete_prefix("rows", records.store_key(gone))
+            out = progress_values.record(records.ValueChunks(txn), sequences, holds)
+            if fenced is None and then is not None:
+                keys, values = then(out)
+                records.write(txn, self.path, [(records.store_key(k), v) for k, v in zip(keys, values, strict=True)],
+                              [], None)
+            return out
+
+        return self._store.write(run)
+
+    def progress(self, group: str, index: int, *, max_tokens: int,
+                 prefix: str = PROGRESS) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The durable progress of sample ``index`` of ``group`` (:meth:`record_progress`'s): its tokens, logprobs
+        and per-token weight versions, from one snapshot, or ``None`` without any.
+
+        Raises:
+            CorruptRecord: a chunk is damaged, or the chunks leave a gap or overlap.
+        """
+        return self._store.read(lambda txn: progress_values.read(records.ValueChunks(txn), prefix, group, index,
+                                                                  args.integer("max_tokens", max_tokens, minimum=1)))
 
     def get(self, keys: list[str]) -> list[bytes | None]:
         """The stored records of ``keys`` (``None`` where absent), from one consistent snapshot."""

@@ -285,6 +285,9 @@ def _check_record_types(doc: dict[str, Any], gid: str, ledger: bool, report: Rep
     if not isinstance(doc.get("timeline", ""), str):
         report.add("malformed", gid, "timeline is not a string")
         return False
+    if ledger and not isinstance(doc.get("holder", ""), str):
+        report.add("malformed", gid, f"holder is {str(doc.get('holder'))[:40]!r}, not a string")
+        return False
     if not ledger:
         if type(doc.get("rows_stored", True)) is not bool:
             report.add("malformed", gid, "rows_stored is not true or false")

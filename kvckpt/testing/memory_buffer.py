@@ -207,9 +207,10 @@ class MemoryReplayBuffer:
 
     def admit(self, prompts: Sequence[Prompt | int | Mapping[str, Any]], dataloader_state: bytes | None = None,
               *, timeout: float | None = None, weight_version: int | None = None,
-              admission: Admission | None = None) -> list[Lease]:
+              admission: Admission | None = None, holder: str | None = None) -> list[Lease]:
         """Admit one dataloader batch (waits for the gate and capacity, like the kvckpt buffer), or
-        join ``admission`` (from :meth:`advance_dispatch`: only capacity is waited for)."""
+        join ``admission`` (from :meth:`advance_dispatch`: only capacity is waited for), for the
+        producer ``holder``."""
         batch = [p if isinstance(p, Prompt) else Prompt(prompt_idx=p) if isinstance(p, int) else Prompt(**p)
                  for p in prompts]
         if not batch:
@@ -219,18 +220,19 @@ class MemoryReplayBuffer:
         with self._lock:
             self._wait_for(len(batch), timeout, gated=admission is None)
             st = self._st
+            id_format = "{a}-s{seq}" if admission is not None else "{a}-p{j}"  # joined: many calls, as kvckpt's
             if admission is None:
                 admission = self._advance(None)
             admission_id, target = admission.admission_id, admission.target_step
             start = st["weight_version"] if weight_version is None else int(weight_version)
             leases = []
             for j, prompt in enumerate(batch):
-                gid = prompt.group_id or f"{admission_id}-p{j}"
+                gid = prompt.group_id or id_format.format(a=admission_id, j=j, seq=st["seq"])
                 if gid in self._ledger or gid in self._groups:
                     raise BadArgument(f"group id {gid!r} is already in use")
                 entry = LedgerEntry(gid, admission_id, int(prompt.prompt_idx), prompt.task_name,
                                     self.config.group_size, target, start, attempt=0, seq=st["seq"],
-                                    timeline=self.timeline)
+                                    timeline=self.timeline, holder=holder)
                 st["seq"] += 1
                 self._ledger[gid] = entry
                 self._partial[gid] = {}
@@ -515,9 +517,9 @@ class MemoryReplayBuffer:
             self._replace(lender.group_id, target_step=int(to_target_step))
             return lender.target_step
 
-    def redispatch(self, group_id: str, *, start_weight: int | None = None) -> Lease:
-        """Hand an in-flight prompt to a new attempt (fencing the old lease), with a new
-        ``start_weight`` if given; committed siblings and progress are kept.
+    def redispatch(self, group_id: str, *, start_weight: int | None = None, holder: str | None = None) -> Lease:
+        """Hand an in-flight prompt to a new attempt (fencing the old lease) held by ``holder``,
+        with a new ``start_weight`` if given; committed siblings and progress are kept.
 
         Raises:
             UnknownGroup: ``group_id`` is not in flight.
@@ -526,11 +528,27 @@ class MemoryReplayBuffer:
             entry = self._ledger.get(group_id)
             if entry is None:
                 raise UnknownGroup(f"group {group_id!r} is not in flight")
-            entry = dataclasses.replace(entry, attempt=entry.attempt + 1, timeline=self.timeline,
-                                        start_weight=entry.start_weight if start_weight is None else int(start_weight))
-            self._ledger[group_id] = entry
-            self._counters["redispatched"] += 1
-            return entry.lease(self.store_id)
+            return self._bump(entry, start_weight, holder)
+
+    def _bump(self, entry: LedgerEntry, start_weight: int | None, holder: str | None) -> Lease:
+        entry = dataclasses.replace(entry, attempt=entry.attempt + 1, timeline=self.timeline, holder=holder,
+                                    start_weight=entry.start_weight if start_weight is None else int(start_weight))
+        self._ledger[entry.group_id] = entry
+        self._counters["redispatched"] += 1
+        return entry.lease(self.store_id)
+
+    def leases_held_by(self, holder: str) -> list[Lease]:
+        """The current lease of every in-flight prompt ``holder`` holds, in dispatch order."""
+        with self._lock:
+            return [e.lease(self.store_id) for e in sorted(self._ledger.values(), key=lambda e: e.seq)
+                    if e.holder == holder]
+
+    def redispatch_held_by(self, holder: str, *, to: str | None = None,
+                           start_weight: int | None = None) -> list[Lease]:
+        """:meth:`redispatch` every in-flight prompt ``holder`` holds, to ``to``, at once."""
+        with self._lock:
+            return [self._bump(e, start_weight, to) for e in sorted(self._ledger.values(), key=lambda e: e.seq)
+                    if e.holder == holder]
 
     def abort(self, group_id: str, reason: str) -> None:
         """Give up on an in-flight prompt."""

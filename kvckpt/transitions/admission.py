@@ -41,9 +41,9 @@ def advance(t: Tables, config: BufferConfig, dataloader_state: bytes | None) -> 
 
 
 def admit(t: Tables, config: BufferConfig, store_id: str, batch: list[Prompt], dataloader_state: bytes | None,
-          weight_version: int | None, admission: Admission | None) -> list[Lease] | str:
-    """``admit``: one ledger entry (and lease) per prompt, under a new admission or a joined one;
-    or a blocker.
+          weight_version: int | None, admission: Admission | None, holder: str | None = None) -> list[Lease] | str:
+    """``admit``: one ledger entry (and lease) per prompt, under a new admission or a joined one,
+    each recording ``holder``; or a blocker.
 
     Raises:
         BadArgument: a group id already in use, or an ``admission`` this store did not issue.
@@ -65,7 +65,8 @@ def admit(t: Tables, config: BufferConfig, store_id: str, batch: list[Prompt], d
         if t.in_use(gid):
             raise BadArgument(f"group id {gid!r} is already in use in this store")
         entry = LedgerEntry(gid, admission.admission_id, prompt.prompt_idx, prompt.task_name, config.group_size,
-                            admission.target_step, start_weight, attempt=0, seq=st["seq"], timeline=st["timeline"])
+                            admission.target_step, start_weight, attempt=0, seq=st["seq"], timeline=st["timeline"],
+                            holder=holder)
         st["seq"] += 1
         t.add_entry(entry)
         leases.append(entry.lease(store_id))

@@ -9,9 +9,10 @@ from kvckpt.tables.view import BufferView
 from kvckpt.transitions.config import BufferConfig
 
 
-def redispatch(t: Tables, store_id: str, group_id: str, start_weight: int | None) -> Lease:
-    """The entry's ``attempt`` + 1 on the current timeline (fencing the old lease) and, if given, a
-    new ``start_weight``; committed siblings are kept. Returns the new lease. An entry a recovery
+def redispatch(t: Tables, store_id: str, group_id: str, start_weight: int | None, holder: str | None = None) -> Lease:
+    """The entry's ``attempt`` + 1 on the current timeline (fencing the old lease), ``holder`` as
+    its holder (``None``: none recorded) and, if given, a new ``start_weight``; committed siblings
+    are kept. Returns the new lease. An entry a recovery
     forked (``lineage_fork``: it kept work of weights the rollback destroyed) keeps its stamp:
     that work is its stalest part, and a stamp at or below the fork would break the lineage rule.
 
@@ -22,13 +23,34 @@ def redispatch(t: Tables, store_id: str, group_id: str, start_weight: int | None
     if entry is None:
         raise UnknownGroup(f"group {group_id!r} is not in flight; nothing to redispatch")
     st = t.state()
+    lease = _bump(t, st, store_id, entry, start_weight, holder)
+    t.put_state(st)
+    return lease
+
+
+def held_by(t: Tables, store_id: str, holder: str) -> list[Lease]:
+    """The current lease of every in-flight prompt whose entry records ``holder``, in dispatch order."""
+    return [e.lease(store_id) for e in t.entries() if e.holder == holder]
+
+
+def redispatch_held_by(t: Tables, store_id: str, holder: str, to: str | None, start_weight: int | None) -> list[Lease]:
+    """:func:`redispatch` of every in-flight prompt ``holder`` holds, to the holder ``to``: the new
+    leases, in dispatch order (none if it holds nothing)."""
+    st = t.state()
+    leases = [_bump(t, st, store_id, e, start_weight, to) for e in t.entries() if e.holder == holder]
+    t.put_state(st)
+    return leases
+
+
+def _bump(t: Tables, st: dict, store_id: str, entry: LedgerEntry, start_weight: int | None,
+          holder: str | None) -> Lease:
+    """One entry's redispatch (``st`` is put by the caller)."""
     new = LedgerEntry.from_dict({
-        **entry.to_dict(), "attempt": entry.attempt + 1, "timeline": st["timeline"],
+        **entry.to_dict(), "attempt": entry.attempt + 1, "timeline": st["timeline"], "holder": holder,
         "start_weight": entry.start_weight if start_weight is None or entry.lineage_fork is not None
         else start_weight})
     t.replace_entry(new, was=entry)
     st["counters"]["redispatched"] += 1
-    t.put_state(st)
     return new.lease(store_id)
 
 

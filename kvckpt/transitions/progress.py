@@ -180,7 +180,16 @@ def durable_length(t: Tables, group_id: str, index: int) -> int:
     Raises:
         CorruptRecord: the last chunk's header is not one kvckpt writes or names another key.
     """
-    last = t.last_progress_chunk(group_id, index)
+    return durable_length_of(t.last_progress_chunk(group_id, index), group_id, index)
+
+
+def durable_length_of(last: tuple[int, bytes] | None, group_id: str, index: int) -> int:
+    """:func:`durable_length` from the sample's last chunk ``(start, stored chunk)`` (``None``: 0), on
+    either store kind.
+
+    Raises:
+        CorruptRecord: as :func:`durable_length`.
+    """
     if last is None:
         return 0
     start, value = last
@@ -201,14 +210,29 @@ def chunk_limits(schema: RowSchema) -> Limits:
     return Limits(max_bytes=sum(caps.values()), field_bytes=caps)
 
 
+def bare_chunk_limits(max_tokens: int) -> Limits:
+    """:func:`chunk_limits` of a chunk of tokens and logprobs only (a value store's: no schema, no fields)."""
+    caps = {_TOKENS: 8 * max_tokens, _LOGPROBS: 4 * max_tokens}
+    return Limits(max_bytes=sum(caps.values()), field_bytes=caps)
+
+
 def decode_chunk(schema: RowSchema, group_id: str, index: int, start: int, value: bytes) -> codec.Record:
     """A stored chunk, checked: its checksum, limits, identity and field lengths.
 
     Raises:
         CorruptRecord: anything a writer of kvckpt would not have stored.
     """
+    return decode_chunk_within(chunk_limits(schema), group_id, index, start, value)
+
+
+def decode_chunk_within(limits: Limits, group_id: str, index: int, start: int, value: bytes) -> codec.Record:
+    """:func:`decode_chunk` under ``limits`` (a value store's chunks: :func:`bare_chunk_limits`).
+
+    Raises:
+        As :func:`decode_chunk`.
+    """
     name = _key_name(group_id, index, start)
-    record = codec.decode(value, name, limits=chunk_limits(schema))
+    record = codec.decode(value, name, limits=limits)
     meta, arrays = record.meta, record.arrays
     length = meta.get("length")
     if (meta.get("group_id"), meta.get("index"), meta.get("start")) != (group_id, index, start) \

@@ -11,6 +11,10 @@ applies one, with the same fencing and refusals, reading the state record once a
 group's ledger entry once (no sequence changes either). Each sequence checks everything before
 it writes anything, so a refused sequence writes nothing and the others still land.
 
+The rules themselves are :func:`append`, one sequence's transition over either store kind's chunks
+(:class:`ChunkRows`): the value store runs it too (:mod:`kvckpt.transitions.progress_values`, the
+verl ledger's progress), with its fence record in place of the lease.
+
 Exactly-once across retries: a sequence's result is where its chunk ends (``start + length``).
 A sequence whose chunk is already durable with identical bytes at the same start returns that
 same result, even when its lease has been fenced since (a recovery after the owner restarted
@@ -23,7 +27,8 @@ as fenced (:class:`~kvckpt.errors.AbandonedTimeline`, :class:`~kvckpt.errors.Sta
 from __future__ import annotations
 
 import itertools
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -35,6 +40,7 @@ from kvckpt.errors import (
     ForeignLease,
     FutureVersion,
     KvckptError,
+    ProgressGap,
     SchemaMismatch,
     StaleAttempt,
 )
@@ -60,13 +66,14 @@ class StepSequence(NamedTuple):
     """One sequence of a message, judged and encoded: its lease, row, chunks and result (``end``).
     (A named tuple, not a dataclass: one is built per sequence of every message the owner takes.)"""
 
-    lease: Lease
+    lease: Lease | None  # None on the value store (its fence is a record, not a lease)
     index: int
     end: int
     chunks: tuple[StepChunk, ...]
     gid_json: str  # the group id as the chunk headers' JSON holds it
-    row: bytes  # the row's key (keys.row_key), its chunks' keys' prefix
+    row: bytes  # the sample's key (keys.row_key on the buffer), its chunks' keys' prefix
     version: int  # the newest weight version of its chunks
+    group_id: str
 
 
 def prepare(schema: RowSchema, group_size: int, msg: DecodedMessage) -> list[StepSequence | KvckptError]:
@@ -106,13 +113,14 @@ def prepare(schema: RowSchema, group_size: int, msg: DecodedMessage) -> list[Ste
         elif cuts is None:  # one weight version per sequence: one chunk
             chunk = _chunk(msg, gid_json[at], index, start, a, b, versions[i])
             out.append(StepSequence(lease, index, start + b - a, (chunk,), gid_json[at],
-                                    keys.row_key(lease.group_id, index), chunk.version))
+                                    keys.row_key(lease.group_id, index), chunk.version, lease.group_id))
         else:
             runs = [a, *cuts[np.searchsorted(cuts, a, "right"):np.searchsorted(cuts, b, "left")].tolist(), b]
             chunks = tuple(_chunk(msg, gid_json[at], index, start + x - a, x, y, int(msg.token_versions[x]))
                            for x, y in itertools.pairwise(runs))
             out.append(StepSequence(lease, index, start + b - a, chunks, gid_json[at],
-                                    keys.row_key(lease.group_id, index), max(c.version for c in chunks)))
+                                    keys.row_key(lease.group_id, index), max(c.version for c in chunks),
+                                    lease.group_id))
         ended = max(ended, b)
     return out
 
@@ -128,8 +136,13 @@ def _refusal(schema: RowSchema, lease: Lease, i: int, n: int, a: int, b: int, in
                            "nothing was written")
     if start < 0:
         return BadArgument(f"{where}: start must be >= 0; nothing was written")
-    return SchemaMismatch(f"{where}: {b - a} tokens would make the prefix {start + b - a} tokens long, over the "
-                          f"schema's max_tokens {schema.max_tokens}; nothing was written")
+    return too_long(where, b - a, start, schema.max_tokens)
+
+
+def too_long(where: str, length: int, start: int, max_tokens: int) -> SchemaMismatch:
+    """The refusal of a chunk of ``length`` tokens at ``start`` that passes ``max_tokens`` (both store kinds')."""
+    return SchemaMismatch(f"{where}: {length} tokens would make the prefix {start + length} tokens long, over the "
+                          f"schema's max_tokens {max_tokens}; nothing was written")
 
 
 def record(t: Tables, store_id: str, sequences: list[StepSequence | KvckptError]) -> list[int | KvckptError]:
@@ -145,6 +158,7 @@ def record(t: Tables, store_id: str, sequences: list[StepSequence | KvckptError]
         return list(sequences)
     st = t.state()
     newest = max(st["trainer_version"], st["weight_version"])
+    versions = f"the buffer's trainer version is {st['trainer_version']}, its weight version {st['weight_version']}"
     entries: dict[str, Any] = {}
     holding: set[int] = set()  # the message's leases (by id) already found to hold their entry
     for s in sequences:
@@ -152,72 +166,115 @@ def record(t: Tables, store_id: str, sequences: list[StepSequence | KvckptError]
             out.append(s)
             continue
         try:
-            out.append(_record_one(t, store_id, s, newest, st, entries, holding))
+            out.append(_record_one(t, store_id, s, newest, versions, entries, holding))
         except KvckptError as exc:
             out.append(exc)
     return out
 
 
-def _record_one(t: Tables, store_id: str, s: StepSequence, newest: int, st: dict[str, Any], entries: dict[str, Any],
+def _record_one(t: Tables, store_id: str, s: StepSequence, newest: int, versions: str, entries: dict[str, Any],
                 holding: set[int]) -> int:
-    gid = s.lease.group_id
+    gid = s.group_id
     if gid not in entries:
         entries[gid] = t.entry(gid)
     held = id(s.lease)  # the lease object: a message decodes each of its distinct leases once
-    try:
+
+    def holds() -> None:
+        assert s.lease is not None  # a message's sequences carry their lease
         if held not in holding:  # the fencing is the lease's: judged once per lease and message
             progress.check_holds(t, store_id, s.lease, _where(s), entries[gid])
             holding.add(held)
         if s.index in entries[gid].siblings:
             progress.check_row_open(gid, s.index, _where(s), entries[gid])
+
+    return append(t, s, holds, newest, versions)
+
+
+class ChunkRows(Protocol):
+    """The chunks of one store kind, inside one open write transaction: what :func:`append` reads and
+    writes. :class:`~kvckpt.tables.access.Tables` is the buffer's; the value store's is
+    :class:`~kvckpt.values.records.ValueChunks` (its chunks under a caller's key prefix). ``row`` is a
+    sample's key (:attr:`StepSequence.row`)."""
+
+    def last_progress_chunk_of(self, row: bytes) -> tuple[int, bytes] | None:
+        """``(start, stored chunk)`` of the sample's last chunk, or ``None``."""
+
+    def progress_chunk_of(self, row: bytes, start: int) -> bytes | None:
+        """The sample's chunk that begins at token ``start``, or ``None``."""
+
+    def put_progress_chunk_of(self, row: bytes, start: int, value: bytes) -> None:
+        """Store one chunk."""
+
+
+def append(rows: ChunkRows, s: StepSequence, holds: Callable[[], None], newest: int | None, versions: str = "") -> int:
+    """The one rule set of a sequence's progress, for both store kinds, inside the caller's write
+    transaction: ``holds()`` (the store kind's fencing: the buffer's lease against its ledger entry, the
+    value store's fence record) must pass, else a :class:`~kvckpt.errors.StaleAttempt` refuses it unless
+    the identical chunk bytes are already durable (a resend of a landed append gets the first answer);
+    then no chunk newer than ``newest`` (``None``: not checked; ``versions`` says what it is), no gap
+    after the durable prefix, no other content at a covered position. Checks everything before it
+    writes anything. Returns ``s.end``. A sequence without chunks (the value store's empty last flush)
+    writes nothing and must start exactly at the durable length.
+
+    Raises:
+        StaleAttempt (or a subclass): from ``holds``. FutureVersion, ProgressGap, DuplicateCommit.
+    """
+    try:
+        holds()
     except StaleAttempt as exc:
-        if not isinstance(exc, ForeignLease) and all(
-                t.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks):
+        if not isinstance(exc, ForeignLease) and s.chunks and all(
+                rows.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks):
             return s.end  # a retry of a message whose first try landed: the identical bytes are durable
         raise
-    if s.version > newest:
-        raise FutureVersion(f"{_where(s)} refused: weight version {s.version} is from the future (the buffer's "
-                            f"trainer version is {st['trainer_version']}, its weight version {st['weight_version']}); "
+    if newest is not None and s.version > newest:
+        raise FutureVersion(f"{_where(s)} refused: weight version {s.version} is from the future ({versions}); "
                             "nothing was written")
-    length = _durable_length(t, s, s.chunks[0].start)
+    if not s.chunks:
+        length = _durable_length(rows, s, s.end)
+        if length != s.end:
+            raise ProgressGap(f"{_where(s)} refused: the durable prefix is {length} tokens long, so the next chunk "
+                              f"starts at {length}; nothing was written")
+        return s.end
+    length = _durable_length(rows, s, s.chunks[0].start)
     puts = []
     for c in s.chunks:
         if c.start < length:
-            if t.progress_chunk_of(s.row, c.start) == c.value:
+            if rows.progress_chunk_of(s.row, c.start) == c.value:
                 continue  # a retry of an acknowledged chunk
             raise DuplicateCommit(f"{_where(s)} refused: tokens from {c.start} are already recorded with other "
                                   f"content (the durable prefix is {length} tokens); nothing was written")
         if c.start > length:
-            raise BadArgument(f"{_where(s)} refused: the durable prefix is {length} tokens long, so the next chunk "
+            raise ProgressGap(f"{_where(s)} refused: the durable prefix is {length} tokens long, so the next chunk "
                               f"starts at {length} (a gap); nothing was written")
         puts.append(c)
         length = c.start + c.length
     for c in puts:
-        t.put_progress_chunk_of(s.row, c.start, c.value)
+        rows.put_progress_chunk_of(s.row, c.start, c.value)
     return s.end
 
 
 def _where(s: StepSequence) -> str:
     """How a refusal of sequence ``s`` names it (built only when one is raised)."""
-    return f"progress of {keys.row_id(s.lease.group_id, s.index)} at token {s.chunks[0].start}"
+    return f"progress of {keys.row_id(s.group_id, s.index)} at token {s.chunks[0].start if s.chunks else s.end}"
 
 
-def _durable_length(t: Tables, s: StepSequence, start: int) -> int:
+def _durable_length(t: ChunkRows, s: StepSequence, start: int) -> int:
     """:func:`kvckpt.transitions.progress.durable_length`, without parsing the last chunk's header
     in the common case: a chunk kvckpt wrote (checksum verified) that ends exactly at ``start``."""
     last = t.last_progress_chunk_of(s.row)
     if last is None:
         return 0
     at, value = last
-    expected = _meta_head(s.gid_json, s.index, at, start - at)
-    if at < start and codec.meta_begins(value, expected, f"progress/{keys.row_id(s.lease.group_id, s.index)}@{at}"):
+    expected = meta_head(s.gid_json, s.index, at, start - at)
+    if at < start and codec.meta_begins(value, expected, f"progress/{keys.row_id(s.group_id, s.index)}@{at}"):
         return start
-    return progress.durable_length(t, s.lease.group_id, s.index)
+    return progress.durable_length_of(last, s.group_id, s.index)
 
 
-def _meta_head(gid_json: str, index: int, start: int, length: int) -> str:
+def meta_head(gid_json: str, index: int, start: int, length: int) -> str:
     """A stored chunk's header as ``progress.encode_chunk`` writes it, up to its version: the one spelling
-    :func:`_chunk` builds and :func:`_durable_length` recognises."""
+    :func:`_chunk` (and the value store's ``progress_values.sequence``) builds and :func:`_durable_length`
+    recognises."""
     return f'{{"group_id":{gid_json},"index":{index},"start":{start},"length":{length},"version":'
 
 
@@ -226,7 +283,7 @@ def _chunk(msg: DecodedMessage, gid_json: str, index: int, start: int, a: int, b
     fields = [("tokens", "int64", msg.tokens[a:b]), ("logprobs", "float32", msg.logprobs[a:b])]
     fields += [(FIELD_PREFIX + name, msg.field_dtypes[name], values[a:b]) for name, values in msg.fields.items()]
     # the meta progress.encode_chunk stores, as the header's JSON (ints print as JSON ints)
-    meta = f"{_meta_head(gid_json, index, start, b - a)}{version}}}"
+    meta = f"{meta_head(gid_json, index, start, b - a)}{version}}}"
     return StepChunk(start, b - a, version, codec.encode_stored(fields, meta))
 
 

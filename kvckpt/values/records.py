@@ -188,3 +188,66 @@ def problems(txn: Txn, *, payloads: bool = False) -> tuple[list[tuple[str, str, 
         if meta.get("k") != key:
             found.append(("key-mismatch", name, f"the record names key {str(meta.get('k'))[:100]!r}"))
     return found, {"values": values}
+
+
+# -- token progress (progress_step's rules over this store kind) ----------------------------------------
+def progress_row(prefix: str, group_id: str, index: int) -> str:
+    """The key prefix of the progress chunks of sample ``index`` of ``group_id`` under a caller's ``prefix``
+    (``{prefix}{group_id}/{index}/``); each chunk is one record under it, :func:`chunk_key`.
+
+    Raises:
+        BadArgument: a group id that is not a non-empty string without '/', or an index that is not an int >= 0.
+    """
+    if not isinstance(group_id, str) or not group_id or "/" in group_id:
+        raise BadArgument(f"a progress group id is a non-empty string without '/', got {group_id!r}")
+    if type(index) is not int or index < 0:
+        raise BadArgument(f"a progress sample index is an integer >= 0, got {index!r}")
+    return f"{prefix}{group_id}/{index}/"
+
+
+def chunk_key(row: str, start: int) -> str:
+    """The value key of the chunk of sample ``row`` (:func:`progress_row`) that begins at token ``start``."""
+    return f"{row}{start:010d}"
+
+
+class ValueChunks:
+    """A value store's progress chunks inside one open write transaction: the ``ChunkRows`` that
+    ``kvckpt.transitions.progress_step.append`` runs its rules over (the buffer's is ``Tables``). A
+    sample's ``row`` is its :func:`progress_row` as bytes; nothing but its chunks may lie under it."""
+
+    def __init__(self, txn: Txn) -> None:
+        self.txn = txn
+
+    def last_progress_chunk_of(self, row: bytes) -> tuple[int, bytes] | None:
+        """``(start, stored chunk)`` of the sample's last chunk, or ``None``.
+
+        Raises:
+            CorruptRecord: the last key under the sample's prefix is not a chunk's.
+        """
+        found = self.txn.last("rows", KEY_PREFIX + row)
+        return None if found is None else (_start_of(found[0], row), found[1])
+
+    def progress_chunk_of(self, row: bytes, start: int) -> bytes | None:
+        """The sample's chunk that begins at token ``start``, or ``None``."""
+        return self.txn.get("rows", b"%s%s%010d" % (KEY_PREFIX, row, start))
+
+    def put_progress_chunk_of(self, row: bytes, start: int, value: bytes) -> None:
+        """Store one chunk."""
+        self.txn.put("rows", b"%s%s%010d" % (KEY_PREFIX, row, start), value)
+
+    def chunks(self, row: bytes) -> list[tuple[int, bytes]]:
+        """``(start, stored chunk)`` of every chunk of the sample, in token order."""
+        return [(_start_of(k, row), v) for k, v in self.txn.iter_prefix("rows", KEY_PREFIX + row)]
+
+
+def _start_of(key: bytes, row: bytes) -> int:
+    """The start of the chunk stored under ``key`` (of sample ``row``).
+
+    Raises:
+        CorruptRecord: ``key`` is not a chunk's (only a chunk's key lies under a sample's prefix).
+    """
+    tail = key[len(KEY_PREFIX) + len(row):]
+    if len(tail) != 10 or not tail.isdigit():
+        raise CorruptRecord(f"rows/{key.decode(errors='replace')}", "a key under a sample's progress prefix that is "
+                                                                   "not a chunk's")
+    return int(tail)

@@ -222,6 +222,11 @@ def test_every_transition_is_one_write_transaction(buffer_factory, tmp_path, mon
     assert count.once(buf.finish_step) == 1
     d2 = count.once(lambda: buf.redispatch("d", start_weight=1))
     count.once(lambda: buf.commit_group(d2, make_group(GROUP_SIZE, 4)))
+    count.once(lambda: buf.redispatch("e", holder="node-x"))
+    moved = count.once(lambda: buf.redispatch_held_by("node-x", to="node-y"))  # what a dead node held: one write
+    writes = len(count.calls)
+    assert [x.group_id for x in buf.leases_held_by("node-y")] == [x.group_id for x in moved] == ["e"]
+    assert len(count.calls) == writes  # and its read writes nothing
     count.once(lambda: buf.abort("e", "given up"))
     assert count.once(lambda: buf.evict(["c"])) == ["c"]
 

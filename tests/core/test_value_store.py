@@ -131,3 +131,48 @@ def test_a_replay_buffer_is_not_a_value_store(tmp_path: Path, buffer_factory: Ca
     with pytest.raises(FormatError, match="is a kvckpt replay buffer, not a TransferQueue value store"):
         ValueStore(str(tmp_path / "buf.kv"))
     assert inspect_path(str(tmp_path / "buf.kv"))["kind"] == "replay-buffer"
+
+
+def _chunk(index: int, start: int, tokens: list[int], version: int = 0) -> dict[str, object]:
+    return {"group": "g", "index": index, "start": start, "tokens": tokens, "logprobs": [-0.5] * len(tokens),
+            "versions": [version] * len(tokens)}
+
+
+def test_value_store_progress_is_the_buffers_transition_inside_one_fenced_transaction(tmp_path: Path) -> None:
+    """``ValueStore.record_progress`` (issue 45: the verl ledger's progress): the buffer's refusals per item (a gap,
+    other bytes where some are durable, past max_tokens), a chunk per run of one weight version, the records the
+    tools verify; a fenced call writes nothing (neither its drops nor its marks) but answers a resend of a landed
+    chunk as the first try; a key under a sample's prefix that is not a chunk's is named."""
+    from kvckpt.errors import CorruptRecord, DuplicateCommit, ProgressGap, SchemaMismatch
+
+    live = str(tmp_path / "live.kv")
+    store = ValueStore(live)
+    try:
+        store.put(["run"], [_record("run", b"1", "token-1")])
+        fence = ("run", "token-1")
+        assert store.record_progress([_chunk(0, 0, [1, 2, 3]), {**_chunk(1, 0, [7, 8]), "versions": [4, 5]}],
+                                     max_tokens=6, fence=fence) == [3, 2]
+        out = store.record_progress([_chunk(0, 5, [6]), _chunk(0, 1, [9]), _chunk(0, 3, [4, 5, 6, 7]),
+                                     _chunk(0, 0, [1, 2, 3]), {"group": "g"}], max_tokens=6, fence=fence)
+        assert [type(r) for r in out] == [ProgressGap, DuplicateCommit, SchemaMismatch, int, BadArgument]
+        assert "the durable prefix is 3 tokens long" in str(out[0]) and out[3] == 3
+        tokens, logprobs, versions = store.progress("g", 1, max_tokens=6)
+        assert tokens.tolist() == [7, 8] and versions.tolist() == [4, 5] and logprobs.tolist() == [-0.5, -0.5]
+        assert store.keys("progress/g/1/") == ["progress/g/1/0000000000", "progress/g/1/0000000001"]
+        store.put(["run"], [_record("run", b"2", "token-2")])  # a restart's new run
+        calls: list[object] = []
+        out = store.record_progress([_chunk(0, 0, [1, 2, 3]), _chunk(0, 3, [4])], max_tokens=6, fence=fence,
+                                    drop=["progress/g/1/"], then=lambda results: calls.append(results) or ([], []))
+        assert out[0] == 3 and isinstance(out[1], FencedWrite) and out[1].found == "token-2" and not calls
+        assert store.progress("g", 0, max_tokens=6)[0].tolist() == [1, 2, 3]
+        assert store.progress("g", 1, max_tokens=6)[0].tolist() == [7, 8]  # the fenced call's drop did not land
+        out = store.record_progress([_chunk(0, 3, [4])], max_tokens=6, fence=("run", "token-2"),
+                                    drop=["progress/g/1/"], then=lambda results: (["mark"], [_record("mark", b"m")]))
+        assert out == [4] and store.progress("g", 1, max_tokens=6) is None and store.keys("mark") == ["mark"]
+        store.put(["progress/g/0/x"], [_record("progress/g/0/x", b"x")])
+        [corrupt] = store.record_progress([_chunk(0, 4, [5])], max_tokens=6)
+        assert isinstance(corrupt, CorruptRecord) and "not a chunk's" in str(corrupt)
+    finally:
+        store.close()
+    report = verify_path(live, checksums=True)
+    assert report.ok, report

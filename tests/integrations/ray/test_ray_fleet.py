@@ -102,12 +102,15 @@ def test_a_rollout_node_killed_mid_stream_loses_at_most_one_interval(cluster, tm
     actor = kray.start_buffer_actor(str(tmp_path / "live.kv"), fleet_config(), name="node-kill",
                                     resources={"head": 1})
     coordinator = Coordinator.options(**on("head")).remote()
-    leases = ray.get(actor.admit.remote(list(range(4))))
-    paused, in_flight = leases[:2], leases[2:]
     producers = [Producer.options(**on("rollout_a")).remote(actor, coordinator, INTERVAL, STEPS) for _ in range(2)]
     zombie, survivor = (Producer.options(**on("rollout_b")).remote(actor, coordinator, INTERVAL, STEPS)
                         for _ in range(2))
     assert ray.get([p.node_id.remote() for p in producers]) == [victim.node_id] * 2
+    # the leases record the holder their producers give: the node, what dies with it
+    node_a, node_b = ray.get([producers[0].holder.remote(), survivor.holder.remote()])
+    assert (node_a, ray.get(producers[1].holder.remote())) == (f"node:{victim.node_id}",) * 2
+    leases = ray.get(actor.admit.remote(list(range(4)), holder=node_a))
+    paused, in_flight = leases[:2], leases[2:]
     # step 3 of 5: one engine has generated 3 of its 4 tokens (not yet due), the other has sent step 3
     streams = [producers[0].stream.remote(paused, 3, extra=3),
                producers[1].stream.remote(in_flight, 3, sent="in_flight")]
@@ -129,9 +132,12 @@ def test_a_rollout_node_killed_mid_stream_loses_at_most_one_interval(cluster, tm
         assert held[s] >= acked[s] >= 12 and held[s] in (12, 16) and generated[s] == 16
     assert all(generated[s] - held[s] <= INTERVAL for s in held)
 
-    # the trainer redispatches the dead node's leases, each once
-    fresh = [ray.get(actor.redispatch.remote(x["group_id"])) for x in leases]
-    assert [x["attempt"] for x in fresh] == [1] * 4
+    # the trainer asks the store what the dead node held (one read) and redispatches it, each once, to a
+    # surviving node (one call, one transaction)
+    assert ray.get(actor.leases_held_by.remote(node_a)) == leases
+    fresh = ray.get(actor.redispatch_held_by.remote(node_a, to=node_b))
+    assert [(x["group_id"], x["attempt"], x["holder"]) for x in fresh] == [(x["group_id"], 1, node_b) for x in leases]
+    assert ray.get(actor.leases_held_by.remote(node_a)) == [] and ray.get(actor.leases_held_by.remote(node_b)) == fresh
     # a producer of the dead node comes back (a healed partition) and writes after the redispatch: its
     # new chunks are refused; the chunk whose first try landed while its acknowledgement died with the
     # node is answered as the first try was (exactly-once resend), and nothing is written either way

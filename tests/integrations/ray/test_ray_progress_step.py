@@ -102,6 +102,39 @@ def test_a_malformed_message_fails_its_future_and_its_batch_mates_land(ray_local
     ray.kill(actor)
 
 
+def test_record_progress_many_sends_one_message_built_here_and_its_resend_after_a_restart_is_exactly_once(
+        ray_local, tmp_path):
+    """Issue 45: the client builds the step message (the owner never sees items), an item the encoder
+    refuses is refused alone, and a resend of the same items after the owner's restart gets the first
+    answer for what had landed (the message's exactly-once), not a refusal of the fenced lease."""
+    path = str(tmp_path / "live.kv")
+    actor = kray.start_buffer_actor(path, CONFIG, name="many-message", max_restarts=1)
+    leases = ray.get(actor.admit.remote([0, 1]))
+    client = kray.BufferClient(actor, restart_timeout=120)
+    items = [{"lease": lease, "index": i, "start": 0, "tokens": [10 * g + i] * 3, "logprobs": [-0.5] * 3,
+              "weight_version": 0} for g, lease in enumerate(leases) for i in range(2)]
+    lacking = {k: v for k, v in items[0].items() if k != "tokens"}
+    before = ray.get(actor.stats.remote())
+    first = client.record_progress_many([items[0], lacking, *items[1:]])
+    assert first[0] == first[2] == first[3] == first[4] == 3 and isinstance(first[1], BadArgument)
+    after = ray.get(actor.stats.remote())
+    assert (after["actor_step_calls"] - before["actor_step_calls"],
+            after["actor_step_messages"] - before["actor_step_messages"]) == (1, 1)  # one message, built here
+
+    info = ray.get(actor.info.remote())
+    os.kill(info["pid"], signal.SIGKILL)  # the restart's recovery fences both leases
+    kray.wait_for_actor(actor, 120)
+    assert client.record_progress_many(items) == [3] * 4  # the first answers, not AbandonedTimeline
+    later = client.record_progress_many([{**items[0], "start": 3}])  # a new chunk under the fenced lease
+    assert isinstance(later[0], StaleAttempt)
+    stored = kray.progress_from_dict(ray.get(actor.progress.remote(leases[0]["group_id"])))
+    assert {i: p.tokens.tolist() for i, p in stored.items()} == {0: [0] * 3, 1: [1] * 3}  # once, nothing more
+    client.flush()
+    ray.get(actor.close.remote())
+    assert verify_path(path, deep=True).ok
+    ray.kill(actor)
+
+
 # -- per-caller order (issue 36): a pipelined client's later step is never judged before its earlier one --
 def step(encoder, lease, start):
     """Both samples of one group, 3 tokens each from ``start``: one engine step."""

@@ -10,6 +10,8 @@ run's flushes refused and counted, a gap refused.
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ pytestmark = pytest.mark.verl
 pytest.importorskip("verl")  # runs in .venv-verl (scripts/peer_envs/verl.txt)
 
 from kvckpt.integrations.verl.config import LedgerSettings  # noqa: E402
-from kvckpt.integrations.verl.errors import ProgressGap  # noqa: E402
+from kvckpt.integrations.verl.errors import ProgressGap, StaleRun  # noqa: E402
 from kvckpt.integrations.verl.ledger import VerlLedger  # noqa: E402
 from kvckpt.integrations.verl.progress import BACKLOG, SampleKey, ServerProgress  # noqa: E402
 
@@ -147,18 +149,20 @@ def test_a_zombie_of_a_replaced_run_writes_nothing_and_is_counted(tmp_path: Path
     ledger, old = _ledger(tmp_path)
     ledger.open_run()  # the restart
 
-    async def run() -> dict[str, int]:
+    async def run() -> tuple[dict[str, int], Any]:
         progress = ServerProgress(LedgerSink(ledger))
         sample = progress.open(_key(old, "u"), 3)
         for n in range(1, 3 * EVERY + 1):
             await progress.observe(sample, list(range(n)), None, 0)
             await asyncio.sleep(0)
         await progress.close(sample, final=True)
-        return progress.stats
+        return progress.stats, sample.refused
 
-    stats = asyncio.run(run())
+    stats, refused = asyncio.run(run())
     assert ledger.progress("u", 0) is None
-    assert stats["chunks"] == 0 and stats["refused_calls"] == 1 and stats["refused_tokens"] == 3 * EVERY
+    # refused per chunk, as the buffer refuses a fenced lease's (not the whole call)
+    assert isinstance(refused, StaleRun) and refused.run == old
+    assert stats["chunks"] == 0 and stats["refused_calls"] == 0 and stats["refused_tokens"] == 3 * EVERY
 
 
 def test_a_chunk_that_does_not_start_at_the_durable_end_is_refused(tmp_path: Path) -> None:
@@ -214,7 +218,7 @@ def test_a_restart_keeps_progress_only_of_the_prompts_it_reissues(tmp_path: Path
     token = ledger.open_run()["token"]
     with pytest.raises(StaleRun):
         ledger.settle_progress(old, ["kept"])
-    assert ledger.settle_progress(token, ["kept"]) == 3  # the finished prompt's chunk: three records
+    assert ledger.settle_progress(token, ["kept"]) == 1  # the finished prompt's chunk: one record
     assert ledger.progress("done", 0) is None
     assert ledger.progress("kept", 0)["tokens"] == [1, 2] and ledger.progress("kept", 1)["tokens"] == [1, 2]
 
@@ -271,3 +275,172 @@ def test_the_put_that_ends_a_group_is_one_lmdb_commit_with_its_progress_deletion
     assert commits(["u"]) == 1
     assert ledger.progress("u", 0) is None and ledger.progress("u", 1) is None
     assert ledger.snapshot()["items"]["train"]["u"] == {"tags": {"status": "finished"}, "fields": {}}
+
+
+# -- one rule set: the ledger's progress is the replay buffer's (issue 45) -----------------------------------------
+class _BufferKind:
+    """The replay buffer's progress (``record_progress_many`` items) of one group; fenced by a redispatch."""
+
+    def __init__(self, tmp_path: Path, max_tokens: int) -> None:
+        from kvckpt import BufferConfig, Prompt, ReplayBuffer
+
+        self.buf = ReplayBuffer.create(str(tmp_path / "buf.kv"), BufferConfig(
+            group_size=2, max_buffered_rollouts=4, schema={"fields": {"input_ids": ("int64", "token")},
+                                                           "max_tokens": max_tokens}))
+        [self.lease] = self.buf.admit([Prompt(0)])
+
+    def record(self, index: int, start: int, tokens: list[int]) -> Any:
+        return self.buf.record_progress_many([{"lease": self.lease, "index": index, "start": start, "tokens": tokens,
+                                               "logprobs": [-0.5] * len(tokens), "weight_version": 0}])[0]
+
+    def fence(self) -> None:
+        self.buf.redispatch(self.lease.group_id)
+
+    def tokens(self, index: int) -> list[int]:
+        held = self.buf.progress(self.lease.group_id).get(index)
+        return [] if held is None else held.tokens.tolist()
+
+
+class _LedgerKind:
+    """The verl ledger's progress of one prompt; fenced by a restart's new run."""
+
+    def __init__(self, tmp_path: Path, max_tokens: int) -> None:
+        self.ledger = VerlLedger(str(tmp_path / "ledger.kv"), max_tokens=max_tokens)
+        self.token = self.ledger.open_run()["token"]
+
+    def record(self, index: int, start: int, tokens: list[int]) -> Any:
+        return self.ledger.record_progress(self.token, [{"uid": "g", "session": index, "start": start, "tokens": tokens,
+                                                         "logprobs": [-0.5] * len(tokens),
+                                                         "versions": [0] * len(tokens)}])[0]
+
+    def fence(self) -> None:
+        self.ledger.open_run()
+
+    def tokens(self, index: int) -> list[int]:
+        return (self.ledger.progress("g", index) or {"tokens": []})["tokens"]
+
+
+#: ``(what, fence first, index, start, tokens, the answer: the durable length or the refusal's class)``, in order,
+#: with max_tokens 8.
+RULES = [
+    ("the first chunk", False, 0, 0, [1, 2, 3], 3),
+    ("its resend", False, 0, 0, [1, 2, 3], 3),
+    ("a gap", False, 0, 5, [6], "ProgressGap"),
+    ("other tokens where some are durable", False, 0, 2, [9, 4], "DuplicateCommit"),
+    ("a chunk past max_tokens", False, 0, 3, [4, 5, 6, 7, 8, 9], "SchemaMismatch"),
+    ("the next chunk", False, 0, 3, [4], 4),
+    ("another sample", False, 1, 0, [7], 1),
+    ("a fenced writer's resend of a landed chunk", True, 0, 3, [4], 4),
+    ("a fenced writer's new chunk", False, 0, 4, [5], "StaleAttempt"),
+    ("a fenced writer's new sample", False, 1, 1, [8], "StaleAttempt"),
+]
+
+
+@pytest.mark.parametrize("kind", [_BufferKind, _LedgerKind], ids=["buffer", "ledger"])
+def test_the_ledgers_progress_is_refused_and_answered_exactly_as_the_buffers(tmp_path: Path, kind: Any) -> None:
+    """The same cases against both store kinds, in order, each answer the same: a gap, other tokens at a durable
+    position, a chunk past max_tokens (each refused, nothing written), a resend (the first answer, even from a
+    fenced writer), a fenced writer's new chunk (a StaleAttempt: the ledger's StaleRun is one)."""
+    import kvckpt.errors as errors
+
+    store = kind(tmp_path, max_tokens=8)
+    for what, fence, index, start, tokens, want in RULES:
+        if fence:
+            store.fence()
+        got = store.record(index, start, tokens)
+        if isinstance(want, int):
+            assert got == want, what
+        else:
+            assert isinstance(got, getattr(errors, want)), (what, got)
+    assert (store.tokens(0), store.tokens(1)) == ([1, 2, 3, 4], [7])
+
+
+GOLDEN = ROOT / "tests" / "golden" / "verl-ledger-progress1.kvckpt"
+
+
+def _as_read(progress: dict[str, Any] | None) -> Any:
+    """A ledger's progress as the golden file's JSON holds it (NaN logprobs as "nan")."""
+    if progress is None:
+        return None
+    return {**progress, "logprobs": ["nan" if x != x else x for x in progress["logprobs"]]}
+
+
+def test_a_format_1_ledger_opens_and_reads_as_before(tmp_path: Path) -> None:
+    """``tests/golden/verl-ledger-progress1.kvckpt`` was written by kvckpt main 9ba6a5c's ledger (its own progress
+    records, format 1: three records per chunk, a per-token version change inside a chunk, an empty final flush, a
+    NaN logprob); ``.json`` is what that ledger read back. Opened now, it reads the same, holds format 2 only (the
+    other records untouched), takes the next chunk at its durable end, and reopens unchanged."""
+    from kvckpt import ValueStore
+
+    golden = json.loads(GOLDEN.with_suffix(".json").read_text())
+    path = tmp_path / "ledger.kv"
+    shutil.copyfile(GOLDEN, path)
+    ledger = VerlLedger(str(path))
+    for name, want in golden["progress"].items():
+        uid, session = name.split("/")
+        assert _as_read(ledger.progress(uid, int(session))) == want, name
+    token = ledger.open_run()["token"]
+    assert ledger.record_progress(token, [{"uid": "u1", "session": 0, "start": 5, "tokens": [16], "logprobs": [0.0],
+                                           "versions": [5]}]) == [6]
+    ledger.close()
+    values = ValueStore(str(path))
+    keys = values.keys()
+    values.close()
+    assert [k for k in golden["keys"] if not k.startswith("verl/progress/")] == \
+        [k for k in keys if not k.startswith("verl/progress/")]
+    assert sorted(k for k in keys if k.startswith("verl/progress/")) == [
+        "verl/progress/u1/0/0000000000", "verl/progress/u1/0/0000000002", "verl/progress/u1/0/0000000004",
+        "verl/progress/u1/0/0000000005", "verl/progress/u1/1.done", "verl/progress/u1/1/0000000000",
+        "verl/progress/u1/1/0000000002", "verl/progress/u2/0.done", "verl/progress/u2/0/0000000000"]
+    reopened = VerlLedger(str(path))
+    assert reopened.progress("u1", 0)["tokens"] == [11, 12, 13, 14, 15, 16]
+    assert _as_read(reopened.progress("u1", 1)) == golden["progress"]["u1/1"]
+    reopened.close()
+
+
+def test_a_format_1_ledger_the_buffers_rules_refuse_is_not_opened_and_not_changed(tmp_path: Path) -> None:
+    """The upgrade is one transaction: a format-1 sample longer than ``max_tokens`` refuses the open with a
+    FormatError naming the problem, and the file keeps every format-1 record (it opens with a larger limit)."""
+    from kvckpt.errors import FormatError
+
+    path = tmp_path / "ledger.kv"
+    shutil.copyfile(GOLDEN, path)
+    with pytest.raises(FormatError, match="max_tokens 4"):
+        VerlLedger(str(path), max_tokens=4)
+    ledger = VerlLedger(str(path))
+    assert ledger.progress("u1", 0)["tokens"] == [11, 12, 13, 14, 15]
+    ledger.close()
+
+
+def test_a_zombies_drop_and_final_mark_are_refused_and_change_nothing(tmp_path: Path) -> None:
+    """A replaced run's call is refused item by item (``StaleRun``) and writes nothing: not its drop, not its done
+    mark; a final chunk the rules refuse (a gap) marks nothing done either."""
+    ledger, old = _ledger(tmp_path)
+    chunk = {"session": 0, "start": 0, "tokens": [1, 2], "logprobs": [0.0, 0.0], "versions": [0, 0]}
+    assert ledger.record_progress(old, [{**chunk, "uid": "u"}, {**chunk, "uid": "x", "start": 3, "final": True}]
+                                  )[0] == 2
+    assert ledger.progress("x", 0) is None
+    ledger.open_run()
+    out = ledger.record_progress(old, [{"uid": "u", "session": 0, "drop": True}, {**chunk, "uid": "w", "final": True}])
+    assert all(isinstance(r, StaleRun) and r.run == old for r in out)
+    assert ledger.progress("u", 0)["tokens"] == [1, 2] and ledger.progress("w", 0) is None
+
+
+def test_a_format_1_checkpoint_loaded_into_a_ledger_reads_as_before(tmp_path: Path) -> None:
+    """A checkpoint an older kvckpt's ledger wrote (format 1, stamped) that ``load`` copies in is upgraded too."""
+    from kvckpt import ValueStore
+
+    old = tmp_path / "old.kv"
+    shutil.copyfile(GOLDEN, old)
+    values = ValueStore(str(old))  # the value store itself: no upgrade, the checkpoint keeps format 1
+    stamp = values.checkpoint(str(tmp_path / "ckpt.kv"))
+    values.close()
+    ledger, token = _ledger(tmp_path)
+    assert ledger.load(str(tmp_path / "ckpt.kv"), stamp["checkpoint_id"], token) is True
+    golden = json.loads(GOLDEN.with_suffix(".json").read_text())
+    for name, want in golden["progress"].items():
+        uid, session = name.split("/")
+        assert _as_read(ledger.progress(uid, int(session))) == want, name
+    assert ledger.record_progress(token, [{"uid": "u1", "session": 0, "start": 5, "tokens": [16], "logprobs": [0.0],
+                                           "versions": [5]}]) == [6]
+    ledger.close()

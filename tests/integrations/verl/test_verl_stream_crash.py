@@ -71,4 +71,5 @@ def test_sigkill_mid_generation_resumes_each_sample_from_its_durable_prefix(tmp_
         assert left["done"] and left["tokens"] == result["resumed"][s]["tokens"]
     zombie = result["zombie_stats"]
     assert not result["zombie_changed"] and zombie["chunks"] == 0 and zombie["tokens"] == 0
-    assert zombie["refused_calls"] >= 1 and zombie["refused_tokens"] == 3 * EVERY
+    # each chunk refused (StaleRun per item, as the buffer refuses a fenced lease's), so no call raised
+    assert zombie["refused_calls"] == 0 and zombie["refused_tokens"] == 3 * EVERY

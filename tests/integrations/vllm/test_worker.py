@@ -8,6 +8,8 @@ transformers backend runs in the main environment; the vLLM tests (marker ``vllm
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
 
 import pytest
 import torch
@@ -48,7 +50,8 @@ def _teacher_forced_logprobs(model: torch.nn.Module, sample) -> torch.Tensor:
 
 
 def _check_committed_group(buf: ReplayBuffer, worker: RolloutWorker, model_path: str, backend_tol: float) -> None:
-    leases = buf.admit([3, 17])
+    leases = buf.admit([3, 17], holder=worker.holder)  # the trainer admits for the worker, by its name
+    assert worker.holder == f"{socket.gethostname()}:{os.getpid()}" and buf.leases_held_by(worker.holder) == leases
     samples, version = worker.generate(leases)
     assert version == worker.weight_version == 0
     assert [len(g) for g in samples] == [GROUP, GROUP]

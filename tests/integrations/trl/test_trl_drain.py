@@ -1,0 +1,101 @@
+"""TRL's server worker drains on SIGTERM by default (issue 45), and its leases name it.
+
+The preemption, at the worker's level, in a fresh process on a real store: a
+:class:`~kvckpt.integrations.trl.KvckptRolloutWorker` built for the server path with its defaults
+(no ``drain_on_sigterm`` call of its own: the worker installs it) runs its generation thread as TRL
+starts it, and records through the one recorder in background mode, as on the server path. The
+engine is a stand-in for the vLLM server's stream (one token per sequence per step, deterministic,
+no server to start); everything else is the shipped path: the worker's admission, the recorder, the
+step messages, the store. The test sends SIGTERM mid-generation, five tokens into an interval,
+then SIGKILL once the grace period is over, and counts from a fresh process the tokens a
+redispatch would generate again: 0. The same process's leases record the worker's holder name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from _fresh import run_fresh
+
+pytestmark = [pytest.mark.trl,
+              pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL not installed")]
+
+EVERY = 16
+#: Tokens per sequence when SIGTERM comes: three intervals durable, a tail of five short of the fourth.
+AT_SIGTERM = 3 * EVERY + 5
+#: Seconds before a child that never reports fails the test (a hang guard, not a synchronisation).
+HANG = 120
+
+CHILD = """
+import json, sys, time, types
+from kvckpt import ReplayBuffer
+from kvckpt.integrations.trl import KvckptRolloutWorker
+from kvckpt.integrations.vllm.worker import DRAIN_SECONDS
+
+path, model, every, at = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+args = types.SimpleNamespace(num_generations=2, max_completion_length=10**6, temperature=1.0, max_staleness=1,
+                             weight_sync_steps=1, vllm_server_base_url="http://127.0.0.1:9/", request_timeout=5.0)
+worker = KvckptRolloutWorker(path, model, [{"prompt": "1+1=", "answer": "2"}], [lambda completions, **_: [0.0]],
+                             args, backend="server", progress_every_tokens=every)
+
+class ServerStream:
+    # the server's stream: one token per sequence per step until the recorder stops the sequences
+    def stream(self, seqs, max_tokens, temperature, on_step, step_tokens=None):
+        step = 0
+        while True:
+            step += 1
+            stopped = on_step([(i, [step % 50 + i], [-0.5]) for i in range(len(seqs))])
+            if step == at:
+                print(json.dumps({"holder": worker.holder, "grace": DRAIN_SECONDS}), flush=True)
+                time.sleep(600)  # the next step, when SIGTERM comes (its handler runs in the main thread)
+            if len(stopped) == len(seqs):
+                raise SystemExit("stopped")
+            time.sleep(0.002)
+
+worker.backend = ServerStream()
+worker.attach(ReplayBuffer.create(path, worker.config))
+worker.epochs.resume(0)  # TRL's cold weight sync at train begin
+worker.start()
+while True:  # TRL's training loop, in the main thread
+    time.sleep(1)
+"""
+
+
+def test_sigterm_mid_generation_then_sigkill_leaves_no_token_to_regenerate(tmp_path, model_path):
+    path = str(tmp_path / "buffer.kv")
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHILD), path, model_path, str(EVERY),
+                              str(AT_SIGTERM)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line, "the worker never reached the chosen step"
+        told = json.loads(line)
+        child.send_signal(signal.SIGTERM)  # the preemption notice
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=told["grace"])
+        child.kill()  # the end of the grace period (a no-op if the drained worker has already exited)
+        child.wait(timeout=HANG)
+    finally:
+        child.kill()
+    assert child.returncode == -signal.SIGTERM  # the drain let the signal end the process, before the SIGKILL
+    found = run_fresh("""
+        with ReplayBuffer.open(ARGS["path"]) as buf:
+            [lease] = buf.leases_held_by(ARGS["holder"])
+            held = [len(p.tokens) for p in buf.progress(lease).values()]
+            print(json.dumps({"held": held, "ledger": [e.group_id for e in buf.ledger()], "gid": lease.group_id,
+                              "redispatched": buf.stats()["redispatched"]}))
+    """, path=path, holder=told["holder"])
+    assert found["rc"] == 0, found["err"]
+    durable = found["out"]["held"]
+    regenerate = 2 * AT_SIGTERM - sum(durable)
+    print(f"generated {2 * AT_SIGTERM}, durable per sequence {durable}, tokens to regenerate {regenerate}")
+    assert found["out"]["ledger"] == [found["out"]["gid"]]  # the one lease in flight is the worker's,
+    assert found["out"]["redispatched"] == 0  # admitted under its name (not redispatched to it afterwards)
+    assert durable == [AT_SIGTERM] * 2  # each tail of 5 tokens, short of an interval, made durable by the drain
+    assert regenerate == 0
