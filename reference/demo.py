@@ -76,7 +76,7 @@ BACKENDS = ("transformers", "vllm")
 #: 4 of 8: less per-step noise (about 1/sqrt(2) of it) for the same generation work. Five runs gave
 #: t = 2.1 to 5.8 over 60 steps, mean 4.1 (4 x 8: 2.6 to 4.9, mean 3.5; docs/cli.md has both).
 PRESETS = {
-    "full": {"steps": 60, "groups_per_step": 8, "group_size": 4, "every_steps": 20, "crash_step": 47,
+    "full": {"steps": 60, "groups_per_step": 16, "group_size": 4, "every_steps": 20, "crash_step": 47,
              "sft_steps": 60, "sft_lr": 2e-3, "max_operand": 4, "repeat": 32, "lr": 4e-4},
     "fast": {"steps": 12, "groups_per_step": 4, "group_size": 8, "every_steps": 5, "crash_step": 8,
              "sft_steps": 60, "sft_lr": 2e-3, "max_operand": 4, "repeat": 32, "lr": 4e-4},
