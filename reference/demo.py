@@ -72,9 +72,9 @@ BACKENDS = ("transformers", "vllm")
 #: 25 sums of 0..4, each written 32 times (64-token completions), leaves the policy right about
 #: 40% of the time, so GRPO has both signal (groups with right and wrong answers) and room to improve.
 #: A step's mean reward is mostly which prompts it drew (a prompt's completions tend to agree: all
-#: right or all wrong), so the full run spreads its 32 completions per step over 8 prompts of 4, not
-#: 4 of 8: less per-step noise (about 1/sqrt(2) of it) for the same generation work. Five runs gave
-#: t = 2.1 to 5.8 over 60 steps, mean 4.1 (4 x 8: 2.6 to 4.9, mean 3.5; docs/cli.md has both).
+#: right or all wrong), so the full run trains 16 prompts of 4 completions per step. Five runs of
+#: 4 x 8 gave t = 2.6 to 4.9 over 60 steps and five of 8 x 4 (the same 32 completions) 2.1 to 5.8:
+#: not above 3 in every run. 16 x 4 costs about 1.7x the CPU of 4 x 8 (docs/cli.md has the runs).
 PRESETS = {
     "full": {"steps": 60, "groups_per_step": 16, "group_size": 4, "every_steps": 20, "crash_step": 47,
              "sft_steps": 60, "sft_lr": 2e-3, "max_operand": 4, "repeat": 32, "lr": 4e-4},
