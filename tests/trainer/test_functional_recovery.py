@@ -366,6 +366,8 @@ def test_the_demo_parks_its_rollout_mid_way_through_generation(tmp_path):
 
 def test_demo_presets_scale_with_steps():
     assert demo_preset()["steps"] == 60 and demo_preset()["crash_step"] == 47
+    # 64 completions a step spread over 16 prompts (a step's mean reward is mostly which prompts it drew)
+    assert (demo_preset()["groups_per_step"], demo_preset()["group_size"]) == (16, 4)
     long = demo_preset(steps=200)
     assert (long["steps"], long["every_steps"], long["crash_step"]) == (200, 66, 155)
     assert 2 * long["every_steps"] < long["crash_step"] < min(3 * long["every_steps"], 200)

@@ -251,6 +251,32 @@ def test_the_put_that_ends_a_group_drops_its_samples_progress_in_its_own_transac
     assert ledger.snapshot()["items"]["train"]["u"] == {"tags": {"status": "finished"}, "fields": {}}
 
 
+def test_the_put_that_ends_a_group_is_one_lmdb_commit_with_its_progress_deletion(tmp_path: Path) -> None:
+    """The ending put's status and the deletion of its samples' progress are ONE write transaction, counted on
+    the ledger file itself (LMDB's last transaction id): a put that deleted the progress in a second
+    transaction, or not at all, leaves a moment (a kill) where the group has ended and its progress is still
+    there, or the reverse. A put that ends nothing is one commit too."""
+    from kvckpt.integrations.transferqueue.values import encode_value, new_write_id
+    from kvckpt.integrations.verl.records import TAG, record_key
+
+    ledger, token = _ledger(tmp_path)
+    env = ledger._values._store.env  # the ledger's own LMDB environment: its commits are what is counted
+    chunk = {"start": 0, "tokens": [1, 2, 3], "logprobs": [0.0] * 3, "versions": [0] * 3}
+    ledger.record_progress(token, [{**chunk, "uid": "u", "session": s} for s in (0, 1)])
+    key = record_key("train", "u", TAG, "status")
+
+    def commits(ended: list[str] | None) -> int:
+        before = env.info()["last_txnid"]
+        ledger.put(token, [key], [encode_value(key, "finished" if ended else "running", new_write_id(), 1)],
+                   ended=ended)
+        return env.info()["last_txnid"] - before
+
+    assert commits(None) == 1 and ledger.progress("u", 0)["tokens"] == [1, 2, 3]
+    assert commits(["u"]) == 1
+    assert ledger.progress("u", 0) is None and ledger.progress("u", 1) is None
+    assert ledger.snapshot()["items"]["train"]["u"] == {"tags": {"status": "finished"}, "fields": {}}
+
+
 # -- one rule set: the ledger's progress is the replay buffer's (issue 45) -----------------------------------------
 class _BufferKind:
     """The replay buffer's progress (``record_progress_many`` items) of one group; fenced by a redispatch."""
