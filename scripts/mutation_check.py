@@ -854,6 +854,10 @@ MUTATIONS += (
              "                admitted = await self._run(fn, *args, timeout=0, **kwargs)",
              "                admitted = await self._write(fn, *args, timeout=0, **kwargs)",
              ("tests/core/test_aio.py::test_a_waiting_admission_sleeps_until_a_write_lands",)),
+    Mutation("powercut-tidy-skips-the-sides", "kvckpt/testing/campaigns/powercut.py",
+             "            tidy(os.path.join(image, timeline), ops)", "            pass",
+             ("tests/campaigns/test_sides.py::"
+              "test_between_power_cuts_the_image_is_tidied_by_the_campaign_and_by_each_side",)),
 )
 
 

@@ -273,10 +273,10 @@ def _one_cut(k: int, root: str, chain: _Run, sampler: dict[str, Any], rng: rando
         shutil.copytree(image, os.path.join(root, f"violation-{k:06d}"))
         chain.timeline, chain.ops, chain.restored, chain.rows_seen = None, [], {}, set()
         return
-    _tidy(image, chain.timeline, chain.ops, sides)
+    tidy_image(image, chain.timeline, chain.ops, sides)
 
 
-def _tidy(image: str, timeline: str, ops: list[dict[str, Any]], sides: Sequence[str]) -> None:
+def tidy_image(image: str, timeline: str, ops: list[dict[str, Any]], sides: Sequence[str]) -> None:
     """Between power cycles, delete what no promise covers: runs other than the current one,
     checkpoint copies a cut interrupted (never under a final name) and what each side's ``tidy`` names."""
     for entry in os.listdir(image):

@@ -78,3 +78,18 @@ def test_the_ledger_check_catches_a_missing_acknowledged_checkpoint(tmp_path: Pa
     newest = [op["path"] for op in ops if op["op"] == "lckpt"][-1]
     os.unlink(tmp_path / "ckpt" / newest)
     assert _found(tmp_path, ops) == [f"acknowledged verl checkpoint {newest} is missing"]
+
+
+def test_between_power_cuts_the_verl_side_drops_a_ledger_no_child_acknowledged_opening(tmp_path: Path) -> None:
+    """The side's ``tidy`` (what the power-cut campaign runs between two cuts): a ledger whose creation no child
+    acknowledged (no ``lstart``) holds no promise and goes, with its lock file; one a child opened stays."""
+    assert campaign.SIDE.tidy is campaign.tidy
+    ledger = tmp_path / campaign.LEDGER_FILE
+    lock = tmp_path / (campaign.LEDGER_FILE + "-lock")
+    for path in (ledger, lock):
+        path.write_bytes(b"")  # a cut inside the creation: a 0-byte file no open accepts
+    campaign.tidy(str(tmp_path), [{"op": "commit"}])
+    assert not ledger.exists() and not lock.exists()
+    ledger.write_bytes(b"")
+    campaign.tidy(str(tmp_path), [{"op": "commit"}, {"op": "lstart"}])
+    assert ledger.exists()
