@@ -185,7 +185,9 @@ def test_a_remote_level_answers_only_after_the_standby_applied(ray_local, tmp_pa
     calls = ray.get(held.count.remote())
     ray.get(held.hold.remote(True))
     commit = primary.commit_group.remote(lease, rows(0))
+    deadline = time.monotonic() + 60
     while ray.get(held.count.remote()) == calls:  # the commit's record reached the standby
+        assert time.monotonic() < deadline, "the primary shipped nothing after the commit"
         time.sleep(0.01)
     assert not_answered(commit)  # durable on the primary, but its standby has not applied it
     ray.get(held.hold.remote(False))
