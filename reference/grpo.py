@@ -226,9 +226,10 @@ class RayBuffer:
         return True
 
     def admit(self, prompts: Sequence[Any], dataloader_state: bytes | None = None, *, timeout: float | None = None,
-              weight_version: int | None = None) -> list[Lease]:
+              weight_version: int | None = None, holder: str | None = None) -> list[Lease]:
         """See :meth:`kvckpt.ReplayBuffer.admit`."""
-        docs = self._get(self.actor.admit.remote(list(prompts), dataloader_state, timeout, weight_version))
+        docs = self._get(self.actor.admit.remote(list(prompts), dataloader_state, timeout=timeout,
+                                                 weight_version=weight_version, holder=holder))
         return [Lease.from_dict(d) for d in docs]
 
     def select(self, min_groups: int = 1, max_groups: int | None = None) -> Selection:

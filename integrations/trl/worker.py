@@ -328,9 +328,10 @@ class KvckptRolloutWorker:
         commit): a weight sync
         that landed between admission (or a recovery's redispatch) and this generation would leave
         the stamp older than the weights that generate the group, so it is redispatched with the
-        true stamp first (one transaction; the whole group is generated now, nothing is kept). A lease
-        of another holder (a recovery plan's, of the process before) is redispatched to this one."""
-        if lease.start_weight == weights and lease.holder == self.holder:
+        true stamp first (one transaction; the whole group is generated now, nothing is kept). A
+        recovery plan's lease is taken as the recovery fenced it, with the holder it names (the process
+        before): redispatching it only to rename its holder would add an attempt to every resumed prompt."""
+        if lease.start_weight == weights:
             return lease
         return self.buffer.redispatch(lease.group_id, start_weight=weights, holder=self.holder)
 
