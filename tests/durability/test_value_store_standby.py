@@ -9,10 +9,10 @@ from _fresh import run_fresh
 
 from kvckpt import (
     BufferConfig,
-    codec,
     ReplayBuffer,
     Standby,
     ValueStore,
+    codec,
     enable_replication,
     log_since,
     promote_value_store,
