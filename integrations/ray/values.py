@@ -1,5 +1,5 @@
 """A value store replicated through Ray: the verl ledger's and TransferQueue's store kind with a
-standby (docs/ray.md, "The value store's standby"; docs/replication.md).
+standby (docs/replication.md, "The value store on Ray").
 
 :class:`ReplicatedValueStore` has :class:`~kvckpt.ValueStore`'s methods and the replication calls
 a buffer actor answers (``replica_status``, ``apply_log``, ``receive_snapshot``,

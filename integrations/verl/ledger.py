@@ -37,7 +37,7 @@ scratch, as verl's (``_load_checkpoint``: no ``global_step_N``, step 0, the init
 dataloader from its start), so a sampled group is deleted, not marked; after it, each checkpoint
 deletes the marks it covers, so at most the groups sampled since the last checkpoint are marked.
 
-Replication (issue 44; docs/verl.md, "A standby ledger"): with ``replication=`` the ledger's file is a
+Replication (issue 44; docs/replication.md, "The value store on Ray"): with ``replication=`` the ledger's file is a
 replicated primary shipping its log to a standby ledger actor (``standby=True``), and every call that
 writes is acknowledged at the configured level (:class:`~kvckpt.integrations.ray.values.ReplicatedValueStore`,
 which then holds the file; it is imported only then, so a ledger without replication is as it was); a standby

@@ -1,5 +1,5 @@
-"""The verl ledger with a standby ledger actor (issue 44: the value store's side; docs/verl.md, "A standby
-ledger"), on a real loopback Ray: the primary ledger actor ships its log to the standby actor, the driver
+"""The verl ledger with a standby ledger actor (issue 44: the value store's side; docs/replication.md, "The value
+store on Ray"), on a real loopback Ray: the primary ledger actor ships its log to the standby actor, the driver
 streams verl's calls (puts, token progress, clears) as verl's processes make them, and the primary dies
 mid-stream.
 
