@@ -27,6 +27,7 @@ from kvckpt.buffer.standby import (
     enable_replication,
     log_since,
     promote,
+    promote_value_store,
     replication_status,
     snapshot_for_standby,
     trim_log,
@@ -110,7 +111,8 @@ __all__ = [
     "Store", "StoreLocked", "StoreNotFound", "UnknownGroup", "ValueStore", "VerificationFailed", "assemble_batch",
     "check", "checkpoint", "codec", "create_sampler", "durable_replace",
     "enable_replication", "fsync_dir", "fsync_file", "keep_latest", "log_since",
-    "makedirs_durable", "promote", "read_stamp", "recover", "register", "replication_status", "restore", "row_id",
+    "makedirs_durable", "promote", "promote_value_store", "read_stamp", "recover", "register", "replication_status",
+    "restore", "row_id",
     "sink_from_config", "snapshot_for_standby", "split_padded", "trim_log",
     "verify_path", "write_durably", "write_id_of",
 ]

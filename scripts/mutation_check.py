@@ -766,6 +766,42 @@ MUTATIONS += (
              (f"{RAY_FAILOVER}::test_remote_durable_loses_nothing_acknowledged_when_the_owners_node_and_disk_die",)),
 )
 
+# issue 44 (this session, h44v16): the value store's standby (its load's new history, its promotion, its writes
+# under the level on Ray, the promoted one refusing the old primary) and the kill campaign's replicated side
+VS_STANDBY = "tests/durability/test_value_store_standby.py"
+RAY_VS = "tests/integrations/ray/test_ray_value_store_standby.py"
+REPL_CAMPAIGN = "tests/campaigns/test_replicated_campaign.py"
+MUTATIONS += (
+    Mutation("value-store-load-keeps-the-replication-history", "kvckpt/buffer/values.py",
+             "                ReplicationLog.restart_history(store)\n", "                pass\n",
+             (f"{VS_STANDBY}::test_a_load_starts_a_new_history_the_old_standby_refuses_and_a_new_snapshot_serves",)),
+    Mutation("value-store-standby-resend-applied-again", "kvckpt/storage/replica.py",
+             "        if decoded[-1].seq <= applied:\n", "        if False:\n",
+             (f"{VS_STANDBY}::test_each_write_of_the_value_store_is_one_record_and_the_standby_ends_equal",)),
+    Mutation("value-store-promote-keeps-the-epoch", "kvckpt/storage/replica.py",
+             "        epoch = state[\"epoch\"] + 1\n", "        epoch = state[\"epoch\"]\n",
+             (f"{VS_STANDBY}::test_promotion_takes_a_new_epoch_and_the_old_primary_is_refused",)),
+    Mutation("value-store-promote-skips-the-kind-check", "kvckpt/buffer/standby.py",
+             "        if store.read(value_records.kind_of) is None:\n", "        if False:\n",
+             (f"{VS_STANDBY}::test_promoting_another_kinds_standby_as_a_value_store_changes_nothing",)),
+    Mutation("value-store-replica-write-not-acknowledged", "integrations/ray/values.py",
+             "            self._run(shipper.after_write())\n", "            shipper.written()\n",
+             (f"{RAY_VS}::test_a_remote_level_put_answers_only_once_the_standby_applied_it",)),
+    Mutation("value-store-promoted-standby-still-takes-the-log", "integrations/ray/values.py",
+             "        self._side = None\n        return {**(replication_status",
+             "        return {**(replication_status",
+             (f"{RAY_VS}::test_promotion_keeps_every_acknowledged_put_and_the_revived_old_primary_is_fenced",)),
+    Mutation("value-store-replica-log-not-enabled", "integrations/ray/values.py",
+             "            enable_replication(values)\n", "            pass\n",
+             (f"{RAY_VS}::test_a_remote_level_put_answers_only_once_the_standby_applied_it",)),
+    Mutation("replicated-campaign-standby-equality-unchecked", "kvckpt/testing/campaigns/replicated.py",
+             "    if standby != model(seed, applied):\n", "    if False:\n",
+             (f"{REPL_CAMPAIGN}::test_the_check_finds_a_standby_whose_state_is_not_the_primarys_at_its_sequence",)),
+    Mutation("replicated-campaign-remote-loss-unchecked", "kvckpt/testing/campaigns/replicated.py",
+             "    if level == REMOTE_DURABLE and applied < acked:\n", "    if False:\n",
+             (f"{REPL_CAMPAIGN}::test_the_check_passes_a_standby_behind_at_async_and_fails_it_at_remote_durable",)),
+)
+
 TRL_SAVE_KILL = ("tests/integrations/trl/test_trl_server.py::"
                  "test_a_kill_inside_trls_first_save_sets_the_partial_checkpoint_aside_and_costs_one_interval",)
 # issue 49: TRL's server path under kills: a partial checkpoint set aside (not refused), one interval

@@ -37,6 +37,12 @@ scratch, as verl's (``_load_checkpoint``: no ``global_step_N``, step 0, the init
 dataloader from its start), so a sampled group is deleted, not marked; after it, each checkpoint
 deletes the marks it covers, so at most the groups sampled since the last checkpoint are marked.
 
+Replication (issue 44; docs/replication.md, "The value store on Ray"): with ``replication=`` the ledger's file is a
+replicated primary shipping its log to a standby ledger actor (``standby=True``), and every call that
+writes is acknowledged at the configured level (:class:`~kvckpt.integrations.ray.values.ReplicatedValueStore`,
+which then holds the file; it is imported only then, so a ledger without replication is as it was); a standby
+answers only the replication calls until :meth:`VerlLedger.promote`.
+
 Long (over 400 lines): the ledger is one actor class, every verl call it serves beside the records it changes.
 """
 
@@ -74,7 +80,7 @@ from kvckpt.integrations.verl.records import (
 from kvckpt.integrations.verl.upgrade import upgrade_progress
 
 from kvckpt import ValueStore, makedirs_durable, write_id_of
-from kvckpt.errors import FencedWrite, KvckptError
+from kvckpt.errors import FencedWrite, KvckptError, NotStandby
 
 _Call = TypeVar("_Call", bound=Callable[..., Any])
 
@@ -107,16 +113,64 @@ class VerlLedger:
         StoreLocked: another process holds the file for writing.
     """
 
-    def __init__(self, path: str, max_tokens: int = MAX_TOKENS) -> None:
-        self._values = ValueStore(path)
+    def __init__(self, path: str, max_tokens: int = MAX_TOKENS, *, replication: Any = None,
+                 standby: bool = False) -> None:
+        if replication is None and not standby:
+            self._values: Any = ValueStore(path)
+        else:
+            from kvckpt.integrations.ray.values import ReplicatedValueStore
+
+            self._values = ReplicatedValueStore(path, replication=replication, standby=standby)
         self.path = self._values.path
         self.max_tokens = max_tokens
         self._mutex = threading.Lock()
+        if getattr(self._values, "role", "primary") == "standby":
+            return  # upgraded when promoted
         try:
             upgrade_progress(self._values, max_tokens)
         except BaseException:
             self._values.close()
             raise
+
+    # -- replication (the shipper of a primary ledger calls these on its standby) ---------------------
+    def _replica(self) -> Any:
+        if isinstance(self._values, ValueStore):
+            raise NotStandby(f"the verl ledger {self.path!r} is not replicated (no replication, not a standby)")
+        return self._values
+
+    def replica_status(self) -> dict[str, Any] | None:
+        """The file's replication status (:meth:`ReplicatedValueStore.replica_status`)."""
+        return self._replica().replica_status()
+
+    def apply_log(self, records: list[bytes]) -> int:
+        """As a standby: apply a shipped batch, one durable transaction, idempotent by sequence."""
+        return self._replica().apply_log(records)
+
+    def receive_snapshot(self, token: str, offset: int, data: bytes) -> None:
+        """As a standby: one chunk of the primary's snapshot."""
+        self._replica().receive_snapshot(token, offset, data)
+
+    def install_snapshot(self, token: str, size: int) -> int:
+        """As a standby: install the snapshot received under ``token``; the sequence it holds."""
+        return self._replica().install_snapshot(token, size)
+
+    def watch_primary(self, node_id: str) -> None:
+        """As a standby: the primary's node."""
+        self._replica().watch_primary(node_id)
+
+    @_exclusive
+    def promote(self) -> dict[str, Any]:
+        """As a standby: become the primary ledger (a new epoch, in one transaction; the old primary is
+        refused from then on) and return its replication status with ``promoted_from``. The runs and their
+        tokens are the ledger's as the standby applied them: verl's workers keep their run token, and a
+        restarted trainer opens a new run as after any restart.
+
+        Raises:
+            NotStandby: this ledger is a primary, or its standby never received a snapshot.
+        """
+        status = self._replica().promote()
+        upgrade_progress(self._values, self.max_tokens)  # as a primary's open does
+        return status
 
     def info(self) -> dict[str, Any]:
         """The live file's path, its run number, the step of its last checkpoint (``None`` before the first)

@@ -46,6 +46,7 @@ from kvckpt.durability.checkpoint import install_checkpoint, private_copy, snaps
 from kvckpt.durability.safe_open import open_readonly
 from kvckpt.errors import CheckpointError, FencedWrite, KvckptError
 from kvckpt.storage.replace import durable_replace
+from kvckpt.storage.replog import ReplicationLog
 from kvckpt.storage.store import Store
 from kvckpt.storage.txn import Txn
 from kvckpt.transitions import progress_values
@@ -70,6 +71,13 @@ class ValueStore:
         self.path = os.path.abspath(path)
         self._swap = threading.Lock()
         self._store = _open(self.path)
+
+    @property
+    def store(self) -> Store:
+        """The open :class:`~kvckpt.storage.store.Store` of the live file (what replication works on:
+        :func:`kvckpt.enable_replication` and the other functions of :mod:`kvckpt.buffer.standby` take a
+        value store as they take a replay buffer). After :meth:`load` it is a new handle."""
+        return self._store
 
     # -- data path --------------------------------------------------------------------------------
     def put(self, keys: list[str], values: list[bytes]) -> None:
@@ -221,7 +229,10 @@ class ValueStore:
 
         The file's used pages are copied under a private name and the copy validated before
         anything changes (structure without mapping it, kind, stamp, every record's checksum and
-        key); then it is renamed over the live file and reopened through a fresh handle.
+        key); then it is renamed over the live file and reopened through a fresh handle. A
+        checkpoint of a replicated store starts a new replication history on the copy, before the
+        rename (as a replay buffer's restore does): the load rewinds the file, so a standby of the
+        old history must refuse its log (``ForeignStore``) and take a snapshot.
 
         Args:
             checkpoint_id: the stamp the file must hold (checked before anything changes).
@@ -240,6 +251,8 @@ class ValueStore:
             with open_readonly(copy, name=source) as store:
                 stamp = store.read(lambda txn: records.validate_checkpoint(txn, source))
             _expect(stamp, checkpoint_id, source)
+            with Store(copy) as store:  # proven above; a replicated copy starts a new history
+                ReplicationLog.restart_history(store)
             return stamp
 
         with self._swap:
