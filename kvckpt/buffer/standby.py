@@ -187,10 +187,13 @@ def promote(path: str, resume_version: int | None = None) -> tuple[ReplayBuffer,
     :meth:`~kvckpt.ReplayBuffer.recover` takes it); the open buffer, now the primary, and its plan.
 
     Raises:
-        NotStandby: the store is not a standby. RecoveryError: as :meth:`~kvckpt.ReplayBuffer.recover`.
+        NotStandby: the store is not a standby. FormatError: it is a value store's file (nothing is
+            changed). RecoveryError: as :meth:`~kvckpt.ReplayBuffer.recover`.
     """
     path = os.path.abspath(path)
     with Store(path) as store:
+        if store.read(value_records.kind_of) is not None:
+            raise FormatError(f"{path!r} is a value store's file; promote it with kvckpt.promote_value_store")
         promote_store(store)
     buffer = ReplayBuffer.open(path)
     try:

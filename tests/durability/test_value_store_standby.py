@@ -15,6 +15,7 @@ from kvckpt import (
     codec,
     enable_replication,
     log_since,
+    promote,
     promote_value_store,
     replication_status,
     snapshot_for_standby,
@@ -134,3 +135,15 @@ def test_promoting_another_kinds_standby_as_a_value_store_changes_nothing(tmp_pa
         promote_value_store(str(tmp_path / "standby.kv"))
     with Standby(str(tmp_path / "standby.kv")) as standby:  # still a standby, at its epoch
         assert standby.epoch == 1 and standby.status()["role"] == "standby"
+
+
+def test_promoting_a_value_stores_standby_as_a_replay_buffer_changes_nothing(tmp_path):
+    """``kvckpt.promote`` checks the kind before the epoch: a value store's standby stays a standby."""
+    values, standby = new_pair(tmp_path)
+    ship(values, standby)
+    standby.close()
+    with pytest.raises(FormatError, match="promote_value_store"):
+        promote(str(tmp_path / "standby.kv"))
+    with Standby(str(tmp_path / "standby.kv")) as again:  # still a standby, at its epoch
+        assert again.epoch == 1 and again.status()["role"] == "standby"
+    values.close()
