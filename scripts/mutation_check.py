@@ -952,11 +952,24 @@ MUTATIONS += (
 # issue 45 (this session): the correctness remainder (h45r16). The verl ledger's reads inside its write transactions,
 # its FutureVersion, the reference RayWorker's holder and TRL's drains live here; the verl-venv ones are in
 # scripts/mutations_verl.json. A value-store chunk re-encoded by `compact --level` is judged by its content.
+RAY_FLEET_HOLDERS = "tests/trainer/test_trainer.py::test_ray_hosted_buffer_and_workers"
+TRL_PAST_DEADLINE = ("tests/integrations/trl/test_trl_drain.py::test_a_sigterm_drain_past_its_deadline_stops_and_says_"
+                     "how_many_tail_tokens_were_not_made_durable")
 MUTATIONS += (
     Mutation("progress-resend-compares-bytes-only", "kvckpt/transitions/progress_step.py",
              "    if stored == value:\n        return True\n    name =",
              "    if True:\n        return stored == value\n    name =",
              ("tests/core/test_value_store.py::test_a_resend_after_compact_level_gets_its_first_answer",)),
+    Mutation("reference-rayworker-has-no-holder", "reference/grpo.py",
+             "        self.holder: str = holder or ray.get(self.actor.__ray_call__.remote(_name_after_its_actor))",
+             "        self.holder: str | None = holder", (RAY_FLEET_HOLDERS,)),
+    Mutation("reference-rayworkers-named-after-their-node", "reference/grpo.py",
+             '    worker.holder = holder_name("actor")', "    worker.holder = holder_name()", (RAY_FLEET_HOLDERS,)),
+    Mutation("sigterm-drain-says-nothing", "integrations/common/progress.py",
+             "        _log.log(logging.INFO if all(r.in_time for r in reports) else logging.WARNING, "
+             "drain_summary(reports))\n", "", (TRL_PAST_DEADLINE,)),
+    Mutation("drain-counts-no-undurable-tail", "integrations/common/progress.py",
+             "sum(len(t.ids) for t in left_over),", "0,", (TRL_PAST_DEADLINE,)),
 )
 
 

@@ -30,6 +30,9 @@ transaction) lists the marks before its write, as :meth:`~VerlLedger.clear`, :me
 the other state-changing calls read what they then write. Each of them holds the ledger's one mutex from
 its first read to its commit (:func:`_exclusive`), so no call lands between another's read and its write,
 whichever concurrency group runs it; the snapshot copy itself holds no mutex, so puts land while it copies.
+The token progress path reads only inside its write transaction and relies on no mutex: a put that ends a
+group and :meth:`~VerlLedger.settle_progress` list the progress they delete inside it (``ValueStore.update``),
+and :meth:`~VerlLedger.record_progress` checks the fence, the trainer's step and every chunk inside its one.
 
 Consumed marks are bounded: a mark is only kept while a checkpoint exists that a restart could
 resume from with the mark's step after it. Before the ledger's first checkpoint a restart trains from

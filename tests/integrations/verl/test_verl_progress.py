@@ -131,6 +131,33 @@ def test_close_makes_an_aborted_requests_tail_durable_before_it_returns(tmp_path
     asyncio.run(run())
 
 
+def test_a_drain_past_its_deadline_stops_the_servers_samples_and_counts_the_tail_not_made_durable(
+        tmp_path: Path) -> None:
+    """The rollout server's recorder drained (a preemption notice: ``drain_all``, as ``drain_on_sigterm`` runs it)
+    while the ledger does not answer: the drain returns at its deadline, stops every sample and says how many
+    tail tokens it did not make durable; once the ledger answers, the flush that was in flight lands, once."""
+    import time
+
+    ledger, token = _ledger(tmp_path)
+    sink = LedgerSink(ledger)
+
+    async def run() -> None:
+        progress = ServerProgress(sink)
+        sample = progress.open(_key(token, "u"), 3)
+        await progress.observe(sample, list(range(EVERY)), [0.0] * EVERY, 1)
+        await _settle(progress)  # one interval durable
+        sink.gate.clear()  # the ledger stops answering
+        await progress.observe(sample, list(range(EVERY + 3)), [0.0] * (EVERY + 3), 1)  # a tail of 3, not due
+        report = await asyncio.to_thread(progress.recorder.drain, time.monotonic() + 0.05)
+        assert not report.in_time and (report.drained, report.undrained, report.tokens_not_durable) == (0, 1, 3)
+        assert progress.recorder.stopped() == {0} and ledger.progress("u", 0)["tokens"] == list(range(EVERY))
+        sink.gate.set()
+        await _settle(progress)
+
+    asyncio.run(run())
+    assert ledger.progress("u", 0)["tokens"] == list(range(EVERY + 3))
+
+
 def test_each_token_keeps_the_version_that_made_it(tmp_path: Path) -> None:
     ledger, token = _ledger(tmp_path)
 
