@@ -27,6 +27,9 @@ one ledger call per run. The rules, each in one place:
   (:func:`drain_on_sigterm` runs it on SIGTERM).
 
 Storage-agnostic (it moves lists and calls ``write``): it lives with the code every integration shares.
+
+Long (over 400 lines): the one recorder of every engine, each of its rules above and the process's drain on
+SIGTERM beside it, so no integration keeps a rule of its own.
 """
 
 from __future__ import annotations
