@@ -245,7 +245,9 @@ class VerlLedger:
         """The trainer of run ``token`` is at training step ``step`` (verl's ``global_steps``, the version of the
         weights it sends its rollout servers next), one transaction: from now on token progress of a later
         weight version is refused :class:`~kvckpt.errors.FutureVersion` (:meth:`record_progress`), as the replay
-        buffer refuses progress newer than its trainer's version. :meth:`resume` sets it to the step resumed.
+        buffer refuses progress newer than its trainer's version. :meth:`resume` and :meth:`retain` (a restart)
+        drop it: the restarted trainer reports its step at its first sample, and until then no version is checked
+        (a replaced run's servers are fenced by the run token instead).
 
         Raises:
             StaleRun: ``token`` is not the current run's.
@@ -272,13 +274,10 @@ class VerlLedger:
         """
         # An explicit step is the checkpoint just loaded: it becomes the ledger's last one (a copied-in file
         # holds the step of the checkpoint before it, or none, since its record is written after the copy).
-        names = [] if step is None else [CHECKPOINT_KEY]
-        record = [encode_value(CHECKPOINT_KEY, {"step": int(step)}, new_write_id(), _LEVEL) for _ in names]
+        record = [] if step is None else [encode_value(CHECKPOINT_KEY, {"step": int(step)}, new_write_id(), _LEVEL)]
         step = self._checkpoint_step() if step is None else int(step)
-        names.append(TRAINER_KEY)  # the trainer resumes the weights of that step
-        record.append(encode_value(TRAINER_KEY, {"step": step}, new_write_id(), _LEVEL))
         items, marks = self._items()
-        deletes: list[str] = []
+        deletes: list[str] = [TRAINER_KEY]  # the restarted trainer reports its step again (trainer_step)
         for (partition_id, key), mark_step in marks.items():
             deletes.append(mark_index_key(mark_step, partition_id, key))
             if mark_step <= step:
@@ -286,7 +285,7 @@ class VerlLedger:
                 items[partition_id].pop(key, None)
             else:
                 deletes.append(record_key(partition_id, key, CONSUMED))
-        self._write(token, names, record, deletes)
+        self._write(token, [CHECKPOINT_KEY] if record else [], record, deletes)
         return {"items": {p: dict(v) for p, v in items.items()}, "cursor": self._get(CURSOR_KEY), "step": step}
 
     def snapshot(self) -> dict[str, Any]:

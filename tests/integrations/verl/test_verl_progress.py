@@ -339,10 +339,11 @@ def test_an_ending_put_and_a_settle_read_what_they_delete_inside_their_write_tra
 
 
 def test_progress_newer_than_the_trainers_step_is_refused_as_the_buffer_refuses_it(tmp_path: Path) -> None:
-    """The trainer's step (``trainer_step``, verl's ``global_steps`` reported before each sample; ``resume`` sets
-    it to the step resumed) is the newest weight version a token may carry, read inside the progress transaction:
-    a later one is :class:`kvckpt.errors.FutureVersion`, the buffer's class, raised by the core rule; nothing of
-    the chunk is written. A ledger no trainer has reported a step to checks no version."""
+    """The trainer's step (``trainer_step``, verl's ``global_steps`` reported before each sample; a restart's
+    ``resume`` drops it) is the newest weight version a token may carry, read inside the progress transaction: a
+    later one is :class:`kvckpt.errors.FutureVersion`, the buffer's class, raised by the core rule; nothing of the
+    chunk is written. While no step is reported (a new ledger, a restart before its first sample) no version is
+    checked."""
     from kvckpt.errors import FutureVersion
 
     ledger, token = _ledger(tmp_path)
@@ -357,8 +358,10 @@ def test_progress_newer_than_the_trainers_step_is_refused_as_the_buffer_refuses_
     assert isinstance(refused, FutureVersion) and "the trainer is at step 2" in str(refused)
     assert ledger.progress("h", 0) is None
     assert record(0, [1, 2], uid="h") == 2
-    ledger.resume(token, 1)  # the trainer resumed step 1's weights: step 2's tokens are from the future again
+    ledger.trainer_step(token, 1)  # (a trainer's step only goes up within a run; the rule reads what it holds)
     assert isinstance(record(2, [2], uid="h"), FutureVersion) and record(2, [1], uid="h") == 3
+    ledger.resume(token, 0)  # a restart: the resumed trainer reports its step again at its first sample
+    assert record(3, [4], uid="h") == 4
     current = ledger.open_run()["token"]  # a restart: the old run's token is stale
     with pytest.raises(StaleRun):
         ledger.trainer_step(token, 9)
