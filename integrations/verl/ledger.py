@@ -123,12 +123,14 @@ class VerlLedger:
             raise
 
     def info(self) -> dict[str, Any]:
-        """The live file's path, its run number, the step of its last checkpoint (``None`` before the first)
-        and how many consumed marks it holds."""
+        """The live file's path, its run number, the step of its last checkpoint (``None`` before the first),
+        the trainer's step (:meth:`trainer_step`; ``None`` while none is reported) and how many consumed marks it
+        holds."""
         run = self._get(RUN_KEY) or {}
-        checkpoint = self._get(CHECKPOINT_KEY)
+        checkpoint, trainer = self._get(CHECKPOINT_KEY), self._get(TRAINER_KEY)
         return {"path": self.path, "run": run.get("run", 0),
                 "checkpoint_step": None if checkpoint is None else int(checkpoint["step"]),
+                "trainer_step": None if trainer is None else int(trainer["step"]),
                 "consumed_marks": len(self._values.keys(MARKS))}
 
     # -- the run -----------------------------------------------------------------------------------
