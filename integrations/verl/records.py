@@ -14,7 +14,8 @@ ledger stores each tag entry and each field of each key as its own TransferQueue
 plus four records of the run: ``verl/run`` (its write identity is the current run's token),
 ``verl/cursor`` (the trainer's dataloader state at the last dispatch), ``verl/checkpoint`` (the
 step of the last checkpoint the ledger was copied into) and ``verl/trainer`` (the trainer's step, the newest
-weight version a token may carry; absent until the trainer reports one, and again after a restart), and an index of the consumed marks by step,
+weight version a token may carry; absent until the trainer reports one, and again after a restart),
+and an index of the consumed marks by step,
 ``verl/consumed/{step:012d}/{partition}/{key}``, written and deleted in the same transaction as the
 mark it indexes: a checkpoint finds the marks it covers without reading the rest of the ledger.
 """

@@ -61,7 +61,7 @@ def main() -> None:
         dataloader_num_workers=0, vllm_server_base_url=cfg["server"])
     transfer = ServerWeightTransferOnCPU(cfg["server"], {})
     worker = KvckptRolloutWorker(os.path.join(cfg["workdir"], "buffer.kv"), cfg["model"], dataset, [reward], args,
-                                 weight_transfer=transfer, capacity=8, retain_consumed=True,
+                                 backend="server", weight_transfer=transfer, capacity=8, retain_consumed=True,
                                  progress_every_tokens=cfg["every"])
     stream, every, held = worker.backend.stream, cfg["every"], threading.Event()
 
