@@ -970,6 +970,9 @@ MUTATIONS += (
              "drain_summary(reports))\n", "", (TRL_PAST_DEADLINE,)),
     Mutation("drain-counts-no-undurable-tail", "integrations/common/progress.py",
              "sum(len(t.ids) for t in left_over),", "0,", (TRL_PAST_DEADLINE,)),
+    Mutation("server-drain-leaves-the-short-tail", "integrations/common/progress.py",
+             "        tail = tail or self._draining\n", "",
+             ("tests/integrations/trl/test_trl_server_drain.py",)),
 )
 
 
