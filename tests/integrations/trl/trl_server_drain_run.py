@@ -9,8 +9,8 @@ The trainer, the worker and the weight-transfer stand-in are tests/integrations/
 worker keeps its defaults, so its SIGTERM drain (``drain_seconds``) is the shipped one. One probe: the stream
 reader of the first batch holds, inside the engine step's ``on_step`` once the recorder took that step's
 tokens, at the first step where a sample is past its first interval and holds an unrecorded tail short of an
-interval (:data:`TAIL` tokens past one, and short of ``max_tokens``). While it holds, the reader takes no token, so what each sequence
-generated is fixed; it logs ``{"held": [...], "holder": ...}`` (each sequence's group, row index and tokens
+interval (:data:`TAIL` tokens past one, and short of ``max_tokens``). While it holds, the reader takes no
+token, so what each sequence generated is fixed; it logs ``{"held": [...], "holder": ...}`` (each sequence's group, row index and tokens
 generated) and waits for the test's SIGTERM, whose drain (on the main thread) must make every tail durable.
 The drain's summary line goes to stderr (the progress logger at INFO, a harness setting only).
 """
@@ -26,7 +26,6 @@ import threading
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from trl_cpu import ServerWeightTransferOnCPU, install_cpu_stand_ins, make_room
-
 
 #: The unrecorded tail the held sample holds (tokens past its last interval; ``every`` is 8 in the test).
 TAIL = 5
