@@ -5,14 +5,14 @@
 CONFIG_JSON: ``workdir``, ``model``, ``server`` (the vLLM server's base URL), ``every`` (progress interval,
 tokens), ``max_tokens`` (``max_completion_length``), ``log`` (a JSON-lines file, each event fsynced).
 
-The trainer, the worker and the weight-transfer stand-in are tests/integrations/trl/trl_server_run.py's; the
-worker keeps its defaults, so its SIGTERM drain (``drain_seconds``) is the shipped one. One probe: the stream
-reader of the first batch holds, inside the engine step's ``on_step`` once the recorder took that step's
-tokens, at the first step where a sample is past its first interval and holds an unrecorded tail short of an
-interval (:data:`TAIL` tokens past one, and short of ``max_tokens``). While it holds, the reader takes no
-token, so what each sequence generated is fixed; it logs ``{"held": [...], "holder": ...}`` (each sequence's
-group, row index and tokens generated) and waits for the test's SIGTERM, whose drain (on the main thread) must make every tail durable.
-The drain's summary line goes to stderr (the progress logger at INFO, a harness setting only).
+The trainer, the worker and the weight-transfer stand-in are tests/integrations/trl/trl_server_run.py's; the worker
+keeps its defaults, so its SIGTERM drain (``drain_seconds``) is the shipped one. One probe: the stream reader of
+the first batch holds, inside the engine step's ``on_step`` once the recorder took that step's tokens, at the first
+step where a sample is past its first interval and holds an unrecorded tail short of an interval (:data:`TAIL`
+tokens past one, and short of ``max_tokens``). While it holds, the reader takes no token, so what each sequence
+generated is fixed; it logs ``{"held": [...], "holder": ...}`` (each sequence's group, row index and tokens
+generated) and waits for the test's SIGTERM, whose drain (on the main thread) must make every tail durable. The
+drain's summary line goes to stderr (the progress logger at INFO, a harness setting only).
 """
 
 from __future__ import annotations
