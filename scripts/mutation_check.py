@@ -970,8 +970,8 @@ MUTATIONS += (
              "drain_summary(reports))\n", "", (TRL_PAST_DEADLINE,)),
     Mutation("drain-counts-no-undurable-tail", "integrations/common/progress.py",
              "sum(len(t.ids) for t in left_over),", "0,", (TRL_PAST_DEADLINE,)),
-    Mutation("server-drain-leaves-the-short-tail", "integrations/common/progress.py",
-             "        tail = tail or self._draining\n", "",
+    Mutation("server-sigterm-drains-nothing", "integrations/common/progress.py",
+             "        reports = drain_all(grace)\n", "        reports = [r.drain(0.0) for r in ()]\n",
              ("tests/integrations/trl/test_trl_server_drain.py",)),
 )
 
