@@ -32,7 +32,7 @@ from kvckpt.buffer.standby import (
     snapshot_for_standby,
     trim_log,
 )
-from kvckpt.buffer.values import ValueStore
+from kvckpt.buffer.values import ValueStore, ValueView
 from kvckpt.durability.checkpoint import CheckpointHandle, CheckpointResult, keep_latest, read_stamp
 from kvckpt.durability.recovery import RecoveryPlan
 from kvckpt.durability.safe_open import verify_path
@@ -108,7 +108,8 @@ __all__ = [
     "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer",
     "Report", "RowEncoder", "RowSchema", "SampleCommitted", "Sampler", "SchemaMismatch", "Selection", "StaleAttempt",
     "Standby",
-    "Store", "StoreLocked", "StoreNotFound", "UnknownGroup", "ValueStore", "VerificationFailed", "assemble_batch",
+    "Store", "StoreLocked", "StoreNotFound", "UnknownGroup", "ValueStore", "ValueView", "VerificationFailed",
+    "assemble_batch",
     "check", "checkpoint", "codec", "create_sampler", "durable_replace",
     "enable_replication", "fsync_dir", "fsync_file", "keep_latest", "log_since",
     "makedirs_durable", "promote", "promote_value_store", "read_stamp", "recover", "register", "replication_status",

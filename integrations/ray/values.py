@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import ray
 from kvckpt.integrations.ray.replication import ReplicationConfig, Shipper, StandbySide
 
-from kvckpt import KvckptError, ValueStore, enable_replication, replication_status
+from kvckpt import KvckptError, ValueStore, ValueView, enable_replication, replication_status
 from kvckpt.errors import NotPrimary, NotStandby
 
 T = TypeVar("T")
@@ -127,6 +127,11 @@ class ReplicatedValueStore:
               fence: tuple[str, str] | None = None) -> None:
         """:meth:`kvckpt.ValueStore.write`, under the replication level."""
         self._write(lambda v: v.write(keys, values, deletes, fence=fence))
+
+    def update(self, plan: Callable[[ValueView], tuple[list[str], list[bytes], list[str]]], *,
+               fence: tuple[str, str] | None = None) -> None:
+        """:meth:`kvckpt.ValueStore.update`, under the replication level."""
+        self._write(lambda v: v.update(plan, fence=fence))
 
     def record_progress(self, items: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int | KvckptError]:
         """:meth:`kvckpt.ValueStore.record_progress`, under the replication level."""

@@ -223,7 +223,7 @@ def append(rows: ChunkRows, s: StepSequence, holds: Callable[[], None], newest: 
         holds()
     except StaleAttempt as exc:
         if not isinstance(exc, ForeignLease) and s.chunks and all(
-                rows.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks):
+                same_chunk(rows, s, c) for c in s.chunks):
             return s.end  # a retry of a message whose first try landed: the identical bytes are durable
         raise
     if newest is not None and s.version > newest:
@@ -239,7 +239,7 @@ def append(rows: ChunkRows, s: StepSequence, holds: Callable[[], None], newest: 
     puts = []
     for c in s.chunks:
         if c.start < length:
-            if rows.progress_chunk_of(s.row, c.start) == c.value:
+            if same_chunk(rows, s, c):
                 continue  # a retry of an acknowledged chunk
             raise DuplicateCommit(f"{_where(s)} refused: tokens from {c.start} are already recorded with other "
                                   f"content (the durable prefix is {length} tokens); nothing was written")
@@ -251,6 +251,33 @@ def append(rows: ChunkRows, s: StepSequence, holds: Callable[[], None], newest: 
     for c in puts:
         rows.put_progress_chunk_of(s.row, c.start, c.value)
     return s.end
+
+
+def same_chunk(rows: ChunkRows, s: StepSequence, c: StepChunk) -> bool:
+    """Whether sequence ``s``'s chunk ``c`` is stored: the identical bytes, or the same record in
+    another encoding (a chunk ``kvckpt compact --level`` re-encoded: the header's compression and sizes differ,
+    its meta, fields, dtypes and array bytes do not), so a resend after a compaction gets its first answer.
+    Decodes only when the bytes differ (a refusal's path, or a compacted store's).
+
+    Raises:
+        CorruptRecord: the stored chunk fails its checksum or does not decode.
+    """
+    stored, value = rows.progress_chunk_of(s.row, c.start), c.value
+    if stored is None:
+        return False
+    if stored == value:
+        return True
+    name = f"progress/{keys.row_id(s.group_id, s.index)}@{c.start}"
+    have, want = codec.decode(stored, name), codec.decode(value, name)
+    return have.meta == want.meta and have.dtypes == want.dtypes and have.arrays.keys() == want.arrays.keys() and \
+        all(_same_array(have.arrays[k], want.arrays[k]) for k in want.arrays)
+
+
+def _same_array(a: Any, b: Any) -> bool:
+    """Equal dtype, shape and bytes (NaN logprobs included)."""
+    if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+        return bool(a == b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def _where(s: StepSequence) -> str:
