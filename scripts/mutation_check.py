@@ -968,7 +968,7 @@ MUTATIONS += (
     Mutation("step-row-key-of-the-first-lease", "kvckpt/transitions/progress_step.py",
              "gid_json[at], rows[at] + index.to_bytes(4, \"big\"), version, lease.group_id))",
              "gid_json[at], rows[0] + index.to_bytes(4, \"big\"), version, lease.group_id))",
-             (f"{STEP}::test_fencing_is_judged_per_lease_and_a_committed_row_per_sequence",)),
+             (f"{STEP}::test_each_sequence_lands_under_its_own_leases_row",)),
 )
 
 

@@ -112,6 +112,17 @@ def test_a_message_in_a_mutable_buffer_is_decoded_from_a_copy(tmp_path):
     assert tokens_of(buf, lease) == {0: [0, 1, 2], 1: [100, 101]}
 
 
+def test_each_sequence_lands_under_its_own_leases_row(tmp_path):
+    """A message of several groups' sequences (the owner builds each lease's row-key prefix once per
+    message): every chunk is stored under its own group and row, and nothing under another's."""
+    buf = make(tmp_path)
+    a, b = buf.admit([0, 1])
+    msg = step(buf.progress_encoder(), [a, b, a, b], [0, 0, 2, 3], [0, 0, 0, 0], [1, 2, 3, 4])
+    assert buf.record_progress_step(msg) == [1, 2, 3, 4]
+    assert tokens_of(buf, a) == {0: [0], 2: [200, 201, 202]}
+    assert tokens_of(buf, b) == {0: [100, 101], 3: [300, 301, 302, 303]}
+
+
 def test_items_and_columns_build_the_same_message(tmp_path):
     buf = make(tmp_path)
     [lease] = buf.admit([0])
