@@ -25,7 +25,8 @@ verified before anything else is trusted; every length, dtype and shape is check
 actual bytes, and what the record would decode to against the caller's :class:`Limits`, before
 anything is decompressed or an array is built; a violation raises
 :class:`~kvckpt.errors.CorruptRecord` naming the key. Decoded values own their memory (they never
-alias an LMDB page).
+alias an LMDB page); only :func:`decode_views` leaves plain fields as read-only views, into ``bytes``
+the caller owns (a received progress message).
 
 The module is long on purpose: the writer, the generic reader and the compiled reader of one
 known layout (:class:`RecordRules`, the owner's check of producers' rows) share one table of what
