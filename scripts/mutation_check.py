@@ -444,7 +444,8 @@ MUTATIONS += (
              (f"{STEP}::test_the_transactions_refusals_are_per_sequence_too",
               f"{STEP}::test_a_lease_of_another_timeline_is_refused_and_the_other_sequences_land")),
     Mutation("step-durable-length-fast-path-trusts-any-last-chunk", "kvckpt/transitions/progress_step.py",
-             "    if at < start and codec.meta_begins(", "    if at < start or codec.meta_begins(",
+             "            if codec.meta_begins(value, meta_head(",
+             "            if True or codec.meta_begins(value, meta_head(",
              (f"{STEP}::test_the_transactions_refusals_are_per_sequence_too",)),
     Mutation("step-fencing-judged-once-per-group-not-per-lease", "kvckpt/transitions/progress_step.py",
              "    held = id(s.lease)", "    held = gid",
@@ -1012,6 +1013,28 @@ MUTATIONS += (
     Mutation("server-sigterm-drains-nothing", "integrations/common/progress.py",
              "        reports = drain_all(grace)\n", "        reports = [r.drain(0.0) for r in ()]\n",
              ("tests/integrations/trl/test_trl_server_drain.py",)),
+)
+
+# issue 45 (this session, h45p16): the owner's progress path made cheaper: the message's plain arrays are
+# read-only views into its immutable bytes (codec.decode_views), and each sequence's row key is built from
+# its lease's prefix, built once per message.
+MUTATIONS += (
+    Mutation("step-message-views-a-mutable-buffer", "kvckpt/storage/progress_message.py",
+             "        value = value if type(value) is bytes else bytes(value)\n", "",
+             (f"{STEP}::test_a_message_in_a_mutable_buffer_is_decoded_from_a_copy",)),
+    Mutation("decode-views-takes-a-mutable-buffer", "kvckpt/storage/codec.py",
+             "    if type(value) is not bytes:\n        raise BadArgument(f\"decode_views needs", "    if False:\n"
+             "        raise BadArgument(f\"decode_views needs",
+             ("tests/core/test_codec.py::test_decode_views_checks_what_decode_checks_and_aliases_only_immutable_bytes",)),
+    Mutation("decode-views-skips-the-transforms", "kvckpt/storage/codec.py",
+             "        if begins is not None and not spec.transforms and spec.dtype not in TEXT_DTYPES:",
+             "        if begins is not None and spec.dtype not in TEXT_DTYPES:",
+             ("tests/core/test_codec.py::test_decode_views_checks_what_decode_checks_and_aliases_only_immutable_bytes",
+              f"{STEP}::test_a_messages_chunks_are_the_records_record_progress_stores")),
+    Mutation("step-row-key-of-the-first-lease", "kvckpt/transitions/progress_step.py",
+             "gid_json[at], rows[at] + index.to_bytes(4, \"big\"), version, lease.group_id))",
+             "gid_json[at], rows[0] + index.to_bytes(4, \"big\"), version, lease.group_id))",
+             (f"{STEP}::test_each_sequence_lands_under_its_own_leases_row",)),
 )
 
 

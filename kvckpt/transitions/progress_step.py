@@ -36,6 +36,7 @@ from kvckpt import args
 from kvckpt.errors import (
     BadArgument,
     BadOffsets,
+    CorruptRecord,
     DuplicateCommit,
     ForeignLease,
     FutureVersion,
@@ -93,6 +94,9 @@ def prepare(schema: RowSchema, group_size: int, msg: DecodedMessage) -> list[Ste
         return []
     leases = _leases(msg.leases, group_size)
     gid_json = [codec.json_text(lease.group_id) if isinstance(lease, Lease) else "" for lease in leases]
+    # each lease's row-key prefix, built (and its group id checked) once per message, not per sequence
+    rows = [keys.row_prefix(lease.group_id) if isinstance(lease, Lease) else b"" for lease in leases]
+    plain = not msg.fields  # the common message: tokens and logprobs only
     cuts = None if msg.token_versions is None else np.flatnonzero(np.diff(msg.token_versions)) + 1
     versions = msg.versions.tolist() if cuts is None else None
     offsets, max_tokens = msg.offsets.tolist(), schema.max_tokens
@@ -111,15 +115,19 @@ def prepare(schema: RowSchema, group_size: int, msg: DecodedMessage) -> list[Ste
         elif bad or start + b - a > max_tokens or start < 0 or not 0 <= index < group_size:
             out.append(_refusal(schema, lease, i, n, a, b, index, start, ended, total, bad))
         elif cuts is None:  # one weight version per sequence: one chunk
-            chunk = _chunk(msg, gid_json[at], index, start, a, b, versions[i])
-            out.append(StepSequence(lease, index, start + b - a, (chunk,), gid_json[at],
-                                    keys.row_key(lease.group_id, index), chunk.version, lease.group_id))
+            version = versions[i]
+            meta = f"{meta_head(gid_json[at], index, start, b - a)}{version}}}"
+            value = codec.encode_stored((("tokens", "int64", msg.tokens[a:b]),
+                                         ("logprobs", "float32", msg.logprobs[a:b])), meta) if plain else \
+                _chunk(msg, gid_json[at], index, start, a, b, version).value
+            out.append(StepSequence(lease, index, start + b - a, (StepChunk(start, b - a, version, value),),
+                                    gid_json[at], rows[at] + index.to_bytes(4, "big"), version, lease.group_id))
         else:
             runs = [a, *cuts[np.searchsorted(cuts, a, "right"):np.searchsorted(cuts, b, "left")].tolist(), b]
             chunks = tuple(_chunk(msg, gid_json[at], index, start + x - a, x, y, int(msg.token_versions[x]))
                            for x, y in itertools.pairwise(runs))
             out.append(StepSequence(lease, index, start + b - a, chunks, gid_json[at],
-                                    keys.row_key(lease.group_id, index), max(c.version for c in chunks),
+                                    rows[at] + index.to_bytes(4, "big"), max(c.version for c in chunks),
                                     lease.group_id))
         ended = max(ended, b)
     return out
@@ -292,9 +300,12 @@ def _durable_length(t: ChunkRows, s: StepSequence, start: int) -> int:
     if last is None:
         return 0
     at, value = last
-    expected = meta_head(s.gid_json, s.index, at, start - at)
-    if at < start and codec.meta_begins(value, expected, f"progress/{keys.row_id(s.group_id, s.index)}@{at}"):
-        return start
+    if at < start:
+        try:  # the record's name is built only for a refusal (this runs once per appended chunk)
+            if codec.meta_begins(value, meta_head(s.gid_json, s.index, at, start - at)):
+                return start
+        except CorruptRecord as exc:
+            raise CorruptRecord(f"progress/{keys.row_id(s.group_id, s.index)}@{at}", exc.reason) from None
     return progress.durable_length_of(last, s.group_id, s.index)
 
 
