@@ -1037,6 +1037,16 @@ MUTATIONS += (
              (f"{STEP}::test_each_sequence_lands_under_its_own_leases_row",)),
 )
 
+# issue 49 (this session): the verl side's cover, which makes the kill campaign's coverage of every ledger call kind
+# hold on every timeline (a run's first child acknowledges every kind before it says it is ready). Run with
+# --python "$PWD/.venv-verl/bin/python".
+MUTATIONS += (
+    Mutation("verl-campaign-start-skips-the-cover", "integrations/verl/campaign.py",
+             "    writer.restart()\n    writer.cover()\n", "    writer.restart()\n",
+             ("tests/integrations/verl/test_verl_campaign.py::"
+              "test_a_runs_first_child_acknowledges_every_kind_before_its_start_returns",)),
+)
+
 
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and
