@@ -45,38 +45,19 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from trl_cpu import ServerWeightTransferOnCPU, install_cpu_stand_ins, make_room
+from trl_cpu import ServerWeightTransferOnCPU, install_cpu_stand_ins, make_room, server_run
 
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     install_cpu_stand_ins()
-    from datasets import Dataset
     from kvckpt.integrations.trl import BUFFER_FILE, KvckptRolloutWorker
-    from kvckpt.integrations.vllm import AdditionTask
     from transformers import AutoTokenizer, TrainerCallback
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
 
     from kvckpt.storage.progress_message import decode_message
 
-    task = AdditionTask()
-    dataset = Dataset.from_list([{"prompt": task.prompt(i), "answer": task.answer(i)} for i in range(task.size)])
-    log_fh = open(cfg["log"], "a")  # noqa: SIM115 - appended to until the process ends or is killed
-
-    def log(event):
-        log_fh.write(json.dumps(event) + "\n")
-        log_fh.flush()
-        os.fsync(log_fh.fileno())
-
-    def reward(completions, answer, **_):
-        return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
-
-    args = AsyncGRPOConfig(
-        output_dir=os.path.join(cfg["workdir"], "out"), max_steps=cfg["max_steps"], save_steps=cfg["save_steps"],
-        save_strategy="steps", per_device_train_batch_size=4, gradient_accumulation_steps=1, num_generations=2,
-        max_completion_length=cfg["max_tokens"], token_budget=0, use_cpu=True, bf16=False, report_to=[],
-        logging_steps=1, max_staleness=4, learning_rate=0.0, top_k=1, seed=0, save_only_model=False,
-        dataloader_num_workers=0, vllm_server_base_url=cfg["server"])
+    dataset, reward, log, args = server_run(cfg, cfg["max_steps"], cfg["save_steps"])
 
     def kill_mid_generation(states):
         """SIGKILL once ``kill_after_step``'s checkpoint is complete and a sample of the batch in
