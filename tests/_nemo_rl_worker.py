@@ -74,8 +74,10 @@ class ContractRolloutManager:
     """NeMo-RL's ``RolloutManager`` contract: ``generate_and_push`` reserves per attempt, runs the rollout (one
     ``generate_async`` per sample, concurrently, in sample order), commits or removes the attempt."""
 
-    def __init__(self, *, policy_generation: Any, tq_buffer: Any, num_generations_per_prompt: int, **_: Any) -> None:
-        self._policy, self._tq_buffer, self._n = policy_generation, tq_buffer, num_generations_per_prompt
+    def __init__(self, *, policy_generation: Any, tq_buffer: Any, num_generations_per_prompt: int, tokenizer: Any = None,
+                 **_: Any) -> None:
+        self._policy_generation, self._tq_buffer, self._n = policy_generation, tq_buffer, num_generations_per_prompt
+        self._tokenizer = tokenizer
         self._weight_version = 0
 
     def set_weight_version(self, version: int) -> None:
@@ -105,7 +107,7 @@ class ContractRolloutManager:
         ids = torch.cat([m["token_ids"] for m in input_sample["message_log"]])
         out: Any = None
         data = {"input_ids": ids[None], "input_lengths": torch.tensor([len(ids)])}
-        async for item in self._policy.generate_async(data):
+        async for item in self._policy_generation.generate_async(data):
             out = item[1]  # NeMo-RL keeps the last
         n = len(ids)
         total = int(out["unpadded_sequence_lengths"][0])
