@@ -201,6 +201,11 @@ class ProgressEngine:
         if self.on_finish is not None:
             self.on_finish(lease, index, ids, logprobs, versions)
 
+    def acknowledged(self) -> dict[tuple[str, int], int]:
+        """``(group id, sample index) -> tokens the store acknowledged durable`` of each sequence still generating."""
+        tails = [] if self._recorder is None else list(self._recorder.recorder.tails)
+        return {(t.key[0].group_id, int(t.key[1])): int(t.durable) for t in tails}
+
     def close(self) -> None:
         """Make every sequence's due chunks durable and stop the recorder's flusher (the worker shuts down)."""
         if self._recorder is not None:
@@ -256,7 +261,7 @@ def install_worker(worker_cls: type) -> None:
             from kvckpt.integrations.nemo_rl.remote import desk_sink
 
             attach(self, desk_sink(settings), every_tokens=int(settings["every"]), eos=settings["eos"],
-                   weight_version=int(settings["version"]))
+                   weight_version=int(settings["version"]), on_finish=getattr(self, "kvckpt_on_finish", None))
         with sequence(*((Lease.from_dict(keys[0]["lease"]), int(keys[0]["index"])) if keys else (None, 0))):
             async for item in original(self, data, *args, **kwargs):
                 yield item

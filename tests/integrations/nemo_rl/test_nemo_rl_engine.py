@@ -93,8 +93,11 @@ def test_the_launcher_makes_nemo_rl_build_kvckpts_worker_and_key_its_rollouts(
                  "nemo_rl.algorithms.single_controller_utils"):
         _stand_in(monkeypatch, name)
     quant = "nemo_rl.modelopt.Quant"
+    def resolve(default: str, cfg: dict) -> str:  # NeMo-RL's: its ModelOpt worker when quant_cfg is set
+        return default if cfg.get("quant_cfg") is None else quant
+
     generation = _stand_in(monkeypatch, "nemo_rl.models.generation.vllm.vllm_generation",
-                           resolve_generation_worker_cls=lambda default, cfg: default if cfg.get("quant_cfg") is None else quant)
+                           resolve_generation_worker_cls=resolve)
     registry = _stand_in(monkeypatch, "nemo_rl.distributed.ray_actor_environment_registry",
                          ACTOR_ENVIRONMENT_REGISTRY={NEMO_RL_WORKER_FQN: "uv run --extra vllm"})
     _stand_in(monkeypatch, "nemo_rl.experience.rollout_manager", RolloutManager=RolloutManager)
