@@ -1111,6 +1111,10 @@ MUTATIONS += (
     Mutation("nemo-rl-key-carries-no-progress-settings", "integrations/nemo_rl/engine.py",
              '**({} if self.settings is None else {"progress": dict(self.settings())})', "**{}",
              (f"{NEMO_RL_RAY}::test_the_ray_worker_recorded_through_the_desk_and_durable_covers_what_was_acknowledged",)),
+    Mutation("nemo-rl-later-turn-keyed", "integrations/nemo_rl/engine.py",
+             "            if calls == 0:  # a later turn", "            if True:  # a later turn",
+             (f"{NEMO_RL_LAUNCHER}::test_a_samples_first_turn_is_keyed_with_the_progress_settings_and_a_later_turn"
+              "_passes_through",)),
     Mutation("nemo-rl-desk-reads-no-prefix", "integrations/nemo_rl/remote.py",
              "value = progress_to_dict(self.core.progress(payload))", "value = {}",
              (f"{NEMO_RL_RAY}::test_the_ray_worker_recorded_through_the_desk_and_durable_covers_what_was_acknowledged",)),

@@ -114,3 +114,38 @@ def test_the_launcher_makes_nemo_rl_build_kvckpts_worker_and_key_its_rollouts(
     assert getattr(RolloutManager.generate_and_push, "kvckpt_original", None) is not None
     install(config)  # idempotent
     assert generation.resolve_generation_worker_cls is resolve
+
+
+def test_a_samples_first_turn_is_keyed_with_the_progress_settings_and_a_later_turn_passes_through() -> None:
+    """Multi-turn (docs/integrations.md, NeMo-RL, "Not covered"): a sample's later turn is another sequence whose
+    prompt holds the environment's reply, which the store does not keep, so only each task's first call is keyed."""
+    from kvckpt.integrations.nemo_rl.dispatch import bind_lease, dispatching
+    from kvckpt.integrations.nemo_rl.engine import KEY, KeyedGeneration
+
+    from kvckpt import Lease
+
+    seen: list[Any] = []
+
+    class Generation:
+        async def generate_async(self, data: Any, greedy: bool = False) -> Any:
+            seen.append(data.get(KEY))
+            yield 0, {}
+
+    keyed = KeyedGeneration(Generation(), lambda: {"desk": "d", "every": 8})
+    lease = Lease("g1", 0, 2, None, 0, 5, "math", "a1")
+
+    async def sample() -> None:
+        for _turn in range(2):
+            async for _ in keyed.generate_async({"input_ids": None}):
+                pass
+
+    async def rollout() -> None:
+        with dispatching({"idx": 5, "task_name": "math"}):
+            bind_lease(lease)
+            await asyncio.gather(asyncio.ensure_future(sample()), asyncio.ensure_future(sample()))
+
+    asyncio.run(rollout())
+    firsts = [k for k in seen if k is not None]
+    assert [k[0]["index"] for k in firsts] == [0, 1] and len(seen) == 4  # two samples, two turns each
+    assert all(k[0]["progress"] == {"desk": "d", "every": 8} and k[0]["lease"]["group_id"] == "g1" for k in firsts)
+    assert [k is None for k in seen] == [False, True, False, True]  # each sample's second turn carries no key
