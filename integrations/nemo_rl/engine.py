@@ -39,6 +39,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
@@ -131,8 +132,10 @@ class ProgressEngine:
         self.engine, self.sink, self.every_tokens, self.eos = engine, sink, int(every_tokens), eos
         self.weight_version, self.on_finish = int(weight_version), on_finish
         self._recorder: ProgressRecorder | None = None  # the engine's one recorder, made at its first keyed request
-        #: requests made to the engine, tokens it generated for keyed sequences, tokens taken from durable progress
-        self.stats = {"requests": 0, "generated": 0, "resumed": 0, "refused": 0}
+        #: requests made to the engine, tokens it generated for keyed sequences, tokens taken from durable progress,
+        #: refused requests, and ``loop_s``: seconds the event loop spent handing tokens to the recorder (its only
+        #: wait: the flusher writes off the loop, unless a sequence holds a whole interval unrecorded)
+        self.stats: dict[str, float] = {"requests": 0, "generated": 0, "resumed": 0, "refused": 0, "loop_s": 0.0}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)  # the rest of AsyncLLM (the HTTP path's model_config, renderer, ...)
@@ -190,7 +193,9 @@ class ProgressEngine:
                     logprobs += new_lp
                     versions += [self.weight_version] * len(new)
                     if new:
+                        handed = time.perf_counter()
                         recorder.take(new, new_lp, self.weight_version)
+                        self.stats["loop_s"] += time.perf_counter() - handed
                     yield self._spliced(out, ids, logprobs if c.logprobs is not None else None)
             except Exception:
                 self.stats["refused"] += 1

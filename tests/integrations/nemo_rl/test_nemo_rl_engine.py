@@ -66,7 +66,7 @@ def test_a_request_without_a_sequence_key_passes_through_untouched() -> None:
 
     assert asyncio.run(collect()) == engine.outputs  # the engine's own objects, not copies
     assert engine.calls == [(prompt, params, "r1")]
-    assert proxy.stats == {"requests": 0, "generated": 0, "resumed": 0, "refused": 0}
+    assert proxy.stats == {"requests": 0, "generated": 0, "resumed": 0, "refused": 0, "loop_s": 0.0}
 
 
 def _stand_in(monkeypatch: pytest.MonkeyPatch, name: str, **members: Any) -> types.ModuleType:
