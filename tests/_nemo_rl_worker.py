@@ -74,8 +74,8 @@ class ContractRolloutManager:
     """NeMo-RL's ``RolloutManager`` contract: ``generate_and_push`` reserves per attempt, runs the rollout (one
     ``generate_async`` per sample, concurrently, in sample order), commits or removes the attempt."""
 
-    def __init__(self, *, policy_generation: Any, tq_buffer: Any, num_generations_per_prompt: int, tokenizer: Any = None,
-                 **_: Any) -> None:
+    def __init__(self, *, policy_generation: Any, tq_buffer: Any, num_generations_per_prompt: int,
+                 tokenizer: Any = None, **_: Any) -> None:
         self._policy_generation, self._tq_buffer, self._n = policy_generation, tq_buffer, num_generations_per_prompt
         self._tokenizer = tokenizer
         self._weight_version = 0
