@@ -29,7 +29,7 @@ import ray
 import torch
 from _nemo_rl import GRPO, SAMPLERS, store_config
 from _nemo_rl_ray_host import WorkerHost
-from _nemo_rl_worker import make_manager, nemo_rl_parts
+from _nemo_rl_worker import addition_prompts, committed_rows, make_manager, nemo_rl_parts
 from _paths import TESTS
 from _phases import write_json
 from kvckpt.integrations.nemo_rl import TQReplayBuffer, configure
@@ -37,10 +37,8 @@ from kvckpt.integrations.nemo_rl.engine import KEY
 from kvckpt.integrations.nemo_rl.reissue import install_generate_and_push, reissue_inflight
 from kvckpt.integrations.nemo_rl.remote import service_for
 from kvckpt.integrations.ray import init_local_ray
-from transformers import AutoTokenizer
 
 from kvckpt import READY
-from kvckpt.testing.fixtures.tiny_model import AdditionTask, ensure_tiny_model
 
 PHASE, WORK = sys.argv[1], sys.argv[2]
 EVERY, BUDGET, REFIT_AT, KILL_AT, PROMPTS, N = 8, 40, 11, 29, 2, 2
@@ -85,26 +83,11 @@ class World:
 
     def rows(self) -> dict[str, dict]:
         """What NeMo-RL committed: each row's generated tokens and logprobs, by prompt/sample."""
-        out = {}
-        for group in self.buffer.core.groups([READY]):
-            batch = self.buffer.core.read_batch([group.group_id],
-                                                fields=["input_ids", "generation_logprobs", "token_mask"])
-            for i in range(batch.tensors["input_ids"].shape[0]):
-                n = int(batch.lengths[i])
-                mask = batch.tensors["token_mask"][i, :n].bool()
-                out[f"p{group.prompt_idx}/{i}"] = {
-                    "tokens": batch.tensors["input_ids"][i, :n][mask].tolist(),
-                    "logprobs": batch.tensors["generation_logprobs"][i, :n][mask].tolist()}
-        return out
+        return committed_rows(self.buffer)
 
 
 def prompts() -> list[dict]:
-    task = AdditionTask()
-    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
-    return [{"idx": i, "task_name": "math", "extra_env_info": None, "stop_strings": None,
-             "message_log": [{"role": "user", "content": task.prompt(i),
-                              "token_ids": torch.tensor(tokenizer(task.prompt(i))["input_ids"])}]}
-            for i in range(PROMPTS)]
+    return addition_prompts(PROMPTS)
 
 
 def crash(kill: bool = True) -> None:
