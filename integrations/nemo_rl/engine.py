@@ -196,7 +196,9 @@ class ProgressEngine:
                         handed = time.perf_counter()
                         recorder.take(new, new_lp, self.weight_version)
                         self.stats["loop_s"] += time.perf_counter() - handed
-                    yield self._spliced(out, ids, logprobs if c.logprobs is not None else None)
+                    # the engine's output is already the whole sequence unless a durable prefix came first
+                    yield self._spliced(out, ids, logprobs if c.logprobs is not None else None) if prefix.prefix_ids \
+                        else out
             except Exception:
                 self.stats["refused"] += 1
                 with contextlib.suppress(Exception):
