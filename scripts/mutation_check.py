@@ -619,6 +619,7 @@ MUTATIONS += (
 # issue 47: NeMo-RL's in-flight tokens (the engine proxy's splice, the sequence key's propagation, the re-issue).
 # The aimed tests share one fixture (three fresh processes, about 1.5 minutes here).
 NEMO_RL_CRASH = "tests/integrations/nemo_rl/test_nemo_rl_progress_crash.py"
+NEMO_RL_LAUNCHER = "tests/integrations/nemo_rl/test_nemo_rl_engine.py"
 MUTATIONS += (
     Mutation("nemo-rl-proxy-splice-drops-the-prefix", "integrations/nemo_rl/engine.py",
              "whole = dataclasses.replace(c, token_ids=list(ids),",
@@ -635,9 +636,9 @@ MUTATIONS += (
              "bound = None",
              (f"{NEMO_RL_CRASH}::test_each_recovered_prompt_is_reissued_once_and_a_zombie_is_refused",)),
     Mutation("nemo-rl-launcher-drops-progress", "integrations/nemo_rl/swap.py",
-             "    if cfg.progress_every_tokens:\n        raise BadArgument(",
-             "    if False:\n        raise BadArgument(",
-             ("tests/integrations/nemo_rl/test_nemo_rl_engine.py::test_the_launcher_refuses_progress_it_cannot_attach",)),
+             "    if cfg.progress_every_tokens:\n        install_progress()",
+             "    if False:\n        install_progress()",
+             (f"{NEMO_RL_LAUNCHER}::test_the_launcher_makes_nemo_rl_build_kvckpts_worker_and_key_its_rollouts",)),
     # NeMo-Gym's token store, killed by Gym's own conformance suite: run with --python "$PWD/.venv-gym/bin/python"
     Mutation("gym-drop-ignores-the-version", "integrations/nemo_gym/store.py",
              'or state["version"] != version:', "or False:",
@@ -1196,6 +1197,26 @@ def table(outcomes: list[Outcome]) -> str:
     lines.append(", ".join(f"{n} {v}" for v, n in counts.items()))
     return "\n".join(lines)
 
+
+# issue 47 (this session): progress from NeMo-RL's Ray generation workers (the launcher's worker class, the key's
+# progress settings, the desk in the store's process). The Ray crash test's fixture runs three fresh processes with
+# a fresh Ray each (about 3 minutes here).
+NEMO_RL_RAY = "tests/integrations/nemo_rl/test_nemo_rl_ray_crash.py"
+MUTATIONS += (
+    Mutation("nemo-rl-worker-class-not-resolved", "integrations/nemo_rl/remote.py",
+             "return WORKER_FQN if chosen == NEMO_RL_WORKER_FQN else chosen", "return chosen",
+             (f"{NEMO_RL_LAUNCHER}::test_the_launcher_makes_nemo_rl_build_kvckpts_worker_and_key_its_rollouts",)),
+    Mutation("nemo-rl-key-carries-no-progress-settings", "integrations/nemo_rl/engine.py",
+             '**({} if self.settings is None else {"progress": dict(self.settings())})', "**{}",
+             (f"{NEMO_RL_RAY}::test_the_ray_worker_recorded_through_the_desk_and_durable_covers_what_was_acknowledged",)),
+    Mutation("nemo-rl-later-turn-keyed", "integrations/nemo_rl/engine.py",
+             "            if calls == 0:  # a later turn", "            if True:  # a later turn",
+             (f"{NEMO_RL_LAUNCHER}::test_a_samples_first_turn_is_keyed_with_the_progress_settings_and_a_later_turn"
+              "_passes_through",)),
+    Mutation("nemo-rl-desk-reads-no-prefix", "integrations/nemo_rl/remote.py",
+             "value = progress_to_dict(self.core.progress(payload))", "value = {}",
+             (f"{NEMO_RL_RAY}::test_the_ray_worker_recorded_through_the_desk_and_durable_covers_what_was_acknowledged",)),
+)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -20,7 +20,15 @@ import sys
 
 import torch
 from _nemo_rl import GRPO, SAMPLERS, store_config
-from _nemo_rl_worker import InProcessGeneration, RefitEngine, make_manager, make_worker, nemo_rl_parts
+from _nemo_rl_worker import (
+    InProcessGeneration,
+    RefitEngine,
+    addition_prompts,
+    committed_rows,
+    make_manager,
+    make_worker,
+    nemo_rl_parts,
+)
 from _phases import write_json
 from kvckpt.integrations.nemo_rl import TQReplayBuffer, configure
 from kvckpt.integrations.nemo_rl.engine import KeyedGeneration, ProgressEngine, attach, install_worker, sequence
@@ -28,7 +36,7 @@ from kvckpt.integrations.nemo_rl.reissue import install_generate_and_push, reiss
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvckpt import READY
-from kvckpt.testing.fixtures.tiny_model import AdditionTask, ensure_tiny_model
+from kvckpt.testing.fixtures.tiny_model import ensure_tiny_model
 
 PHASE, WORK = sys.argv[1], sys.argv[2]
 EVERY, BUDGET, REFIT_AT, KILL_AT, PROMPTS, N = 8, 40, 11, 29, 2, 2
@@ -61,27 +69,12 @@ class World:
         self.finished[f"p{lease.prompt_idx}/{index}"] = {"tokens": ids, "logprobs": logprobs, "versions": versions}
 
     def rows(self) -> dict[str, dict]:
-        """What NeMo-RL committed: each row's generated tokens and logprobs (``token_mask`` 1), by prompt/sample."""
-        out = {}
-        for group in self.buffer.core.groups([READY]):
-            batch = self.buffer.core.read_batch([group.group_id],
-                                                fields=["input_ids", "generation_logprobs", "token_mask"])
-            for i in range(batch.tensors["input_ids"].shape[0]):
-                n = int(batch.lengths[i])
-                mask = batch.tensors["token_mask"][i, :n].bool()
-                out[f"p{group.prompt_idx}/{i}"] = {
-                    "tokens": batch.tensors["input_ids"][i, :n][mask].tolist(),
-                    "logprobs": batch.tensors["generation_logprobs"][i, :n][mask].tolist()}
-        return out
+        """What NeMo-RL committed: each row's generated tokens and logprobs, by prompt/sample."""
+        return committed_rows(self.buffer)
 
 
 def prompts() -> list[dict]:
-    task = AdditionTask()
-    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
-    return [{"idx": i, "task_name": "math", "extra_env_info": None, "stop_strings": None,
-             "message_log": [{"role": "user", "content": task.prompt(i),
-                              "token_ids": torch.tensor(tokenizer(task.prompt(i))["input_ids"])}]}
-            for i in range(PROMPTS)]
+    return addition_prompts(PROMPTS)
 
 
 async def dispatch_all(world: World) -> list:

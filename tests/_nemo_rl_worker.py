@@ -74,8 +74,10 @@ class ContractRolloutManager:
     """NeMo-RL's ``RolloutManager`` contract: ``generate_and_push`` reserves per attempt, runs the rollout (one
     ``generate_async`` per sample, concurrently, in sample order), commits or removes the attempt."""
 
-    def __init__(self, *, policy_generation: Any, tq_buffer: Any, num_generations_per_prompt: int, **_: Any) -> None:
-        self._policy, self._tq_buffer, self._n = policy_generation, tq_buffer, num_generations_per_prompt
+    def __init__(self, *, policy_generation: Any, tq_buffer: Any, num_generations_per_prompt: int,
+                 tokenizer: Any = None, **_: Any) -> None:
+        self._policy_generation, self._tq_buffer, self._n = policy_generation, tq_buffer, num_generations_per_prompt
+        self._tokenizer = tokenizer
         self._weight_version = 0
 
     def set_weight_version(self, version: int) -> None:
@@ -105,7 +107,7 @@ class ContractRolloutManager:
         ids = torch.cat([m["token_ids"] for m in input_sample["message_log"]])
         out: Any = None
         data = {"input_ids": ids[None], "input_lengths": torch.tensor([len(ids)])}
-        async for item in self._policy.generate_async(data):
+        async for item in self._policy_generation.generate_async(data):
             out = item[1]  # NeMo-RL keeps the last
         n = len(ids)
         total = int(out["unpadded_sequence_lengths"][0])
@@ -180,3 +182,34 @@ def make_manager(manager_cls: type, *, policy_generation: Any, buffer: Any, n: i
     """The rollout manager as NeMo-RL's SingleController builds it for the native async path."""
     return manager_cls(tokenizer=Tokenizer(), task_to_env={"math": None}, num_generations_per_prompt=n,
                        max_seq_len=4096, policy_generation=policy_generation, tq_buffer=buffer)
+
+
+def committed_rows(buffer: Any) -> dict[str, dict]:
+    """What NeMo-RL committed to ``buffer`` (a kvckpt ``TQReplayBuffer``): each row's generated tokens and logprobs
+    (``token_mask`` 1), by ``p<prompt>/<sample>``."""
+    from kvckpt import READY
+
+    out = {}
+    for group in buffer.core.groups([READY]):
+        batch = buffer.core.read_batch([group.group_id], fields=["input_ids", "generation_logprobs", "token_mask"])
+        for i in range(batch.tensors["input_ids"].shape[0]):
+            n = int(batch.lengths[i])
+            mask = batch.tensors["token_mask"][i, :n].bool()
+            out[f"p{group.prompt_idx}/{i}"] = {
+                "tokens": batch.tensors["input_ids"][i, :n][mask].tolist(),
+                "logprobs": batch.tensors["generation_logprobs"][i, :n][mask].tolist()}
+    return out
+
+
+def addition_prompts(n: int) -> list[dict]:
+    """``n`` NeMo-RL ``DatumSpec`` prompts of kvckpt's addition task, tokenized by the tiny model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from kvckpt.testing.fixtures.tiny_model import AdditionTask, ensure_tiny_model
+
+    task = AdditionTask()
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
+    return [{"idx": i, "task_name": "math", "extra_env_info": None, "stop_strings": None,
+             "message_log": [{"role": "user", "content": task.prompt(i),
+                              "token_ids": torch.tensor(tokenizer(task.prompt(i))["input_ids"])}]}
+            for i in range(n)]

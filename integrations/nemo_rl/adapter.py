@@ -412,8 +412,19 @@ class TQReplayBuffer:
                                                       expected_partition_id=expected_partition_id,
                                                       expected_group_size=expected_group_size)
 
+    @property
+    def progress_every_tokens(self) -> int:
+        """The token-progress interval its config sets (``progress_every_tokens``; 0: off)."""
+        return 0 if self._config is None else int(self._config.progress_every_tokens)
+
+    def on_close(self, callback: Any) -> None:
+        """Call ``callback()`` when this buffer closes, before the store does (the progress desk stops there)."""
+        self.__dict__.setdefault("_closing", []).append(callback)
+
     def close(self) -> None:
-        """Close the store. Idempotent."""
+        """Close the store (after the :meth:`on_close` callbacks). Idempotent."""
+        for callback in self.__dict__.pop("_closing", []):
+            callback()
         self.core.close()
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:

@@ -39,8 +39,9 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,27 +86,31 @@ class _Output:
 
 
 class _Sequence:
-    """THE RECORDER SEAM (module docstring): one sequence's recording through the shared producer recorder."""
+    """THE RECORDER SEAM (module docstring): one sequence's tail in the engine's shared producer recorder."""
 
-    def __init__(self, sink: Any, lease: Lease, index: int, durable: int, every: int, version: int) -> None:
-        self._recorder = ProgressRecorder(sink, [(lease, index)], [durable], version, every_tokens=every,
-                                          every_seconds=None)
+    def __init__(self, recorder: ProgressRecorder, lease: Lease, index: int, durable: int, every: int) -> None:
+        self._recorder = recorder
+        self._tail = recorder.recorder.open((lease, index), durable, every)
 
     def take(self, ids: list[int], logprobs: list[float], version: int) -> None:
-        """Add new tokens made by weights ``version``; a due chunk is written (one step message)."""
-        self._check(self._recorder.on_step([(0, ids, logprobs, version)]))
+        """Add new tokens made by weights ``version``; a due chunk goes out with the engine's next flush (one step
+        message for every due sequence, written by the recorder's flusher thread, off the event loop)."""
+        self._recorder.recorder.take(self._tail, ids, logprobs, [version] * len(ids))
+        self._recorder.recorder.step()
+        self._check()
 
-    def finish(self) -> None:
-        """The sequence ended: write its whole tail, however short of an interval."""
-        self._recorder.close(tail=True)
-        self._check(set(self._recorder.refused))
+    async def finish(self) -> None:
+        """The sequence ended: write its whole tail, however short of an interval, and return once it is durable
+        (waited for in a thread, so the other sequences keep generating)."""
+        await asyncio.get_running_loop().run_in_executor(None, self._recorder.recorder.finish, self._tail)
+        self._check()
 
-    def _check(self, stopped: set[Any]) -> None:
-        if stopped:
-            refusal = next(iter(self._recorder.refused.values()), None)
-            raise refusal if refusal is not None else InvariantViolation(
-                "token progress of this sequence stopped without a refusal (the recorder is draining); "
-                "nothing more of it is written")
+    def _check(self) -> None:
+        if self._tail.refused is not None:
+            raise self._tail.refused
+        if self._recorder.error is not None:
+            raise InvariantViolation(f"token progress stopped: a flush failed ({self._recorder.error!r}); nothing "
+                                     "more is written")
 
 
 class ProgressEngine:
@@ -126,8 +131,11 @@ class ProgressEngine:
                  on_finish: Callable[[Lease, int, list[int], list[float], list[int]], None] | None = None) -> None:
         self.engine, self.sink, self.every_tokens, self.eos = engine, sink, int(every_tokens), eos
         self.weight_version, self.on_finish = int(weight_version), on_finish
-        #: requests made to the engine, tokens it generated for keyed sequences, tokens taken from durable progress
-        self.stats = {"requests": 0, "generated": 0, "resumed": 0, "refused": 0}
+        self._recorder: ProgressRecorder | None = None  # the engine's one recorder, made at its first keyed request
+        #: requests made to the engine, tokens it generated for keyed sequences, tokens taken from durable progress,
+        #: refused requests, and ``loop_s``: seconds the event loop spent handing tokens to the recorder (its only
+        #: wait: the flusher writes off the loop, unless a sequence holds a whole interval unrecorded)
+        self.stats: dict[str, float] = {"requests": 0, "generated": 0, "resumed": 0, "refused": 0, "loop_s": 0.0}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)  # the rest of AsyncLLM (the HTTP path's model_config, renderer, ...)
@@ -158,7 +166,10 @@ class ProgressEngine:
         budget = int(sampling_params.max_tokens)
         ids, logprobs, versions = list(prefix.prefix_ids), list(prefix.prefix_logprobs), list(prefix.prefix_versions)
         self.stats["resumed"] += len(ids)
-        recorder = _Sequence(self.sink, lease, index, len(ids), self.every_tokens, self.weight_version)
+        if self._recorder is None:
+            self._recorder = ProgressRecorder(self.sink, [], [], self.weight_version, every_tokens=self.every_tokens,
+                                              every_seconds=None, background=True)
+        recorder = _Sequence(self._recorder, lease, index, len(ids), self.every_tokens)
         want_logprobs = getattr(sampling_params, "logprobs", None) is not None
         remaining = prefix.remaining(budget, eos)
         if remaining == 0:
@@ -182,14 +193,31 @@ class ProgressEngine:
                     logprobs += new_lp
                     versions += [self.weight_version] * len(new)
                     if new:
+                        handed = time.perf_counter()
                         recorder.take(new, new_lp, self.weight_version)
-                    yield self._spliced(out, ids, logprobs if c.logprobs is not None else None)
+                        self.stats["loop_s"] += time.perf_counter() - handed
+                    # the engine's output is already the whole sequence unless a durable prefix came first
+                    yield self._spliced(out, ids, logprobs if c.logprobs is not None else None) if prefix.prefix_ids \
+                        else out
             except Exception:
                 self.stats["refused"] += 1
+                with contextlib.suppress(Exception):
+                    await recorder.finish()  # what was generated stays durable; the sequence leaves the recorder
                 raise
-        recorder.finish()
+        await recorder.finish()
         if self.on_finish is not None:
             self.on_finish(lease, index, ids, logprobs, versions)
+
+    def acknowledged(self) -> dict[tuple[str, int], int]:
+        """``(group id, sample index) -> tokens the store acknowledged durable`` of each sequence still generating."""
+        tails = [] if self._recorder is None else list(self._recorder.recorder.tails)
+        return {(t.key[0].group_id, int(t.key[1])): int(t.durable) for t in tails}
+
+    def close(self) -> None:
+        """Make every sequence's due chunks durable and stop the recorder's flusher (the worker shuts down)."""
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
 
     @staticmethod
     def _logprobs(ids: Sequence[int], logprobs: Sequence[float]) -> list[dict[int, Any]]:
@@ -235,6 +263,12 @@ def install_worker(worker_cls: type) -> None:
     @functools.wraps(original)
     async def generate_async(self: Any, data: Any, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         keys = data.pop(KEY, None) if hasattr(data, "pop") else None
+        settings = keys[0].get("progress") if keys else None
+        if settings is not None and not isinstance(self.llm, ProgressEngine):  # a Ray worker's first keyed request
+            from kvckpt.integrations.nemo_rl.remote import desk_sink
+
+            attach(self, desk_sink(settings), every_tokens=int(settings["every"]), eos=settings["eos"],
+                   weight_version=int(settings["version"]), on_finish=getattr(self, "kvckpt_on_finish", None))
         with sequence(*((Lease.from_dict(keys[0]["lease"]), int(keys[0]["index"])) if keys else (None, 0))):
             async for item in original(self, data, *args, **kwargs):
                 yield item
@@ -247,8 +281,8 @@ class KeyedGeneration:
     """The controller's ``policy_generation`` with the sequence key added to each first call of a sample's task
     (module docstring); every other member is the wrapped object's."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
+    def __init__(self, inner: Any, settings: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        self.inner, self.settings = inner, settings
         self._order: dict[tuple[str, int], weakref.WeakKeyDictionary[asyncio.Task, int]] = {}
         self._calls: weakref.WeakKeyDictionary[asyncio.Task, int] = weakref.WeakKeyDictionary()
 
@@ -266,6 +300,7 @@ class KeyedGeneration:
                     del self._order[done]
                 order = self._order.setdefault((lease.group_id, lease.attempt), weakref.WeakKeyDictionary())
                 order[task] = index = len(order)
-                data[KEY] = [{"lease": lease.to_dict(), "index": index}]
+                data[KEY] = [{"lease": lease.to_dict(), "index": index,
+                              **({} if self.settings is None else {"progress": dict(self.settings())})}]
         async for item in self.inner.generate_async(data, *args, **kwargs):
             yield item

@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvckpt.integrations.nemo_rl.dispatch import dispatching
+from kvckpt.integrations.nemo_rl.engine import KeyedGeneration
+from kvckpt.integrations.nemo_rl.remote import service_for
 
 from kvckpt import Lease
 from kvckpt.errors import BadArgument
@@ -37,11 +39,32 @@ def install_generate_and_push(manager_cls: type) -> None:
     @functools.wraps(original)
     async def generate_and_push(self: Any, input_sample: Mapping[str, Any], *args: Any, group_id: str | None = None,
                                 **kwargs: Any) -> Any:
+        key_generation(self)
         with dispatching(input_sample, group_id):
             return await original(self, input_sample, *args, **kwargs)
 
     generate_and_push.kvckpt_original = original  # type: ignore[attr-defined]
     manager_cls.generate_and_push = generate_and_push
+
+
+def key_generation(manager: Any) -> None:
+    """With the manager's buffer configured for token progress (``progress_every_tokens``): start the desk NeMo-RL's
+    Ray workers write to, in this process (the one that owns the store: :func:`~.remote.service_for`), and key the
+    manager's ``policy_generation`` (:class:`~.engine.KeyedGeneration` carrying the desk's settings). Once per
+    manager; a manager keyed already (a test's, or one built with a ``KeyedGeneration``) is left as it is.
+
+    NeMo-RL's names it reads (``7ea279ab``): the manager's ``_tq_buffer`` and ``_tokenizer``, and the
+    ``_policy_generation`` of its rollout implementation (``_impl``; the manager itself for the legacy one).
+    """
+    buffer = getattr(manager, "_tq_buffer", None)
+    if not getattr(buffer, "progress_every_tokens", 0):
+        return
+    impl = getattr(manager, "_impl", manager)
+    inner = getattr(impl, "_policy_generation", None)
+    if inner is None or isinstance(inner, KeyedGeneration):
+        return
+    service = service_for(buffer, eos=getattr(getattr(manager, "_tokenizer", None), "eos_token_id", None))
+    impl._policy_generation = KeyedGeneration(inner, service.settings)
 
 
 async def reissue_inflight(rollout_manager: Any, buffer: Any, sample_of: Callable[[Lease], Mapping[str, Any]],
