@@ -949,6 +949,25 @@ MUTATIONS += (
              ("tests/durability/test_corruption_fuzz.py::test_verifier_flags_each_inconsistency",)),
 )
 
+# issue 44 (this session, h44b16): the async bound's hold reported, each write's acknowledgement lag measured,
+# a promoted standby shipping to its own successor
+RAY_LEVELS = "tests/integrations/ray/test_ray_replication_levels.py"
+MUTATIONS += (
+    Mutation("ray-async-hold-not-reported", SHIP,
+             "                    self.held_writes += 1\n", "",
+             (f"{RAY_LEVELS}::test_async_answers_at_once_measures_the_lag_and_holds_writes_past_the_bound",)),
+    Mutation("ray-ack-lag-not-measured", SHIP,
+             "            self._lags.append(now - self._written.popleft()[1])",
+             "            self._written.popleft()",
+             (f"{RAY_LEVELS}::test_async_answers_at_once_measures_the_lag_and_holds_writes_past_the_bound",)),
+    Mutation("ray-promoted-standby-ships-to-no-successor", "integrations/ray/actor.py",
+             "        self._replicate(self._successor)\n", "",
+             (f"{RAY_LEVELS}::test_a_promoted_standby_ships_to_its_successor_and_a_second_failover_loses_nothing",)),
+    Mutation("ray-standby-forgets-its-successor", "integrations/ray/actor.py",
+             "                self._successor = replication  # what it ships to once promoted\n", "",
+             (f"{RAY_LEVELS}::test_a_promoted_standby_ships_to_its_successor_and_a_second_failover_loses_nothing",)),
+)
+
 
 def copy_tree(dest: Path, rev: str | None) -> None:
     """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and

@@ -49,6 +49,8 @@ LEVELS = (ASYNC, REMOTE_APPLY, REMOTE_DURABLE)
 WATCH_PERIOD_S = 0.5
 #: Seconds between trims of the primary's log (each is one write transaction).
 TRIM_PERIOD_S = 0.2
+#: Acknowledgement lags a primary keeps until they are taken (:meth:`Shipper.take_lags`).
+LAG_SAMPLES = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,11 @@ class Shipper:
         self._changed = asyncio.Condition()
         self._wake = asyncio.Event()
         self._written: deque[tuple[int, float]] = deque()  # (sequence, when written) not yet acknowledged
+        #: Seconds from each write's return to the standby's acknowledgement of it (:meth:`take_lags`).
+        self._lags: deque[float] = deque(maxlen=LAG_SAMPLES)
+        #: In ``async``: writes held before they started (the lag was past the bound), and seconds held in all.
+        self.held_writes = 0
+        self.held_s = 0.0
         self._trimmed_at = 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -152,7 +159,15 @@ class Shipper:
         return {"acked": self.acked, "lag_records": max(last - acked, 0),
                 "lag_s": 0.0 if oldest is None else time.monotonic() - oldest, "connected": self.connected,
                 "fenced": None if self.fenced is None else str(self.fenced), "snapshots": self.snapshots,
-                "batches": self.batches, "ack": self.config.ack, "standby_name": self.config.standby}
+                "batches": self.batches, "ack": self.config.ack, "standby_name": self.config.standby,
+                "max_lag_s": self.config.max_lag_s, "held_writes": self.held_writes, "held_s": self.held_s}
+
+    def take_lags(self) -> list[float]:
+        """The acknowledgement lags (seconds from a write's return to the standby's acknowledgement
+        of its record) since the last call, at most :data:`LAG_SAMPLES` of the newest."""
+        lags = list(self._lags)
+        self._lags.clear()
+        return lags
 
     def check(self) -> None:
         """Raise the fence, if this primary is fenced."""
@@ -164,10 +179,16 @@ class Shipper:
         self.check()
         if self.config.ack != ASYNC:
             return
+        held_since = None
         async with self._changed:
             while self.connected and self.fenced is None and self.lag()["lag_s"] > self.config.max_lag_s:
+                if held_since is None:
+                    held_since = time.monotonic()
+                    self.held_writes += 1
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), 0.05)
+        if held_since is not None:
+            self.held_s += time.monotonic() - held_since
         self.check()
 
     async def after_write(self) -> None:
@@ -189,11 +210,11 @@ class Shipper:
 
     async def _acknowledged(self, applied: int) -> None:
         self.acked = max(self.acked or 0, applied)
+        now = time.monotonic()
         while self._written and self._written[0][0] <= self.acked:
-            self._written.popleft()
+            self._lags.append(now - self._written.popleft()[1])
         async with self._changed:
             self._changed.notify_all()
-        now = time.monotonic()
         if now - self._trimmed_at >= TRIM_PERIOD_S:
             self._trimmed_at = now
             await asyncio.to_thread(trim_log, self.buffer, min(self.acked, self.last()))
@@ -279,8 +300,8 @@ class Shipper:
         self.snapshots += 1
         log.warning("%s: standby %r installed a snapshot at sequence %d", self.buffer.store.path,
                     self.config.standby, applied)
-        self.acked = None  # ask it again: it answers with what it installed
         await self._acknowledged(applied)
+        self.connected = True  # it answered: a lag past the bound holds writes from now on
 
 
 class StandbySide:
