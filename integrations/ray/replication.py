@@ -4,9 +4,10 @@
 * :class:`ReplicationConfig`: which actor is the standby and the acknowledgement level, one of
   :data:`LEVELS`: ``async`` (a write is acknowledged after the primary's own fsync; the standby's
   lag is measured in records and seconds, and while the standby is connected a write waits before
-  it starts as long as the lag passes ``max_lag_s``), ``remote_apply`` and ``remote_durable`` (a
-  write is acknowledged once the standby has applied it, durably: every apply is one fsynced
-  transaction, so the two levels give the same promise today, ``remote_durable``'s).
+  it starts, and its answer waits, as long as the lag passes ``max_lag_s``), ``remote_apply`` and
+  ``remote_durable`` (a write is acknowledged once the standby has applied it, durably: every apply
+  is one fsynced transaction, so the two levels give the same promise, ``remote_durable``'s;
+  docs/replication.md says why).
 * :class:`Shipper`: the primary's background task. It asks the standby what it applied, ships
   the log from there in batches (``batch_records`` per call, one standby transaction each,
   idempotent by sequence, so a call that failed after it ran is simply sent again), trims the
@@ -179,6 +180,21 @@ class Shipper:
         self.check()
         if self.config.ack != ASYNC:
             return
+        await self._hold()
+        self.check()
+
+    async def after_write(self) -> None:
+        """Note the write; in ``async``, hold its answer while the connected standby lags past the
+        bound (what a loss of this node costs then spans at most ``max_lag_s`` of writes, however
+        long the writes in progress take); in a remote level, wait until the standby acknowledged it."""
+        seq = self.written()
+        if self.config.ack == ASYNC:
+            await self._hold()
+            return
+        await self.wait_acked(seq)
+
+    async def _hold(self) -> None:
+        """Wait while the connected standby lags past ``max_lag_s`` (counted in ``held_writes``, ``held_s``)."""
         held_since = None
         async with self._changed:
             while self.connected and self.fenced is None and self.lag()["lag_s"] > self.config.max_lag_s:
@@ -189,14 +205,6 @@ class Shipper:
                     await asyncio.wait_for(self._changed.wait(), 0.05)
         if held_since is not None:
             self.held_s += time.monotonic() - held_since
-        self.check()
-
-    async def after_write(self) -> None:
-        """Note the write; in a remote level, wait until the standby acknowledged it."""
-        seq = self.written()
-        if self.config.ack == ASYNC:
-            return
-        await self.wait_acked(seq)
 
     async def wait_acked(self, seq: int) -> None:
         """Wait until the standby acknowledged ``seq``.
