@@ -949,13 +949,16 @@ MUTATIONS += (
              ("tests/durability/test_corruption_fuzz.py::test_verifier_flags_each_inconsistency",)),
 )
 
-# issue 44 (this session, h44b16): the async bound's hold reported, each write's acknowledgement lag measured,
-# a promoted standby shipping to its own successor
+# issue 44 (this session, h44b16): the async bound's hold reported and applied to answers too, each write's
+# acknowledgement lag measured, a promoted standby shipping to its own successor
 RAY_LEVELS = "tests/integrations/ray/test_ray_replication_levels.py"
 MUTATIONS += (
     Mutation("ray-async-hold-not-reported", SHIP,
              "                    self.held_writes += 1\n", "",
              (f"{RAY_LEVELS}::test_async_answers_at_once_measures_the_lag_and_holds_writes_past_the_bound",)),
+    Mutation("ray-async-answer-not-held", SHIP,
+             "            await self._hold()\n            return\n", "            return\n",
+             (f"{RAY_LEVELS}::test_async_holds_the_answer_of_a_write_in_progress_once_the_lag_passes_the_bound",)),
     Mutation("ray-ack-lag-not-measured", SHIP,
              "            self._lags.append(now - self._written.popleft()[1])",
              "            self._written.popleft()",

@@ -20,6 +20,7 @@ import signal
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 from _buffers import SCHEMA, make_group
 
@@ -97,6 +98,44 @@ def test_async_answers_at_once_measures_the_lag_and_holds_writes_past_the_bound(
     assert lags and max(lags) > 0.5
     caught_up(primary)
     assert compare_replicas(str(tmp_path / "primary.kv"), str(tmp_path / "standby.kv"))["equal"]
+    for actor in (primary, standby):
+        ray.get(actor.close.remote())
+        ray.kill(actor)
+
+
+#: Seconds a progress call of a client whose earlier call never comes parks inside the write method.
+PARK_S = 20.0
+
+
+def test_async_holds_the_answer_of_a_write_in_progress_once_the_lag_passes_the_bound(ray_local, tmp_path):
+    standby = kray.start_standby_actor(str(tmp_path / "standby.kv"), name="answer-standby")
+    primary = kray.start_buffer_actor(str(tmp_path / "primary.kv"), CONFIG, name="answer",
+                                      replication={"standby": "answer-standby", "ack": "async", "max_lag_s": 0.5})
+    first, second = ray.get(primary.admit.remote([0, 1]), timeout=60)
+    caught_up(primary)
+    tokens = np.arange(4, dtype=np.int64)
+    message = kray.BufferClient(primary).progress_encoder().encode_items(
+        [{"lease": second, "index": 0, "start": 0, "tokens": tokens, "logprobs": -tokens.astype(np.float32) / 10,
+          "weight_version": 0}]).value
+    pid = ray.get(standby.info.remote(), timeout=60)["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        # a write in progress: its client's call 0 never comes, so it parks inside the method (past the
+        # check at its start, which the zero lag let through) for PARK_S, then writes
+        parked = primary.record_progress_steps.remote([message], "answer-client", 1, 0, PARK_S)
+        until(lambda: ray.get(primary.stats.remote(), timeout=60)["actor_step_calls_parked"] == 1, "never parked")
+        assert ray.get(primary.commit_group.remote(first, rows(0)), timeout=60)["ready"]
+        until(lambda: status(primary)["lag_s"] > 0.5, "the lag never passed the bound")
+        assert status(primary)["held_writes"] == 0 and not ray.wait([parked], timeout=0)[0]  # still parked
+        # it writes its chunk once the park ends; its answer is held while the lag is past the bound
+        until(lambda: status(primary)["held_writes"] == 1, "the answer of the write in progress was not held")
+        found = kray.progress_from_dict(ray.get(primary.progress.remote(second["group_id"]), timeout=60))
+        assert found[0].tokens.tolist() == tokens.tolist()  # written, durable on the primary
+        assert not ray.wait([parked], timeout=0)[0]  # not answered
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert ray.get(parked, timeout=60) == [[4]]
+    caught_up(primary)
     for actor in (primary, standby):
         ray.get(actor.close.remote())
         ray.kill(actor)
