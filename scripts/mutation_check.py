@@ -731,8 +731,8 @@ RAY_FAILOVER = "tests/integrations/ray/test_ray_failover.py"
 SHIP = "integrations/ray/replication.py"
 MUTATIONS += (
     Mutation("ray-remote-level-does-not-wait", SHIP,
-             "        if self.config.ack == ASYNC:\n            return\n        await self.wait_acked(seq)\n",
-             "        return\n",
+             "            return\n        await self.wait_acked(seq)\n",
+             "            return\n",
              (f"{RAY_REPL}::test_a_remote_level_answers_only_after_the_standby_applied",)),
     Mutation("ray-generated-write-not-replicated", "integrations/ray/actor.py",
              "    return mark_generated(_replicated(method) if row.writes else method)",
