@@ -3,6 +3,7 @@
     .venv-vllm/bin/python -m benchmarks.vllm_progress_cost          # a few minutes on 2 shared cores
     .venv-vllm/bin/python -m benchmarks.vllm_progress_cost --quick  # about a minute: proves it runs
     .venv-vllm/bin/python -m benchmarks.vllm_progress_cost --json benchmarks/results/vllm-progress-DATE.json
+    .venv-vllm/bin/python -m benchmarks.vllm_progress_cost --worker   # the shipped worker, paired on/off
 
 Build ``.venv-vllm`` first (``bash scripts/setup_peer_env.sh vllm``). It has no Ray, and needs
 none here: the engine side of a fleet's progress is the producer's edge, which this measures
@@ -226,16 +227,74 @@ def run(quick: bool, directory: str, log: Any = print) -> dict[str, Any]:
     return result
 
 
+def worker_rounds(quick: bool, directory: str, log: Any = print) -> dict[str, Any]:
+    """The shipped vLLM worker (:class:`kvckpt.integrations.vllm.RolloutWorker`, vLLM backend, in-process
+    store) with progress on (every ``every`` tokens, through its one recorder and the step message) and
+    off, in paired rounds: each round runs both on a fresh store, in alternating order; tokens/s counts the
+    committed completion tokens over the whole ``run`` (generation, progress and the final commit)."""
+    from kvckpt.integrations.vllm import DEFAULT_SCHEMA, RolloutWorker, ensure_tiny_model
+
+    prompts, max_tokens, every, rounds = (2, 48, 16, 3) if quick else (4, 128, 32, 8)
+    model = ensure_tiny_model(os.path.join(directory, "tiny-model"))
+    worker = RolloutWorker(model, backend="vllm", max_tokens=max_tokens, temperature=1.0, seed=1,
+                           progress_every_tokens=every, drain_seconds=None)
+    config = BufferConfig(group_size=GROUP, schema=DEFAULT_SCHEMA, max_buffered_rollouts=prompts)
+
+    def one(mode: str, n: int) -> tuple[float, float]:
+        """Tokens/s and this process's CPU seconds per token (the engine runs in it) of one run."""
+        worker.progress_every_tokens = every if mode == "on" else 0  # the same worker, streaming or not
+        with ReplayBuffer.create(os.path.join(directory, f"worker-{mode}-{n}.kv"), config) as buf:
+            leases = buf.admit(list(range(prompts)))
+            t0, c0 = time.perf_counter(), time.process_time()
+            results = worker.run(buf, leases)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            assert all(getattr(r, "ready", False) for r in results), results
+            rows = buf.read_batch([lease.group_id for lease in leases], layout="list").rows
+        tokens = sum(int(r["token_mask"].sum()) for r in rows)
+        return tokens / wall, cpu / tokens
+
+    one("off", -1)  # warm-up: the engine's first steps compile and allocate
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
+    appends0 = worker.progress_stats["appends"]
+    for n in range(rounds):
+        for mode in ("off", "on") if n % 2 == 0 else ("on", "off"):
+            rate, per_token = one(mode, n)
+            rates[mode].append(rate)
+            cpu[mode].append(per_token)
+    paired = sorted(a / b for a, b in zip(rates["on"], rates["off"], strict=True))
+    doc = {"prompts": prompts, "group": GROUP, "max_tokens": max_tokens, "every": every, "rounds": rounds,
+           "rates": rates, "cpu_s_per_token": cpu, "paired_on_over_off": statistics.median(paired),
+           "paired_cpu_per_token_on_over_off": statistics.median(a / b for a, b in zip(cpu["on"], cpu["off"],
+                                                                                      strict=True)),
+           "paired_quartiles": [paired[len(paired) // 4], paired[(3 * len(paired)) // 4]],
+           "paired_range": [paired[0], paired[-1]], "appends_on": worker.progress_stats["appends"] - appends0}
+    log(f"shipped worker, every {every} tokens: on/off paired median {100 * doc['paired_on_over_off']:.1f}% "
+        f"(quartiles {100 * doc['paired_quartiles'][0]:.1f}-{100 * doc['paired_quartiles'][1]:.1f}%, range "
+        f"{100 * paired[0]:.1f}-{100 * paired[-1]:.1f}%); off {statistics.median(rates['off']):.0f} tokens/s; CPU "
+        f"per token on/off paired median {100 * doc['paired_cpu_per_token_on_over_off']:.1f}%")
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m benchmarks.vllm_progress_cost [--quick] [--json PATH] [--work DIR]``."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.vllm_progress_cost")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--worker", action="store_true",
+                        help="the shipped vLLM worker (RolloutWorker) with progress on vs off, paired rounds")
     parser.add_argument("--work", help="scratch directory, kept (default: a new one under /var/tmp, removed)")
     parser.add_argument("--serve", nargs=2, metavar=("PORT", "STORE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
         serve(int(args.serve[0]), args.serve[1])
+        return 0
+    if args.worker:
+        run_in_scratch("kvckpt-vllm-progress-", args.work, args.json,
+                       lambda work: {"argv": " ".join(shlex.quote(a) for a in sys.argv), "quick": args.quick,
+                                     "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                                 "loadavg_start": os.getloadavg()[0]},
+                                     "worker": worker_rounds(args.quick, work), "loadavg_end": os.getloadavg()[0]})
         return 0
     run_in_scratch("kvckpt-vllm-progress-", args.work, args.json, lambda work: run(args.quick, work))
     return 0

@@ -27,11 +27,12 @@ from kvckpt.buffer.standby import (
     enable_replication,
     log_since,
     promote,
+    promote_value_store,
     replication_status,
     snapshot_for_standby,
     trim_log,
 )
-from kvckpt.buffer.values import ValueStore
+from kvckpt.buffer.values import ValueStore, ValueView
 from kvckpt.durability.checkpoint import CheckpointHandle, CheckpointResult, keep_latest, read_stamp
 from kvckpt.durability.recovery import RecoveryPlan
 from kvckpt.durability.safe_open import verify_path
@@ -107,10 +108,12 @@ __all__ = [
     "ReadOnlyStore", "RecoveryError", "RecoveryPlan", "ReplayBuffer",
     "Report", "RowEncoder", "RowSchema", "SampleCommitted", "Sampler", "SchemaMismatch", "Selection", "StaleAttempt",
     "Standby",
-    "Store", "StoreLocked", "StoreNotFound", "UnknownGroup", "ValueStore", "VerificationFailed", "assemble_batch",
+    "Store", "StoreLocked", "StoreNotFound", "UnknownGroup", "ValueStore", "ValueView", "VerificationFailed",
+    "assemble_batch",
     "check", "checkpoint", "codec", "create_sampler", "durable_replace",
     "enable_replication", "fsync_dir", "fsync_file", "keep_latest", "log_since",
-    "makedirs_durable", "promote", "read_stamp", "recover", "register", "replication_status", "restore", "row_id",
+    "makedirs_durable", "promote", "promote_value_store", "read_stamp", "recover", "register", "replication_status",
+    "restore", "row_id",
     "sink_from_config", "snapshot_for_standby", "split_padded", "trim_log",
     "verify_path", "write_durably", "write_id_of",
 ]

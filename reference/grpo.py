@@ -232,6 +232,10 @@ class RayBuffer:
                                                  weight_version=weight_version, holder=holder))
         return [Lease.from_dict(d) for d in docs]
 
+    def leases_held_by(self, holder: str) -> list[Lease]:
+        """See :meth:`kvckpt.ReplayBuffer.leases_held_by`."""
+        return [Lease.from_dict(d) for d in self._get(self.actor.leases_held_by.remote(holder))]
+
     def select(self, min_groups: int = 1, max_groups: int | None = None) -> Selection:
         """See :meth:`kvckpt.ReplayBuffer.select`; remembers the actor session for ``finish_step``."""
         doc = self._get(self.actor.select.remote(min_groups, max_groups))
@@ -296,14 +300,22 @@ class _Waitable:
 
 class RayWorker:
     """A :class:`~kvckpt.integrations.vllm.worker.RolloutWorker` in a Ray actor, called like the
-    in-process one. It commits straight to the buffer actor (rows never pass through the driver)."""
+    in-process one. It commits straight to the buffer actor (rows never pass through the driver).
 
-    def __init__(self, buffer_actor: Any, **worker_kwargs: Any) -> None:
+    Its :attr:`holder` is the name its leases record, as the in-process worker's: by default its actor's
+    (:func:`kvckpt.integrations.ray.holder_name` with ``scope="actor"``, given inside the actor: what dies
+    with it, so two workers on one node are told apart), and the worker in the actor names itself the same.
+    The trainer admits for it with ``holder=worker.holder``, so ``leases_held_by(worker.holder)`` lists what
+    it holds and ``redispatch_held_by(worker.holder)`` hands it on after its death."""
+
+    def __init__(self, buffer_actor: Any, holder: str | None = None, **worker_kwargs: Any) -> None:
         import ray
 
         self._ray = ray
         self.buffer_actor = buffer_actor
-        self.actor = ray.remote(RolloutWorker).options(num_cpus=0).remote(**worker_kwargs)
+        self.actor = ray.remote(RolloutWorker).options(num_cpus=0).remote(holder=holder, **worker_kwargs)
+        #: The lease holder name of this worker (``admit(..., holder=worker.holder)``).
+        self.holder: str = holder or ray.get(self.actor.__ray_call__.remote(_name_after_its_actor))
         self._version = 0
 
     @property
@@ -326,6 +338,14 @@ class RayWorker:
     def close(self) -> None:
         """End the actor."""
         self._ray.kill(self.actor)
+
+
+def _name_after_its_actor(worker: RolloutWorker) -> str:
+    """Inside a :class:`RayWorker`'s actor: name the worker after its actor, and return the name."""
+    from kvckpt.integrations.ray import holder_name
+
+    worker.holder = holder_name("actor")
+    return worker.holder
 
 
 # -- checkpoints on disk ---------------------------------------------------------------------------
@@ -479,7 +499,7 @@ class GRPOTrainer:
             state = json.dumps({"cursor": start + gps}).encode()
             try:
                 leases = buffer.admit(list(range(start, start + gps)), dataloader_state=state, timeout=0.25,
-                                      weight_version=worker.weight_version, holder=getattr(worker, "holder", None))
+                                      weight_version=worker.weight_version, holder=worker.holder)
             except GateTimeout:
                 return []
             self._cursor = start + gps

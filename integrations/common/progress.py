@@ -27,10 +27,14 @@ one ledger call per run. The rules, each in one place:
   (:func:`drain_on_sigterm` runs it on SIGTERM).
 
 Storage-agnostic (it moves lists and calls ``write``): it lives with the code every integration shares.
+
+Long (over 400 lines): the one recorder of every engine, each of its rules above and the process's drain on
+SIGTERM beside it, so no integration keeps a rule of its own.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -362,6 +366,8 @@ class ProgressRecorder:
                 self._kicked = True  # what arrived during the flush is judged at once
 
 
+_log = logging.getLogger(__name__)
+
 #: Every recorder not closed yet (what a SIGTERM drains).
 _LIVE: weakref.WeakSet[ProgressRecorder] = weakref.WeakSet()
 #: Whether :func:`drain_on_sigterm` installed its handler in this process (once is enough: it drains every recorder).
@@ -374,10 +380,21 @@ def drain_all(grace: float, *, clock: Callable[[], float] = time.monotonic) -> l
     return [r.drain(deadline) for r in list(_LIVE)]
 
 
+def drain_summary(reports: Sequence[DrainReport]) -> str:
+    """What a drain of these recorders achieved, in one line: sequences drained, those whose tail was not made
+    durable by the deadline and how many tail tokens that leaves to generate again."""
+    drained, undrained = sum(r.drained for r in reports), sum(r.undrained for r in reports)
+    lost = sum(r.tokens_not_durable for r in reports)
+    return (f"kvckpt progress drain: {drained} sequences drained, {undrained} not drained by the deadline, "
+            f"{lost} tail tokens not made durable")
+
+
 def drain_on_sigterm(grace: float, then: Callable[[list[DrainReport]], None] | None = None) -> bool:
     """On SIGTERM (a preemption notice), drain every live recorder of the process within ``grace`` seconds,
-    call ``then`` with the reports, and let the signal's previous handling go on. Installs only from the
-    main thread (Python's rule for signal handlers); returns whether it did."""
+    say what it achieved (:func:`drain_summary`, logged on this module's logger: a warning when a tail was not
+    made durable by the deadline, else info), call ``then`` with the reports, and let the signal's previous
+    handling go on. Installs only from the main thread (Python's rule for signal handlers); returns whether it
+    did."""
     global _INSTALLED
     if threading.current_thread() is not threading.main_thread():
         return False
@@ -387,6 +404,7 @@ def drain_on_sigterm(grace: float, then: Callable[[list[DrainReport]], None] | N
 
     def handler(signum: int, frame: Any) -> None:
         reports = drain_all(grace)
+        _log.log(logging.INFO if all(r.in_time for r in reports) else logging.WARNING, drain_summary(reports))
         if then is not None:
             then(reports)
         if callable(previous):

@@ -110,11 +110,17 @@ def _taking(buffer: ReplayBuffer, method: Callable[..., Any]) -> Callable[..., A
     training partition only, once the ledger has a checkpoint): every group it takes out of the buffer, sampled
     or evicted (stale, DAPO-filtered, failed, surplus), is marked instead of deleted, and a restart or a load of
     a checkpoint before that step gives it back as it was, judged again by verl's buffer against the trainer
-    version resumed. Sync mode and validation delete them: nothing of theirs is restored after a restart."""
+    version resumed. Sync mode and validation delete them: nothing of theirs is restored after a restart.
+
+    The training partition's step is also the ledger's trainer step first (``VerlLedger.trainer_step``: verl's
+    ``global_steps`` is its weights' version, sent to the rollout servers after this step trains), so token
+    progress of a later version is refused as the replay buffer refuses it."""
 
     @functools.wraps(method)
     def take(global_steps: int, partition_id: str, *args: Any, **kwargs: Any) -> Any:
         step = None if partition_id == "val" or buffer.trainer_mode == "sync" else global_steps
+        if step is not None:
+            ray.get(buffer.ledger.trainer_step.remote(buffer.mirror.token, int(step)))
         with buffer.mirror.consuming(step):
             return method(global_steps, partition_id, *args, **kwargs)
 

@@ -14,6 +14,8 @@ checkpoint), ``lckpt`` (a checkpoint, then the purge of the marks it covers) and
 (:func:`state_of`'s shape) and logs it before each call (``lintent``) and with each acknowledgement, so the checker
 compares the file after a kill with the last acknowledged state, or that plus the call in flight: nothing lost,
 nothing doubled. After a restart's settle, a prompt is a finished group or in flight (has progress), never both.
+A run's first child makes every kind of call once before its start returns (:meth:`LedgerWriter.cover`), so the
+kills a campaign aims after the child's readiness find every kind acknowledged, however slow the machine.
 :meth:`~.ledger.VerlLedger.load` is left out: it replaces the live file, which the checker reads as the chain's truth.
 """
 
@@ -33,7 +35,7 @@ from kvckpt.integrations.verl.errors import StaleRun
 from kvckpt.integrations.verl.ledger import VerlLedger
 from kvckpt.integrations.verl.records import FIELD, TAG, record_key
 
-from kvckpt import KvckptError, ValueStore, keep_latest
+from kvckpt import KvckptError, ValueStore, fsync_dir, keep_latest
 from kvckpt.testing.campaigns.harness import start_writer
 from kvckpt.testing.campaigns.sides import Side
 
@@ -46,6 +48,11 @@ KINDS = ("lrun", "lresume", "lsettle", "lcursor", "lprog", "lput", "lclear", "lc
 _DRAWN = ("lcursor", "lprog", "lput", "lclear", "lconsume", "lckpt", "lstale")
 _WEIGHTS = (0.2, 0.3, 0.15, 0.08, 0.12, 0.07, 0.08)
 _MAX_PROMPTS = 12  # prompts alive at once: the model and each logged state stay small
+#: The calls :meth:`LedgerWriter.cover` makes, in order, each acknowledged: every drawn kind (a dispatch, a progress
+#: flush, the put that ends it, a clear of it, a second finished prompt consumed, a checkpoint, a replaced run's put).
+COVER = ("lcursor", "lprog", "lput", "lclear", "lcursor", "lput", "lconsume", "lckpt", "lstale")
+#: The file (in the run directory) written once a child's :meth:`LedgerWriter.cover` was acknowledged whole.
+COVERED = "verl-covered"
 
 
 def _uids(state: dict[str, Any]) -> list[str]:
@@ -124,10 +131,11 @@ class LedgerWriter:
         if both(self.model):
             self.log.append(op="violation", what=f"prompts {both(self.model)} are a group and in flight after a settle")
 
-    def step(self) -> None:
-        """One operation drawn at random."""
+    def step(self, kind: str | None = None) -> bool:
+        """One operation of ``kind``, drawn at random when None; returns whether a call of it was acknowledged
+        (False: the model offered none, e.g. a clear with no finished prompt)."""
         rng, model = self.rng, self.model
-        kind = rng.choices(_DRAWN, _WEIGHTS)[0]
+        kind = kind or rng.choices(_DRAWN, _WEIGHTS)[0]
         after = copy.deepcopy(model)
         uids = _uids(model)
         inflight = [u for u in uids if u in model["items"] and not _finished(model, u)]
@@ -140,12 +148,13 @@ class LedgerWriter:
             after["cursor"] = {"next": n + 1}
             self._call(kind, after, lambda: self.ledger.set_cursor(
                 self.token, {"next": n + 1}, [key], [encode_value(key, {"s": "pending"}, new_write_id(), 1)]))
+            return True
         elif kind == "lprog" and (inflight or model["progress"]):
             if inflight and (rng.random() < 0.8 or not model["progress"]):
                 uid, session = rng.choice(inflight), rng.choice(SESSIONS)
                 start, done = after["progress"].get(f"{uid}/{session}", [0, False])
                 if done:
-                    return
+                    return False
                 count, final = rng.randint(1, 4), rng.random() < 0.2
                 item = {"uid": uid, "session": session, "start": start, "tokens": list(range(start, start + count)),
                         "logprobs": [-0.5] * count, "versions": [self.step_no] * count, "final": final}
@@ -156,6 +165,7 @@ class LedgerWriter:
                 item = {"uid": uid, "session": int(session), "drop": True}
                 del after["progress"][path]
             self._call(kind, after, lambda: self.ledger.record_progress(self.token, [item]))
+            return True
         elif kind == "lput" and inflight:
             uid, keys, values = rng.choice(inflight), [], []
             for session in SESSIONS:
@@ -166,6 +176,7 @@ class LedgerWriter:
             # the put that ends the group deletes its samples' token progress in the same transaction
             after["progress"] = {p: v for p, v in after["progress"].items() if p.split("/", 1)[0] != uid}
             self._call(kind, after, lambda: self.ledger.put(self.token, keys, values, ended=[uid]))
+            return True
         elif kind in ("lclear", "lconsume") and finished:
             uid = rng.choice(finished)
             keys = [k for k in model["items"] if k.split("_", 1)[0] == uid]
@@ -175,8 +186,10 @@ class LedgerWriter:
                 if step is not None and model["checkpoint"] is not None:
                     after["consumed"][key] = step
             self._call(kind, after, lambda: self.ledger.clear(self.token, PARTITION, keys, consumed_step=step))
+            return True
         elif kind == "lckpt":
             self._checkpoint(after)
+            return True
         elif kind == "lstale":  # a new run mid-stream (another trainer took over): the old token is fenced
             self.stale.append(self.token)
             self.token = self.ledger.open_run()["token"]
@@ -187,6 +200,19 @@ class LedgerWriter:
                 self.log.append(op="violation", what="a ledger put of a replaced run was applied")
             except StaleRun:
                 self.log.append(op="lstale")
+            return True
+        return False
+
+    def cover(self) -> None:
+        """Every kind of drawn call, each acknowledged, in an order that makes each possible (:data:`COVER`);
+        raises :class:`RuntimeError` if the model offers one none in 100 tries (it always does: the ones
+        before it make it possible)."""
+        for kind in COVER:
+            for _ in range(100):
+                if self.step(kind):
+                    break
+            else:
+                raise RuntimeError(f"the verl campaign's writer could not make a {kind} call on {self.model}")
 
     def _checkpoint(self, after: dict[str, Any]) -> None:
         numbers = [int(os.path.basename(p)[5:-3]) for p in glob.glob(os.path.join(self.ckdir, CHECKPOINT_GLOB))]
@@ -205,9 +231,24 @@ class LedgerWriter:
 
 def start(run: str, log: Any, seed: int) -> None:
     """Open the run's ledger and start its writer on a daemon thread: the restart, then operations until the
-    process dies (:func:`~kvckpt.testing.campaigns.harness.start_writer`)."""
+    process dies (:func:`~kvckpt.testing.campaigns.harness.start_writer`).
+
+    In a run whose log has not yet acknowledged every kind (no :data:`COVERED` file in ``run``), the restart and
+    :meth:`LedgerWriter.cover` run here first, before the child's buffer workload starts and says it is ready, so
+    a kill that waits for readiness comes after every kind was acknowledged; then the file is written. A kill
+    during start-up may cut the cover: the next child of the run covers again. So every run a child reached
+    readiness in has acknowledged every kind, however slowly the children run between kills."""
     writer = LedgerWriter(run, log, seed)
-    start_writer("kvckpt-campaign-verl", writer.step, writer.rng, first=writer.restart)
+    covered = os.path.join(run, COVERED)
+    if os.path.exists(covered):
+        start_writer("kvckpt-campaign-verl", writer.step, writer.rng, first=writer.restart)
+        return
+    writer.restart()
+    writer.cover()
+    with open(covered, "wb") as fh:
+        os.fsync(fh.fileno())
+    fsync_dir(run)
+    start_writer("kvckpt-campaign-verl", writer.step, writer.rng)
 
 
 def check(run: str, ops: list[dict[str, Any]], scratch: str, bad: Callable[[str], None]) -> int:

@@ -30,12 +30,21 @@ transaction) lists the marks before its write, as :meth:`~VerlLedger.clear`, :me
 the other state-changing calls read what they then write. Each of them holds the ledger's one mutex from
 its first read to its commit (:func:`_exclusive`), so no call lands between another's read and its write,
 whichever concurrency group runs it; the snapshot copy itself holds no mutex, so puts land while it copies.
+The token progress path reads only inside its write transaction and relies on no mutex: a put that ends a
+group and :meth:`~VerlLedger.settle_progress` list the progress they delete inside it (``ValueStore.update``),
+and :meth:`~VerlLedger.record_progress` checks the fence, the trainer's step and every chunk inside its one.
 
 Consumed marks are bounded: a mark is only kept while a checkpoint exists that a restart could
 resume from with the mark's step after it. Before the ledger's first checkpoint a restart trains from
 scratch, as verl's (``_load_checkpoint``: no ``global_step_N``, step 0, the initial weights, the
 dataloader from its start), so a sampled group is deleted, not marked; after it, each checkpoint
 deletes the marks it covers, so at most the groups sampled since the last checkpoint are marked.
+
+Replication (issue 44; docs/replication.md, "The value store on Ray"): with ``replication=`` the ledger's file is a
+replicated primary shipping its log to a standby ledger actor (``standby=True``), and every call that
+writes is acknowledged at the configured level (:class:`~kvckpt.integrations.ray.values.ReplicatedValueStore`,
+which then holds the file; it is imported only then, so a ledger without replication is as it was); a standby
+answers only the replication calls until :meth:`VerlLedger.promote`.
 
 Long (over 400 lines): the ledger is one actor class, every verl call it serves beside the records it changes.
 """
@@ -62,6 +71,7 @@ from kvckpt.integrations.verl.records import (
     PROGRESS,
     RUN_KEY,
     TAG,
+    TRAINER_KEY,
     done_key,
     groups_lacking,
     item_prefix,
@@ -73,8 +83,8 @@ from kvckpt.integrations.verl.records import (
 )
 from kvckpt.integrations.verl.upgrade import upgrade_progress
 
-from kvckpt import ValueStore, makedirs_durable, write_id_of
-from kvckpt.errors import FencedWrite, KvckptError
+from kvckpt import ValueStore, ValueView, makedirs_durable, write_id_of
+from kvckpt.errors import BadArgument, FencedWrite, KvckptError, NotStandby
 
 _Call = TypeVar("_Call", bound=Callable[..., Any])
 
@@ -107,24 +117,74 @@ class VerlLedger:
         StoreLocked: another process holds the file for writing.
     """
 
-    def __init__(self, path: str, max_tokens: int = MAX_TOKENS) -> None:
-        self._values = ValueStore(path)
+    def __init__(self, path: str, max_tokens: int = MAX_TOKENS, *, replication: Any = None,
+                 standby: bool = False) -> None:
+        if replication is None and not standby:
+            self._values: Any = ValueStore(path)
+        else:
+            from kvckpt.integrations.ray.values import ReplicatedValueStore
+
+            self._values = ReplicatedValueStore(path, replication=replication, standby=standby)
         self.path = self._values.path
         self.max_tokens = max_tokens
         self._mutex = threading.Lock()
+        if getattr(self._values, "role", "primary") == "standby":
+            return  # upgraded when promoted
         try:
             upgrade_progress(self._values, max_tokens)
         except BaseException:
             self._values.close()
             raise
 
+    # -- replication (the shipper of a primary ledger calls these on its standby) ---------------------
+    def _replica(self) -> Any:
+        if isinstance(self._values, ValueStore):
+            raise NotStandby(f"the verl ledger {self.path!r} is not replicated (no replication, not a standby)")
+        return self._values
+
+    def replica_status(self) -> dict[str, Any] | None:
+        """The file's replication status (:meth:`ReplicatedValueStore.replica_status`)."""
+        return self._replica().replica_status()
+
+    def apply_log(self, records: list[bytes]) -> int:
+        """As a standby: apply a shipped batch, one durable transaction, idempotent by sequence."""
+        return self._replica().apply_log(records)
+
+    def receive_snapshot(self, token: str, offset: int, data: bytes) -> None:
+        """As a standby: one chunk of the primary's snapshot."""
+        self._replica().receive_snapshot(token, offset, data)
+
+    def install_snapshot(self, token: str, size: int) -> int:
+        """As a standby: install the snapshot received under ``token``; the sequence it holds."""
+        return self._replica().install_snapshot(token, size)
+
+    def watch_primary(self, node_id: str) -> None:
+        """As a standby: the primary's node."""
+        self._replica().watch_primary(node_id)
+
+    @_exclusive
+    def promote(self) -> dict[str, Any]:
+        """As a standby: become the primary ledger (a new epoch, in one transaction; the old primary is
+        refused from then on) and return its replication status with ``promoted_from``. The runs and their
+        tokens are the ledger's as the standby applied them: verl's workers keep their run token, and a
+        restarted trainer opens a new run as after any restart.
+
+        Raises:
+            NotStandby: this ledger is a primary, or its standby never received a snapshot.
+        """
+        status = self._replica().promote()
+        upgrade_progress(self._values, self.max_tokens)  # as a primary's open does
+        return status
+
     def info(self) -> dict[str, Any]:
-        """The live file's path, its run number, the step of its last checkpoint (``None`` before the first)
-        and how many consumed marks it holds."""
+        """The live file's path, its run number, the step of its last checkpoint (``None`` before the first),
+        the trainer's step (:meth:`trainer_step`; ``None`` while none is reported) and how many consumed marks it
+        holds."""
         run = self._get(RUN_KEY) or {}
-        checkpoint = self._get(CHECKPOINT_KEY)
+        checkpoint, trainer = self._get(CHECKPOINT_KEY), self._get(TRAINER_KEY)
         return {"path": self.path, "run": run.get("run", 0),
                 "checkpoint_step": None if checkpoint is None else int(checkpoint["step"]),
+                "trainer_step": None if trainer is None else int(trainer["step"]),
                 "consumed_marks": len(self._values.keys(MARKS))}
 
     # -- the run -----------------------------------------------------------------------------------
@@ -156,6 +216,13 @@ class VerlLedger:
         except FencedWrite as exc:
             raise StaleRun(self.path, token, exc.found) from None
 
+    def _update(self, token: str, plan: Callable[[ValueView], tuple[list[str], list[bytes], list[str]]]) -> None:
+        """One write transaction of run ``token`` whose reads (``plan``'s) happen inside it, after its fence."""
+        try:
+            self._values.update(plan, fence=(RUN_KEY, token))
+        except FencedWrite as exc:
+            raise StaleRun(self.path, token, exc.found) from None
+
     # -- verl's TransferQueue calls -----------------------------------------------------------------
     @_exclusive
     def put(self, token: str, keys: list[str], values: list[bytes], ended: list[str] | None = None) -> None:
@@ -168,8 +235,8 @@ class VerlLedger:
         Raises:
             StaleRun: ``token`` is not the current run's.
         """
-        self._write(token, keys, values, [k for uid in dict.fromkeys(ended or []) for k in self._values.keys(
-            f"{PROGRESS}{uid}/")])
+        prefixes = [f"{PROGRESS}{uid}/" for uid in dict.fromkeys(ended or [])]
+        self._update(token, lambda view: (keys, values, [k for p in prefixes for k in view.keys(p)]))
 
     @_exclusive
     def clear(self, token: str, partition_id: str, keys: list[str], consumed_step: int | None = None) -> int:
@@ -225,9 +292,26 @@ class VerlLedger:
         listed = {(p, k) for p, keys in listing.items() for k in keys}
         doomed = [k for k in self._values.keys(ITEMS) if split(k)[:2] not in listed]
         doomed += [i for i in self._values.keys(MARKS) if split_mark_index(i)[1:] not in listed]
-        doomed += self._values.keys(CURSOR_KEY) + self._values.keys(CHECKPOINT_KEY)
+        doomed += self._values.keys(CURSOR_KEY) + self._values.keys(CHECKPOINT_KEY) + self._values.keys(TRAINER_KEY)
         self._write(token, [], [], doomed)
         return len(doomed)
+
+    @_exclusive
+    def trainer_step(self, token: str, step: int) -> None:
+        """The trainer of run ``token`` is at training step ``step`` (verl's ``global_steps``, the version of the
+        weights it sends its rollout servers next), one transaction: from now on token progress of a later
+        weight version is refused :class:`~kvckpt.errors.FutureVersion` (:meth:`record_progress`), as the replay
+        buffer refuses progress newer than its trainer's version. :meth:`resume` and :meth:`retain` (a restart)
+        drop it: the restarted trainer reports its step at its first sample, and until then no version is checked
+        (a replaced run's servers are fenced by the run token instead).
+
+        Raises:
+            StaleRun: ``token`` is not the current run's.
+            BadArgument: ``step`` is not an integer >= 0.
+        """
+        if type(step) is not int or step < 0:
+            raise BadArgument(f"verl ledger: a trainer step is an integer >= 0, got {step!r}")
+        self._write(token, [TRAINER_KEY], [encode_value(TRAINER_KEY, {"step": step}, new_write_id(), _LEVEL)], [])
 
     # -- restart -----------------------------------------------------------------------------------
     @_exclusive
@@ -249,7 +333,7 @@ class VerlLedger:
         record = [] if step is None else [encode_value(CHECKPOINT_KEY, {"step": int(step)}, new_write_id(), _LEVEL)]
         step = self._checkpoint_step() if step is None else int(step)
         items, marks = self._items()
-        deletes: list[str] = []
+        deletes: list[str] = [TRAINER_KEY]  # the restarted trainer reports its step again (trainer_step)
         for (partition_id, key), mark_step in marks.items():
             deletes.append(mark_index_key(mark_step, partition_id, key))
             if mark_step <= step:
@@ -350,6 +434,8 @@ class VerlLedger:
         also marks the sample done once the chunk is durable) or ``{"uid", "session", "drop": True}`` (the sample's
         progress is deleted, before the chunks are judged). Returns per item the sample's durable token count
         after it, or the kvckpt error refusing it (nothing of it written), as the buffer answers its progress:
+        :class:`~kvckpt.errors.FutureVersion` (a token of a weight version after the trainer's step,
+        :meth:`trainer_step`, read inside the transaction; not checked before the trainer reports one),
         :class:`~kvckpt.errors.ProgressGap` (a gap), ``SchemaMismatch`` (past ``max_tokens``, lengths that
         differ), ``DuplicateCommit`` (other tokens where some are durable), :class:`~.errors.StaleRun` (``token``
         is not the current run's; nothing of the call is written), and a resend of a durable chunk gets its
@@ -373,7 +459,7 @@ class VerlLedger:
             return done, [encode_value(key, {}, new_write_id(), _LEVEL) for key in done]
 
         results = self._values.record_progress(chunks, max_tokens=self.max_tokens, prefix=PROGRESS,
-                                               fence=(RUN_KEY, token), drop=drops, then=marks)
+                                               fence=(RUN_KEY, token), drop=drops, then=marks, newest=_trainer_step)
         stale = None if written else StaleRun(self.path, token, next(
             (r.found for r in results if isinstance(r, FencedWrite)), self._run_id()))
         out: list[int | KvckptError] = [0 if stale is None else stale] * len(items)
@@ -390,8 +476,13 @@ class VerlLedger:
             StaleRun: ``token`` is not the current run's; nothing is deleted.
         """
         keep = set(inflight_uids)
-        doomed = [k for k in self._values.keys(PROGRESS) if k[len(PROGRESS):].split("/", 1)[0] not in keep]
-        self._write(token, [], [], doomed)
+        doomed: list[str] = []
+
+        def plan(view: ValueView) -> tuple[list[str], list[bytes], list[str]]:
+            doomed[:] = [k for k in view.keys(PROGRESS) if k[len(PROGRESS):].split("/", 1)[0] not in keep]
+            return [], [], doomed
+
+        self._update(token, plan)
         return len(doomed)
 
     def progress(self, uid: str, session: int) -> dict[str, Any] | None:
@@ -441,6 +532,15 @@ class VerlLedger:
         return items, marks
 
 
+def _trainer_step(view: ValueView) -> tuple[int, str] | None:
+    """The newest weight version token progress may carry: the trainer's step (``None`` before it reports one)."""
+    raw = view.get(TRAINER_KEY)
+    if raw is None:
+        return None
+    step = int(decode_value(TRAINER_KEY, raw, write_id_of(raw, TRAINER_KEY))["step"])
+    return step, f"the trainer is at step {step}"
+
+
 #: The ledger actor's concurrency group for :meth:`VerlLedger.checkpoint` (one at a time, beside every other call).
 CHECKPOINT_GROUP = "checkpoint"
 
@@ -456,8 +556,6 @@ def ledger_actor(path: str, name: str, namespace: str) -> Any:
         BadArgument: an actor of that name serves another file.
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from kvckpt.errors import BadArgument
 
     path = os.path.abspath(path)
     node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)

@@ -11,9 +11,11 @@ ledger stores each tag entry and each field of each key as its own TransferQueue
 * ``p/{partition}/{key}/c``: the key was consumed by the training step in its value (kept until a
   checkpoint at or after that step covers it),
 
-plus three records of the run: ``verl/run`` (its write identity is the current run's token),
-``verl/cursor`` (the trainer's dataloader state at the last dispatch) and ``verl/checkpoint`` (the
-step of the last checkpoint the ledger was copied into), and an index of the consumed marks by step,
+plus four records of the run: ``verl/run`` (its write identity is the current run's token),
+``verl/cursor`` (the trainer's dataloader state at the last dispatch), ``verl/checkpoint`` (the
+step of the last checkpoint the ledger was copied into) and ``verl/trainer`` (the trainer's step, the newest
+weight version a token may carry; absent until the trainer reports one, and again after a restart),
+and an index of the consumed marks by step,
 ``verl/consumed/{step:012d}/{partition}/{key}``, written and deleted in the same transaction as the
 mark it indexes: a checkpoint finds the marks it covers without reading the rest of the ledger.
 """
@@ -31,6 +33,8 @@ from kvckpt.errors import BadArgument
 RUN_KEY = "verl/run"
 CURSOR_KEY = "verl/cursor"
 CHECKPOINT_KEY = "verl/checkpoint"
+#: The trainer's training step (verl's ``global_steps``, its weights' version): no token progress of a later version.
+TRAINER_KEY = "verl/trainer"
 ITEMS = "p/"
 TAG, FIELD, CONSUMED = "t", "f", "c"
 MARKS = "verl/consumed/"

@@ -46,6 +46,7 @@ from kvckpt.durability.checkpoint import install_checkpoint, private_copy, snaps
 from kvckpt.durability.safe_open import open_readonly
 from kvckpt.errors import CheckpointError, FencedWrite, KvckptError
 from kvckpt.storage.replace import durable_replace
+from kvckpt.storage.replog import ReplicationLog
 from kvckpt.storage.store import Store
 from kvckpt.storage.txn import Txn
 from kvckpt.transitions import progress_values
@@ -71,6 +72,13 @@ class ValueStore:
         self._swap = threading.Lock()
         self._store = _open(self.path)
 
+    @property
+    def store(self) -> Store:
+        """The open :class:`~kvckpt.storage.store.Store` of the live file (what replication works on:
+        :func:`kvckpt.enable_replication` and the other functions of :mod:`kvckpt.buffer.standby` take a
+        value store as they take a replay buffer). After :meth:`load` it is a new handle."""
+        return self._store
+
     # -- data path --------------------------------------------------------------------------------
     def put(self, keys: list[str], values: list[bytes]) -> None:
         """Store encoded records under ``keys``, all in one durable transaction."""
@@ -94,9 +102,32 @@ class ValueStore:
         gone = [records.store_key(k) for k in deletes]
         self._store.write(lambda txn: records.write(txn, self.path, pairs, gone, fence))
 
+    def update(self, plan: Callable[[ValueView], tuple[list[str], list[bytes], list[str]]], *,
+               fence: tuple[str, str] | None = None) -> None:
+        """:meth:`write` of what ``plan`` decides from the store as this write transaction sees it: inside ONE
+        durable write transaction the ``fence`` is checked, then ``plan(view)`` reads what it needs (a
+        :class:`ValueView`: keys under a prefix, records) and returns ``(keys, values, deletes)``, which are
+        written. So a change that reads what it then writes (a listing of the records it deletes) sees no other
+        write between its read and its write, whatever its caller's locking.
+
+        Raises:
+            FencedWrite: the fence does not hold; ``plan`` is not run and nothing is written.
+        """
+
+        def run(txn: Txn) -> None:
+            records.check_fence(txn, self.path, fence)
+            keys, values, deletes = plan(ValueView(txn))
+            if len(keys) != len(values):
+                raise ValueError(f"{len(keys)} keys but {len(values)} values")
+            records.write(txn, self.path, [(records.store_key(k), v) for k, v in zip(keys, values, strict=True)],
+                          [records.store_key(k) for k in deletes], None)
+
+        self._store.write(run)
+
     def record_progress(self, items: Sequence[Mapping[str, Any]], *, max_tokens: int, prefix: str = PROGRESS,
                         fence: tuple[str, str] | None = None, drop: Sequence[str] = (),
                         then: Callable[[list[int | KvckptError]], tuple[list[str], list[bytes]]] | None = None,
+                        newest: Callable[[ValueView], tuple[int, str] | None] | None = None,
                         ) -> list[int | KvckptError]:
         """Record token progress under the replay buffer's rules, in ONE durable write transaction
         (:mod:`kvckpt.transitions.progress_values`: the buffer's per-sequence transition over this store's
@@ -109,10 +140,13 @@ class ValueStore:
         refused with :class:`~kvckpt.errors.FencedWrite`, unless its identical bytes already landed, and
         nothing at all is written); every record under each of ``drop``'s prefixes is deleted; the items are
         judged and appended; then ``then(results)`` names more records to put, ``(keys, values)`` (a caller's
-        marks of what landed).
+        marks of what landed). ``newest(view)``, read inside the transaction, gives the newest weight version a
+        chunk may carry and what it is (``(version, "the trainer's step is 3")``; ``None``: not checked), as the
+        buffer checks its trainer's version: a chunk of a later version is refused
+        :class:`~kvckpt.errors.FutureVersion`.
 
-        Refusals per item: BadArgument, SchemaMismatch (lengths, a prefix past ``max_tokens``),
-        :class:`~kvckpt.errors.ProgressGap`, DuplicateCommit (other bytes at a durable position), FencedWrite.
+        Refusals per item: BadArgument, SchemaMismatch (lengths, a prefix past ``max_tokens``), FutureVersion,
+        :class:`~kvckpt.errors.ProgressGap`, DuplicateCommit (other content at a durable position), FencedWrite.
         """
         max_tokens = args.integer("max_tokens", max_tokens, minimum=1)
         sequences = [progress_values.sequence(prefix, item, max_tokens) for item in items]
@@ -131,7 +165,9 @@ class ValueStore:
             if fenced is None:
                 for gone in drop:
                     txn.delete_prefix("rows", records.store_key(gone))
-            out = progress_values.record(records.ValueChunks(txn), sequences, holds)
+            limit = None if newest is None else newest(ValueView(txn))
+            out = progress_values.record(records.ValueChunks(txn), sequences, holds,
+                                         *((None, "") if limit is None else limit))
             if fenced is None and then is not None:
                 keys, values = then(out)
                 records.write(txn, self.path, [(records.store_key(k), v) for k, v in zip(keys, values, strict=True)],
@@ -221,7 +257,10 @@ class ValueStore:
 
         The file's used pages are copied under a private name and the copy validated before
         anything changes (structure without mapping it, kind, stamp, every record's checksum and
-        key); then it is renamed over the live file and reopened through a fresh handle.
+        key); then it is renamed over the live file and reopened through a fresh handle. A
+        checkpoint of a replicated store starts a new replication history on the copy, before the
+        rename (as a replay buffer's restore does): the load rewinds the file, so a standby of the
+        old history must refuse its log (``ForeignStore``) and take a snapshot.
 
         Args:
             checkpoint_id: the stamp the file must hold (checked before anything changes).
@@ -240,6 +279,8 @@ class ValueStore:
             with open_readonly(copy, name=source) as store:
                 stamp = store.read(lambda txn: records.validate_checkpoint(txn, source))
             _expect(stamp, checkpoint_id, source)
+            with Store(copy) as store:  # proven above; a replicated copy starts a new history
+                ReplicationLog.restart_history(store)
             return stamp
 
         with self._swap:
@@ -308,8 +349,9 @@ def _expect(stamp: dict[str, Any], checkpoint_id: str | None, source: str) -> No
 
 
 class ValueView:
-    """A read view of the live store inside one write transaction (:meth:`ValueStore.merge_checkpoint`'s):
-    what it reads is what that transaction commits over."""
+    """A read view of the live store inside one write transaction (:meth:`ValueStore.merge_checkpoint`'s,
+    :meth:`ValueStore.update`'s, :meth:`ValueStore.record_progress`'s ``newest``): what it reads is what that
+    transaction commits over."""
 
     def __init__(self, txn: Txn) -> None:
         self._txn = txn
@@ -317,6 +359,14 @@ class ValueView:
     def has(self, prefix: str) -> bool:
         """Whether any key is stored under ``prefix`` (reads one key at most)."""
         return next(self._txn.iter_keys("rows", records.store_key(prefix)), None) is not None
+
+    def keys(self, prefix: str) -> list[str]:
+        """The keys stored under ``prefix``, in key order (keys only)."""
+        return records.keys(self._txn, prefix)
+
+    def get(self, key: str) -> bytes | None:
+        """The stored record of ``key``, or ``None``."""
+        return self._txn.get("rows", records.store_key(key))
 
 
 def _open(path: str) -> Store:

@@ -25,7 +25,8 @@ verified before anything else is trusted; every length, dtype and shape is check
 actual bytes, and what the record would decode to against the caller's :class:`Limits`, before
 anything is decompressed or an array is built; a violation raises
 :class:`~kvckpt.errors.CorruptRecord` naming the key. Decoded values own their memory (they never
-alias an LMDB page).
+alias an LMDB page); only :func:`decode_views` leaves plain fields as read-only views, into ``bytes``
+the caller owns (a received progress message).
 
 The module is long on purpose: the writer, the generic reader and the compiled reader of one
 known layout (:class:`RecordRules`, the owner's check of producers' rows) share one table of what
@@ -343,9 +344,10 @@ def encode_stored(fields: Iterable[tuple[str, str, np.ndarray]], meta_json: str)
     Raises:
         BadArgument: an array that is not its dtype's stored form.
     """
-    specs, chunks = [], []
+    specs, chunks, raw = [], [], 0
     for name, dtype, arr in fields:
-        if dtype not in DTYPES or arr.dtype != DTYPES[dtype]:
+        want = DTYPES.get(dtype)
+        if want is None or arr.dtype != want:
             raise BadArgument(f"field {name!r} holds {arr.dtype} values, not the stored form of {dtype!r}")
         if dtype == "bool":
             data: Any = np.packbits(arr.reshape(-1).view(np.uint8))
@@ -353,14 +355,15 @@ def encode_stored(fields: Iterable[tuple[str, str, np.ndarray]], meta_json: str)
         else:
             data, transforms = np.ascontiguousarray(arr).data.cast("B"), "[]"
         shape = str(arr.shape[0]) if arr.ndim == 1 else ",".join(map(str, arr.shape))
-        specs.append(f'[{_name_json(name)},"{dtype}",[{shape}],{transforms},{data.nbytes}]')
+        nbytes = data.nbytes
+        raw += nbytes
+        specs.append(f'[{_name_json(name)},"{dtype}",[{shape}],{transforms},{nbytes}]')
         chunks.append(data)
-    header = f'{{"z":0,"raw":{sum(c.nbytes for c in chunks)},"meta":{meta_json},"fields":[{",".join(specs)}]}}'.encode()
-    head = _HEADER_LEN.pack(len(header)) + header
-    crc = zlib.crc32(head)
+    header = f'{{"z":0,"raw":{raw},"meta":{meta_json},"fields":[{",".join(specs)}]}}'.encode()
+    crc = zlib.crc32(header, zlib.crc32(_HEADER_LEN.pack(len(header))))
     for data in chunks:  # the checksum of header and body, without first joining them
         crc = zlib.crc32(data, crc)
-    return b"".join((_MAGIC_CRC.pack(MAGIC, crc), head, *chunks))
+    return b"".join((_MAGIC_CRC.pack(MAGIC, crc), _HEADER_LEN.pack(len(header)), header, *chunks))
 
 
 #: The prefix of every record: the magic, then the crc32 of the rest; then the header's length.
@@ -662,6 +665,36 @@ def decode(value: bytes | memoryview, key: str = "?", *, limits: Limits | None =
     pos = 0
     for spec in specs:
         record.arrays[spec.name] = _decode_field(body[pos:pos + spec.nbytes], spec, key)
+        record.dtypes[spec.name] = spec.dtype
+        pos += spec.nbytes
+    return record
+
+
+def decode_views(value: bytes, key: str = "?", *, limits: Limits | None = None) -> Record:
+    """:func:`decode` of an immutable ``bytes`` record that leaves its plain fields where they are:
+    every check is :func:`decode`'s, but an uncompressed field with no transform comes back as a
+    read-only numpy view into ``value`` (no copy; it keeps ``value`` alive), and any other field is
+    decoded as :func:`decode` decodes it. For an owner that only slices a message it just received
+    (:func:`kvckpt.storage.progress_message.decode_message`); never for an LMDB page, whose bytes
+    are not the caller's to keep.
+
+    Raises:
+        BadArgument: ``value`` is not ``bytes`` (a mutable buffer could change under the views).
+        CorruptRecord: as :func:`decode`.
+    """
+    if type(value) is not bytes:
+        raise BadArgument(f"decode_views needs an immutable bytes record, got {type(value).__name__}")
+    buf = memoryview(value)
+    header, specs, body = _verified_body(buf, key, Limits() if limits is None else limits, None)
+    record = Record(meta=header["meta"])
+    begins = len(value) - len(body) if header["z"] == 0 else None  # where the body lies in ``value``
+    pos = 0
+    for spec in specs:
+        if begins is not None and not spec.transforms and spec.dtype not in TEXT_DTYPES:
+            record.arrays[spec.name] = np.frombuffer(value, DTYPES[spec.dtype], spec.count,
+                                                     begins + pos).reshape(spec.shape)
+        else:
+            record.arrays[spec.name] = _decode_field(body[pos:pos + spec.nbytes], spec, key)
         record.dtypes[spec.name] = spec.dtype
         pos += spec.nbytes
     return record

@@ -216,8 +216,10 @@ def decode_message(schema: RowSchema, message: ProgressMessage | bytes | bytearr
     if not isinstance(value, (bytes, bytearray, memoryview)):
         raise MalformedMessage(f"a progress message is bytes, got {type(value).__name__}")
     try:
-        # stored uncompressed: it decodes to at most its own size (8x for bit-packed bool fields)
-        record = codec.decode(value, "progress message", limits=codec.Limits(max_bytes=8 * len(value)))
+        # stored uncompressed: it decodes to at most its own size (8x for bit-packed bool fields); its
+        # plain arrays are views into the (immutable) bytes, which the owner only slices and re-encodes
+        value = value if type(value) is bytes else bytes(value)
+        record = codec.decode_views(value, "progress message", limits=codec.Limits(max_bytes=8 * len(value)))
     except CorruptRecord as exc:
         raise MalformedMessage(f"progress message refused: {exc.reason}; nothing of it was written") from None
     meta, arrays, dtypes = record.meta, record.arrays, record.dtypes

@@ -36,6 +36,7 @@ from kvckpt import args
 from kvckpt.errors import (
     BadArgument,
     BadOffsets,
+    CorruptRecord,
     DuplicateCommit,
     ForeignLease,
     FutureVersion,
@@ -93,6 +94,9 @@ def prepare(schema: RowSchema, group_size: int, msg: DecodedMessage) -> list[Ste
         return []
     leases = _leases(msg.leases, group_size)
     gid_json = [codec.json_text(lease.group_id) if isinstance(lease, Lease) else "" for lease in leases]
+    # each lease's row-key prefix, built (and its group id checked) once per message, not per sequence
+    rows = [keys.row_prefix(lease.group_id) if isinstance(lease, Lease) else b"" for lease in leases]
+    plain = not msg.fields  # the common message: tokens and logprobs only
     cuts = None if msg.token_versions is None else np.flatnonzero(np.diff(msg.token_versions)) + 1
     versions = msg.versions.tolist() if cuts is None else None
     offsets, max_tokens = msg.offsets.tolist(), schema.max_tokens
@@ -111,15 +115,19 @@ def prepare(schema: RowSchema, group_size: int, msg: DecodedMessage) -> list[Ste
         elif bad or start + b - a > max_tokens or start < 0 or not 0 <= index < group_size:
             out.append(_refusal(schema, lease, i, n, a, b, index, start, ended, total, bad))
         elif cuts is None:  # one weight version per sequence: one chunk
-            chunk = _chunk(msg, gid_json[at], index, start, a, b, versions[i])
-            out.append(StepSequence(lease, index, start + b - a, (chunk,), gid_json[at],
-                                    keys.row_key(lease.group_id, index), chunk.version, lease.group_id))
+            version = versions[i]
+            meta = f"{meta_head(gid_json[at], index, start, b - a)}{version}}}"
+            value = codec.encode_stored((("tokens", "int64", msg.tokens[a:b]),
+                                         ("logprobs", "float32", msg.logprobs[a:b])), meta) if plain else \
+                _chunk(msg, gid_json[at], index, start, a, b, version).value
+            out.append(StepSequence(lease, index, start + b - a, (StepChunk(start, b - a, version, value),),
+                                    gid_json[at], rows[at] + index.to_bytes(4, "big"), version, lease.group_id))
         else:
             runs = [a, *cuts[np.searchsorted(cuts, a, "right"):np.searchsorted(cuts, b, "left")].tolist(), b]
             chunks = tuple(_chunk(msg, gid_json[at], index, start + x - a, x, y, int(msg.token_versions[x]))
                            for x, y in itertools.pairwise(runs))
             out.append(StepSequence(lease, index, start + b - a, chunks, gid_json[at],
-                                    keys.row_key(lease.group_id, index), max(c.version for c in chunks),
+                                    rows[at] + index.to_bytes(4, "big"), max(c.version for c in chunks),
                                     lease.group_id))
         ended = max(ended, b)
     return out
@@ -223,7 +231,7 @@ def append(rows: ChunkRows, s: StepSequence, holds: Callable[[], None], newest: 
         holds()
     except StaleAttempt as exc:
         if not isinstance(exc, ForeignLease) and s.chunks and all(
-                rows.progress_chunk_of(s.row, c.start) == c.value for c in s.chunks):
+                same_chunk(rows, s, c) for c in s.chunks):
             return s.end  # a retry of a message whose first try landed: the identical bytes are durable
         raise
     if newest is not None and s.version > newest:
@@ -239,7 +247,7 @@ def append(rows: ChunkRows, s: StepSequence, holds: Callable[[], None], newest: 
     puts = []
     for c in s.chunks:
         if c.start < length:
-            if rows.progress_chunk_of(s.row, c.start) == c.value:
+            if same_chunk(rows, s, c):
                 continue  # a retry of an acknowledged chunk
             raise DuplicateCommit(f"{_where(s)} refused: tokens from {c.start} are already recorded with other "
                                   f"content (the durable prefix is {length} tokens); nothing was written")
@@ -251,6 +259,33 @@ def append(rows: ChunkRows, s: StepSequence, holds: Callable[[], None], newest: 
     for c in puts:
         rows.put_progress_chunk_of(s.row, c.start, c.value)
     return s.end
+
+
+def same_chunk(rows: ChunkRows, s: StepSequence, c: StepChunk) -> bool:
+    """Whether sequence ``s``'s chunk ``c`` is stored: the identical bytes, or the same record in
+    another encoding (a chunk ``kvckpt compact --level`` re-encoded: the header's compression and sizes differ,
+    its meta, fields, dtypes and array bytes do not), so a resend after a compaction gets its first answer.
+    Decodes only when the bytes differ (a refusal's path, or a compacted store's).
+
+    Raises:
+        CorruptRecord: the stored chunk fails its checksum or does not decode.
+    """
+    stored, value = rows.progress_chunk_of(s.row, c.start), c.value
+    if stored is None:
+        return False
+    if stored == value:
+        return True
+    name = f"progress/{keys.row_id(s.group_id, s.index)}@{c.start}"
+    have, want = codec.decode(stored, name), codec.decode(value, name)
+    return have.meta == want.meta and have.dtypes == want.dtypes and have.arrays.keys() == want.arrays.keys() and \
+        all(_same_array(have.arrays[k], want.arrays[k]) for k in want.arrays)
+
+
+def _same_array(a: Any, b: Any) -> bool:
+    """Equal dtype, shape and bytes (NaN logprobs included)."""
+    if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+        return bool(a == b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def _where(s: StepSequence) -> str:
@@ -265,9 +300,12 @@ def _durable_length(t: ChunkRows, s: StepSequence, start: int) -> int:
     if last is None:
         return 0
     at, value = last
-    expected = meta_head(s.gid_json, s.index, at, start - at)
-    if at < start and codec.meta_begins(value, expected, f"progress/{keys.row_id(s.group_id, s.index)}@{at}"):
-        return start
+    if at < start:
+        try:  # the record's name is built only for a refusal (this runs once per appended chunk)
+            if codec.meta_begins(value, meta_head(s.gid_json, s.index, at, start - at)):
+                return start
+        except CorruptRecord as exc:
+            raise CorruptRecord(f"progress/{keys.row_id(s.group_id, s.index)}@{at}", exc.reason) from None
     return progress.durable_length_of(last, s.group_id, s.index)
 
 

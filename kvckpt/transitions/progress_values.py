@@ -75,17 +75,19 @@ def _typed(column: Any, dtype: str) -> Any:
 
 
 def record(rows: ValueChunks, sequences: Sequence[StepSequence | KvckptError],
-           holds: Callable[[], None]) -> list[int | KvckptError]:
+           holds: Callable[[], None], newest: int | None = None, versions: str = "") -> list[int | KvckptError]:
     """The transitions of one call, inside its write transaction: per sequence the end of its durable chunk
     (the same on a resend of a landed one) or the error refusing it (nothing of it written). ``holds()``
-    raises the fence's refusal (a :class:`~kvckpt.errors.StaleAttempt`)."""
+    raises the fence's refusal (a :class:`~kvckpt.errors.StaleAttempt`); a chunk of a weight version after
+    ``newest`` (``None``: not checked; ``versions`` says what it is) is refused ``FutureVersion``, by
+    :func:`~kvckpt.transitions.progress_step.append`, the buffer's rule."""
     out: list[int | KvckptError] = []
     for s in sequences:
         if isinstance(s, KvckptError):
             out.append(s)
             continue
         try:
-            out.append(append(rows, s, holds, None))
+            out.append(append(rows, s, holds, newest, versions))
         except KvckptError as exc:
             out.append(exc)
     return out

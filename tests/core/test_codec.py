@@ -668,3 +668,27 @@ def test_hostile_meta_json_is_a_corrupt_record(meta, match):
     for reader in (decode, decode_meta):
         with pytest.raises(CorruptRecord, match=match):
             reader(seal(header), "meta/state")
+
+
+def test_decode_views_checks_what_decode_checks_and_aliases_only_immutable_bytes():
+    """``decode_views`` (the owner's zero-copy read of a progress message): the same values as
+    ``decode``; plain fields of an uncompressed record are read-only views into the given bytes, a
+    transformed field (bit-packed, narrowed, shuffled) or a compressed record's fields are decoded
+    copies; the same refusals; a mutable buffer is refused (the views could change under the owner)."""
+    fields = {"ids": np.arange(6, dtype=np.int64).reshape(2, 3), "lp": np.float32([-0.5, -1.0]),
+              "acc": np.array([True, False, True]), "txt": "h\u00e9", "raw": b"\x00\x01", "none": np.zeros(0, np.int16)}
+    for level in (0, 3):
+        value = encode(fields, {"k": level}, level=level)
+        views, copies = codec.decode_views(value), decode(value)
+        assert views.meta == copies.meta and views.dtypes == copies.dtypes
+        for name in fields:
+            assert codec.same_value(views.arrays[name], copies.arrays[name]), (level, name)
+        for name in ("ids", "lp"):
+            shared = np.shares_memory(views.arrays[name], np.frombuffer(value, np.uint8))
+            assert shared == (level == 0) and views.arrays[name].flags.writeable is (level != 0), (level, name)
+        assert not np.shares_memory(views.arrays["acc"], np.frombuffer(value, np.uint8))  # bit-packed: decoded
+    value = encode(fields, {}, level=0)
+    with pytest.raises(BadArgument, match="immutable bytes"):
+        codec.decode_views(bytearray(value))
+    with pytest.raises(CorruptRecord, match="checksum"):
+        codec.decode_views(value[:-1] + bytes([value[-1] ^ 1]))

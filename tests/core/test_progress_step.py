@@ -97,6 +97,32 @@ def test_a_messages_chunks_are_the_records_record_progress_stores(tmp_path):
     assert got.fields["spec_accepted"].tolist() == [True, False, True] and got.fields["hidden"].shape == (3, 2)
 
 
+def test_a_message_in_a_mutable_buffer_is_decoded_from_a_copy(tmp_path):
+    """The owner reads a message's arrays as views into its bytes; bytes the caller could still change
+    (a bytearray, a memoryview of one) are copied first, so the chunks stored are the checksummed ones."""
+    buf = make(tmp_path)
+    [lease] = buf.admit([0])
+    value = step(buf.progress_encoder(), [lease, lease], [0, 1], [0, 0], [3, 2]).value
+    for given in (bytearray(value), memoryview(bytearray(value))):
+        msg = decode_message(buf.schema, given)
+        assert not np.shares_memory(msg.tokens, np.frombuffer(given, np.uint8))
+        given[len(value) - 1] ^= 1  # the caller reuses its buffer: what was decoded does not change
+        assert msg.logprobs.tolist() == decode_message(buf.schema, value).logprobs.tolist()
+    assert buf.record_progress_step(bytearray(value)) == [3, 2]
+    assert tokens_of(buf, lease) == {0: [0, 1, 2], 1: [100, 101]}
+
+
+def test_each_sequence_lands_under_its_own_leases_row(tmp_path):
+    """A message of several groups' sequences (the owner builds each lease's row-key prefix once per
+    message): every chunk is stored under its own group and row, and nothing under another's."""
+    buf = make(tmp_path)
+    a, b = buf.admit([0, 1])
+    msg = step(buf.progress_encoder(), [a, b, a, b], [0, 0, 2, 3], [0, 0, 0, 0], [1, 2, 3, 4])
+    assert buf.record_progress_step(msg) == [1, 2, 3, 4]
+    assert tokens_of(buf, a) == {0: [0], 2: [200, 201, 202]}
+    assert tokens_of(buf, b) == {0: [100, 101], 3: [300, 301, 302, 303]}
+
+
 def test_items_and_columns_build_the_same_message(tmp_path):
     buf = make(tmp_path)
     [lease] = buf.admit([0])

@@ -176,3 +176,33 @@ def test_value_store_progress_is_the_buffers_transition_inside_one_fenced_transa
         store.close()
     report = verify_path(live, checksums=True)
     assert report.ok, report
+
+
+def test_a_resend_after_compact_level_gets_its_first_answer(tmp_path: Path) -> None:
+    """``kvckpt compact --level`` re-encodes every value-store record, progress chunks included, so a chunk's stored
+    bytes are no longer the bytes its producer sends: a resend after the compaction (a producer that never saw its
+    answer, the store compacted and reopened in between) still gets its first answer, from a live writer and from a
+    fenced one, because the rule compares the chunk's content when the bytes differ; other tokens at a durable
+    position are still refused DuplicateCommit. (A replay buffer's compaction leaves its progress chunks as they
+    were written.)"""
+    from kvckpt.errors import DuplicateCommit
+
+    live, small = str(tmp_path / "live.kv"), str(tmp_path / "small.kv")
+    sent = [_chunk(0, 0, [1, 2, 3]), {**_chunk(0, 3, [4, 5]), "logprobs": [float("nan"), -0.25]}]
+    store = ValueStore(live)
+    store.put(["run"], [_record("run", b"1", "token-1")])
+    assert store.record_progress(sent, max_tokens=8, fence=("run", "token-1")) == [3, 5]
+    before = store.get(store.keys("progress/g/0/"))
+    store.close()
+    compact(live, small, level=3)
+    store = ValueStore(small)
+    try:
+        assert store.get(store.keys("progress/g/0/")) != before  # the chunks were re-encoded
+        assert store.record_progress(sent, max_tokens=8, fence=("run", "token-1")) == [3, 5]
+        store.put(["run"], [_record("run", b"2", "token-2")])  # a restart's new run: the old writer is fenced
+        assert store.record_progress(sent, max_tokens=8, fence=("run", "token-1")) == [3, 5]
+        [other] = store.record_progress([_chunk(0, 3, [4, 6])], max_tokens=8, fence=("run", "token-2"))
+        assert isinstance(other, DuplicateCommit)
+        assert store.progress("g", 0, max_tokens=8)[0].tolist() == [1, 2, 3, 4, 5]
+    finally:
+        store.close()

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from kvckpt.integrations.vllm import ensure_tiny_model
-from kvckpt.reference import GRPOTrainer, ParkRollout, grpo_loss
+from kvckpt.reference import GRPOTrainer, Hooks, ParkRollout, grpo_loss
 from kvckpt.reference.grpo import BUFFER_FILE, MODEL_FILE, checkpoint_steps
 
 from kvckpt import ReplayBuffer
@@ -215,10 +215,33 @@ def test_crash_then_resume_in_a_fresh_process_trains_every_prompt_once(tmp_path,
 
 
 @pytest.mark.ray
+class _HeldBy(Hooks):
+    """Before each commit (in the rollout pump, before the worker's remote call): which workers the store lists
+    the lease under (``leases_held_by`` of each worker's holder, one read each)."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+        self.seen: list[tuple[str | None, list[str]]] = []
+
+    def before_commit(self, lease: Any) -> None:
+        workers = self.trainer.workers
+        listed = [w.holder for w in workers if lease.group_id in
+                  {held.group_id for held in self.trainer.buffer.leases_held_by(w.holder)}]
+        self.seen.append((lease.holder, listed))
+
+
 def test_ray_hosted_buffer_and_workers(tmp_path, tiny_model_cache):
+    """The Ray fleet: buffer actor and worker actors. Each worker is named after its actor (issue 45), every lease
+    the pump admits for it records that name, and the store lists the lease under that worker, and no other,
+    while it is in flight (``leases_held_by``: what a dead worker held, in one read)."""
     pytest.importorskip("ray")
-    cfg = _config(tmp_path, tiny_model_cache, generation={"ray": True}, train={"steps": 2})
-    summary = GRPOTrainer(cfg).run()
+    cfg = _config(tmp_path, tiny_model_cache, generation={"ray": True, "workers": 2}, train={"steps": 2})
+    hooks = _HeldBy()
+    trainer = hooks.trainer = GRPOTrainer(cfg, hooks=hooks)
+    summary = trainer.run()
+    holders = [w.holder for w in trainer.workers]
+    assert len(set(holders)) == 2 and all(h.startswith("actor:") for h in holders), holders
+    assert hooks.seen and all(listed == [holder] and holder in holders for holder, listed in hooks.seen), hooks.seen
     assert summary["steps_done"] == 2
     assert [r["groups"] for r in _metrics(summary)] == [GPS, GPS]
     live = os.path.join(cfg["output_dir"], "buffer.kvckpt")

@@ -2,8 +2,9 @@
 
 ``python -m kvckpt.testing.campaigns.campaign [--kills N]`` runs the crash campaign
 (:func:`kvckpt.testing.campaigns.kill.run_crash_campaign`), ``... fuzz --cases N`` the corruption fuzzing
-(:func:`kvckpt.testing.campaigns.fuzz.run_fuzz_campaign`) and ``... powercut --cuts N`` the power-loss
-campaign (:mod:`kvckpt.testing.campaigns.powercut`). Each prints one summary line and exits 1 when a
+(:func:`kvckpt.testing.campaigns.fuzz.run_fuzz_campaign`), ``... powercut --cuts N`` the power-loss
+campaign (:mod:`kvckpt.testing.campaigns.powercut`) and ``... replicated --kills N --level L`` the kill
+campaign's replicated side (:mod:`kvckpt.testing.campaigns.replicated`). Each prints one summary line and exits 1 when a
 violation was found. ``child`` and ``fuzz-worker`` are the campaigns' own subprocesses.
 """
 
@@ -53,6 +54,14 @@ def main(argv: list[str] | None = None) -> int:
         result: Any = run_fuzz_campaign(opts.cases, seed=opts.seed, workers=opts.workers, directory=opts.dir,
                                         trusted=opts.trusted, minutes=opts.minutes,
                                         progress=every(500, lambda r: r.cases))
+    elif command == "replicated":
+        from kvckpt.testing.campaigns.replicated import LEVELS, run_replicated_campaign
+
+        parser.add_argument("--kills", type=int, default=200)
+        parser.add_argument("--level", choices=LEVELS, default=LEVELS[-1])
+        opts = parser.parse_args(args)
+        result = run_replicated_campaign(opts.kills, level=opts.level, seed=opts.seed, directory=opts.dir,
+                                         minutes=opts.minutes, progress=every(50, lambda r: r.kills))
     elif command == "kill":
         parser.add_argument("--kills", type=int, default=200)
         parser.add_argument("--chain", type=int, default=25, help="kills per live store before a fresh one")
@@ -64,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                                     fresh_interpreter=opts.exec, minutes=opts.minutes,
                                     progress=every(100, lambda r: r.kills), sides=opts.side)
     else:
-        parser.error(f"unknown command {command!r} (use fuzz, powercut, or --kills N)")
+        parser.error(f"unknown command {command!r} (use fuzz, powercut, replicated, or --kills N)")
     return report(result)
 
 

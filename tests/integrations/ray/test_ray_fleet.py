@@ -101,9 +101,13 @@ def test_a_rollout_node_killed_mid_stream_loses_at_most_one_interval(cluster, tm
     ray.get(coordinator.wait_paused.remote(2))
     killed = kill_node(cluster, victim)
     assert len(killed) >= 2
-    for stream in streams:  # in flight at the kill: unavailable (docs/ray.md), not (yet) died
-        with pytest.raises(ray.exceptions.ActorUnavailableError):
+    for stream in streams:  # in flight at the kill: a RayActorError (docs/ray.md); which of its two kinds
+        # depends on whether this driver learns of the death (the raylet reporting its own exit, or the cluster's
+        # verdict) before it sees the connection drop, a race Ray leaves open: both are what Ray documents
+        with pytest.raises(ray.exceptions.RayActorError) as failed:
             ray.get(stream, timeout=120)
+        assert isinstance(failed.value, (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError)), \
+            repr(failed.value)
     later = _fleet.later_call_error(producers[0], ray.exceptions.ActorUnavailableError)
     assert isinstance(later, ray.exceptions.ActorDiedError), repr(later)  # once the node is declared dead
     state = ray.get(coordinator.state.remote())

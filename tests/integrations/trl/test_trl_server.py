@@ -178,13 +178,14 @@ def test_a_kill_inside_trls_first_save_sets_the_partial_checkpoint_aside_and_cos
 
 def test_a_weight_sync_mid_stream_stamps_each_token_with_the_weights_that_made_it(tmp_path, server):
     """Issue 49: TRL's weight sync after step 2 lands while a sample streams (the stream's reader is
-    held after its first engine step with tokens, in a batch with a sample short of its budget, so a
-    sample is mid-stream whatever the timing) and really changes the server's weights (a
-    reload between TRL's pause and resume, to a marker model that generates one token only). SIGKILL
-    once a chunk of the new weights is durable. Each durable token's version is the weights that made
-    it: version 1 on exactly the tokens the startup weights generate uninterrupted, version 2 on
-    marker tokens only. A resume from checkpoint-1 (destroying the weights of step 2) keeps them, and
-    the group's stamps are its oldest and newest tokens' versions."""
+    held in a batch dispatched on the weights of step 1, at a step where a sample has a durable chunk
+    of them and at least an interval of its budget left, so on every timeline that sample straddles the
+    sync) and really changes the server's weights (a reload between TRL's pause and resume, to a marker
+    model that generates one token only). SIGKILL once the held sample's own chunk of the new weights is
+    durable. Each durable token's version is the weights that made it: version 1 on exactly the tokens
+    the startup weights generate uninterrupted, version 2 on marker tokens only. A resume from
+    checkpoint-1 (destroying the weights of step 2) keeps them, and the group's stamps are its oldest
+    and newest tokens' versions."""
     import numpy as np
 
     sys.path.insert(0, os.path.dirname(RUN))
@@ -203,6 +204,7 @@ def test_a_weight_sync_mid_stream_stamps_each_token_with_the_weights_that_made_i
     try:
         first = _run(tmp_path, model, srv, sync_mid_stream_at=synced, reload={"3": marker})
         assert first.returncode == -9, first.stderr[-3000:] + srv.tail()
+        (killed,) = [e for e in _events(tmp_path) if "killed_after_sync" in e]
         with ReplayBuffer.open(str(tmp_path / "buffer.kv"), readonly=True) as buf:
             kept = [(e.group_id, e.prompt_idx, i, p.tokens.tolist(), p.versions.tolist())
                     for e in buf.ledger() for i, p in buf.progress(e.group_id).items()]
@@ -220,7 +222,11 @@ def test_a_weight_sync_mid_stream_stamps_each_token_with_the_weights_that_made_i
         assert old == expected[:len(old)]  # the old weights' tokens are the startup weights', in order
         groups_kept.setdefault(gid, set()).update(versions.tolist())
     straddled = [gid for gid, versions in groups_kept.items() if versions == {synced - 1, synced}]
-    assert straddled, kept  # the held sample was mid-stream at the sync: its group has tokens of both
+    # the held sample was mid-stream at the sync: its durable chunks hold tokens of both weights, in order
+    held = tuple(killed["held"])
+    (held_versions,) = [versions for gid, _, i, _, versions in kept if (gid, i) == held]
+    assert set(held_versions) == {synced - 1, synced}, (held, kept)
+    assert held[0] in straddled, kept
     with ReplayBuffer.open(str(tmp_path / "buffer.kv"), readonly=True) as buf:
         groups = {g.group_id: g for g in buf.groups()}
     for gid in straddled:  # committed by the resumed run: its oldest token is of step 1, its newest of step 2

@@ -15,7 +15,8 @@ TRL 1.16.0's ``AsyncGRPOTrainer`` assumes a GPU in exactly two places on the pat
 On the vLLM-server path (tests/integrations/trl/test_trl_server.py) a third: TRL's NCCL weight transfer into the
 server (:class:`ServerWeightTransferOnCPU`; its readiness wait, ``/pause`` and ``/resume`` stay TRL's).
 
-The kill probes share :func:`make_room` (the one step of the dataloader's they take themselves).
+The kill probes share :func:`make_room` (the one step of the dataloader's they take themselves), and the server-path
+runs (trl_server_run.py, trl_server_drain_run.py) :func:`server_run` (the dataset, reward, fsynced log and config).
 
 Nothing else is replaced: the trainer, its dataloader, batcher, collator, loss, optimizer,
 checkpointing and ``resume_from_checkpoint`` are TRL's and transformers' own. The integration
@@ -24,6 +25,8 @@ checkpointing and ``resume_from_checkpoint`` are TRL's and transformers' own. Th
 
 from __future__ import annotations
 
+import json
+import os
 import queue
 import threading
 import types
@@ -202,3 +205,32 @@ def marker_model(model_dir: str, out_dir: str) -> str:
             weights[name] = torch.full_like(tensor, 0.1)
     save_file(weights, os.path.join(out_dir, "model.safetensors"))
     return out_dir
+
+
+def server_run(cfg: dict, max_steps: int, save_steps: int):
+    """What the server-path runs share: ``(dataset, reward, log, args)``: the addition task's dataset, its exact-match
+    reward, ``log(event)`` appending a JSON line to ``cfg["log"]`` (fsynced), and the ``AsyncGRPOConfig`` (greedy,
+    ``learning_rate=0``, ``cfg``'s ``workdir``, ``max_tokens`` and ``server``)."""
+    from datasets import Dataset
+    from kvckpt.integrations.vllm import AdditionTask
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    task = AdditionTask()
+    dataset = Dataset.from_list([{"prompt": task.prompt(i), "answer": task.answer(i)} for i in range(task.size)])
+    log_fh = open(cfg["log"], "a")  # noqa: SIM115 - appended to until the process ends or is killed
+
+    def log(event):
+        log_fh.write(json.dumps(event) + "\n")
+        log_fh.flush()
+        os.fsync(log_fh.fileno())
+
+    def reward(completions, answer, **_):
+        return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+    args = AsyncGRPOConfig(
+        output_dir=os.path.join(cfg["workdir"], "out"), max_steps=max_steps, save_steps=save_steps,
+        save_strategy="steps", per_device_train_batch_size=4, gradient_accumulation_steps=1, num_generations=2,
+        max_completion_length=cfg["max_tokens"], token_budget=0, use_cpu=True, bf16=False, report_to=[],
+        logging_steps=1, max_staleness=4, learning_rate=0.0, top_k=1, seed=0, save_only_model=False,
+        dataloader_num_workers=0, vllm_server_base_url=cfg["server"])
+    return dataset, reward, log, args

@@ -17,11 +17,14 @@ its second, like a disk that stalls, and kills once the reader must wait for tha
 takes more of a sequence, logging every sequence's tokens taken and durable under the recorder's
 lock; 0: never), ``reload`` (``{sync number: model directory}``: that weight sync really changes the
 server's weights, tests/integrations/trl/trl_cpu.py), ``sync_mid_stream_at`` (at the end of that step,
-before TRL's weight sync, the probe holds the stream reader of the next batch in which a sample is still
-short of ``max_tokens`` once the reader's first engine step with tokens was recorded, so that sample is
-mid-stream when the sync lands whatever the timing (a batch read whole in its first step is let go and
-the next one held); once the server resumed it lets the reader go, and it SIGKILLs the process once a
-chunk of the new weights is durable (on the flusher, before the batch can end), logging the ledger;
+before TRL's weight sync, the probe holds the stream reader of a batch dispatched on the weights the
+sync replaces, at the first engine step where one of its samples (the held sample) has a chunk of
+those weights durable and at least an interval of its budget left, and has not ended: the sync lands
+while it is mid-stream, every token it takes after the sync is the new weights', and a chunk of them
+falls due before it can end, whatever the timing (a batch that never offers such a step is let go and
+the next one held); once the server resumed it lets the reader go, and it SIGKILLs the process once
+the held sample's own chunk of the new weights is durable (on the flusher, before the batch can end),
+logging the ledger; the held sample's group committed first ends the run with status 3 instead;
 0: never),
 ``log`` (a JSON-lines file, each event fsynced: the sequences in
 flight at the kill, the recovery plan, the worker's progress counters at the end).
@@ -42,38 +45,19 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from trl_cpu import ServerWeightTransferOnCPU, install_cpu_stand_ins, make_room
+from trl_cpu import ServerWeightTransferOnCPU, install_cpu_stand_ins, make_room, server_run
 
 
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     install_cpu_stand_ins()
-    from datasets import Dataset
     from kvckpt.integrations.trl import BUFFER_FILE, KvckptRolloutWorker
-    from kvckpt.integrations.vllm import AdditionTask
     from transformers import AutoTokenizer, TrainerCallback
-    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
 
     from kvckpt.storage.progress_message import decode_message
 
-    task = AdditionTask()
-    dataset = Dataset.from_list([{"prompt": task.prompt(i), "answer": task.answer(i)} for i in range(task.size)])
-    log_fh = open(cfg["log"], "a")  # noqa: SIM115 - appended to until the process ends or is killed
-
-    def log(event):
-        log_fh.write(json.dumps(event) + "\n")
-        log_fh.flush()
-        os.fsync(log_fh.fileno())
-
-    def reward(completions, answer, **_):
-        return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
-
-    args = AsyncGRPOConfig(
-        output_dir=os.path.join(cfg["workdir"], "out"), max_steps=cfg["max_steps"], save_steps=cfg["save_steps"],
-        save_strategy="steps", per_device_train_batch_size=4, gradient_accumulation_steps=1, num_generations=2,
-        max_completion_length=cfg["max_tokens"], token_budget=0, use_cpu=True, bf16=False, report_to=[],
-        logging_steps=1, max_staleness=4, learning_rate=0.0, top_k=1, seed=0, save_only_model=False,
-        dataloader_num_workers=0, vllm_server_base_url=cfg["server"])
+    dataset, reward, log, args = server_run(cfg, cfg["max_steps"], cfg["save_steps"])
 
     def kill_mid_generation(states):
         """SIGKILL once ``kill_after_step``'s checkpoint is complete and a sample of the batch in
@@ -129,39 +113,61 @@ def main() -> None:
             time.sleep(0.02)
         return recorders[-1]
 
-    def hold_a_reader_mid_stream(buf, landed):
-        """Hold the stream reader of the next batch with a sample short of ``max_tokens`` after the
-        reader's first engine step with tokens (the tokens it read so far are the old weights'), until
-        ``go`` is set; ``landed(versions)`` is called (on the flusher) with the weight versions of every
-        progress flush's tokens once that flush is durable."""
+    def hold_a_reader_mid_stream(buf, landed, dispatched):
+        """Hold the stream reader of the next batch dispatched on the weights of step ``dispatched`` at its
+        first engine step where a sample (the held one) has a durable chunk, at least ``every`` tokens of
+        its budget left and no end of sequence yet, until ``go`` is set: the tokens it took so far are those
+        weights', and after a sync every token it takes is the new weights', a chunk of them due before it
+        can end. ``landed(sent, results)`` is called (on the flusher) with every progress flush's decoded
+        message and its answers once the store answered it. Returns the held batch's recorder, ``go`` and
+        the held sample's ``(group id, row index)``."""
         record, held, go = buf.record_progress_step, threading.Event(), threading.Event()
+        chosen = []
 
         def recording(message):
             results = record(message)
-            sent = decode_message(buf.schema, message)
-            landed(set((sent.versions if sent.token_versions is None else sent.token_versions).tolist()))
+            landed(decode_message(buf.schema, message), results)
             return results
 
+        def mid_stream(states, last):
+            """The position of the sample to hold in the batch (``states``; ``last``: each sample's last
+            token so far), or None: this step offers none."""
+            if any(s.lease.start_weight != dispatched for s in states):
+                return None
+            for i, s in enumerate(states):
+                if (s.durable > 0 and s.generated <= cfg["max_tokens"] - cfg["every"]
+                        and last.get(i) != worker.tokenizer.eos_token_id):
+                    return i
+            return None
+
         buf.record_progress_step = recording
-        armed.append((held, go))
+        armed.append((mid_stream, held, go, chosen))
         while not held.is_set():
             make_room(buf)
             worker.check_health(0)
             time.sleep(0.02)
-        return recorders[-1], go
+        return recorders[-1], go, chosen[0]
 
     def holding(recorder, on_step):
         """``on_step``, holding the reader as :func:`hold_a_reader_mid_stream` asked (if it did)."""
         if not armed:
             return on_step
+        last: dict[int, int] = {}  # each sample's last token so far
 
         def step(deltas):
             stop = on_step(deltas)
-            if (armed and any(ids for _, ids, *_ in deltas)
-                    and any(s.generated < cfg["max_tokens"] for s in recorder.states)):
-                held, go = armed.pop()
-                held.set()
-                go.wait()
+            for i, ids, *_ in deltas:
+                if ids:
+                    last[i] = ids[-1]
+            if armed:
+                mid_stream, held, go, chosen = armed[0]
+                i = mid_stream(recorder.states, last)
+                if i is not None:
+                    armed.pop()
+                    state = recorder.states[i]
+                    chosen.append((state.lease.group_id, state.index))
+                    held.set()
+                    go.wait()
             return stop
         return step
 
@@ -174,16 +180,35 @@ def main() -> None:
             if step != state.global_step:
                 return
             buf = worker.buffer
+            sample = []  # the held sample's (group id, row index), once held
 
-            def landed(versions):  # on the held batch's flusher: its first chunk of the new weights is durable
-                if step in versions:
-                    log({"killed_after_sync": step, "ledger": [[e.group_id, e.prompt_idx, e.start_weight]
-                                                                for e in buf.ledger()]})
-                    os.kill(os.getpid(), signal.SIGKILL)
+            def landed(sent, results):  # on the flusher: the held sample's first chunk of the new weights is durable
+                for j, result in enumerate(results):
+                    lease = sent.leases[int(sent.lease_of[j])]
+                    versions = (sent.versions[j:j + 1] if sent.token_versions is None
+                                else sent.token_versions[sent.offsets[j]:sent.offsets[j + 1]])
+                    if (sample and (lease["group_id"], int(sent.indices[j])) == sample[0]
+                            and step in versions.tolist() and not isinstance(result, BaseException)):
+                        log({"killed_after_sync": step, "held": list(sample[0]),
+                             "ledger": [[e.group_id, e.prompt_idx, e.start_weight] for e in buf.ledger()]})
+                        os.kill(os.getpid(), signal.SIGKILL)
 
-            recorder, go = hold_a_reader_mid_stream(buf, landed)
-            log({"held": [{"index": s.index, "generated": s.generated, "durable": s.durable}
-                          for s in recorder.states]})
+            commit = buf.commit_group
+
+            def committing(lease, *a, **kw):  # the held group ending before the kill: the probe missed its point
+                if sample and lease.group_id == sample[0][0]:
+                    log({"held_group_committed": list(sample[0])})
+                    print(f"the held sample {sample[0]} ended with no chunk of the new weights durable",
+                          file=sys.stderr, flush=True)
+                    os._exit(3)
+                return commit(lease, *a, **kw)
+
+            buf.commit_group = committing
+            recorder, go, held = hold_a_reader_mid_stream(buf, landed, step - 1)
+            sample.append(held)
+            log({"held": {"group": held[0], "index": held[1],
+                          "states": [{"index": s.index, "generated": s.generated, "durable": s.durable}
+                                     for s in recorder.states]}})
 
             def after_the_sync():
                 while worker.epochs.version != step or worker.epochs.paused:

@@ -7,7 +7,10 @@ The second test shows the checker fails when the file differs from the acknowled
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,8 +31,43 @@ def test_kills_keep_every_acknowledged_ledger_call(tmp_path: Path) -> None:
     result = run_crash_campaign(16, seed=4, directory=str(tmp_path), chain=8, sides=[campaign.__name__])
     print(result.summary())  # the counts docs/reliability.md quotes (pytest -s)
     assert result.violations == []
+    # every ledger call kind, acknowledged and checked after a kill: on every timeline, since a chain's first child
+    # to say it is ready acknowledged each kind before it did (the side's cover, the next test)
     kinds = result.operation_kinds
-    assert min(kinds.get(k, 0) for k in campaign.KINDS) > 0, kinds  # every ledger call kind, acknowledged
+    assert min(kinds.get(k, 0) for k in campaign.KINDS) > 0, kinds
+
+
+_START = """
+import json, sys
+from kvckpt.integrations.verl import campaign
+campaign.start_writer = lambda *args, **kwargs: None  # no writer thread: the log holds what start() did itself
+class Log:
+    ops = []
+    def append(self, **op):
+        self.ops.append(op["op"])
+campaign.start(sys.argv[1], Log(), 5)
+print(json.dumps(Log.ops))
+"""
+
+
+def test_a_runs_first_child_acknowledges_every_kind_before_its_start_returns(tmp_path: Path) -> None:
+    """A campaign waits for a child's readiness (after every side's ``start``) before it draws the moment of the
+    kill, so the kill campaign's coverage holds whatever the machine's speed: a run's first ``start`` makes and
+    acknowledges every kind of ledger call before it returns, and marks the run covered; the next child's does
+    not cover again (its restart and its calls run on the writer's thread, where a kill can land anywhere)."""
+    def child() -> list[str]:
+        """The ops one child's ``start`` logged (a fresh interpreter: its own ledger environment)."""
+        out = subprocess.run([sys.executable, "-c", _START, str(tmp_path)], capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout)
+
+    os.makedirs(tmp_path / "ckpt")
+    first, second = child(), child()
+    assert set(campaign.KINDS) <= set(first), first
+    assert first[:4] == ["lstart", "lrun", "lintent", "lresume"]  # the restart comes first, as verl's does
+    assert (tmp_path / campaign.COVERED).is_file()
+    assert second == ["lstart"]
 
 
 def _drive_ledger(run: Path) -> tuple[str, list[dict]]:

@@ -131,6 +131,33 @@ def test_close_makes_an_aborted_requests_tail_durable_before_it_returns(tmp_path
     asyncio.run(run())
 
 
+def test_a_drain_past_its_deadline_stops_the_servers_samples_and_counts_the_tail_not_made_durable(
+        tmp_path: Path) -> None:
+    """The rollout server's recorder drained (a preemption notice: ``drain_all``, as ``drain_on_sigterm`` runs it)
+    while the ledger does not answer: the drain returns at its deadline, stops every sample and says how many
+    tail tokens it did not make durable; once the ledger answers, the flush that was in flight lands, once."""
+    import time
+
+    ledger, token = _ledger(tmp_path)
+    sink = LedgerSink(ledger)
+
+    async def run() -> None:
+        progress = ServerProgress(sink)
+        sample = progress.open(_key(token, "u"), 3)
+        await progress.observe(sample, list(range(EVERY)), [0.0] * EVERY, 1)
+        await _settle(progress)  # one interval durable
+        sink.gate.clear()  # the ledger stops answering
+        await progress.observe(sample, list(range(EVERY + 3)), [0.0] * (EVERY + 3), 1)  # a tail of 3, not due
+        report = await asyncio.to_thread(progress.recorder.drain, time.monotonic() + 0.05)
+        assert not report.in_time and (report.drained, report.undrained, report.tokens_not_durable) == (0, 1, 3)
+        assert progress.recorder.stopped() == {0} and ledger.progress("u", 0)["tokens"] == list(range(EVERY))
+        sink.gate.set()
+        await _settle(progress)
+
+    asyncio.run(run())
+    assert ledger.progress("u", 0)["tokens"] == list(range(EVERY + 3))
+
+
 def test_each_token_keeps_the_version_that_made_it(tmp_path: Path) -> None:
     ledger, token = _ledger(tmp_path)
 
@@ -277,6 +304,71 @@ def test_the_put_that_ends_a_group_is_one_lmdb_commit_with_its_progress_deletion
     assert ledger.snapshot()["items"]["train"]["u"] == {"tags": {"status": "finished"}, "fields": {}}
 
 
+def test_an_ending_put_and_a_settle_read_what_they_delete_inside_their_write_transaction(tmp_path: Path,
+                                                                                        monkeypatch: Any) -> None:
+    """``put(ended=...)`` and ``settle_progress`` list the progress they delete inside their one write transaction,
+    not before it, so neither relies on the ledger's mutex: a chunk that lands after the call began and before its
+    transaction opens (a writer the mutex does not hold out: here the ledger's own value store, called at that
+    moment) is deleted with the rest. A listing taken before the transaction misses it, and a finished group's
+    progress (or a prompt no restart reissues) would outlive it."""
+    from kvckpt.integrations.transferqueue.values import encode_value, new_write_id
+    from kvckpt.integrations.verl.records import PROGRESS, TAG, record_key
+
+    ledger, token = _ledger(tmp_path)
+    chunk = {"start": 0, "tokens": [1, 2], "logprobs": [0.0, 0.0], "versions": [0, 0]}
+    ledger.record_progress(token, [{**chunk, "uid": u, "session": 0} for u in ("u", "gone", "kept")])
+    store, pending = ledger._values, []
+    write = store._store.write
+
+    def late_writer_then(fn: Any) -> Any:  # every LMDB write transaction of the ledger file opens here
+        while pending:
+            uid, session = pending.pop()
+            store.record_progress([{"group": uid, "index": session, **chunk}], max_tokens=ledger.max_tokens,
+                                  prefix=PROGRESS)
+        return write(fn)
+
+    monkeypatch.setattr(store._store, "write", late_writer_then)
+    key = record_key("train", "u", TAG, "status")
+    pending.append(("u", 1))
+    ledger.put(token, [key], [encode_value(key, "finished", new_write_id(), 1)], ended=["u"])
+    assert not pending and ledger.progress("u", 0) is None and ledger.progress("u", 1) is None
+    pending.append(("gone", 1))
+    assert ledger.settle_progress(token, ["kept"]) == 2
+    assert not pending and ledger.progress("gone", 0) is None and ledger.progress("gone", 1) is None
+    assert ledger.progress("kept", 0)["tokens"] == [1, 2]
+
+
+def test_progress_newer_than_the_trainers_step_is_refused_as_the_buffer_refuses_it(tmp_path: Path) -> None:
+    """The trainer's step (``trainer_step``, verl's ``global_steps`` reported before each sample; a restart's
+    ``resume`` drops it) is the newest weight version a token may carry, read inside the progress transaction: a
+    later one is :class:`kvckpt.errors.FutureVersion`, the buffer's class, raised by the core rule; nothing of the
+    chunk is written. While no step is reported (a new ledger, a restart before its first sample) no version is
+    checked."""
+    from kvckpt.errors import FutureVersion
+
+    ledger, token = _ledger(tmp_path)
+
+    def record(start: int, versions: list[int], uid: str = "g") -> Any:
+        return ledger.record_progress(token, [{"uid": uid, "session": 0, "start": start, "tokens": [7] * len(versions),
+                                               "logprobs": [-0.5] * len(versions), "versions": versions}])[0]
+
+    assert record(0, [5]) == 1  # no step reported yet
+    ledger.trainer_step(token, 2)
+    refused = record(0, [1, 3], uid="h")
+    assert isinstance(refused, FutureVersion) and "the trainer is at step 2" in str(refused)
+    assert ledger.progress("h", 0) is None
+    assert record(0, [1, 2], uid="h") == 2
+    ledger.trainer_step(token, 1)  # (a trainer's step only goes up within a run; the rule reads what it holds)
+    assert isinstance(record(2, [2], uid="h"), FutureVersion) and record(2, [1], uid="h") == 3
+    ledger.resume(token, 0)  # a restart: the resumed trainer reports its step again at its first sample
+    assert record(3, [4], uid="h") == 4
+    current = ledger.open_run()["token"]  # a restart: the old run's token is stale
+    with pytest.raises(StaleRun):
+        ledger.trainer_step(token, 9)
+    with pytest.raises(BadArgument):
+        ledger.trainer_step(current, -1)
+
+
 # -- one rule set: the ledger's progress is the replay buffer's (issue 45) -----------------------------------------
 class _BufferKind:
     """The replay buffer's progress (``record_progress_many`` items) of one group; fenced by a redispatch."""
@@ -289,9 +381,9 @@ class _BufferKind:
                                                            "max_tokens": max_tokens}))
         [self.lease] = self.buf.admit([Prompt(0)])
 
-    def record(self, index: int, start: int, tokens: list[int]) -> Any:
+    def record(self, index: int, start: int, tokens: list[int], version: int = 0) -> Any:
         return self.buf.record_progress_many([{"lease": self.lease, "index": index, "start": start, "tokens": tokens,
-                                               "logprobs": [-0.5] * len(tokens), "weight_version": 0}])[0]
+                                               "logprobs": [-0.5] * len(tokens), "weight_version": version}])[0]
 
     def fence(self) -> None:
         self.buf.redispatch(self.lease.group_id)
@@ -307,11 +399,12 @@ class _LedgerKind:
     def __init__(self, tmp_path: Path, max_tokens: int) -> None:
         self.ledger = VerlLedger(str(tmp_path / "ledger.kv"), max_tokens=max_tokens)
         self.token = self.ledger.open_run()["token"]
+        self.ledger.trainer_step(self.token, 0)  # the trainer's version, as a new buffer's
 
-    def record(self, index: int, start: int, tokens: list[int]) -> Any:
+    def record(self, index: int, start: int, tokens: list[int], version: int = 0) -> Any:
         return self.ledger.record_progress(self.token, [{"uid": "g", "session": index, "start": start, "tokens": tokens,
                                                          "logprobs": [-0.5] * len(tokens),
-                                                         "versions": [0] * len(tokens)}])[0]
+                                                         "versions": [version] * len(tokens)}])[0]
 
     def fence(self) -> None:
         self.ledger.open_run()
@@ -320,8 +413,8 @@ class _LedgerKind:
         return (self.ledger.progress("g", index) or {"tokens": []})["tokens"]
 
 
-#: ``(what, fence first, index, start, tokens, the answer: the durable length or the refusal's class)``, in order,
-#: with max_tokens 8.
+#: ``(what, fence first, index, start, tokens, the answer: the durable length or the refusal's class[, the tokens'
+#: weight version, 0 by default])``, in order, with max_tokens 8.
 RULES = [
     ("the first chunk", False, 0, 0, [1, 2, 3], 3),
     ("its resend", False, 0, 0, [1, 2, 3], 3),
@@ -330,6 +423,7 @@ RULES = [
     ("a chunk past max_tokens", False, 0, 3, [4, 5, 6, 7, 8, 9], "SchemaMismatch"),
     ("the next chunk", False, 0, 3, [4], 4),
     ("another sample", False, 1, 0, [7], 1),
+    ("a chunk of a weight version after the trainer's", False, 0, 4, [5], "FutureVersion", 1),
     ("a fenced writer's resend of a landed chunk", True, 0, 3, [4], 4),
     ("a fenced writer's new chunk", False, 0, 4, [5], "StaleAttempt"),
     ("a fenced writer's new sample", False, 1, 1, [8], "StaleAttempt"),
@@ -344,10 +438,10 @@ def test_the_ledgers_progress_is_refused_and_answered_exactly_as_the_buffers(tmp
     import kvckpt.errors as errors
 
     store = kind(tmp_path, max_tokens=8)
-    for what, fence, index, start, tokens, want in RULES:
+    for what, fence, index, start, tokens, want, *version in RULES:
         if fence:
             store.fence()
-        got = store.record(index, start, tokens)
+        got = store.record(index, start, tokens, *version)
         if isinstance(want, int):
             assert got == want, what
         else:

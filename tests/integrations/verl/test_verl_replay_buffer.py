@@ -800,3 +800,19 @@ def test_wait_for_sampleable_replaces_groups_sample_would_have_evicted(partition
     assert refiller.calls == [1] and metrics["validation/off_policy/evicted_samples"] == 1
     batch, _ = rb.sample(global_steps=5, partition_id=partition_id, batch_size=1)
     assert _uids(batch.keys) == {refiller.produced[0]}
+
+
+# -- kvckpt's own: the trainer's step reaches the ledger ----------------------------------------
+def test_an_async_sample_reports_the_trainers_step_to_the_ledger_first(partition_id: str, val: str,
+                                                                      ledger_path: str) -> None:
+    """kvckpt: verl's training-partition ``sample`` (async modes) first records its ``global_steps`` as the ledger's
+    trainer step (``VerlLedger.trainer_step``: token progress of a later weight version is refused
+    ``FutureVersion``); a validation sample reports nothing."""
+    _group(partition_id, "finished", global_steps=3)
+    _group(val, "finished", global_steps=3)
+    rb = _make_rb(ledger_path, trainer_mode="colocate_async", max_off_policy_threshold=8)
+    assert ray.get(rb.ledger.info.remote())["trainer_step"] is None
+    rb.sample(global_steps=9, partition_id=val, batch_size=1)
+    assert ray.get(rb.ledger.info.remote())["trainer_step"] is None
+    rb.sample(global_steps=5, partition_id=partition_id, batch_size=1)
+    assert ray.get(rb.ledger.info.remote())["trainer_step"] == 5
