@@ -733,8 +733,8 @@ RAY_FAILOVER = "tests/integrations/ray/test_ray_failover.py"
 SHIP = "integrations/ray/replication.py"
 MUTATIONS += (
     Mutation("ray-remote-level-does-not-wait", SHIP,
-             "        if self.config.ack == ASYNC:\n            return\n        await self.wait_acked(seq)\n",
-             "        return\n",
+             "            return\n        await self.wait_acked(seq)\n",
+             "            return\n",
              (f"{RAY_REPL}::test_a_remote_level_answers_only_after_the_standby_applied",)),
     Mutation("ray-generated-write-not-replicated", "integrations/ray/actor.py",
              "    return mark_generated(_replicated(method) if row.writes else method)",
@@ -988,6 +988,28 @@ MUTATIONS += (
     Mutation("verify-allows-newest-at-stamp", "kvckpt/durability/verify.py",
              "    if newest is not None and newest <= start:", "    if False:",
              ("tests/durability/test_corruption_fuzz.py::test_verifier_flags_each_inconsistency",)),
+)
+
+# issue 44 (this session, h44b16): the async bound's hold reported and applied to answers too, each write's
+# acknowledgement lag measured, a promoted standby shipping to its own successor
+RAY_LEVELS = "tests/integrations/ray/test_ray_replication_levels.py"
+MUTATIONS += (
+    Mutation("ray-async-hold-not-reported", SHIP,
+             "                    self.held_writes += 1\n", "",
+             (f"{RAY_LEVELS}::test_async_answers_at_once_measures_the_lag_and_holds_writes_past_the_bound",)),
+    Mutation("ray-async-answer-not-held", SHIP,
+             "            await self._hold()\n            return\n", "            return\n",
+             (f"{RAY_LEVELS}::test_async_holds_the_answer_of_a_write_in_progress_once_the_lag_passes_the_bound",)),
+    Mutation("ray-ack-lag-not-measured", SHIP,
+             "            self._lags.append(now - self._written.popleft()[1])",
+             "            self._written.popleft()",
+             (f"{RAY_LEVELS}::test_async_answers_at_once_measures_the_lag_and_holds_writes_past_the_bound",)),
+    Mutation("ray-promoted-standby-ships-to-no-successor", "integrations/ray/actor.py",
+             "        self._replicate(self._successor)\n", "",
+             (f"{RAY_LEVELS}::test_a_promoted_standby_ships_to_its_successor_and_a_second_failover_loses_nothing",)),
+    Mutation("ray-standby-forgets-its-successor", "integrations/ray/actor.py",
+             "                self._successor = replication  # what it ships to once promoted\n", "",
+             (f"{RAY_LEVELS}::test_a_promoted_standby_ships_to_its_successor_and_a_second_failover_loses_nothing",)),
 )
 
 # issue 45 (this session): the correctness remainder (h45r16). The verl ledger's reads inside its write transactions,

@@ -183,8 +183,8 @@ class BufferActor:
         map_size: initial LMDB map size of a new store. Defaults to the store's default.
         max_workers: threads running transactions and row encoding. Defaults to 4.
         replication: make the store a replicated primary shipping its log to the standby actor
-            this names, at its acknowledgement level (:class:`ReplicationConfig` or its dict).
-            Defaults to none.
+            this names, at its acknowledgement level (:class:`ReplicationConfig` or its dict); with
+            ``standby``, what it ships to once promoted. Defaults to none.
         standby: start as a standby (:func:`start_standby_actor`): the actor holds ``path`` as a
             standby's file (installed from the primary's first snapshot) and answers only the
             replication calls and :meth:`promote` until it is promoted; a restart of a promoted
@@ -221,13 +221,16 @@ class BufferActor:
         self._async_buffer: AsyncReplayBuffer | None = None
         self._shipper: Shipper | None = None
         self._side: StandbySide | None = None
+        self._successor: ReplicationConfig | None = None
         self.auto_promote = auto_promote
         self.promoted_at: float | None = None
         self.promoted_from: int | None = None
         self._watcher: asyncio.Task[None] | None = None
+        replication = ReplicationConfig.of(replication)
         if standby:
             with contextlib.suppress(NotStandby):  # a promoted standby's restart: it is the primary now
                 self._side = StandbySide(self.path)
+                self._successor = replication  # what it ships to once promoted
                 return
         if os.path.exists(self.path):
             buffer = ReplayBuffer.open(self.path)
@@ -247,10 +250,13 @@ class BufferActor:
                 config = BufferConfig.from_dict(config)
             buffer = ReplayBuffer.create(self.path, config, map_size=map_size)
         self._abuf = AsyncReplayBuffer(buffer, max_workers=max_workers)
-        replication = ReplicationConfig.of(replication)
+        self._replicate(replication)
+
+    def _replicate(self, replication: ReplicationConfig | None) -> None:
+        """Make the open store a replicated primary shipping to ``replication``'s standby (none: nothing)."""
         if replication is not None:
-            enable_replication(buffer)
-            self._shipper = Shipper(buffer, replication, self.node_id)
+            enable_replication(self._abuf.buffer)
+            self._shipper = Shipper(self._abuf.buffer, replication, self.node_id)
 
     @property
     def _abuf(self) -> AsyncReplayBuffer:
@@ -275,6 +281,11 @@ class BufferActor:
         if status is not None and self._shipper is not None:
             status = {**status, **self._shipper.lag()}
         return status
+
+    async def replica_lags(self) -> list[float]:
+        """As a replicating primary: the seconds from each write's answer to the standby's
+        acknowledgement of it, since the last call (empty when it ships to no standby)."""
+        return [] if self._shipper is None else self._shipper.take_lags()
 
     async def apply_log(self, records: Sequence[bytes]) -> int:
         """As a standby: apply a shipped batch in one durable transaction (see :meth:`kvckpt.Standby.apply`).
@@ -305,8 +316,10 @@ class BufferActor:
     async def promote(self, resume_version: int | None = None) -> dict[str, Any]:
         """Promote this standby to the primary (see :func:`kvckpt.promote`: a new epoch, then
         recovery as a restart runs it); returns the recovery plan (its ``leases`` are the in-flight
-        prompts to redispatch, each once). From then on the actor serves the buffer; it ships to no
-        standby until one is started for it, and the old primary's shipments are refused.
+        prompts to redispatch, each once). From then on the actor serves the buffer and the old
+        primary's shipments are refused. It ships its log to the standby named by the
+        ``replication`` it was started with (:func:`start_standby_actor`), at that level, from a
+        snapshot (a new standby is empty); without one it ships to no standby.
 
         Raises:
             NotStandby: this actor is a primary already.
@@ -316,6 +329,7 @@ class BufferActor:
         self.promoted_from = side.standby.applied if side.standby is not None else None
         buffer, plan = await asyncio.to_thread(side.promote, resume_version)
         self._abuf = AsyncReplayBuffer(buffer, max_workers=self.max_workers)
+        self._replicate(self._successor)
         self.session = uuid.uuid4().hex
         self._plan = plan_to_dict(plan)
         self.promoted_at = time.time()
@@ -704,7 +718,8 @@ def _placement(name: str, namespace: str | None, max_restarts: int, node_id: str
 def start_standby_actor(path: str, *, name: str = DEFAULT_STANDBY_NAME, namespace: str | None = None,
                         node_id: str | None = None, resources: Mapping[str, float] | None = None,
                         auto_promote: bool = False, max_restarts: int = 3, num_cpus: float = 0,
-                        max_workers: int = DEFAULT_WORKERS, get_if_exists: bool = True) -> Any:
+                        max_workers: int = DEFAULT_WORKERS, get_if_exists: bool = True,
+                        replication: ReplicationConfig | Mapping[str, Any] | None = None) -> Any:
     """Start (or find) a standby buffer actor holding ``path`` (on its own node's disk) and return
     its handle. It is empty until the primary it is named in (``replication={"standby": name}``
     of :func:`start_buffer_actor`) copies it a snapshot; then it applies the shipped log.
@@ -717,9 +732,15 @@ def start_standby_actor(path: str, *, name: str = DEFAULT_STANDBY_NAME, namespac
             :data:`DEFAULT_STANDBY_NAME`.
         auto_promote: promote itself once Ray declares the primary's node dead. Defaults to False
             (call ``promote`` on it).
+        replication: once promoted, replicate to the standby this names, at its level (as
+            :func:`start_buffer_actor`'s ``replication``): its own successor, started with
+            :func:`start_standby_actor` under that name, before or after the promotion (it catches
+            up from a snapshot). A restart of the promoted actor keeps it. Defaults to none.
         namespace, node_id, resources, max_restarts, num_cpus, max_workers, get_if_exists: as
             :func:`start_buffer_actor`.
     """
     options = _placement(name, namespace, max_restarts, node_id, resources, num_cpus, get_if_exists)
+    config_of = ReplicationConfig.of(replication)
     return BufferActor.options(**options).remote(path, None, max_workers=max_workers, standby=True,
-                                                 auto_promote=auto_promote)
+                                                 auto_promote=auto_promote,
+                                                 replication=None if config_of is None else config_of.to_dict())

@@ -4,9 +4,10 @@
 * :class:`ReplicationConfig`: which actor is the standby and the acknowledgement level, one of
   :data:`LEVELS`: ``async`` (a write is acknowledged after the primary's own fsync; the standby's
   lag is measured in records and seconds, and while the standby is connected a write waits before
-  it starts as long as the lag passes ``max_lag_s``), ``remote_apply`` and ``remote_durable`` (a
-  write is acknowledged once the standby has applied it, durably: every apply is one fsynced
-  transaction, so the two levels give the same promise today, ``remote_durable``'s).
+  it starts, and its answer waits, as long as the lag passes ``max_lag_s``), ``remote_apply`` and
+  ``remote_durable`` (a write is acknowledged once the standby has applied it, durably: every apply
+  is one fsynced transaction, so the two levels give the same promise, ``remote_durable``'s;
+  docs/replication.md says why).
 * :class:`Shipper`: the primary's background task. It asks the standby what it applied, ships
   the log from there in batches (``batch_records`` per call, one standby transaction each,
   idempotent by sequence, so a call that failed after it ran is simply sent again), trims the
@@ -49,6 +50,8 @@ LEVELS = (ASYNC, REMOTE_APPLY, REMOTE_DURABLE)
 WATCH_PERIOD_S = 0.5
 #: Seconds between trims of the primary's log (each is one write transaction).
 TRIM_PERIOD_S = 0.2
+#: Acknowledgement lags a primary keeps until they are taken (:meth:`Shipper.take_lags`).
+LAG_SAMPLES = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,11 @@ class Shipper:
         self._changed = asyncio.Condition()
         self._wake = asyncio.Event()
         self._written: deque[tuple[int, float]] = deque()  # (sequence, when written) not yet acknowledged
+        #: Seconds from each write's return to the standby's acknowledgement of it (:meth:`take_lags`).
+        self._lags: deque[float] = deque(maxlen=LAG_SAMPLES)
+        #: In ``async``: writes held before they started (the lag was past the bound), and seconds held in all.
+        self.held_writes = 0
+        self.held_s = 0.0
         self._trimmed_at = 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -152,7 +160,15 @@ class Shipper:
         return {"acked": self.acked, "lag_records": max(last - acked, 0),
                 "lag_s": 0.0 if oldest is None else time.monotonic() - oldest, "connected": self.connected,
                 "fenced": None if self.fenced is None else str(self.fenced), "snapshots": self.snapshots,
-                "batches": self.batches, "ack": self.config.ack, "standby_name": self.config.standby}
+                "batches": self.batches, "ack": self.config.ack, "standby_name": self.config.standby,
+                "max_lag_s": self.config.max_lag_s, "held_writes": self.held_writes, "held_s": self.held_s}
+
+    def take_lags(self) -> list[float]:
+        """The acknowledgement lags (seconds from a write's return to the standby's acknowledgement
+        of its record) since the last call, at most :data:`LAG_SAMPLES` of the newest."""
+        lags = list(self._lags)
+        self._lags.clear()
+        return lags
 
     def check(self) -> None:
         """Raise the fence, if this primary is fenced."""
@@ -164,18 +180,31 @@ class Shipper:
         self.check()
         if self.config.ack != ASYNC:
             return
-        async with self._changed:
-            while self.connected and self.fenced is None and self.lag()["lag_s"] > self.config.max_lag_s:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), 0.05)
+        await self._hold()
         self.check()
 
     async def after_write(self) -> None:
-        """Note the write; in a remote level, wait until the standby acknowledged it."""
+        """Note the write; in ``async``, hold its answer while the connected standby lags past the
+        bound (what a loss of this node costs then spans at most ``max_lag_s`` of writes, however
+        long the writes in progress take); in a remote level, wait until the standby acknowledged it."""
         seq = self.written()
         if self.config.ack == ASYNC:
+            await self._hold()
             return
         await self.wait_acked(seq)
+
+    async def _hold(self) -> None:
+        """Wait while the connected standby lags past ``max_lag_s`` (counted in ``held_writes``, ``held_s``)."""
+        held_since = None
+        async with self._changed:
+            while self.connected and self.fenced is None and self.lag()["lag_s"] > self.config.max_lag_s:
+                if held_since is None:
+                    held_since = time.monotonic()
+                    self.held_writes += 1
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), 0.05)
+        if held_since is not None:
+            self.held_s += time.monotonic() - held_since
 
     async def wait_acked(self, seq: int) -> None:
         """Wait until the standby acknowledged ``seq``.
@@ -189,11 +218,11 @@ class Shipper:
 
     async def _acknowledged(self, applied: int) -> None:
         self.acked = max(self.acked or 0, applied)
+        now = time.monotonic()
         while self._written and self._written[0][0] <= self.acked:
-            self._written.popleft()
+            self._lags.append(now - self._written.popleft()[1])
         async with self._changed:
             self._changed.notify_all()
-        now = time.monotonic()
         if now - self._trimmed_at >= TRIM_PERIOD_S:
             self._trimmed_at = now
             await asyncio.to_thread(trim_log, self.buffer, min(self.acked, self.last()))
@@ -279,8 +308,8 @@ class Shipper:
         self.snapshots += 1
         log.warning("%s: standby %r installed a snapshot at sequence %d", self.buffer.store.path,
                     self.config.standby, applied)
-        self.acked = None  # ask it again: it answers with what it installed
         await self._acknowledged(applied)
+        self.connected = True  # it answered: a lag past the bound holds writes from now on
 
 
 class StandbySide:

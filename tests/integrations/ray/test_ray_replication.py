@@ -179,8 +179,9 @@ def not_answered(ref: Any) -> bool:
     return not ready
 
 
-def test_a_remote_level_answers_only_after_the_standby_applied(ray_local, tmp_path):
-    primary, held = held_pair(tmp_path, "held-remote", "remote_durable")
+@pytest.mark.parametrize("ack", ["remote_apply", "remote_durable"])
+def test_a_remote_level_answers_only_after_the_standby_applied(ray_local, tmp_path, ack):
+    primary, held = held_pair(tmp_path, f"held-{ack}", ack)
     [lease] = ray.get(primary.admit.remote([0]), timeout=60)
     calls = ray.get(held.count.remote())
     ray.get(held.hold.remote(True))
