@@ -29,7 +29,7 @@ import ray
 import torch
 from _nemo_rl import GRPO, SAMPLERS, store_config
 from _nemo_rl_ray_host import WorkerHost
-from _nemo_rl_worker import addition_prompts, committed_rows, make_manager, nemo_rl_parts
+from _nemo_rl_worker import addition_prompts, committed_rows, generation_input, make_manager, nemo_rl_parts
 from _paths import TESTS
 from _phases import write_json
 from kvckpt.integrations.nemo_rl import TQReplayBuffer, configure
@@ -137,8 +137,9 @@ def resume() -> None:
     samples = {s["idx"]: s for s in prompts()}
     old = next(iter(killed["leases"].values()))
     ids = samples[old["prompt_idx"]]["message_log"][0]["token_ids"]
-    zombie_data = {"input_ids": ids[None], "input_lengths": torch.tensor([len(ids)]),
-                   KEY: [{"lease": old, "index": 0, "progress": service_for(world.buffer, eos=None).settings()}]}
+    zombie_data = generation_input({  # as NeMo-RL's rollout manager builds it, with the killed attempt's key
+        "input_ids": ids[None], "input_lengths": torch.tensor([len(ids)], dtype=torch.int32), "stop_strings": [None],
+        KEY: [{"lease": old, "index": 0, "progress": service_for(world.buffer, eos=None).settings()}]})
 
     async def run() -> tuple[str, dict, dict, dict]:
         refused = await world.host.zombie.remote(zombie_data)

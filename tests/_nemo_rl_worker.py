@@ -165,6 +165,16 @@ def nemo_rl_parts() -> tuple[type, type, str]:
     return rollout_manager.RolloutManager, VllmAsyncGenerationWorkerImpl, f"NeMo-RL's own ({SOURCE})"
 
 
+def generation_input(fields: dict) -> Any:
+    """One sample's generation input as NeMo-RL's rollout manager builds it: a ``BatchedDataDict`` with NeMo-RL's
+    module (its worker asserts that type), else the plain dict the contract stand-in reads."""
+    if not SOURCE:
+        return fields
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    return BatchedDataDict(fields)
+
+
 def make_worker(worker_cls: type, engine: Any, *, budget: int, pad: int, ignore_eos: bool) -> Any:
     """The worker object without its ``__init__`` (which starts vLLM on a GPU), with the config its request and
     refit paths read (temperature 0: greedy, so an uninterrupted run is the reference bit for bit)."""
