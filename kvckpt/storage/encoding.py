@@ -73,18 +73,8 @@ class RowEncoder:
             SchemaMismatch: a wrong row count or index, or a row the schema refuses.
         """
         n = self.group_size  # the store's, never the lease's: the ledger entry is the authority
-        if isinstance(rows, Mapping):
-            items = sorted(rows.items())
-        elif len(rows) == n:
-            items = list(enumerate(rows))
-        elif lease.missing and len(rows) == len(lease.missing):
-            items = list(zip(lease.missing, rows, strict=True))
-        else:
-            raise SchemaMismatch(f"group {lease.group_id!r} needs {n} rows (or the {len(lease.missing)} "
-                                 f"missing ones {list(lease.missing)}), got {len(rows)}")
         out = []
-        for index, row in items:
-            _check_index(lease.group_id, index, n)
+        for index, row in rows_by_index(lease, rows, n):
             where = f"row {keys.row_id(lease.group_id, index)}"
             values = self.schema.validate(row, where)
             value = codec.encode(values, {"group_id": lease.group_id, "index": index},
@@ -93,6 +83,28 @@ class RowEncoder:
             out.append(CheckedRow(index, value, sum(codec.value_nbytes(v) for v in values.values()), where, shapes))
         self.schema.pin({}, [(r.where, r.shapes) for r in out])  # the rows of one commit agree (before any txn)
         return out
+
+
+def rows_by_index(lease: Any, rows: Sequence[Mapping[str, Any]] | Mapping[int, Mapping[str, Any]],
+                  group_size: int) -> list[tuple[int, Mapping[str, Any]]]:
+    """``(row index, row)`` of a commit's ``rows``: all ``group_size`` rows in order, the rows of ``lease.missing``
+    in that order, or a dict ``{row index: row}`` (sorted); every index checked against ``group_size``.
+
+    Raises:
+        SchemaMismatch: a wrong row count or an index outside the group.
+    """
+    if isinstance(rows, Mapping):
+        items = sorted(rows.items())
+    elif len(rows) == group_size:
+        items = list(enumerate(rows))
+    elif lease.missing and len(rows) == len(lease.missing):
+        items = list(zip(lease.missing, rows, strict=True))
+    else:
+        raise SchemaMismatch(f"group {lease.group_id!r} needs {group_size} rows (or the {len(lease.missing)} "
+                             f"missing ones {list(lease.missing)}), got {len(rows)}")
+    for index, _ in items:
+        _check_index(lease.group_id, index, group_size)
+    return items
 
 
 def check_encoded(schema: RowSchema, group_size: int, group_id: str,
