@@ -33,7 +33,7 @@ from kvckpt import ValueStore  # noqa: E402
 from kvckpt.durability.replication import compare_replicas  # noqa: E402
 from kvckpt.errors import NotPrimary  # noqa: E402
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.verl, pytest.mark.ray]
 
 
 @pytest.fixture
