@@ -789,6 +789,10 @@ MUTATIONS += (
     Mutation("buffer-promote-skips-the-kind-check", "kvckpt/buffer/standby.py",
              "        if store.read(value_records.kind_of) is not None:\n", "        if False:\n",
              (f"{VS_STANDBY}::test_promoting_a_value_stores_standby_as_a_replay_buffer_changes_nothing",)),
+    Mutation("restore-ignores-readers-sharing-the-lock-file", "kvckpt/durability/checkpoint.py",
+             "    users = lock_file_users(live_path)\n", "    users = []\n",
+             ("tests/durability/test_io_faults.py::"
+              "test_a_restore_refuses_a_live_store_a_reader_in_another_process_still_shares",)),
     Mutation("value-store-replica-write-not-acknowledged", "integrations/ray/values.py",
              "            self._run(shipper.after_write())\n", "            shipper.written()\n",
              (f"{RAY_VS}::test_a_remote_level_put_answers_only_once_the_standby_applied_it",)),

@@ -57,7 +57,16 @@ from kvckpt.errors import (
 from kvckpt.storage.layout import stored_key
 from kvckpt.storage.replace import PARTIAL_SUFFIX, partial_name, publish
 from kvckpt.storage.replog import ReplicationLog
-from kvckpt.storage.store import FILE_MODE, Store, Txn, fsync_dir, fsync_file, lock_or_close, writer_active
+from kvckpt.storage.store import (
+    FILE_MODE,
+    Store,
+    Txn,
+    fsync_dir,
+    fsync_file,
+    lock_file_users,
+    lock_or_close,
+    writer_active,
+)
 from kvckpt.tables.access import Tables
 
 log = logging.getLogger("kvckpt.checkpoint")
@@ -491,7 +500,8 @@ def restore_file(checkpoint_file: str, live_path: str, *, sampler: Any = None,
         VerificationFailed: a kvckpt invariant or a checksum does not hold (``problems`` lists each).
         RecoveryError: not a checkpoint, copying failed, or recovery refused the requested sampler
             or capacity (``CapacityError`` when it would deadlock).
-        StoreLocked: the live store is open for writing elsewhere.
+        StoreLocked: the live store is open for writing elsewhere, or a reader in another process shares its
+            lock file (:func:`install_checkpoint`).
         The live store is left untouched whenever ``restore`` raises.
     """
     t0 = time.perf_counter()
@@ -544,10 +554,17 @@ def install_checkpoint(checkpoint_file: str, live_path: str, check: Callable[[st
         started: when the caller started (``perf_counter``), for the ``copy`` timing.
 
     Raises:
+        StoreLocked: another process has ``live_path``'s lock file open (a reader that shares a writer's lock
+            file): LMDB would pair the new file with the old lock file's transaction state, and its handles would
+            read the wrong meta page, so nothing is copied.
         RecoveryError: copying failed. Whatever ``check`` raised, naming ``checkpoint_file``
             where it named the private copy. ``live_path`` is untouched whenever this raises.
     """
     t0 = time.perf_counter() if started is None else started
+    users = lock_file_users(live_path)
+    if users:  # LMDB would pair the new file with the old lock file's state: readers of the wrong meta page
+        raise StoreLocked(f"live store {live_path!r} is still open in process(es) {users} (a reader sharing its lock "
+                          "file); close every handle on it before replacing it with a checkpoint")
     timings = {} if timings is None else timings
     flush: _BackgroundFsync | None = None
     tmp = None

@@ -785,6 +785,27 @@ def writer_active(path: str) -> bool:
         os.close(fd)
 
 
+def lock_file_users(path: str) -> list[int]:
+    """The other processes that have ``path``'s LMDB lock file open (a writer, or a reader sharing a writer's lock
+    file): LMDB holds a POSIX lock on it while an environment uses it, and Linux lists those in ``/proc/locks``.
+    Empty when there is no lock file or no ``/proc/locks`` to read (another system: nothing can be told)."""
+    try:
+        st = os.stat(path + "-lock")
+        with open("/proc/locks") as listing:
+            lines = listing.read().splitlines()
+    except OSError:
+        return []
+    want, users = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino), set()
+    for line in lines:
+        fields = [f for f in line.split() if f != "->"]  # "->" marks a waiting lock
+        if len(fields) < 6 or fields[1] != "POSIX":
+            continue
+        major, minor, inode = fields[5].split(":")
+        if (int(major, 16), int(minor, 16), int(inode)) == want and int(fields[4]) != os.getpid():
+            users.add(int(fields[4]))
+    return sorted(users)
+
+
 class Snapshot:
     """A read transaction that outlives a ``with`` block (for background checkpoint copies)."""
 

@@ -278,6 +278,55 @@ def test_second_writer_is_refused_in_this_and_another_process(tmp_path: Path) ->
     ReplayBuffer.open(str(path)).close()  # the lock went with the handle
 
 
+def test_a_restore_refuses_a_live_store_a_reader_in_another_process_still_shares(tmp_path: Path) -> None:
+    """A reader that opened the live store while a writer in another process held it shares that writer's LMDB lock
+    file, and keeps it open after the writer is gone. A restore that renamed a checkpoint's copy over the data file
+    then would pair the new file with the old lock file's transaction id, and when the two ids' parity differs the
+    next handle reads the older of the new file's two meta pages: the checkpoint as it was before recovery (a Ray
+    conformance run saw the restored store at the checkpoint's weight version and timeline; here the parity
+    decides, so the test holds the refusal, not the symptom). The restore refuses, naming the reader's process;
+    once the reader is closed it runs, and a fresh handle reads the recovered state."""
+    live, ckpt = tmp_path / "live.kv", tmp_path / "ckpt.kv"
+    buf = _create(live)
+    _commit(buf, 1, tokens=16)
+    buf.finish_step()
+    buf.finish_step(weight_version=1)  # trainer at 2, weights at 1: a restore at 2 sets the weights to 2
+    buf.checkpoint(str(ckpt)).wait()
+    buf.close()
+    writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from kvckpt import ReplayBuffer
+        buf = ReplayBuffer.open({str(live)!r})
+        print("open", flush=True)
+        sys.stdin.read()
+        buf.close()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "open"
+        reader = ReplayBuffer.open(str(live), readonly=True)  # shares the writer's lock file
+    finally:
+        writer.communicate("", timeout=60)
+    restore_it = f"""
+        from kvckpt import StoreLocked, restore
+        try:
+            buf, plan = restore({str(ckpt)!r}, {str(live)!r}, overwrite=True)
+        except StoreLocked as exc:
+            print("locked", exc)
+        else:
+            st = buf.state()
+            print("restored", st["weight_version"], st["timeline"] == plan.timeline)
+    """
+    try:
+        out = _run_fresh(restore_it).split()
+        assert out[:2] == ["locked", "live"] and f"[{os.getpid()}]" in out, out
+        assert reader.state()["weight_version"] == 1  # nothing was replaced
+    finally:
+        reader.close()
+    assert _run_fresh(restore_it).split() == ["restored", "2", "True"]
+    with ReplayBuffer.open(str(live), readonly=True) as fresh:
+        assert fresh.state()["weight_version"] == 2
+
+
 # -- issue 20, items 8-10: reader slots, pinned snapshots, address space, descriptors, modes --------
 def test_a_reader_killed_holding_a_snapshot_is_cleared_while_the_writer_runs(tmp_path: Path) -> None:
     """A reader SIGKILLed inside a read transaction leaves its slot in the lock file; the writer

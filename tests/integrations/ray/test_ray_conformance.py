@@ -95,6 +95,9 @@ class RayBuffer:
         return _Done(kray.call(self.actor, "checkpoint", dest, trainer_state))
 
     def restore(self, checkpoint_file: str) -> Any:
+        if self.inspector is not None:  # a reader sharing the live file's lock file: the restore refuses it
+            self.inspector.close()
+            self.inspector = None
         return kray.plan_from_dict(ray.get(self.actor.restore.remote(checkpoint_file)))
 
     def close(self) -> None:
