@@ -789,6 +789,11 @@ MUTATIONS += (
     Mutation("buffer-promote-skips-the-kind-check", "kvckpt/buffer/standby.py",
              "        if store.read(value_records.kind_of) is not None:\n", "        if False:\n",
              (f"{VS_STANDBY}::test_promoting_a_value_stores_standby_as_a_replay_buffer_changes_nothing",)),
+    Mutation("memory-buffer-numbers-missing-rows-from-zero", "kvckpt/testing/fixtures/memory_buffer.py",
+             "self._commit(lease, rows_by_index(lease, rows, self.config.group_size), end_weight",
+             "self._commit(lease, sorted(rows.items()) if isinstance(rows, Mapping) else list(enumerate(rows)), "
+             "end_weight",
+             ("tests/core/test_buffer_conformance.py::test_a_list_of_the_missing_rows_is_committed_as_those_rows",)),
     Mutation("restore-ignores-readers-sharing-the-lock-file", "kvckpt/durability/checkpoint.py",
              "    users = lock_file_users(live_path)\n", "    users = []\n",
              ("tests/durability/test_io_faults.py::"

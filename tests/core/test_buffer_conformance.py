@@ -102,3 +102,31 @@ def test_a_scenario_fails_a_surface_with_a_bug() -> None:
                            lacks=MEMORY_SURFACE.lacks, offers=("memory",))
     with pytest.raises(AssertionError, match="the scenario of finish_step failed"):
         run_operation_scenarios(broken, only=["finish_step"])
+
+
+@pytest.mark.parametrize("surface", ["ReplayBuffer", "MemoryReplayBuffer"])
+def test_a_list_of_the_missing_rows_is_committed_as_those_rows(tmp_path, surface: str) -> None:
+    """``commit_group(lease, [row])`` after a sibling landed is row ``lease.missing[0]``, held against that row's
+    durable progress (a conformance run found the in-memory buffer numbering the list from row 0)."""
+    from kvckpt import BadArgument, BufferConfig, Prompt, ReplayBuffer
+    from kvckpt.testing.conformance.buffer import SCHEMA, row_for
+
+    config = BufferConfig(group_size=2, max_buffered_rollouts=4, schema=SCHEMA)
+    buf = (ReplayBuffer.create(str(tmp_path / "live.kv"), config) if surface == "ReplayBuffer"
+           else MemoryReplayBuffer(config))
+    try:
+        [lease] = buf.admit([Prompt(prompt_idx=0)], timeout=0)
+        gid = lease.group_id
+        buf.commit_sample(lease, 0, row_for(gid, 0, 0))
+        ours = row_for(gid, 1, 0)
+        buf.record_progress(lease, 1, start=0, tokens=ours["input_ids"][:2], logprobs=ours["generation_logprobs"][:2],
+                            weight_version=0)
+        lease = buf.redispatch(gid)  # attempt 1, row 0 kept: missing == (1,)
+        assert lease.missing == (1,)
+        with pytest.raises(BadArgument):  # another row's content contradicts row 1's durable prefix
+            buf.commit_group(lease, [row_for(gid, 1, 1)])
+        assert buf.commit_group(lease, [ours]).ready
+        rows = buf.read_batch([gid], layout="list").rows
+        assert [r["input_ids"].tolist() for r in rows] == [row_for(gid, i, 0)["input_ids"].tolist() for i in (0, 1)]
+    finally:
+        buf.close()
