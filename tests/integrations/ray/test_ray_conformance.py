@@ -128,12 +128,14 @@ RAY_SURFACE = BufferSurface(
 RAY_LOCAL = {"num_cpus": 2, "object_store_memory": 128 << 20, "namespace": "kvckpt-conformance"}
 
 
-#: What the short run must draw through the actor: both kinds of zombie, a zombie's token progress and
-#: weights behind the trainer. Whether 4 short examples also land a sample's own progress and a recovery
+#: What the short run must draw through the actor: a zombie of an older timeline, a zombie's token progress and
+#: weights behind the trainer. A zombie of another store is not required: a CI run's 4 examples drew none (the
+#: draws follow the actor's results); test_ray.py's kill-restart test holds the actor's and the client's
+#: ForeignLease deterministically. Whether 4 short examples also land a sample's own progress and a recovery
 #: between its chunks depends on the actor's timing (a CI run of the windowed sampler drew neither), so they
 #: are not required here: tests/core/test_buffer_stateful.py draws them on the buffer the actor runs, and
 #: tests/integrations/ray/test_ray_progress_step.py holds progress through the actor deterministically.
-RAY_MUST_SEE = ["foreign zombie", "timeline zombie", "zombie progress", "weights behind"]
+RAY_MUST_SEE = ["timeline zombie", "zombie progress", "weights behind"]
 
 
 @pytest.mark.parametrize("sampler", ["in_order", "windowed"])
