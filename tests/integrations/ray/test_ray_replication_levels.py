@@ -69,12 +69,19 @@ def released(path: str) -> Standby:
     return until(attempt, f"{path} stayed locked after its process was killed")
 
 
-def test_async_answers_at_once_measures_the_lag_and_holds_writes_past_the_bound(ray_local, tmp_path):
-    standby = kray.start_standby_actor(str(tmp_path / "standby.kv"), name="lag-standby")
-    primary = kray.start_buffer_actor(str(tmp_path / "primary.kv"), CONFIG, name="lag",
-                                      replication={"standby": "lag-standby", "ack": "async", "max_lag_s": 0.5})
+def async_pair(tmp_path, name: str) -> tuple[Any, Any, Any, Any]:
+    """A primary at ``async`` (lag bound 0.5 s) shipping to its standby, two prompts admitted and shipped:
+    ``(standby, primary, first lease, second lease)``."""
+    standby = kray.start_standby_actor(str(tmp_path / "standby.kv"), name=f"{name}-standby")
+    primary = kray.start_buffer_actor(str(tmp_path / "primary.kv"), CONFIG, name=name,
+                                      replication={"standby": f"{name}-standby", "ack": "async", "max_lag_s": 0.5})
     first, second = ray.get(primary.admit.remote([0, 1]), timeout=60)
     caught_up(primary)
+    return standby, primary, first, second
+
+
+def test_async_answers_at_once_measures_the_lag_and_holds_writes_past_the_bound(ray_local, tmp_path):
+    standby, primary, first, second = async_pair(tmp_path, "lag")
     assert status(primary)["connected"] and status(primary)["held_writes"] == 0
     pid = ray.get(standby.info.remote(), timeout=60)["pid"]
     os.kill(pid, signal.SIGSTOP)  # the standby applies nothing until SIGCONT
@@ -108,11 +115,7 @@ PARK_S = 20.0
 
 
 def test_async_holds_the_answer_of_a_write_in_progress_once_the_lag_passes_the_bound(ray_local, tmp_path):
-    standby = kray.start_standby_actor(str(tmp_path / "standby.kv"), name="answer-standby")
-    primary = kray.start_buffer_actor(str(tmp_path / "primary.kv"), CONFIG, name="answer",
-                                      replication={"standby": "answer-standby", "ack": "async", "max_lag_s": 0.5})
-    first, second = ray.get(primary.admit.remote([0, 1]), timeout=60)
-    caught_up(primary)
+    standby, primary, first, second = async_pair(tmp_path, "answer")
     tokens = np.arange(4, dtype=np.int64)
     message = kray.BufferClient(primary).progress_encoder().encode_items(
         [{"lease": second, "index": 0, "start": 0, "tokens": tokens, "logprobs": -tokens.astype(np.float32) / 10,
