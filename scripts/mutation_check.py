@@ -1247,6 +1247,11 @@ MUTATIONS += (
     Mutation("nemo-rl-desk-reads-no-prefix", "integrations/nemo_rl/remote.py",
              "value = progress_to_dict(self.core.progress(payload))", "value = {}",
              (f"{NEMO_RL_RAY}::test_the_ray_worker_recorded_through_the_desk_and_durable_covers_what_was_acknowledged",)),
+    # issue 45 (seventeenth session, lead): a resumed request's prefix read off the worker's event loop
+    Mutation("nemo-rl-prefix-read-on-the-loop", "integrations/nemo_rl/engine.py",
+             "durable = (await asyncio.to_thread(prefixes, self.sink, lease)).get(index)",
+             "durable = prefixes(self.sink, lease).get(index)",
+             (f"{NEMO_RL_LAUNCHER}::test_a_resumed_requests_prefix_read_leaves_the_event_loop_free",)),
 )
 
 def main(argv: list[str] | None = None) -> int:

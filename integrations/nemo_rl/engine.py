@@ -157,7 +157,8 @@ class ProgressEngine:
                 yield out
             return
         lease, index = key
-        durable = prefixes(self.sink, lease).get(index)
+        # a later attempt's prefix read is a store call (a blocking Ray call on a worker): off the event loop
+        durable = (await asyncio.to_thread(prefixes, self.sink, lease)).get(index)
         prefix = Continuation(tuple(prompt["prompt_token_ids"]),
                               *(() if durable is None else (tuple(durable.tokens.tolist()),
                                                             tuple(durable.logprobs.tolist()),

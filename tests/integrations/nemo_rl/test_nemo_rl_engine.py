@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,9 +13,11 @@ from typing import Any
 import pytest
 from _nemo_rl import SAMPLERS, store_config
 from kvckpt.integrations.nemo_rl import parse_config
-from kvckpt.integrations.nemo_rl.engine import ProgressEngine
+from kvckpt.integrations.nemo_rl.engine import ProgressEngine, sequence
 from kvckpt.integrations.nemo_rl.reissue import install_generate_and_push, reissue_inflight
+from kvckpt.integrations.vllm import DEFAULT_SCHEMA
 
+from kvckpt import Lease, ProgressEncoder
 from kvckpt.errors import BadArgument
 
 
@@ -122,8 +125,6 @@ def test_a_samples_first_turn_is_keyed_with_the_progress_settings_and_a_later_tu
     from kvckpt.integrations.nemo_rl.dispatch import bind_lease, dispatching
     from kvckpt.integrations.nemo_rl.engine import KEY, KeyedGeneration
 
-    from kvckpt import Lease
-
     seen: list[Any] = []
 
     class Generation:
@@ -149,3 +150,40 @@ def test_a_samples_first_turn_is_keyed_with_the_progress_settings_and_a_later_tu
     assert [k[0]["index"] for k in firsts] == [0, 1] and len(seen) == 4  # two samples, two turns each
     assert all(k[0]["progress"] == {"desk": "d", "every": 8} and k[0]["lease"]["group_id"] == "g1" for k in firsts)
     assert [k is None for k in seen] == [False, True, False, True]  # each sample's second turn carries no key
+
+
+def test_a_resumed_requests_prefix_read_leaves_the_event_loop_free() -> None:
+    """A resumed request's durable prefix is read off the event loop (on a Ray worker it is a blocking call to the
+    store's owner): another coroutine of the worker's loop runs while the read waits."""
+    loop_ran = threading.Event()
+
+    class Sink:
+        saw_loop: bool | None = None
+
+        def progress_encoder(self) -> ProgressEncoder:
+            return ProgressEncoder(DEFAULT_SCHEMA)
+
+        def progress(self, lease: Lease) -> dict[int, Any]:
+            self.saw_loop = loop_ran.wait(timeout=30)  # on the loop's own thread: never set until it returns
+            return {}
+
+    sink = Sink()
+    proxy = ProgressEngine(_Engine(), sink=sink, every_tokens=8, eos=None)
+    lease = Lease("g1", 1, 2, None, 0, 5, "math", "a1")  # attempt 1: a later attempt reads its durable prefix
+
+    async def other() -> None:
+        loop_ran.set()
+
+    async def main() -> list[Any]:
+        with sequence(lease, 0):
+            outputs, _ = await asyncio.gather(collect(), other())
+        proxy.close()
+        return outputs
+
+    async def collect() -> list[Any]:
+        params = types.SimpleNamespace(max_tokens=0, logprobs=None)  # the prefix is complete: no engine request
+        return [out async for out in proxy.generate({"prompt_token_ids": [1, 2]}, params, "r1")]
+
+    outputs = asyncio.run(main())
+    assert sink.saw_loop is True, "the prefix read held the event loop"
+    assert [o.outputs[0].token_ids for o in outputs] == [[]]
