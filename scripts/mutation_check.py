@@ -5,7 +5,10 @@ A mutation is ``(name, file, old text, new text, tests)``: ``old`` must occur in
 the named tests (pytest node ids or files) run against the copy. The outcome is
 
 * ``killed``: the tests failed on the mutant (pytest exit status 1);
-* ``survived``: the tests passed on it: the net has a hole;
+* ``survived``: the tests passed on it: the net has a hole (aimed tests that were skipped beside
+  the ones that passed are named in the detail);
+* ``not run``: every aimed test was skipped (a peer this interpreter lacks: NeMo-Gym, vLLM's server
+  without ``KVCKPT_VLLM_PYTHON``...), so the mutant was not tried; the detail is pytest's skip reason;
 * ``error``: pytest could not run them (collection error, timeout, no test collected...);
 * ``n/a``: ``old`` does not occur ``count`` times (the code changed: update the mutation).
 
@@ -21,6 +24,7 @@ Usage::
     .venv/bin/python scripts/mutation_check.py --only redispatch-keeps-attempt
     .venv/bin/python scripts/mutation_check.py --mutations my.json  # a JSON list of mutation objects
     .venv/bin/python scripts/mutation_check.py --list
+    .venv/bin/python scripts/mutation_check.py --require-all      # a mutation not run fails too
     # the verl adapter's mutations, whose tests run in .venv-verl only:
     .venv-verl/bin/python scripts/mutation_check.py --python "$PWD/.venv-verl/bin/python" --mutations M.json
     # with M.json = scripts/mutations_verl.json
@@ -31,7 +35,9 @@ A JSON mutation object has the keys ``name``, ``file``, ``old``, ``new``, ``test
     [{"name": "fence-ignores-timeline", "file": "kvckpt/buffer.py",
       "old": "if lease.timeline != timeline:", "new": "if False:", "tests": ["tests/core/test_fencing.py"]}]
 
-The exit status is 0 only if every mutation was killed (1 otherwise, 2 if the baseline fails).
+The exit status is 0 if every mutation was killed or not run (1 if one survived, errored or is
+``n/a``; with ``--require-all`` also if one was not run; 2 if the baseline fails). ``--root DIR``
+mutates another git work tree than this one (the checker's own test uses a tiny one).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -1080,17 +1087,17 @@ MUTATIONS += (
 )
 
 
-def copy_tree(dest: Path, rev: str | None) -> None:
-    """Put the work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and
+def copy_tree(dest: Path, rev: str | None, root: Path = ROOT) -> None:
+    """Put ``root``'s work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and
     map ``integrations``/``reference``/``tools`` into the package the way the build does."""
     if rev is not None:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
+        archive = subprocess.run(["git", "-C", str(root), "archive", rev], check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     else:
-        listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others",
+        listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
                                  "--exclude-standard"], check=True, capture_output=True).stdout
         for name in filter(None, listed.decode().split("\0")):
-            source = ROOT / name
+            source = root / name
             if source.is_file():  # a tracked file deleted in the work tree is skipped
                 (dest / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(source, dest / name)
@@ -1124,22 +1131,32 @@ def environment(copy: Path) -> dict[str, str]:
 
 
 def check_imports(python: str, copy: Path, files: list[str]) -> None:
-    """Refuse to go on unless ``kvckpt`` and every mutated module import from ``copy``."""
+    """Refuse to go on unless ``kvckpt`` and every mutated module import from ``copy``. A mutated module that
+    does not import with ``python`` at all (an integration whose peer it lacks: ``PeerMissing``) is named and
+    passed over: it is found through ``kvckpt``'s own path, and its tests skip (the mutation is ``not run``)."""
     modules = sorted({"kvckpt", *filter(None, map(module_of, files))})
     code = ("import importlib, os, sys\n"
             f"root = os.path.realpath({str(copy)!r})\n"
             f"for name in {modules!r}:\n"
-            "    where = os.path.realpath(importlib.import_module(name).__file__)\n"
+            "    try:\n"
+            "        where = os.path.realpath(importlib.import_module(name).__file__)\n"
+            "    except Exception as exc:\n"
+            "        if name == 'kvckpt':\n"
+            "            raise\n"
+            "        print(f'import check: {name} does not import here ({type(exc).__name__}: {exc})')\n"
+            "        continue\n"
             "    if not where.startswith(root + os.sep):\n"
             "        sys.exit(f'{name} imports from {where}, not from the copy {root}')\n")
     done = subprocess.run([python, "-c", code], cwd=copy, env=environment(copy), capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"mutation_check: {done.stderr.strip() or done.stdout.strip()}")
+    if done.stdout.strip():
+        print(done.stdout.strip())
 
 
 def run_tests(python: str, copy: Path, tests: tuple[str, ...], timeout: float) -> tuple[int | None, str]:
     """Run ``tests`` in ``copy``; the pytest exit status (``None`` on timeout) and its output."""
-    command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
+    command = [python, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *tests]
     try:
         done = subprocess.run(command, cwd=copy, env=environment(copy), capture_output=True, text=True,
                               timeout=timeout)
@@ -1159,6 +1176,57 @@ def failed_tests(output: str) -> list[str]:
     return [f"{name}[{','.join(ids)}]" if ids else name for name, ids in cases.items()]
 
 
+def counts(output: str) -> dict[str, int]:
+    """pytest's closing tally (``3 passed, 2 skipped in 1.0s``) as ``{"passed": 3, "skipped": 2}``."""
+    for line in reversed(output.splitlines()):
+        found = re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)\b", line)
+        if found and " in " in line:
+            return {("error" if what == "errors" else what): int(n) for n, what in found}
+    return {}
+
+
+def skip_reasons(output: str) -> list[str]:
+    """The distinct reasons of pytest's ``SKIPPED [n] where: reason`` lines (``-rs``), in order."""
+    reasons = [line.split(": ", 1)[-1].strip() for line in output.splitlines() if line.startswith("SKIPPED ")]
+    return list(dict.fromkeys(reasons))
+
+
+def skipped_at_import(python: str, copy: Path, tests: tuple[str, ...], timeout: float) -> dict[str, str]:
+    """The targets of ``tests`` whose file (or folder) collects nothing because it skips at import (a module-level
+    ``importorskip`` of a peer this interpreter lacks), each with pytest's reason. pytest refuses a node id into
+    such a file ("found no collectors"), so these are not passed to it."""
+    files = tuple(dict.fromkeys(t.split("::")[0] for t in tests))
+    status, output = run_tests(python, copy, ("--collect-only", *files), timeout)
+    collected = {line.split("::")[0] for line in output.splitlines()
+                 if "::" in line and not line.startswith(("SKIPPED", "ERROR", "FAILED"))}
+    found = [re.match(r"SKIPPED \[\d+\] (.+?):\d+: (.*)$", line) for line in output.splitlines()]
+    reasons = {m[1]: m[2].strip() for m in found if m}
+    if status not in (0, 5) or not reasons:
+        return {}  # a collection error: the runs themselves report it
+    out = {}
+    for file in files:
+        if not any(c == file or c.startswith(file.rstrip("/") + "/") for c in collected):
+            out[file] = reasons.get(file) or "; ".join(dict.fromkeys(reasons.values()))
+    return {t: out[t.split("::")[0]] for t in tests if t.split("::")[0] in out}
+
+
+def verdict_of(status: int | None, output: str, elsewhere: list[str] = ()) -> tuple[str, str]:
+    """``(verdict, detail)`` of one mutant's pytest run: killed, survived, not run or error (see the module
+    docstring); ``elsewhere``: the reasons of aimed targets skipped at import, not passed to pytest (``status``
+    ``None`` and no output when none was left). A run whose every aimed test was skipped tried nothing: it is
+    ``not run``, never ``survived``."""
+    tally = counts(output)
+    reasons = list(dict.fromkeys([*elsewhere, *skip_reasons(output)]))
+    skipped = "; ".join(reasons) or "skipped"
+    if status == 1:
+        return "killed", ""
+    if (status == 0 or not output) and reasons and not tally.get("passed") and not tally.get("xpassed"):
+        return "not run", skipped
+    if status == 0:
+        return "survived", f"aimed test(s) skipped: {skipped}" if reasons else ""
+    return "error", output.strip().splitlines()[-1] if output.strip() else f"status {status}"
+
+
 def apply(copy: Path, mutation: Mutation) -> str | None:
     """Write the mutant into ``copy``; returns the original text, or ``None`` if ``old`` does not
     occur ``count`` times."""
@@ -1174,19 +1242,24 @@ def apply(copy: Path, mutation: Mutation) -> str | None:
 
 
 def check(mutations: list[Mutation], *, python: str, rev: str | None, timeout: float,
-          keep: bool = False, show: bool = False) -> list[Outcome] | None:
-    """Run every mutation against one scratch copy (restored after each); ``None`` if the
+          keep: bool = False, show: bool = False, root: Path = ROOT) -> list[Outcome] | None:
+    """Run every mutation against one scratch copy of ``root`` (restored after each); ``None`` if the
     unmutated copy already fails the named tests."""
     copy = Path(tempfile.mkdtemp(prefix="kvckpt-mut-"))
     try:
-        copy_tree(copy, rev)
+        copy_tree(copy, rev, root)
         check_imports(python, copy, [m.file for m in mutations])
         every_test = tuple(dict.fromkeys(t for m in mutations for t in m.tests))
-        status, output = run_tests(python, copy, every_test, timeout)
+        skips = skipped_at_import(python, copy, every_test, timeout)
+        runnable = tuple(t for t in every_test if t not in skips)
+        status, output = run_tests(python, copy, runnable, timeout) if runnable else (0, "")
         if status != 0:
             print(f"baseline: the unmutated copy fails its tests (status {status}):\n{output[-3000:]}")
             return None
-        print(f"baseline: {len(every_test)} test target(s) pass on the unmutated copy ({copy})")
+        reasons = "; ".join(dict.fromkeys([*skips.values(), *skip_reasons(output)]))
+        print(f"baseline: {len(every_test)} test target(s) pass on the unmutated copy ({copy})"
+              + (f"; {len(skips)} skipped at import, {counts(output).get('skipped', 0)} test(s) skipped: {reasons}"
+                 if reasons else ""))
         outcomes = []
         for mutation in mutations:
             original = apply(copy, mutation)
@@ -1196,16 +1269,14 @@ def check(mutations: list[Mutation], *, python: str, rev: str | None, timeout: f
                 outcomes.append(Outcome(mutation, "n/a", detail=detail))
                 continue
             t0 = time.monotonic()
+            aimed = tuple(t for t in mutation.tests if t not in skips)
             try:
-                status, output = run_tests(python, copy, mutation.tests, timeout)
+                status, output = run_tests(python, copy, aimed, timeout) if aimed else (None, "")
             finally:
                 (copy / mutation.file).write_text(original)
-            verdict = {0: "survived", 1: "killed"}.get(status, "error")
-            outcome = Outcome(mutation, verdict, time.monotonic() - t0, failed=failed_tests(output))
-            if verdict == "error":
-                outcome.detail = output.strip().splitlines()[-1] if output.strip() else f"status {status}"
-            outcomes.append(outcome)
-            print(f"  {mutation.name}: {verdict}", flush=True)
+            verdict, detail = verdict_of(status, output, [skips[t] for t in mutation.tests if t in skips])
+            outcomes.append(Outcome(mutation, verdict, time.monotonic() - t0, detail, failed_tests(output)))
+            print(f"  {mutation.name}: {verdict}" + (f" ({detail})" if verdict == "not run" else ""), flush=True)
             if show:
                 summary = [line for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
                 print("\n".join(f"    {line}" for line in summary or output.splitlines()[-5:]))
@@ -1217,6 +1288,16 @@ def check(mutations: list[Mutation], *, python: str, rev: str | None, timeout: f
             shutil.rmtree(copy, ignore_errors=True)
 
 
+#: Every verdict, in the order the table's closing tally counts them.
+VERDICTS = ("killed", "survived", "not run", "error", "n/a")
+
+
+def passed(outcomes: list[Outcome], *, require_all: bool = False) -> bool:
+    """Whether the run passes: every mutation killed, or not run (its aimed tests all skipped) unless
+    ``require_all``. A survivor, an error or an ``n/a`` fails it."""
+    return all(o.verdict == "killed" or (o.verdict == "not run" and not require_all) for o in outcomes)
+
+
 def table(outcomes: list[Outcome]) -> str:
     """The killed/survived table, one mutation a line, with the test that killed it."""
     width = max(len(o.mutation.name) for o in outcomes)
@@ -1224,8 +1305,8 @@ def table(outcomes: list[Outcome]) -> str:
     for o in outcomes:
         why = ", ".join(o.failed) if o.verdict == "killed" else o.detail
         lines.append(f"{o.mutation.name:<{width}}  {o.verdict:<8}  {o.seconds:7.1f}  {why}")
-    counts = {v: sum(o.verdict == v for o in outcomes) for v in ("killed", "survived", "error", "n/a")}
-    lines.append(", ".join(f"{n} {v}" for v, n in counts.items()))
+    tally = {v: sum(o.verdict == v for o in outcomes) for v in VERDICTS}
+    lines.append(", ".join(f"{n} {v}" for v, n in tally.items()))
     return "\n".join(lines)
 
 
@@ -1265,6 +1346,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy")
     parser.add_argument("--show", action="store_true", help="print why each mutant's tests failed")
     parser.add_argument("--list", action="store_true", help="print the mutations and exit")
+    parser.add_argument("--require-all", action="store_true", help="fail when a mutation was not run (every "
+                        "test aimed at it skipped); by default it is reported and counted, not failed")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the git work tree to mutate (default: this one)")
     args = parser.parse_args(argv)
     mutations = list(MUTATIONS)
     if args.mutations:
@@ -1279,11 +1363,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{m.name}: {m.file}  tests: {' '.join(m.tests)}")
         return 0
     outcomes = check(mutations, python=args.python, rev=args.rev, timeout=args.timeout, keep=args.keep,
-                     show=args.show)
+                     show=args.show, root=args.root.resolve())
     if outcomes is None:
         return 2
     print(table(outcomes))
-    return 0 if all(o.verdict == "killed" for o in outcomes) else 1
+    return 0 if passed(outcomes, require_all=args.require_all) else 1
 
 
 if __name__ == "__main__":

@@ -25,14 +25,17 @@ is checked inside the call's write transaction (the value store's ``fence``: the
 write identity is the token), so no run can open between the check and the write; a checkpoint
 checks it inside its stamp transaction, and a load (a file copy, not a transaction) before the copy.
 
-What a checkpoint does after its copy (its step record and the purge of the marks it covers, one
-transaction) lists the marks before its write, as :meth:`~VerlLedger.clear`, :meth:`~VerlLedger.resume` and
-the other state-changing calls read what they then write. Each of them holds the ledger's one mutex from
-its first read to its commit (:func:`_exclusive`), so no call lands between another's read and its write,
-whichever concurrency group runs it; the snapshot copy itself holds no mutex, so puts land while it copies.
-The token progress path reads only inside its write transaction and relies on no mutex: a put that ends a
-group and :meth:`~VerlLedger.settle_progress` list the progress they delete inside it (``ValueStore.update``),
-and :meth:`~VerlLedger.record_progress` checks the fence, the trainer's step and every chunk inside its one.
+Every call whose write depends on what it reads reads inside its one write transaction, after its fence
+(``ValueStore.update``): :meth:`~VerlLedger.open_run` (the run number), :meth:`~VerlLedger.clear` (the
+checkpoint record, the marks of its keys, their records), :meth:`~VerlLedger.retain` (what it deletes),
+:meth:`~VerlLedger.resume` (the checkpoint's step, every item and mark, the cursor it returns), what a checkpoint
+does after its copy (its step record and the purge of the marks it covers), a put that ends a group and
+:meth:`~VerlLedger.settle_progress` (the progress they delete), and :meth:`~VerlLedger.record_progress` (the
+fence, the trainer's step, every chunk). So no write lands between a call's read and its write, whichever
+concurrency group or process wrote it, and none of them relies on a lock for that. The ledger's one mutex
+(:func:`_exclusive`; a checkpoint takes it for its step record and purge only) keeps every write away from a
+:meth:`~VerlLedger.load`, which swaps the file (a copy, not a transaction); the snapshot copy holds no mutex,
+so puts land while it copies.
 
 Consumed marks are bounded: a mark is only kept while a checkpoint exists that a restart could
 resume from with the mark's step after it. Before the ledger's first checkpoint a restart trains from
@@ -55,7 +58,7 @@ import functools
 import os
 import threading
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import ray
@@ -90,8 +93,9 @@ _Call = TypeVar("_Call", bound=Callable[..., Any])
 
 
 def _exclusive(method: _Call) -> _Call:
-    """``method`` run holding the ledger's mutex: its reads and its write transaction see no other call's write
-    between them (the checkpoint group runs beside the default group)."""
+    """``method`` run holding the ledger's mutex, so it never runs beside a :meth:`VerlLedger.load` (a file swap)
+    the checkpoint group could otherwise overlap. Not what keeps a call's reads and its write together: each
+    call reads inside its write transaction (``ValueStore.update``)."""
 
     @functools.wraps(method)
     def run(self: VerlLedger, *args: Any, **kwargs: Any) -> Any:
@@ -194,10 +198,14 @@ class VerlLedger:
 
         Returns ``{"token": ..., "run": n}``.
         """
-        number = int((self._get(RUN_KEY) or {}).get("run", 0)) + 1
-        token = new_write_id()
-        self._values.put([RUN_KEY], [encode_value(RUN_KEY, {"run": number}, token, _LEVEL)])
-        return {"token": token, "run": number}
+        token, opened = new_write_id(), {}
+
+        def plan(view: ValueView) -> tuple[list[str], list[bytes], list[str]]:
+            opened.update(token=token, run=int((_read(view, RUN_KEY) or {}).get("run", 0)) + 1)  # read inside it
+            return [RUN_KEY], [encode_value(RUN_KEY, {"run": opened["run"]}, token, _LEVEL)], []
+
+        self._values.update(plan)
+        return opened
 
     def _run_id(self) -> str | None:
         raw = self._values.get([RUN_KEY])[0]
@@ -251,24 +259,31 @@ class VerlLedger:
         Raises:
             StaleRun: ``token`` is not the current run's.
         """
-        if consumed_step is not None and self._get(CHECKPOINT_KEY) is None:
-            consumed_step = None
-        marks = self._marks_of(partition_id, {k for key in keys for k in (key, key.split("_", 1)[0])})
-        write_keys, values, deletes = [], [], []
-        for key in keys:
-            step = consumed_step if consumed_step is not None else marks.get(key.split("_", 1)[0])
-            old = marks.get(key)
-            if old is not None and old != step:
-                deletes.append(mark_index_key(old, partition_id, key))
-            if step is None:
-                deletes.extend(self._values.keys(item_prefix(partition_id, key)))
-            else:
-                mark = record_key(partition_id, key, CONSUMED)
-                index = mark_index_key(int(step), partition_id, key)
-                write_keys += [mark, index]
-                values += [encode_value(mark, {"step": int(step)}, new_write_id(), _LEVEL),
-                           encode_value(index, {}, new_write_id(), _LEVEL)]
-        self._write(token, write_keys, values, deletes)
+        names = sorted({k for key in keys for k in (key, key.split("_", 1)[0])})
+        mark_keys = [record_key(partition_id, key, CONSUMED) for key in names]  # a bad name refused before
+
+        def plan(view: ValueView) -> tuple[list[str], list[bytes], list[str]]:
+            # read inside the transaction: a checkpoint's record or a mark that lands before it opens is seen
+            taken = consumed_step if consumed_step is not None and view.get(CHECKPOINT_KEY) is not None else None
+            marks = {key: int(_decoded(mk, raw)["step"])
+                     for key, mk in zip(names, mark_keys, strict=True) if (raw := view.get(mk)) is not None}
+            write_keys, values, deletes = [], [], []
+            for key in keys:
+                step = taken if taken is not None else marks.get(key.split("_", 1)[0])
+                old = marks.get(key)
+                if old is not None and old != step:
+                    deletes.append(mark_index_key(old, partition_id, key))
+                if step is None:
+                    deletes.extend(view.keys(item_prefix(partition_id, key)))
+                else:
+                    mark = record_key(partition_id, key, CONSUMED)
+                    index = mark_index_key(int(step), partition_id, key)
+                    write_keys += [mark, index]
+                    values += [encode_value(mark, {"step": int(step)}, new_write_id(), _LEVEL),
+                               encode_value(index, {}, new_write_id(), _LEVEL)]
+            return write_keys, values, deletes
+
+        self._update(token, plan)
         return len(keys)
 
     @_exclusive
@@ -290,10 +305,15 @@ class VerlLedger:
             StaleRun: ``token`` is not the current run's.
         """
         listed = {(p, k) for p, keys in listing.items() for k in keys}
-        doomed = [k for k in self._values.keys(ITEMS) if split(k)[:2] not in listed]
-        doomed += [i for i in self._values.keys(MARKS) if split_mark_index(i)[1:] not in listed]
-        doomed += self._values.keys(CURSOR_KEY) + self._values.keys(CHECKPOINT_KEY) + self._values.keys(TRAINER_KEY)
-        self._write(token, [], [], doomed)
+        doomed: list[str] = []
+
+        def plan(view: ValueView) -> tuple[list[str], list[bytes], list[str]]:
+            doomed[:] = [k for k in view.keys(ITEMS) if split(k)[:2] not in listed]
+            doomed.extend(i for i in view.keys(MARKS) if split_mark_index(i)[1:] not in listed)
+            doomed.extend(view.keys(CURSOR_KEY) + view.keys(CHECKPOINT_KEY) + view.keys(TRAINER_KEY))
+            return [], [], doomed
+
+        self._update(token, plan)
         return len(doomed)
 
     @_exclusive
@@ -331,23 +351,31 @@ class VerlLedger:
         # An explicit step is the checkpoint just loaded: it becomes the ledger's last one (a copied-in file
         # holds the step of the checkpoint before it, or none, since its record is written after the copy).
         record = [] if step is None else [encode_value(CHECKPOINT_KEY, {"step": int(step)}, new_write_id(), _LEVEL)]
-        step = self._checkpoint_step() if step is None else int(step)
-        items, marks = self._items()
-        deletes: list[str] = [TRAINER_KEY]  # the restarted trainer reports its step again (trainer_step)
-        for (partition_id, key), mark_step in marks.items():
-            deletes.append(mark_index_key(mark_step, partition_id, key))
-            if mark_step <= step:
-                deletes.extend(self._values.keys(item_prefix(partition_id, key)))
-                items[partition_id].pop(key, None)
-            else:
-                deletes.append(record_key(partition_id, key, CONSUMED))
-        self._write(token, [CHECKPOINT_KEY] if record else [], record, deletes)
-        return {"items": {p: dict(v) for p, v in items.items()}, "cursor": self._get(CURSOR_KEY), "step": step}
+        settled: dict[str, Any] = {}
+
+        def plan(view: ValueView) -> tuple[list[str], list[bytes], list[str]]:
+            # everything it settles and returns is read inside the transaction (a mark that lands before it opens)
+            at = int((_read(view, CHECKPOINT_KEY) or {}).get("step", 0)) if step is None else int(step)
+            items, marks = _items_of((key, view.get(key)) for key in view.keys(ITEMS))
+            deletes: list[str] = [TRAINER_KEY]  # the restarted trainer reports its step again (trainer_step)
+            for (partition_id, key), mark_step in marks.items():
+                deletes.append(mark_index_key(mark_step, partition_id, key))
+                if mark_step <= at:
+                    deletes.extend(view.keys(item_prefix(partition_id, key)))
+                    items[partition_id].pop(key, None)
+                else:
+                    deletes.append(record_key(partition_id, key, CONSUMED))
+            settled.update(items={p: dict(v) for p, v in items.items()}, cursor=_read(view, CURSOR_KEY), step=at)
+            return [CHECKPOINT_KEY] if record else [], record, deletes
+
+        self._update(token, plan)
+        return settled
 
     def snapshot(self) -> dict[str, Any]:
         """What the ledger holds, read-only: ``{"items": {partition: {key: {"tags", "fields"}}}, "consumed":
         {partition: {key: step}}, "cursor": state or None}``; consumed keys are not in ``items``."""
-        items, marks = self._items()
+        keys = self._values.keys(ITEMS)
+        items, marks = _items_of(zip(keys, self._values.get(keys), strict=True))
         consumed: dict[str, dict[str, int]] = defaultdict(dict)
         for (partition_id, key), step in marks.items():
             items[partition_id].pop(key, None)
@@ -372,15 +400,20 @@ class VerlLedger:
             stamp = self._values.checkpoint(dest, fence=(RUN_KEY, token))
         except FencedWrite as exc:
             raise StaleRun(self.path, token, exc.found) from None
-        with self._mutex:  # the purge reads the marks it deletes: no call lands in between
+        record = encode_value(CHECKPOINT_KEY, {"step": int(step)}, new_write_id(), _LEVEL)
+
+        def purge(view: ValueView) -> tuple[list[str], list[bytes], list[str]]:
+            # the marks it deletes are listed inside its transaction: a mark that lands before it opens is seen
             deletes = []
-            for index in self._values.keys(MARKS):
+            for index in view.keys(MARKS):
                 mark_step, partition_id, key = split_mark_index(index)
                 if mark_step > step:
                     break  # the index is in step order
-                deletes += [index, *self._values.keys(item_prefix(partition_id, key))]
-            record = encode_value(CHECKPOINT_KEY, {"step": int(step)}, new_write_id(), _LEVEL)
-            self._write(token, [CHECKPOINT_KEY], [record], deletes)
+                deletes += [index, *view.keys(item_prefix(partition_id, key))]
+            return [CHECKPOINT_KEY], [record], deletes
+
+        with self._mutex:  # not for its reads (inside its transaction): a load swaps the file, it must not run beside
+            self._update(token, purge)
         return stamp
 
     @_exclusive
@@ -503,41 +536,45 @@ class VerlLedger:
     # -- reading -----------------------------------------------------------------------------------
     def _get(self, key: str) -> Any:
         raw = self._values.get([key])[0]
-        return None if raw is None else decode_value(key, raw, write_id_of(raw, key))
+        return None if raw is None else _decoded(key, raw)
 
-    def _checkpoint_step(self) -> int:
-        return int((self._get(CHECKPOINT_KEY) or {}).get("step", 0))
 
-    def _marks_of(self, partition_id: str, keys: set[str]) -> dict[str, int]:
-        """The consumed marks of ``keys`` (point reads: one per key)."""
-        names = sorted(keys)
-        mark_keys = [record_key(partition_id, key, CONSUMED) for key in names]
-        return {key: int(decode_value(mk, raw, write_id_of(raw, mk))["step"])
-                for key, mk, raw in zip(names, mark_keys, self._values.get(mark_keys), strict=True) if raw is not None}
+def _decoded(key: str, raw: bytes) -> Any:
+    """The value of the stored record ``raw`` of ``key``."""
+    return decode_value(key, raw, write_id_of(raw, key))
 
-    def _items(self) -> tuple[dict[str, dict[str, dict[str, dict[str, Any]]]], dict[tuple[str, str], int]]:
-        keys = self._values.keys(ITEMS)
-        items: dict[str, dict[str, dict[str, dict[str, Any]]]] = defaultdict(dict)
-        marks: dict[tuple[str, str], int] = {}
-        for ledger_key, raw in zip(keys, self._values.get(keys), strict=True):
-            if raw is None:
-                continue
-            partition_id, key, kind, name = split(ledger_key)
-            value = decode_value(ledger_key, raw, write_id_of(raw, ledger_key))
-            if kind == CONSUMED:
-                marks[(partition_id, key)] = int(value["step"])
-                continue
-            item = items[partition_id].setdefault(key, {"tags": {}, "fields": {}})
-            item["tags" if kind == TAG else "fields"][name] = value
-        return items, marks
+
+def _read(view: ValueView, key: str) -> Any:
+    """The value of ``key`` as ``view`` (a write transaction's) sees it, or ``None``."""
+    raw = view.get(key)
+    return None if raw is None else _decoded(key, raw)
+
+
+def _items_of(stored: Iterable[tuple[str, bytes | None]],
+              ) -> tuple[dict[str, dict[str, dict[str, dict[str, Any]]]], dict[tuple[str, str], int]]:
+    """The items (``{partition: {key: {"tags", "fields"}}}``) and consumed marks (``{(partition, key): step}``) of
+    the item records ``stored`` (``(ledger key, record or None)``)."""
+    items: dict[str, dict[str, dict[str, dict[str, Any]]]] = defaultdict(dict)
+    marks: dict[tuple[str, str], int] = {}
+    for ledger_key, raw in stored:
+        if raw is None:
+            continue
+        partition_id, key, kind, name = split(ledger_key)
+        value = _decoded(ledger_key, raw)
+        if kind == CONSUMED:
+            marks[(partition_id, key)] = int(value["step"])
+            continue
+        item = items[partition_id].setdefault(key, {"tags": {}, "fields": {}})
+        item["tags" if kind == TAG else "fields"][name] = value
+    return items, marks
 
 
 def _trainer_step(view: ValueView) -> tuple[int, str] | None:
     """The newest weight version token progress may carry: the trainer's step (``None`` before it reports one)."""
-    raw = view.get(TRAINER_KEY)
-    if raw is None:
+    trainer = _read(view, TRAINER_KEY)
+    if trainer is None:
         return None
-    step = int(decode_value(TRAINER_KEY, raw, write_id_of(raw, TRAINER_KEY))["step"])
+    step = int(trainer["step"])
     return step, f"the trainer is at step {step}"
 
 

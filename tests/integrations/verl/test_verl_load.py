@@ -244,23 +244,39 @@ def test_groups_that_sampling_evicts_after_a_checkpoint_come_back_on_its_load(tm
 
 def test_a_checkpoint_copies_beside_other_calls_and_purges_between_them(tmp_path: Path) -> None:
     """The ledger's checkpoint runs in its own Ray concurrency group, beside the default group's calls. Its
-    snapshot copy must not wait for them (puts land while it copies), and its purge (read the marks, then one
-    write transaction) must not interleave with them. The test holds the ledger's mutex, as a default-group call
-    between its read and its write does: the copy still lands, the step record and purge wait for the release."""
+    snapshot copy must not wait for them (puts land while it copies), and its step record and purge (one write
+    transaction, its reads inside it) must not run beside a load, which swaps the file. The test holds the
+    ledger's mutex, as a load (a default-group call) does: the copy lands, then the checkpoint waits for the
+    mutex (a lock that says when another thread waits for it) and has written no step record; without the
+    mutex it finishes without ever waiting, and a copy that waits for the mutex waits before its file exists."""
     import threading
+
+    class WatchedLock:
+        def __init__(self) -> None:
+            self.lock, self.waited = threading.Lock(), threading.Event()
+
+        def __enter__(self) -> None:
+            if threading.current_thread() is not threading.main_thread():
+                self.waited.set()
+            self.lock.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self.lock.release()
 
     ledger = VerlLedger(str(tmp_path / "live.kv"))
     token = ledger.open_run()["token"]
     dest = str(tmp_path / "ckpt" / LEDGER_FILE)
     done: list[Any] = []
+    ledger._mutex = watched = WatchedLock()  # type: ignore[assignment]
     worker = threading.Thread(target=lambda: done.append(ledger.checkpoint(token, dest, 3)), daemon=True)
-    with ledger._mutex:  # a call of the default group, between its read and its write
+    with watched.lock:  # a call of the default group (a load swapping the file)
         worker.start()
-        deadline = time.monotonic() + 60
-        while not os.path.exists(dest) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        hang = time.monotonic() + 600  # a hang guard only: the outcome does not depend on timing
+        while worker.is_alive() and not watched.waited.wait(0.01) and time.monotonic() < hang:
+            pass
+        assert watched.waited.is_set(), "the step record and purge ran without waiting for the mutex"
         assert os.path.exists(dest), "the snapshot copy waited for another call"
-        assert ledger.info()["checkpoint_step"] is None, "the purge ran between another call's read and write"
+        assert ledger.info()["checkpoint_step"] is None, "the purge ran beside a default-group call"
     worker.join(60)
     assert done and ledger.info()["checkpoint_step"] == 3
     ledger.close()

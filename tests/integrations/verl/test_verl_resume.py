@@ -50,13 +50,24 @@ from kvckpt.integrations.transferqueue.values import encode_value, new_write_id
 from kvckpt.integrations.verl import KvckptReplayBufferAsync, StaleRun, VerlLedger
 from kvckpt.integrations.verl import ledger as ledger_module
 from kvckpt.integrations.verl.mirror import LEDGER_FILE, MANIFEST_FILE, RAW, MirrorRef, active, install, publish
-from kvckpt.integrations.verl.records import TAG, item_prefix, record_key
+from kvckpt.integrations.verl.records import (
+    CHECKPOINT_KEY,
+    CONSUMED,
+    CURSOR_KEY,
+    FIELD,
+    RUN_KEY,
+    TAG,
+    item_prefix,
+    mark_index_key,
+    record_key,
+)
 from omegaconf import OmegaConf
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 from verl.utils import tensordict_utils as tu
 
-from kvckpt import ValueStore
+from kvckpt import ValueStore, ValueView
+from kvckpt.buffer import values as values_module
 
 pytestmark = pytest.mark.verl
 ACTOR = f"kvckpt_verl_resume_{uuid.uuid4().hex[:8]}"
@@ -505,11 +516,24 @@ class _CountingStore(ValueStore):
         return super().get(keys)
 
 
+class _CountingView(ValueView):
+    """A write transaction's view (what the ledger's calls read inside their transaction), counted as the store."""
+
+    def keys(self, prefix: str) -> list[str]:
+        _CountingStore.scans.append(prefix)
+        return super().keys(prefix)
+
+    def get(self, key: str) -> bytes | None:
+        _CountingStore.reads.append(1)
+        return super().get(key)
+
+
 def test_clear_and_checkpoint_read_only_what_they_touch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Gap closed: ``clear`` reads the consumed marks of the keys it clears (point reads of the marks' keys), and
     a checkpoint finds the marks it covers through their step index: neither scans a partition, however many
     marks and items it holds."""
     monkeypatch.setattr(ledger_module, "ValueStore", _CountingStore)
+    monkeypatch.setattr(values_module, "ValueView", _CountingView)
     ledger = VerlLedger(str(tmp_path / "live.kv"))
     try:
         token = ledger.open_run()["token"]
@@ -534,6 +558,134 @@ def test_clear_and_checkpoint_read_only_what_they_touch(tmp_path: Path, monkeypa
     finally:
         ledger.close()
 
+
+def _landing_at(monkeypatch: pytest.MonkeyPatch, ledger: VerlLedger, records: dict[str, Any], *,
+                skip: int = 0) -> list[dict[str, Any]]:
+    """``records`` (``{ledger key: value}``) land through the ledger's value store (no mutex held, as a writer in
+    another concurrency group or process) when the ledger file's next LMDB write transaction is about to open,
+    after ``skip`` of them: after the call that opens it began, before its transaction opens. Returns the pending
+    list, empty once they landed."""
+    store, pending = ledger._values, [records]
+    write, passed = store._store.write, [0]
+
+    def late_writer_then(fn: Any) -> Any:  # every LMDB write transaction of the ledger file opens here
+        if pending and passed[0] >= skip:
+            landing = pending.pop()
+            store.write(list(landing), [encode_value(k, v, new_write_id(), 1) for k, v in landing.items()], [])
+        passed[0] += 1
+        return write(fn)
+
+    monkeypatch.setattr(store._store, "write", late_writer_then)
+    return pending
+
+
+def _mark(partition_id: str, key: str, step: int) -> dict[str, Any]:
+    """A consumed mark and its index entry, as a clear writes them."""
+    return {record_key(partition_id, key, CONSUMED): {"step": step}, mark_index_key(step, partition_id, key): {}}
+
+
+def test_clear_reads_what_it_writes_inside_its_write_transaction(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``clear`` reads the checkpoint record, the marks of its keys and the records it deletes inside its one
+    write transaction, not before it, so it relies on no mutex: what lands after the call began and before its
+    transaction opens is seen. A checkpoint's step record landing then (a sample's clear beside a checkpoint's
+    purge) makes the cleared group marked, not deleted: a crash before the next checkpoint returns it; a read
+    before the transaction deletes a group the checkpoint's restart needs. A prompt's mark landing then marks its
+    trajectory with the prompt's step; a record of a cleared key landing then is deleted with the rest."""
+    ledger = VerlLedger(str(tmp_path / "live.kv"))
+    try:
+        token = ledger.open_run()["token"]
+        _finish(ledger, token, "train", "g", 2)
+        pending = _landing_at(monkeypatch, ledger, {CHECKPOINT_KEY: {"step": 1}})
+        ledger.clear(token, "train", ["g"], consumed_step=2)
+        assert not pending and ledger.snapshot()["consumed"] == {"train": {"g": 2}}
+        _finish(ledger, token, "train", "k", 2)
+        pending.append(_mark("train", "k", 2))  # the prompt's mark lands: its trajectory is marked with its step
+        ledger.clear(token, "train", ["k_0_0"])
+        assert not pending and ledger.snapshot()["consumed"] == {"train": {"g": 2, "k": 2, "k_0_0": 2}}
+        _finish(ledger, token, "train", "h", 2)
+        pending.append({record_key("train", "h", FIELD, "late"): "a field put beside the clear"})
+        ledger.clear(token, "train", ["h"])
+        assert not pending and ledger._values.keys(item_prefix("train", "h")) == []
+    finally:
+        ledger.close()
+
+
+def test_retain_lists_what_it_deletes_inside_its_write_transaction(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``retain`` (a start over) lists what it deletes inside its one write transaction: an unlisted item, a mark
+    and a checkpoint record landing after the call began and before its transaction opens are deleted with the
+    rest, so the live store holds only what TransferQueue lists and no longer descends from a checkpoint. A
+    listing taken before the transaction keeps them."""
+    ledger = VerlLedger(str(tmp_path / "live.kv"))
+    try:
+        token = ledger.open_run()["token"]
+        _finish(ledger, token, "train", "kept", 1)
+        pending = _landing_at(monkeypatch, ledger, {record_key("train", "late", TAG, "status"): "finished",
+                                                    **_mark("train", "marked", 1), CHECKPOINT_KEY: {"step": 1}})
+        assert ledger.retain(token, {"train": ["kept", "kept_0_0"]}) == 4
+        assert not pending and set(ledger.snapshot()["items"]["train"]) == {"kept", "kept_0_0"}
+        assert ledger.snapshot()["consumed"] == {} and ledger.info()["checkpoint_step"] is None
+        assert ledger.info()["consumed_marks"] == 0
+    finally:
+        ledger.close()
+
+
+def test_resume_settles_what_it_reads_inside_its_write_transaction(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``resume`` reads the checkpoint's step, every item and mark and the cursor inside its one write
+    transaction: a mark landing after the call began and before its transaction opens is settled with the rest
+    (a group consumed at or before the checkpoint is deleted, not handed back to TransferQueue to train on
+    twice; one consumed after it is finished again). Reading before the transaction hands the first back and
+    leaves both marks."""
+    ledger = VerlLedger(str(tmp_path / "live.kv"))
+    try:
+        token = ledger.open_run()["token"]
+        for uid in ("before", "after", "live"):
+            _finish(ledger, token, "train", uid, 1)
+        pending = _landing_at(monkeypatch, ledger, {**_mark("train", "before", 2), **_mark("train", "after", 3),
+                                                    CURSOR_KEY: {"fetched": 6}})
+        settled = ledger.resume(token, 2)
+        assert not pending and set(settled["items"]["train"]) == {"after", "after_0_0", "before_0_0", "live",
+                                                                  "live_0_0"}
+        assert settled["cursor"] == {"fetched": 6} and settled["step"] == 2
+        assert ledger.snapshot()["consumed"] == {} and ledger.info()["consumed_marks"] == 0
+        assert "before" not in ledger.snapshot()["items"]["train"]
+    finally:
+        ledger.close()
+
+
+def test_a_checkpoints_purge_lists_the_marks_inside_its_write_transaction(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a checkpoint does after its copy (its step record and the purge of the marks it covers) lists the
+    marks inside its one write transaction: a mark the checkpoint covers that lands after the copy and before
+    that transaction opens (a clear in the default group, which holds no lock the copy waits for) is purged with
+    its group. A listing taken before the transaction leaves the mark, and the group, past the checkpoint that
+    covers it."""
+    ledger = VerlLedger(str(tmp_path / "live.kv"))
+    try:
+        token = ledger.open_run()["token"]
+        ledger.checkpoint(token, str(tmp_path / "s1" / LEDGER_FILE), 1)
+        _finish(ledger, token, "train", "g", 2)
+        pending = _landing_at(monkeypatch, ledger, _mark("train", "g", 2), skip=1)  # after the stamp transaction
+        ledger.checkpoint(token, str(tmp_path / "s3" / LEDGER_FILE), 3)
+        assert not pending and ledger.info()["consumed_marks"] == 0 and ledger.info()["checkpoint_step"] == 3
+        assert ledger._values.keys(item_prefix("train", "g")) == [] and "g_0_0" in ledger.snapshot()["items"]["train"]
+    finally:
+        ledger.close()
+
+
+def test_open_run_numbers_the_run_inside_its_write_transaction(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``open_run`` reads the run number inside its write transaction: a run record landing after the call began
+    and before its transaction opens is counted, so run numbers never go back."""
+    ledger = VerlLedger(str(tmp_path / "live.kv"))
+    try:
+        assert ledger.open_run()["run"] == 1
+        pending = _landing_at(monkeypatch, ledger, {RUN_KEY: {"run": 7}})
+        assert ledger.open_run()["run"] == 8 and not pending and ledger.info()["run"] == 8
+    finally:
+        ledger.close()
 
 # The killed run of the next test: verl's async traffic as the mirror records it (dispatches with the
 # dataloader position, finished groups, sampled and trained groups), three steps, never a checkpoint.
