@@ -53,6 +53,7 @@ from typing import Any, TypeVar
 
 import ray
 from kvckpt.integrations.ray import LOOPBACK_ENV
+from kvckpt.integrations.ray.channel import ChannelServer
 from kvckpt.integrations.ray.replication import WATCH_PERIOD_S, ReplicationConfig, Shipper, StandbySide, node_alive
 from kvckpt.integrations.ray.wire import CODECS, plan_to_dict, progress_to_dict
 from kvckpt.integrations.ray.wire import batch_to_dict as batch_to_dict  # public here too
@@ -226,6 +227,9 @@ class BufferActor:
         self.promoted_at: float | None = None
         self.promoted_from: int | None = None
         self._watcher: asyncio.Task[None] | None = None
+        #: The direct progress channel's server, started by the first progress_channel() (not on a
+        #: standby or a replicated primary); closed and dropped by close, restore and promote.
+        self._channel: ChannelServer | None = None
         replication = ReplicationConfig.of(replication)
         if standby:
             with contextlib.suppress(NotStandby):  # a promoted standby's restart: it is the primary now
@@ -325,6 +329,7 @@ class BufferActor:
             NotStandby: this actor is a primary already.
         """
         side = self._standby_side()
+        await self._close_channel()
         self._side = None
         self.promoted_from = side.standby.applied if side.standby is not None else None
         buffer, plan = await asyncio.to_thread(side.promote, resume_version)
@@ -390,8 +395,12 @@ class BufferActor:
         """Replace the live store with a checkpoint file (see :func:`kvckpt.restore`).
 
         Calls running meanwhile fail with a closed-store error; selections made before are void
-        (a new session). If the checkpoint is refused the live store is reopened unchanged.
+        (a new session). If the checkpoint is refused the live store is reopened unchanged. The
+        progress channel is closed first (its connections with it) and the next
+        :meth:`progress_channel` starts a new one with a new token: no connection of before writes
+        into the restored store.
         """
+        await self._close_channel()
         await self._abuf.close()
         try:
             buffer, plan = await asyncio.to_thread(restore, checkpoint_file, self.path, sampler=sampler,
@@ -496,6 +505,26 @@ class BufferActor:
             order.ready.notify_all()
         return await queued
 
+    async def progress_channel(self) -> dict[str, Any] | None:
+        """The direct progress channel into this process (:mod:`kvckpt.integrations.ray.channel`):
+        ``{"host", "port", "token", "max_frame"}``, started on the first call, on the node's IP as Ray
+        knows it. Each round of its one server thread records every message that arrived in one
+        :meth:`kvckpt.ReplayBuffer.record_progress_steps` (one durable transaction), answered as
+        :meth:`record_progress_steps` answers. The token is new per incarnation, restore and
+        promotion. ``None`` on a standby and on a replicated primary (fenced or not): their writes
+        pass the shipper (:func:`_replicated`), so producers use :meth:`record_progress_steps`."""
+        if self._side is not None or self._shipper is not None:
+            return None
+        if self._channel is None or not self._channel.alive:
+            await self._close_channel()
+            self._channel = ChannelServer(self._abuf.buffer.record_progress_steps, ray.util.get_node_ip_address())
+        return self._channel.info()
+
+    async def _close_channel(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await asyncio.to_thread(channel.close)
+
     async def progress(self, group_id: str) -> dict[int, dict[str, Any]]:
         """A group's durable token prefixes: ``{index: {"tokens", "logprobs", "versions", "fields"}}``
         with numpy payloads (see :meth:`kvckpt.ReplayBuffer.progress`;
@@ -582,13 +611,16 @@ class BufferActor:
         :meth:`record_progress_steps` calls and the messages they carried (``actor_step_calls``,
         ``actor_step_messages``), the calls that waited for an earlier call of their client
         (``actor_step_calls_parked``) and those of them whose wait expired
-        (``actor_step_calls_unparked_by_timeout``)."""
-        calls = self._calls
+        (``actor_step_calls_unparked_by_timeout``); the progress channel's record calls and the messages
+        they carried (``actor_channel_rounds``, ``actor_channel_messages``; of its current server)."""
+        calls, channel = self._calls, self._channel
         return {**await self._abuf.stats(), "actor_commit_calls": calls["calls"],
                 "actor_commit_call_commits": calls["commits"], "actor_commit_calls_most_running": calls["most_running"],
                 "actor_max_workers": self.max_workers, "actor_step_calls": calls["step_calls"],
                 "actor_step_messages": calls["step_messages"], "actor_step_calls_parked": calls["step_calls_parked"],
-                "actor_step_calls_unparked_by_timeout": calls["step_calls_unparked_by_timeout"]}
+                "actor_step_calls_unparked_by_timeout": calls["step_calls_unparked_by_timeout"],
+                "actor_channel_rounds": channel.rounds if channel else 0,
+                "actor_channel_messages": channel.messages if channel else 0}
 
     async def verify(self, deep: bool = False) -> dict[str, Any]:
         """Run :func:`kvckpt.durability.verify.check` on a snapshot of the live store; the report as a dict."""
@@ -599,7 +631,8 @@ class BufferActor:
     async def close(self) -> None:
         """Close the store (after running transactions and checkpoint copies). Later calls fail;
         call before ``ray.kill`` for a clean shutdown (a kill is safe too: every acknowledged
-        call is durable). A standby closes its file."""
+        call is durable). A standby closes its file. The progress channel closes first."""
+        await self._close_channel()
         if self._shipper is not None:
             await self._shipper.stop()
         if self._side is not None:
