@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from kvckpt.integrations.ray.channel import ChannelGone, ChannelLink
+from kvckpt.integrations.ray.channel_link import ChannelGone, ChannelLink
 from kvckpt.integrations.ray.wire import batch_from_dict as batch_from_dict  # public here too
 from kvckpt.integrations.ray.wire import lease_dict as _lease_dict
 from kvckpt.integrations.ray.wire import plan_from_dict as plan_from_dict  # public here too

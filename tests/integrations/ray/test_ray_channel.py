@@ -27,14 +27,8 @@ import pytest
 kray = pytest.importorskip("kvckpt.integrations.ray")
 ray = pytest.importorskip("ray")
 
-from kvckpt.integrations.ray.channel import (  # noqa: E402
-    HEADER,
-    ChannelGone,
-    ChannelLink,
-    ChannelServer,
-    decode_reply,
-    encode_reply,
-)
+from kvckpt.integrations.ray.channel import HEADER, ChannelServer, decode_reply, encode_reply  # noqa: E402
+from kvckpt.integrations.ray.channel_link import ChannelGone, ChannelLink  # noqa: E402
 
 from kvckpt import (  # noqa: E402
     AbandonedTimeline,
