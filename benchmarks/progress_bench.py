@@ -228,7 +228,9 @@ def stream_ray_paths(path: str, actors: int, producers: int, per_step: int, step
     the actor's direct progress channel (``BufferClient(channel=True)``, ``max_in_flight`` 4). A mode may
     be named more than once (alternating runs): ``runs`` lists every run in order, ``out[mode]`` is the
     mode's last. The owner's CPU is the actor process's (``/proc``); ``profile``: a file to write a
-    py-spy profile of the owner to (the last run)."""
+    py-spy profile of the owner to (the last run). A mode ``M@RATE`` is mode ``M`` paced to ``RATE``
+    appends/s in all (each producer's step ``k`` leaves ``k`` intervals after its start), not closed
+    loop: the owner's cost at that rate, with the rounds it makes at that rate."""
     import ray
     from kvckpt.integrations.ray import BufferClient, init_local_ray, start_buffer_actor
 
@@ -243,7 +245,8 @@ def stream_ray_paths(path: str, actors: int, producers: int, per_step: int, step
         def ready(self) -> bool:
             return True
 
-        def run(self, leases: list[Any], plans: list[list[list[tuple[int, int]]]], mode: str) -> dict[str, float]:
+        def run(self, leases: list[Any], plans: list[list[list[tuple[int, int]]]], mode: str,
+                interval: float = 0.0) -> dict[str, float]:
             import threading
 
             tokens, logprobs = (x.numpy() for x in _chunk(0))
@@ -255,7 +258,10 @@ def stream_ray_paths(path: str, actors: int, producers: int, per_step: int, step
                                       batch_steps=BATCH_STEPS.get(mode, 1), channel=mode == "channel")
                 assert client.channel == (mode == "channel")
                 futures = []
-                for step in plans[p]:
+                start = time.monotonic()
+                for k, step in enumerate(plans[p]):
+                    if interval:  # paced: step k leaves at start + k * interval (or at once when behind)
+                        time.sleep(max(0.0, start + k * interval - time.monotonic()))
                     if mode == "items":
                         items = [{"lease": leases[seq // GROUP], "index": seq % GROUP, "start": n * CHUNK_TOKENS,
                                   "tokens": tokens, "logprobs": logprobs, "weight_version": 0} for seq, n in step]
@@ -282,7 +288,9 @@ def stream_ray_paths(path: str, actors: int, producers: int, per_step: int, step
     out: dict[str, Any] = {"actors": actors, "producers_per_actor": producers, "runs": []}
     init_local_ray(num_cpus=actors + 2, object_store_memory=1 << 29, address="local")  # never join another's
     try:
-        for n, mode in enumerate(modes):
+        for n, named in enumerate(modes):
+            mode, _, rate = named.partition("@")
+            interval = engines * per_step / float(rate) if rate else 0.0
             store = f"{path}.{mode}.{n}"
             actor = start_buffer_actor(store, _config().to_dict(), name=f"progress-bench-{mode}-{n}")
             pid = ray.get(actor.info.remote())["pid"]
@@ -292,7 +300,7 @@ def stream_ray_paths(path: str, actors: int, producers: int, per_step: int, step
             before = ray.get(actor.stats.remote())
             spy = _py_spy(pid, profile) if profile and n == len(modes) - 1 else None
             cpu0, t0 = cpu_seconds(pid), time.perf_counter()
-            parts = ray.get([w.run.remote(leases, plan[a * producers:(a + 1) * producers], mode)
+            parts = ray.get([w.run.remote(leases, plan[a * producers:(a + 1) * producers], mode, interval)
                              for a, w in enumerate(workers)])
             wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
             if spy is not None:
@@ -308,9 +316,9 @@ def stream_ray_paths(path: str, actors: int, producers: int, per_step: int, step
                                  appends)
             doc["calls"] = {"items": engines * steps, "channel": after["actor_channel_rounds"]}.get(
                 mode, after["actor_step_calls"] - before["actor_step_calls"])  # the channel's: its record rounds
-            doc["mode"], doc["loadavg"] = mode, os.getloadavg()[0]
+            doc["mode"], doc["loadavg"] = named, os.getloadavg()[0]
             doc["edge_cpu_us"] = 1e6 * sum(p["edge"] for p in parts) / appends
-            out[mode] = doc
+            out[named] = doc
             out["runs"].append(doc)
     finally:
         ray.shutdown()
