@@ -17,12 +17,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 import pytest
+from _buffers import until
 
 kray = pytest.importorskip("kvckpt.integrations.ray")
 ray = pytest.importorskip("ray")
@@ -73,15 +73,6 @@ def answers(futures: list[Future[Any]], leases: list[Any]) -> list[Any]:
         except KvckptError as exc:
             out.append(shown(exc))
     return out
-
-
-def until(probe: Any, what: str, timeout: float = 120) -> Any:
-    """Poll ``probe()`` until it returns something true (a deadline, never a timing assertion)."""
-    deadline = time.monotonic() + timeout
-    while not (value := probe()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-    return value
 
 
 def stats(actor: Any) -> dict[str, Any]:
@@ -147,11 +138,16 @@ def test_the_channel_answers_as_the_actor_calls_do(ray_local, tmp_path):
     ray.kill(actor)
 
 
-def test_a_wrong_token_is_closed_and_writes_nothing(ray_local, tmp_path):
-    actor = kray.start_buffer_actor(str(tmp_path / "live.kv"), CONFIG, name="token")
+def channel_actor(tmp_path: Any, name: str) -> tuple[Any, Any, ProgressEncoder, dict[str, Any]]:
+    """A fresh actor with one prompt admitted: ``(actor, lease, encoder, its progress_channel())``."""
+    actor = kray.start_buffer_actor(str(tmp_path / "live.kv"), CONFIG, name=name)
     [lease] = ray.get(actor.admit.remote([0]))
     encoder = ProgressEncoder.from_config(ray.get(actor.info.remote())["config"])
-    info = ray.get(actor.progress_channel.remote())
+    return actor, lease, encoder, ray.get(actor.progress_channel.remote())
+
+
+def test_a_wrong_token_is_closed_and_writes_nothing(ray_local, tmp_path):
+    actor, lease, encoder, info = channel_actor(tmp_path, "token")
     message = step(encoder, lease, 0)
     wrong = "0" * len(info["token"]) if info["token"] != "0" * len(info["token"]) else "1" * len(info["token"])
     with raw(info, wrong) as sock:
@@ -166,10 +162,7 @@ def test_a_wrong_token_is_closed_and_writes_nothing(ray_local, tmp_path):
 
 
 def test_a_frame_past_the_limit_is_refused_and_its_connection_closed(ray_local, tmp_path):
-    actor = kray.start_buffer_actor(str(tmp_path / "live.kv"), CONFIG, name="oversized")
-    [lease] = ray.get(actor.admit.remote([0]))
-    encoder = ProgressEncoder.from_config(ray.get(actor.info.remote())["config"])
-    info = ray.get(actor.progress_channel.remote())
+    actor, lease, encoder, info = channel_actor(tmp_path, "oversized")
     with raw(info, info["token"]) as sock:
         good = step(encoder, lease, 0)
         sock.sendall(HEADER.pack(len(good), 1) + good + HEADER.pack(info["max_frame"] + 1, 2) + b"x" * 64)
