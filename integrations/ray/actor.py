@@ -166,6 +166,17 @@ def _replicated(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[
     return write
 
 
+def _replacing_the_store(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+    """A method that replaces the actor's store (restore, promote): it holds the channel lock, so no
+    :meth:`BufferActor.progress_channel` starts a channel on the store being replaced meanwhile."""
+    @functools.wraps(method)
+    async def replace(self: Any, *args: Any, **kwargs: Any) -> R:
+        async with self._channel_lock:
+            return await method(self, *args, **kwargs)
+
+    return replace
+
+
 # -- the actor -------------------------------------------------------------------------------------
 class BufferActor:
     """The process that owns one kvckpt store; every method is one buffer operation.
@@ -230,6 +241,7 @@ class BufferActor:
         #: The direct progress channel's server, started by the first progress_channel() (not on a
         #: standby or a replicated primary); closed and dropped by close, restore and promote.
         self._channel: ChannelServer | None = None
+        self._channel_lock = asyncio.Lock()
         replication = ReplicationConfig.of(replication)
         if standby:
             with contextlib.suppress(NotStandby):  # a promoted standby's restart: it is the primary now
@@ -317,6 +329,7 @@ class BufferActor:
         self._standby_side().primary_node = node_id
         self._watch()
 
+    @_replacing_the_store
     async def promote(self, resume_version: int | None = None) -> dict[str, Any]:
         """Promote this standby to the primary (see :func:`kvckpt.promote`: a new epoch, then
         recovery as a restart runs it); returns the recovery plan (its ``leases`` are the in-flight
@@ -390,6 +403,7 @@ class BufferActor:
         self._plan = plan_to_dict(plan)
         return self._plan
 
+    @_replacing_the_store
     async def restore(self, checkpoint_file: str, sampler: Any = None,
                       max_buffered_rollouts: int | None = None) -> dict[str, Any]:
         """Replace the live store with a checkpoint file (see :func:`kvckpt.restore`).
@@ -513,12 +527,14 @@ class BufferActor:
         :meth:`record_progress_steps` answers. The token is new per incarnation, restore and
         promotion. ``None`` on a standby and on a replicated primary (fenced or not): their writes
         pass the shipper (:func:`_replicated`), so producers use :meth:`record_progress_steps`."""
-        if self._side is not None or self._shipper is not None:
-            return None
-        if self._channel is None or not self._channel.alive:
-            await self._close_channel()
-            self._channel = ChannelServer(self._abuf.buffer.record_progress_steps, ray.util.get_node_ip_address())
-        return self._channel.info()
+        async with self._channel_lock:  # not while a restore or promotion replaces the store
+            if self._side is not None or self._shipper is not None:
+                return None
+            if self._channel is None or not self._channel.alive:
+                await self._close_channel()
+                self._channel = ChannelServer(self._abuf.buffer.record_progress_steps,
+                                              ray.util.get_node_ip_address())
+            return self._channel.info()
 
     async def _close_channel(self) -> None:
         channel, self._channel = self._channel, None

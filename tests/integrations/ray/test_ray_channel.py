@@ -249,6 +249,22 @@ def test_a_replicated_actor_offers_no_channel_and_the_client_uses_actor_calls(ra
         ray.kill(actor)
 
 
+def test_a_promoted_standby_without_a_successor_offers_a_channel(ray_local, tmp_path):
+    standby = kray.start_standby_actor(str(tmp_path / "standby.kv"), name="promoted-standby")
+    primary = kray.start_buffer_actor(str(tmp_path / "primary.kv"), CONFIG, name="promoted",
+                                      replication={"standby": "promoted-standby"})
+    [lease] = ray.get(primary.admit.remote([0]), timeout=60)  # answered once the standby applied it
+    assert ray.get(standby.progress_channel.remote()) is None  # a standby: none
+    ray.get(standby.promote.remote(), timeout=60)
+    with kray.BufferClient(standby, channel=True) as client:  # a primary that ships nowhere: offered
+        assert client.channel
+        future = client.record_progress_step(step(client.progress_encoder(), lease, 0))
+    assert isinstance(future.result()[0], StaleAttempt)  # the promotion's recovery fenced the lease
+    assert stats(standby)["actor_channel_messages"] == 1
+    for actor in (primary, standby):
+        ray.kill(actor)
+
+
 def test_a_restore_closes_the_channel_and_the_next_has_a_new_token(ray_local, tmp_path):
     actor = kray.start_buffer_actor(str(tmp_path / "live.kv"), CONFIG, name="restore")
     [lease] = ray.get(actor.admit.remote([0]))
