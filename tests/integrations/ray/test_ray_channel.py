@@ -180,6 +180,21 @@ def test_a_frame_past_the_limit_is_refused_and_its_connection_closed(ray_local, 
     ray.kill(actor)
 
 
+def test_a_channel_future_completes_when_waited_on_and_record_progress_many_goes_over_the_channel(ray_local,
+                                                                                                  tmp_path):
+    actor, lease, encoder, _ = channel_actor(tmp_path, "drive")
+    client = kray.BufferClient(actor, channel=True, max_in_flight=4)
+    future = client.record_progress_step(step(encoder, lease, 0))
+    assert future.result(timeout=60) == [3, 3]  # no flush: waiting reaps its reply (a hang fails the deadline)
+    items = [{"lease": lease, "index": i, "start": 3, "tokens": [7, 8], "logprobs": [0.0, 0.0], "weight_version": 0}
+             for i in range(2)]
+    assert client.record_progress_many(items) == [5, 5]
+    counters = stats(actor)
+    assert (counters["actor_channel_messages"], counters["actor_step_messages"]) == (2, 0)
+    client.close()
+    ray.kill(actor)
+
+
 COUNT = """
 import json, sys
 from kvckpt import ReplayBuffer
