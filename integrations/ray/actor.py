@@ -30,11 +30,12 @@ kvckpt's) is refused with :class:`~kvckpt.ForeignLease`. The driver fetches the 
 with :meth:`BufferActor.recovery_plan`. A restart never creates a store: if the file is gone (the
 actor landed on another node), the restart fails instead of silently starting empty.
 
-The module is long (about 520 lines): most of the buffer's operations are made from the operation table
+The module is long (about 800 lines): most of the buffer's operations are made from the operation table
 (:func:`remote_method`), but the actor's own behaviour is written here: its start (create, or open and
-recover), its restart, restore, the per-caller order of progress calls, checkpoints that wait, its call
-counters; the wire is :mod:`kvckpt.integrations.ray.wire` and the client side
-:mod:`kvckpt.integrations.ray.client`.
+recover), its restart, restore, the per-caller order of progress calls, the direct progress channel's
+life (:meth:`BufferActor.progress_channel`; its server is :mod:`kvckpt.integrations.ray.channel`),
+checkpoints that wait, its call counters; the wire is :mod:`kvckpt.integrations.ray.wire` and the client
+side :mod:`kvckpt.integrations.ray.client`.
 """
 
 from __future__ import annotations

@@ -14,10 +14,12 @@ because the restart's recovery moved their prompts to a new timeline: the driver
 from the actor's ``recovery_plan()``. With ``failover`` names, the same resend goes to a promoted
 standby once the actor is gone for good or answers that it was replaced (docs/replication.md, "On Ray").
 
-The module is long (about 450 lines) because the client carries the producer's whole side of the
+The module is long (about 500 lines) because the client carries the producer's whole side of the
 wire: pipelined commits and step messages with their order tags, restart resends and failover (one
 state machine over the same calls in flight), the step messages it builds from
-``record_progress_many``'s items, and the decoding of the actor's replies."""
+``record_progress_many``'s items, and the decoding of the actor's replies. With ``channel=True`` the
+step messages go over the actor's direct progress channel instead
+(:mod:`kvckpt.integrations.ray.channel_link`)."""
 
 from __future__ import annotations
 
