@@ -5,6 +5,8 @@ and off, and the tokens a crash loses, side by side in one run.
     python -m benchmarks.progress_bench --quick         # under a minute: proves it runs
     python -m benchmarks.progress_bench --json benchmarks/results/progress-DATE.json
     python -m benchmarks.progress_bench --stream-only --profile owner.txt   # (a) only, py-spy of the actor
+    python -m benchmarks.progress_bench --ray-modes channel,message,channel,message   # (a) through Ray only,
+                                                              # these modes in this order (issue 45's channel)
 
 (a) **The fleet's progress stream on one store** (since issue 36: 64 producers x 8 sequences per
 engine step; through Ray 8 engine processes x 8 producer threads). Today's per-item path
@@ -222,8 +224,13 @@ def stream_ray_paths(path: str, actors: int, producers: int, per_step: int, step
     today's ``BufferClient.record_progress_many``, one blocking actor call per engine step;
     ``message``: one columnar message per engine step with ``BufferClient.record_progress_step``,
     pipelined (``max_in_flight`` 4), one message per call; ``message_batched`` (``_8``): the same,
-    4 (8) steps' messages per call (:data:`BATCH_STEPS`). The owner's CPU is the actor process's (``/proc``);
-    ``profile``: a file to write a py-spy profile of the owner to (the last mode)."""
+    4 (8) steps' messages per call (:data:`BATCH_STEPS`); ``channel``: one message per producer call over
+    the actor's direct progress channel (``BufferClient(channel=True)``, ``max_in_flight`` 4). A mode may
+    be named more than once (alternating runs): ``runs`` lists every run in order, ``out[mode]`` is the
+    mode's last. The owner's CPU is the actor process's (``/proc``); ``profile``: a file to write a
+    py-spy profile of the owner to (the last run). A mode ``M@RATE`` is mode ``M`` paced to ``RATE``
+    appends/s in all (each producer's step ``k`` leaves ``k`` intervals after its start), not closed
+    loop: the owner's cost at that rate, with the rounds it makes at that rate."""
     import ray
     from kvckpt.integrations.ray import BufferClient, init_local_ray, start_buffer_actor
 
@@ -238,7 +245,8 @@ def stream_ray_paths(path: str, actors: int, producers: int, per_step: int, step
         def ready(self) -> bool:
             return True
 
-        def run(self, leases: list[Any], plans: list[list[list[tuple[int, int]]]], mode: str) -> dict[str, float]:
+        def run(self, leases: list[Any], plans: list[list[list[tuple[int, int]]]], mode: str,
+                interval: float = 0.0) -> dict[str, float]:
             import threading
 
             tokens, logprobs = (x.numpy() for x in _chunk(0))
@@ -247,9 +255,13 @@ def stream_ray_paths(path: str, actors: int, producers: int, per_step: int, step
 
             def produce(p: int) -> None:
                 client = BufferClient(self.actor, encode_at_edge=False, max_in_flight=4,
-                                      batch_steps=BATCH_STEPS.get(mode, 1))
+                                      batch_steps=BATCH_STEPS.get(mode, 1), channel=mode == "channel")
+                assert client.channel == (mode == "channel")
                 futures = []
-                for step in plans[p]:
+                start = time.monotonic()
+                for k, step in enumerate(plans[p]):
+                    if interval:  # paced: step k leaves at start + k * interval (or at once when behind)
+                        time.sleep(max(0.0, start + k * interval - time.monotonic()))
                     if mode == "items":
                         items = [{"lease": leases[seq // GROUP], "index": seq % GROUP, "start": n * CHUNK_TOKENS,
                                   "tokens": tokens, "logprobs": logprobs, "weight_version": 0} for seq, n in step]
@@ -273,20 +285,22 @@ def stream_ray_paths(path: str, actors: int, producers: int, per_step: int, step
 
     engines = actors * producers
     plan = _plan(engines, per_step, steps)
-    out: dict[str, Any] = {"actors": actors, "producers_per_actor": producers}
+    out: dict[str, Any] = {"actors": actors, "producers_per_actor": producers, "runs": []}
     init_local_ray(num_cpus=actors + 2, object_store_memory=1 << 29, address="local")  # never join another's
     try:
-        for mode in modes:
-            store = f"{path}.{mode}"
-            actor = start_buffer_actor(store, _config().to_dict(), name=f"progress-bench-{mode}")
+        for n, named in enumerate(modes):
+            mode, _, rate = named.partition("@")
+            interval = engines * per_step / float(rate) if rate else 0.0
+            store = f"{path}.{mode}.{n}"
+            actor = start_buffer_actor(store, _config().to_dict(), name=f"progress-bench-{mode}-{n}")
             pid = ray.get(actor.info.remote())["pid"]
             leases = ray.get(actor.admit.remote(list(range(engines * per_step * 4 // GROUP))))
             workers = [Engines.remote(actor) for _ in range(actors)]
             ray.get([w.ready.remote() for w in workers])  # started before the clock
             before = ray.get(actor.stats.remote())
-            spy = _py_spy(pid, profile) if profile and mode == modes[-1] else None
+            spy = _py_spy(pid, profile) if profile and n == len(modes) - 1 else None
             cpu0, t0 = cpu_seconds(pid), time.perf_counter()
-            parts = ray.get([w.run.remote(leases, plan[a * producers:(a + 1) * producers], mode)
+            parts = ray.get([w.run.remote(leases, plan[a * producers:(a + 1) * producers], mode, interval)
                              for a, w in enumerate(workers)])
             wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
             if spy is not None:
@@ -300,10 +314,12 @@ def stream_ray_paths(path: str, actors: int, producers: int, per_step: int, step
             appends = engines * per_step * steps
             doc = _stream_result(appends, wall, cpu, after["commit_transactions"] - before["commit_transactions"],
                                  appends)
-            doc["calls"] = (after["actor_step_calls"] - before["actor_step_calls"]) if mode != "items" else \
-                engines * steps
+            doc["calls"] = {"items": engines * steps, "channel": after["actor_channel_rounds"]}.get(
+                mode, after["actor_step_calls"] - before["actor_step_calls"])  # the channel's: its record rounds
+            doc["mode"], doc["loadavg"] = named, os.getloadavg()[0]
             doc["edge_cpu_us"] = 1e6 * sum(p["edge"] for p in parts) / appends
-            out[mode] = doc
+            out[named] = doc
+            out["runs"].append(doc)
     finally:
         ray.shutdown()
     return out
@@ -391,11 +407,14 @@ def crashes(directory: str, max_tokens: int, every: int, kills: int, seed: int) 
 
 
 def run(quick: bool, directory: str, log: Any = print, *, stream_only: bool = False,
-        profile: str | None = None) -> dict[str, Any]:
-    """Every part, in order (``stream_only``: part (a) only); returns the results document."""
+        profile: str | None = None, ray_modes: tuple[str, ...] = (), steps: int | None = None) -> dict[str, Any]:
+    """Every part, in order (``stream_only``: part (a) only; ``ray_modes``: only those runs through
+    Ray, in that order; ``steps``: engine steps per producer instead of the default); returns the results
+    document."""
     # the issue's shape: 64 producers x 8 sequences per engine step (through Ray: 8 engine processes
     # x 8 producer threads)
-    actors, producers, per_step, steps = (2, 4, 8, 3) if quick else (8, 8, 8, 20)
+    actors, producers, per_step, default_steps = (2, 4, 8, 3) if quick else (8, 8, 8, 20)
+    steps = steps or default_steps
     engines = actors * producers
     result: dict[str, Any] = {"argv": " ".join(shlex.quote(a) for a in sys.argv), "quick": quick,
                               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
@@ -403,6 +422,16 @@ def run(quick: bool, directory: str, log: Any = print, *, stream_only: bool = Fa
                               "stream": {"engines": engines, "per_step": per_step, "steps": steps,
                                          "chunk_tokens": CHUNK_TOKENS, "target_appends_per_s": TARGET_APPENDS_PER_S}}
     s = result["stream"]
+    if ray_modes:
+        ray_docs = stream_ray_paths(os.path.join(directory, "stream-ray.kv"), actors, producers, per_step, steps,
+                                    ray_modes, profile=profile)
+        s["ray_engines"], s["ray_runs"] = {"actors": actors, "producers_per_actor": producers}, ray_docs["runs"]
+        for doc in ray_docs["runs"]:
+            log(f"(a) ray_{doc['mode']}: {doc['appends_per_s']:.0f} appends/s, owner CPU {doc['owner_cpu_us']:.1f} "
+                f"us/append ({100 * doc['owner_core_share_at_target']:.0f}% of a core at {TARGET_APPENDS_PER_S}/s), "
+                f"{doc['fsyncs_per_append']:.4f} fsyncs/append, {doc['calls']} calls, load {doc['loadavg']:.1f}")
+        result["machine"]["loadavg_end"] = os.getloadavg()[0]
+        return result
     parts = (("bare", lambda p: stream_bare(p, engines, per_step, steps)),
              ("bare_rounds", lambda p: stream_bare_rounds(p, engines, per_step, steps, engines * per_step)),
              ("in_process", lambda p: stream_in_process(p, engines, per_step, steps)),
@@ -447,9 +476,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", help="scratch directory, kept (default: a new one under /var/tmp, removed)")
     parser.add_argument("--stream-only", action="store_true", help="part (a) only")
     parser.add_argument("--profile", help="write a py-spy profile (raw, folded stacks) of the actor here")
+    parser.add_argument("--ray-modes", default="", help="only (a) through Ray, these comma-separated modes in order "
+                        "(items, message, message_batched, message_batched_8, channel; a mode may repeat)")
+    parser.add_argument("--steps", type=int, help="engine steps per producer (default 20; --quick 3)")
     args = parser.parse_args(argv)
+    modes = tuple(m for m in args.ray_modes.split(",") if m)
     run_in_scratch("kvckpt-progress-bench-", args.work, args.json,
-                   lambda work: run(args.quick, work, stream_only=args.stream_only, profile=args.profile))
+                   lambda work: run(args.quick, work, stream_only=args.stream_only, profile=args.profile,
+                                    ray_modes=modes, steps=args.steps))
     return 0
 
 

@@ -240,3 +240,31 @@ class LogGap(ReplicationError):
     """A shipped batch skips a sequence number, inside itself or after what the standby applied;
     or the primary's log no longer holds the records a standby needs (it must catch up from a
     snapshot)."""
+
+
+class ChannelError(KvckptError):
+    """A producer's direct progress channel into the buffer actor's process refused a frame or was
+    lost for good (docs/ray.md, "The direct progress channel"): a frame past the channel's length
+    limit, a connection the buffer actor never came back to. Whatever the refusal names was not
+    written."""
+
+
+def error_to_wire(exc: BaseException) -> tuple[str, str]:
+    """An error as what crosses a non-pickle wire: its class name and its message
+    (:func:`error_from_wire` rebuilds it)."""
+    return type(exc).__name__, str(exc)
+
+
+def error_from_wire(name: str, message: str) -> KvckptError:
+    """The kvckpt error ``name`` (a class of this module) carrying ``message``, as
+    :func:`error_to_wire` sent it: the same class, so ``except StaleAttempt`` catches it as it
+    would the original. Attributes a class's own ``__init__`` sets (``CorruptRecord.key``,
+    ``LeaseMismatch.field``, ...) do not travel; the message names them. A name that is not a
+    kvckpt error (a crafted or foreign reply, a bug's exception) comes back as a plain
+    :class:`KvckptError` whose message starts with that name."""
+    cls = globals().get(name)
+    if isinstance(cls, type) and issubclass(cls, KvckptError):
+        exc = cls.__new__(cls, message)  # BaseException.__new__ sets args; the class's __init__ is skipped
+        exc.args = (message,)
+        return exc
+    return KvckptError(f"{name}: {message}")

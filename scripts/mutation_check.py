@@ -1335,6 +1335,50 @@ MUTATIONS += (
              (f"{NEMO_RL_LAUNCHER}::test_a_resumed_requests_prefix_read_leaves_the_event_loop_free",)),
 )
 
+# issue 45 (seventeenth session, channel): the direct progress channel into the buffer actor (h45c17): the token,
+# the frame limit, one record call per round, closed by restore, not offered on a replicated primary, the link's
+# in-order resend and hand-back, the error wire's classes.
+CHANNEL = "tests/integrations/ray/test_ray_channel.py"
+MUTATIONS += (
+    Mutation("channel-skips-the-token-check", "integrations/ray/channel.py",
+             "elif hmac.compare_digest(body, self.token.encode()):", "elif True:",
+             (f"{CHANNEL}::test_a_wrong_token_is_closed_and_writes_nothing",)),
+    Mutation("channel-frame-limit-unchecked", "integrations/ray/channel.py",
+             "            if length > limit:\n", "            if False:\n",
+             (f"{CHANNEL}::test_a_frame_past_the_limit_is_refused_and_its_connection_closed",)),
+    Mutation("channel-records-each-frame-alone", "integrations/ray/channel.py",
+             "results = self._record([body for _, _, body in frames])",
+             "results = [r for _, _, body in frames for r in self._record([body])]",
+             (f"{CHANNEL}::test_one_round_records_every_connections_frames_in_one_call",)),
+    Mutation("channel-survives-a-restore", "integrations/ray/actor.py",
+             "        await self._close_channel()\n        await self._abuf.close()",
+             "        await self._abuf.close()",
+             (f"{CHANNEL}::test_a_restore_closes_the_channel_and_the_next_has_a_new_token",)),
+    Mutation("channel-never-offered-after-a-promotion", "integrations/ray/actor.py",
+             "if self._side is not None or self._shipper is not None:",
+             "if self._side is not None or self._shipper is not None or self.promoted_at is not None:",
+             (f"{CHANNEL}::test_a_promoted_standby_without_a_successor_offers_a_channel",)),
+    Mutation("channel-offered-on-a-replicated-primary", "integrations/ray/actor.py",
+             "if self._side is not None or self._shipper is not None:", "if self._side is not None:",
+             (f"{CHANNEL}::test_a_replicated_actor_offers_no_channel_and_the_client_uses_actor_calls",)),
+    Mutation("channel-link-resends-only-the-newest", "integrations/ray/channel_link.py",
+             "self._write([(seq, m) for seq, m, _ in self._unanswered])",
+             "self._write([(seq, m) for seq, m, _ in list(self._unanswered)[-1:]])",
+             (f"{CHANNEL}::test_a_killed_owner_with_frames_unanswered_gets_them_again_exactly_once",)),
+    Mutation("channel-future-does-not-drive-the-link", "integrations/ray/client.py",
+             "            if self._link is not None and self._link.holds(future):",
+             "            if False:",
+             (f"{CHANNEL}::test_a_channel_future_completes_when_waited_on_and_record_progress_many_goes_over_the_channel",)),
+    Mutation("channel-link-hands-back-nothing", "integrations/ray/channel_link.py",
+             "raise ChannelGone([(m, f) for _, m, f in self._unanswered])", "raise ChannelGone([])",
+             (f"{CHANNEL}::test_a_link_whose_actor_stops_offering_the_channel_hands_back_what_is_unanswered",)),
+    Mutation("error-wire-loses-the-class", "kvckpt/errors.py",
+             "    if isinstance(cls, type) and issubclass(cls, KvckptError):", "    if False:",
+             (f"{CHANNEL}::test_every_kvckpt_error_crosses_the_reply_wire_as_its_own_class",
+              f"{CHANNEL}::test_the_channel_answers_as_the_actor_calls_do")),
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mutations", type=Path, help="a JSON file with a list of mutation objects "

@@ -7,6 +7,7 @@ conformance suite's (:mod:`kvckpt.testing.conformance.buffer`), so the suite and
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ from kvckpt.testing.conformance.buffer import SCHEMA, dump_store, make_row
 if TYPE_CHECKING:  # no torch at import: tests/conftest.py loads this in .venv-gym too
     import torch
 
-__all__ = ["SCHEMA", "dump_store", "make_group", "make_row", "refused"]
+__all__ = ["SCHEMA", "dump_store", "make_group", "make_row", "refused", "until"]
 
 
 def make_group(group_size: int, seed: int, length: int = 4) -> list[dict[str, torch.Tensor]]:
@@ -33,3 +34,13 @@ def refused(buf: ReplayBuffer, error: type[Exception], fn: Callable[..., Any], *
         fn(*args, **kwargs)
     assert dump_store(buf) == before
     return info.value
+
+
+def until(probe: Callable[[], Any], what: str, timeout: float = 120) -> Any:
+    """Poll ``probe()`` until it returns something true and return it (a deadline, never a timing
+    assertion: ``what`` is the failure message once ``timeout`` seconds have passed)."""
+    deadline = time.monotonic() + timeout
+    while not (value := probe()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+    return value

@@ -30,11 +30,12 @@ kvckpt's) is refused with :class:`~kvckpt.ForeignLease`. The driver fetches the 
 with :meth:`BufferActor.recovery_plan`. A restart never creates a store: if the file is gone (the
 actor landed on another node), the restart fails instead of silently starting empty.
 
-The module is long (about 520 lines): most of the buffer's operations are made from the operation table
+The module is long (about 800 lines): most of the buffer's operations are made from the operation table
 (:func:`remote_method`), but the actor's own behaviour is written here: its start (create, or open and
-recover), its restart, restore, the per-caller order of progress calls, checkpoints that wait, its call
-counters; the wire is :mod:`kvckpt.integrations.ray.wire` and the client side
-:mod:`kvckpt.integrations.ray.client`.
+recover), its restart, restore, the per-caller order of progress calls, the direct progress channel's
+life (:meth:`BufferActor.progress_channel`; its server is :mod:`kvckpt.integrations.ray.channel`),
+checkpoints that wait, its call counters; the wire is :mod:`kvckpt.integrations.ray.wire` and the client
+side :mod:`kvckpt.integrations.ray.client`.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from typing import Any, TypeVar
 
 import ray
 from kvckpt.integrations.ray import LOOPBACK_ENV
+from kvckpt.integrations.ray.channel import ChannelServer
 from kvckpt.integrations.ray.replication import WATCH_PERIOD_S, ReplicationConfig, Shipper, StandbySide, node_alive
 from kvckpt.integrations.ray.wire import CODECS, plan_to_dict, progress_to_dict
 from kvckpt.integrations.ray.wire import batch_to_dict as batch_to_dict  # public here too
@@ -165,6 +167,17 @@ def _replicated(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[
     return write
 
 
+def _replacing_the_store(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+    """A method that replaces the actor's store (restore, promote): it holds the channel lock, so no
+    :meth:`BufferActor.progress_channel` starts a channel on the store being replaced meanwhile."""
+    @functools.wraps(method)
+    async def replace(self: Any, *args: Any, **kwargs: Any) -> R:
+        async with self._channel_lock:
+            return await method(self, *args, **kwargs)
+
+    return replace
+
+
 # -- the actor -------------------------------------------------------------------------------------
 class BufferActor:
     """The process that owns one kvckpt store; every method is one buffer operation.
@@ -226,6 +239,10 @@ class BufferActor:
         self.promoted_at: float | None = None
         self.promoted_from: int | None = None
         self._watcher: asyncio.Task[None] | None = None
+        #: The direct progress channel's server, started by the first progress_channel() (not on a
+        #: standby or a replicated primary); closed and dropped by close, restore and promote.
+        self._channel: ChannelServer | None = None
+        self._channel_lock = asyncio.Lock()
         replication = ReplicationConfig.of(replication)
         if standby:
             with contextlib.suppress(NotStandby):  # a promoted standby's restart: it is the primary now
@@ -313,6 +330,7 @@ class BufferActor:
         self._standby_side().primary_node = node_id
         self._watch()
 
+    @_replacing_the_store
     async def promote(self, resume_version: int | None = None) -> dict[str, Any]:
         """Promote this standby to the primary (see :func:`kvckpt.promote`: a new epoch, then
         recovery as a restart runs it); returns the recovery plan (its ``leases`` are the in-flight
@@ -325,6 +343,7 @@ class BufferActor:
             NotStandby: this actor is a primary already.
         """
         side = self._standby_side()
+        await self._close_channel()
         self._side = None
         self.promoted_from = side.standby.applied if side.standby is not None else None
         buffer, plan = await asyncio.to_thread(side.promote, resume_version)
@@ -385,13 +404,18 @@ class BufferActor:
         self._plan = plan_to_dict(plan)
         return self._plan
 
+    @_replacing_the_store
     async def restore(self, checkpoint_file: str, sampler: Any = None,
                       max_buffered_rollouts: int | None = None) -> dict[str, Any]:
         """Replace the live store with a checkpoint file (see :func:`kvckpt.restore`).
 
         Calls running meanwhile fail with a closed-store error; selections made before are void
-        (a new session). If the checkpoint is refused the live store is reopened unchanged.
+        (a new session). If the checkpoint is refused the live store is reopened unchanged. The
+        progress channel is closed first (its connections with it) and the next
+        :meth:`progress_channel` starts a new one with a new token: no connection of before writes
+        into the restored store.
         """
+        await self._close_channel()
         await self._abuf.close()
         try:
             buffer, plan = await asyncio.to_thread(restore, checkpoint_file, self.path, sampler=sampler,
@@ -496,6 +520,28 @@ class BufferActor:
             order.ready.notify_all()
         return await queued
 
+    async def progress_channel(self) -> dict[str, Any] | None:
+        """The direct progress channel into this process (:mod:`kvckpt.integrations.ray.channel`):
+        ``{"host", "port", "token", "max_frame"}``, started on the first call, on the node's IP as Ray
+        knows it. Each round of its one server thread records every message that arrived in one
+        :meth:`kvckpt.ReplayBuffer.record_progress_steps` (one durable transaction), answered as
+        :meth:`record_progress_steps` answers. The token is new per incarnation, restore and
+        promotion. ``None`` on a standby and on a replicated primary (fenced or not): their writes
+        pass the shipper (:func:`_replicated`), so producers use :meth:`record_progress_steps`."""
+        async with self._channel_lock:  # not while a restore or promotion replaces the store
+            if self._side is not None or self._shipper is not None:
+                return None
+            if self._channel is None or not self._channel.alive:
+                await self._close_channel()
+                self._channel = ChannelServer(self._abuf.buffer.record_progress_steps,
+                                              ray.util.get_node_ip_address())
+            return self._channel.info()
+
+    async def _close_channel(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await asyncio.to_thread(channel.close)
+
     async def progress(self, group_id: str) -> dict[int, dict[str, Any]]:
         """A group's durable token prefixes: ``{index: {"tokens", "logprobs", "versions", "fields"}}``
         with numpy payloads (see :meth:`kvckpt.ReplayBuffer.progress`;
@@ -582,13 +628,16 @@ class BufferActor:
         :meth:`record_progress_steps` calls and the messages they carried (``actor_step_calls``,
         ``actor_step_messages``), the calls that waited for an earlier call of their client
         (``actor_step_calls_parked``) and those of them whose wait expired
-        (``actor_step_calls_unparked_by_timeout``)."""
-        calls = self._calls
+        (``actor_step_calls_unparked_by_timeout``); the progress channel's record calls and the messages
+        they carried (``actor_channel_rounds``, ``actor_channel_messages``; of its current server)."""
+        calls, channel = self._calls, self._channel
         return {**await self._abuf.stats(), "actor_commit_calls": calls["calls"],
                 "actor_commit_call_commits": calls["commits"], "actor_commit_calls_most_running": calls["most_running"],
                 "actor_max_workers": self.max_workers, "actor_step_calls": calls["step_calls"],
                 "actor_step_messages": calls["step_messages"], "actor_step_calls_parked": calls["step_calls_parked"],
-                "actor_step_calls_unparked_by_timeout": calls["step_calls_unparked_by_timeout"]}
+                "actor_step_calls_unparked_by_timeout": calls["step_calls_unparked_by_timeout"],
+                "actor_channel_rounds": channel.rounds if channel else 0,
+                "actor_channel_messages": channel.messages if channel else 0}
 
     async def verify(self, deep: bool = False) -> dict[str, Any]:
         """Run :func:`kvckpt.durability.verify.check` on a snapshot of the live store; the report as a dict."""
@@ -599,7 +648,8 @@ class BufferActor:
     async def close(self) -> None:
         """Close the store (after running transactions and checkpoint copies). Later calls fail;
         call before ``ray.kill`` for a clean shutdown (a kill is safe too: every acknowledged
-        call is durable). A standby closes its file."""
+        call is durable). A standby closes its file. The progress channel closes first."""
+        await self._close_channel()
         if self._shipper is not None:
             await self._shipper.stop()
         if self._side is not None:

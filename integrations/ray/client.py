@@ -14,13 +14,16 @@ because the restart's recovery moved their prompts to a new timeline: the driver
 from the actor's ``recovery_plan()``. With ``failover`` names, the same resend goes to a promoted
 standby once the actor is gone for good or answers that it was replaced (docs/replication.md, "On Ray").
 
-The module is long (about 450 lines) because the client carries the producer's whole side of the
+The module is long (about 500 lines) because the client carries the producer's whole side of the
 wire: pipelined commits and step messages with their order tags, restart resends and failover (one
 state machine over the same calls in flight), the step messages it builds from
-``record_progress_many``'s items, and the decoding of the actor's replies."""
+``record_progress_many``'s items, and the decoding of the actor's replies. With ``channel=True`` the
+step messages go over the actor's direct progress channel instead
+(:mod:`kvckpt.integrations.ray.channel_link`)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from kvckpt.integrations.ray.channel_link import ChannelGone, ChannelLink
 from kvckpt.integrations.ray.wire import batch_from_dict as batch_from_dict  # public here too
 from kvckpt.integrations.ray.wire import lease_dict as _lease_dict
 from kvckpt.integrations.ray.wire import plan_from_dict as plan_from_dict  # public here too
@@ -45,7 +49,7 @@ from kvckpt import (
     ProgressMessage,
     RowEncoder,
 )
-from kvckpt.errors import BadArgument, KvckptError, NotPrimary
+from kvckpt.errors import BadArgument, ChannelError, KvckptError, NotPrimary
 
 #: Seconds one look at an actor (the failed one, a failover candidate) waits for its answer.
 FAILOVER_POLL_S = 1.0
@@ -115,6 +119,13 @@ class BufferClient:
             becomes this client's actor, and the calls in flight are resent to it, with the same
             exactly-once answers as after a restart (docs/replication.md, "On Ray"). Defaults to none.
         namespace: the namespace of the ``failover`` names. Defaults to the driver's.
+        channel: send :meth:`record_progress_step`'s messages over the actor's direct progress channel
+            (:meth:`~kvckpt.integrations.ray.actor.BufferActor.progress_channel`, one connection, frames
+            in order, up to ``max_in_flight`` unanswered; ``batch_steps`` does not apply) instead of
+            actor calls: the owner pays a socket read per message, not a Ray call. After a broken
+            connection the client asks the actor again (waiting for its restart, or a failover) and
+            resends every unanswered message, exactly once as actor calls are. Where the actor offers no
+            channel (a standby, a replicated primary) the actor calls are used. Defaults to False.
 
     Examples:
         >>> with BufferClient(actor, batch_groups=8, max_in_flight=4) as client:  # doctest: +SKIP
@@ -125,7 +136,7 @@ class BufferClient:
 
     def __init__(self, actor: Any, *, batch_groups: int = 8, max_in_flight: int = 4, retries: int = 3,
                  restart_timeout: float = 60.0, encode_at_edge: bool = True, batch_steps: int = 1,
-                 failover: Sequence[str] = (), namespace: str | None = None) -> None:
+                 failover: Sequence[str] = (), namespace: str | None = None, channel: bool = False) -> None:
         if batch_groups < 1 or max_in_flight < 1 or retries < 0 or batch_steps < 1:
             raise BadArgument("batch_groups, batch_steps and max_in_flight must be >= 1 and retries >= 0")
         self.batch_steps = batch_steps
@@ -147,6 +158,16 @@ class BufferClient:
         #: The replication epoch of the primary this client writes to (0 when not replicated).
         self.epoch: int = info.get("epoch") or 0
         self._encoder = RowEncoder.from_config(info["config"]) if encode_at_edge else None
+        self._link: ChannelLink | None = None
+        if channel:
+            with contextlib.suppress(ChannelGone):  # not offered: actor calls
+                self._link = ChannelLink(self._channel_info, max_in_flight=max_in_flight, retries=retries,
+                                         timeout=restart_timeout)
+
+    @property
+    def channel(self) -> bool:
+        """Whether progress step messages go over the actor's direct progress channel now."""
+        return self._link is not None
 
     def commit(self, lease: Lease | Mapping[str, Any], rows: Sequence[Mapping[str, Any]] | Mapping[int, Any], *,
                end_weight: int | None = None) -> Future[CommitResult]:
@@ -195,6 +216,9 @@ class BufferClient:
                 future.set_exception(exc)
                 return future
         with self._lock:
+            if self._link is not None:
+                self._over_channel(lambda link: link.send(value, future))
+                return future
             self._pending_steps.append((value, future))
             if len(self._pending_steps) >= self.batch_steps:
                 self._send_steps()
@@ -273,6 +297,8 @@ class BufferClient:
     def flush(self) -> None:
         """Send what is queued and wait until every outstanding call is answered."""
         with self._lock:
+            if self._link is not None:
+                self._over_channel(lambda link: link.flush())
             self._send()
             self._send_steps()
             while self._in_flight:
@@ -281,25 +307,52 @@ class BufferClient:
     @property
     def outstanding(self) -> int:
         """Commits and progress messages queued or in flight (not yet acknowledged or refused)."""
-        return len(self._pending) + len(self._pending_steps) + sum(len(c.futures) for c in self._in_flight)
+        return (len(self._pending) + len(self._pending_steps) + sum(len(c.futures) for c in self._in_flight)
+                + (self._link.outstanding if self._link is not None else 0))
+
+    def close(self) -> None:
+        """:meth:`flush`, then close the progress channel's connection (a later message reconnects)."""
+        self.flush()
+        if self._link is not None:
+            self._link.close()
 
     def __enter__(self) -> BufferClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.flush()
+        self.close()
 
     # -- internals -------------------------------------------------------------------------------
     def _drive(self, future: Future[Any]) -> None:
         """Until ``future`` is done: send the queued call that carries it, then reap the calls in
         flight in order (those ahead of its own first, as :meth:`flush` would)."""
         with self._lock:
+            if self._link is not None and self._link.holds(future):
+                self._over_channel(lambda link: link.drive(future))
             if any(f is future for _, f in self._pending):
                 self._send()
             if any(f is future for _, f in self._pending_steps):
                 self._send_steps()
             while not future.done() and self._in_flight:
                 self._reap(self._in_flight.popleft())
+
+    def _channel_info(self) -> Mapping[str, Any] | None:
+        """The actor's progress channel (``None``: not offered), once it answers again (after a
+        restart; with ``failover``, a promoted standby's)."""
+        if not self._actor_back():
+            raise ChannelError(f"the buffer actor did not answer within {self.restart_timeout} s; its progress "
+                               "channel is gone")
+        return ray.get(self.actor.progress_channel.remote(), timeout=self.restart_timeout)
+
+    def _over_channel(self, step: Callable[[ChannelLink], None]) -> None:
+        """Run ``step`` on the channel; if the actor stopped offering one, resend what it held
+        unanswered through actor calls, in order, and use those from now on."""
+        assert self._link is not None
+        try:
+            step(self._link)
+        except ChannelGone as gone:
+            self._link = None
+            self._call("record_progress_steps", gone.unanswered)
 
     def _queue(self, item: dict[str, Any], rows: Any) -> Future[CommitResult]:
         future: Future[CommitResult] = ClientFuture(self._drive)

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from typing import Any
 
 import numpy as np
 import pytest
-from _buffers import SCHEMA, make_group
+from _buffers import SCHEMA, make_group, until
 
 kray = pytest.importorskip("kvckpt.integrations.ray")  # before ray: loopback
 ray = pytest.importorskip("ray")
@@ -39,15 +38,6 @@ RAY_LOCAL = {"num_cpus": 4, "object_store_memory": 256 << 20, "namespace": "kvck
 
 def rows(seed: int) -> list[dict[str, Any]]:
     return kray.to_wire(make_group(2, seed))
-
-
-def until(probe: Any, what: str, timeout: float = 120) -> Any:
-    """Poll ``probe()`` until it returns something true (a deadline, never a timing assertion)."""
-    deadline = time.monotonic() + timeout
-    while not (value := probe()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-    return value
 
 
 def status(actor: Any) -> dict[str, Any]:
