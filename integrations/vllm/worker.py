@@ -345,12 +345,13 @@ def _is_actor(buffer: Any) -> bool:
 class _ActorSink:
     """``commit_group``/``commit_sample``/``commit_many`` and the progress stream through a buffer actor, via the Ray
     integration's :class:`~kvckpt.integrations.ray.BufferClient` (retries after an actor restart are
-    idempotent)."""
+    idempotent); the step messages go over the actor's direct progress channel where it offers one
+    (docs/ray.md, "The direct progress channel")."""
 
     def __init__(self, actor: Any) -> None:
         from kvckpt.integrations.ray import BufferClient
 
-        self.client = BufferClient(actor, batch_groups=1, max_in_flight=1)
+        self.client = BufferClient(actor, batch_groups=1, max_in_flight=1, channel=True)
 
     def commit_group(self, lease: Lease, rows: Any, *, end_weight: int | None = None) -> CommitResult:
         future = self.client.commit(lease, rows, end_weight=end_weight)

@@ -149,7 +149,7 @@ def test_a_rollout_worker_commits_one_engine_call_in_one_actor_call(ray_local, t
 
 
 def test_a_streaming_worker_records_progress_through_the_actor_and_resumes_from_it(ray_local, tmp_path):
-    """Progress every token, through the actor (one record_progress_many call per engine step);
+    """Progress every token, through the actor (one step message per engine step, over its progress channel);
     the group is then redispatched and a second worker resumes its samples from their prefixes."""
     from kvckpt.integrations.vllm import DEFAULT_SCHEMA, RolloutWorker, ensure_tiny_model
 
@@ -169,6 +169,8 @@ def test_a_streaming_worker_records_progress_through_the_actor_and_resumes_from_
     [result] = worker.run(actor, [again])
     assert result.ready and worker.progress_stats["tokens_resumed"] == 4
     assert worker.progress_stats["appends"] >= 1 and worker.progress_stats["append_calls"] >= 1
+    # the shipped worker's step messages went over the actor's direct progress channel, not one call each
+    assert ray.get(actor.stats.remote())["actor_channel_messages"] == worker.progress_stats["append_calls"]
     rows = kray.batch_from_dict(ray.get(actor.read_batch.remote([again.group_id], layout="list"))).rows
     assert all(r["input_ids"][r["token_mask"] == 1][:2].tolist() == tokens for r in rows)
     assert client.progress(again) == {} and verify_path(str(tmp_path / "live.kv"), deep=True).ok
