@@ -268,6 +268,8 @@ def test_a_malformed_message_is_refused_whole_and_writes_nothing(tmp_path):
     refused(buf, MalformedMessage, buf.record_progress_step, "not bytes")
     [result] = buf.record_progress_steps([bytes(flipped)])  # in a batch: refused in its slot
     assert isinstance(result, MalformedMessage)
+    result, landed = buf.record_progress_steps([bytes(flipped), value])  # ... and its neighbour lands
+    assert isinstance(result, MalformedMessage) and landed == [3]
 
 
 def test_the_edge_encoder_refuses_what_cannot_be_a_message(tmp_path):
