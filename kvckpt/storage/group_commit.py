@@ -3,8 +3,8 @@
 A leader/follower queue (LevelDB's write batching, PostgreSQL's group commit): every caller
 enqueues its transition and waits. If no batch is being written, a waiting caller becomes the
 writer: it takes the prepared transitions queued so far, runs them through
-:meth:`kvckpt.storage.store.Store.write_each` (one durable transaction, each transition in its own
-nested transaction) and hands each caller its result. Callers that arrive while a batch is being
+:meth:`kvckpt.storage.store.Store.write_each` (one durable transaction; a refusal writes nothing)
+and hands each caller its result. Callers that arrive while a batch is being
 written form the next batch.
 
 A caller may submit raw items with a ``prepare`` function instead of ready transitions
@@ -22,8 +22,8 @@ Guarantees:
   committed (LMDB's fsync), or raises; an item its ``prepare`` refused (nothing written) returns at
   once with that error;
 * **one transition, one transaction**: a transition is never split; several share one parent
-  transaction, and a refused one (a :class:`~kvckpt.errors.KvckptError` it raised) is rolled back
-  alone by its nested transaction and reported to its caller only;
+  transaction, and a refused one (a :class:`~kvckpt.errors.KvckptError` it raised) writes nothing
+  (``Store.write_each`` rolls it back alone) and is reported to its caller only;
 * **order**: transitions of one batch apply in the order they were queued; a writer takes only the
   queue's prepared head (it never passes an item still being prepared).
 
@@ -76,8 +76,8 @@ class GroupCommitter:
         self._idle: list[tuple[threading.Condition, list[_Pending]]] = []  # waiting callers, their items
         self.stats = {"transactions": 0, "transitions": 0}
         #: Test seam (``None`` in production): ``before_commit(txn, acknowledged)`` runs inside every
-        #: batch's write transaction (in a nested transaction of its own, after the batch's
-        #: transitions) before its durable commit; ``acknowledged[i]`` says whether the batch's
+        #: batch's write transaction (after the batch's transitions, as one more function of the
+        #: batch) before its durable commit; ``acknowledged[i]`` says whether the batch's
         #: ``i``-th transition has been handed back to its caller.
         self.before_commit: Callable[[Txn, list[bool]], None] | None = None
 

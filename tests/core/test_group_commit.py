@@ -12,7 +12,7 @@ import time
 import pytest
 from _buffers import dump_store, make_group
 
-from kvckpt import AbandonedTimeline, CommitResult, DuplicateCommit, Prompt, SchemaMismatch, check
+from kvckpt import AbandonedTimeline, BadArgument, CommitResult, DuplicateCommit, Prompt, SchemaMismatch, check
 from kvckpt.tables.access import Tables
 
 
@@ -192,7 +192,7 @@ class _Run:
 
 
 def _start(results: dict, name: str, fn, *args) -> threading.Thread:
-    thread = threading.Thread(target=lambda: results.__setitem__(name, fn(*args)))
+    thread = threading.Thread(target=lambda: results.__setitem__(name, fn(*args)), daemon=True)
     thread.start()
     return thread
 
@@ -267,3 +267,52 @@ def test_what_prepare_raises_is_a_refusal_of_its_item_or_raised_to_its_caller(bu
         committer.submit_many(["broken"], prepare)
     assert run.ran == ["first", "last"] and dump_store(buf) == before
     assert committer.submit_many(["again"], prepare) == ["again"]
+
+
+def test_a_batch_runs_in_one_transaction_and_a_refusal_after_writes_makes_it_run_again_nested(buffer_factory):
+    """``Store.write_each`` runs the batch's functions in the durable transaction itself; a refusal that wrote
+    nothing needs no rollback. One that put or deleted, then refused, sends the batch round again with each
+    function in its own nested transaction: its writes are rolled back alone, the others land once."""
+    store = buffer_factory().store
+    store.write(lambda t: t.put("meta", b"old", b"kept"))
+    seen: list[list] = []
+
+    def fns(*middle):
+        seen.append([])
+
+        def put(key):
+            def run(t):
+                seen[-1].append(t)
+                t.put("meta", key, b"1")
+                return key
+            return run
+
+        def refuse(t):
+            seen[-1].append(t)
+            raise BadArgument("refused before writing")
+
+        return [put(b"a"), refuse, *middle, put(b"b")]
+
+    results = store.write_each(fns())
+    assert results[0] == b"a" and isinstance(results[1], BadArgument) and results[2] == b"b"
+    assert len(set(map(id, seen[-1]))) == 1  # one transaction object: no nested transaction
+
+    def put_then_refuse(t):
+        seen[-1].append(t)
+        t.put("meta", b"half", b"written")
+        raise BadArgument("refused after a put")
+
+    def delete_then_refuse(t):
+        seen[-1].append(t)
+        t.delete("meta", b"old")
+        raise BadArgument("refused after a delete")
+
+    for wrote in (put_then_refuse, delete_then_refuse):
+        store.write(lambda t: [t.delete("meta", k) for k in (b"a", b"b")])
+        results = store.write_each(fns(wrote))
+        assert [type(r).__name__ for r in results] == ["bytes", "BadArgument", "BadArgument", "bytes"]
+        ran = seen[-1]
+        # the flat pass stops at the refusal that wrote; the batch runs again, each in its own nested txn
+        assert len(ran) == 7 and len(set(map(id, ran[:3]))) == 1 and len(set(map(id, ran[3:]))) == 4
+        assert store.read(lambda t: (t.get("meta", b"a"), t.get("meta", b"b"), t.get("meta", b"half"),
+                                     t.get("meta", b"old"))) == (b"1", b"1", None, b"kept")
