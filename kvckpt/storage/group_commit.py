@@ -73,7 +73,8 @@ class GroupCommitter:
         self._raw = 0  # items of the queue not yet taken by a preparer
         self._leading = False  # a writer is writing a batch
         self._preparing = False  # a preparer is preparing
-        self._idle: list[tuple[threading.Condition, list[_Pending]]] = []  # waiting callers, their items
+        #: Waiting callers: each one's wakeup lock (held; released to wake it) and items.
+        self._idle: list[tuple[Any, list[_Pending]]] = []
         self.stats = {"transactions": 0, "transitions": 0}
         #: Test seam (``None`` in production): ``before_commit(txn, acknowledged)`` runs inside every
         #: batch's write transaction (after the batch's transitions, as one more function of the
@@ -96,7 +97,8 @@ class GroupCommitter:
         transaction). A :class:`~kvckpt.errors.KvckptError` ``prepare`` raises is that item's result
         (nothing of it is written); any other exception is raised here, once every item is done."""
         mine = [_Pending(item, prepare) for item in items]
-        me = threading.Condition(self._lock)
+        me = threading.Lock()  # this caller's wakeup: held while it sleeps on it, released to wake it
+        me.acquire()
         with self._lock:
             self._queue.extend(mine)
             self._raw += sum(p.stage == _RAW for p in mine)
@@ -114,7 +116,7 @@ class GroupCommitter:
                 raise p.result
         return [p.result for p in mine]
 
-    def _role(self, me: threading.Condition, mine: list[_Pending]) -> tuple[str, list[_Pending]] | None:
+    def _role(self, me: Any, mine: list[_Pending]) -> tuple[str, list[_Pending]] | None:
         """Wait (lock held) until ``mine`` are done (``None``) or a role is free and taken:
         ``("prepare", the raw items taken)`` or ``("write", the batch taken)``."""
         while True:
@@ -130,7 +132,11 @@ class GroupCommitter:
                 self._hand_off()
                 return "write", batch
             self._idle.append((me, mine))
-            me.wait()
+            self._lock.release()
+            try:
+                me.acquire()  # until a waker releases it (then it is held again, for the next wait)
+            finally:
+                self._lock.acquire()
 
     def _may_prepare(self) -> bool:
         return not self._preparing and self._raw > 0
@@ -200,14 +206,14 @@ class GroupCommitter:
     def _wake_done(self) -> None:
         """Wake the waiting callers whose items are all done (lock held)."""
         waiting, self._idle = self._idle, []
-        for cond, items in waiting:
+        for wakeup, items in waiting:
             if all(p.done for p in items):
-                cond.notify()
+                wakeup.release()
             else:
-                self._idle.append((cond, items))
+                self._idle.append((wakeup, items))
 
     def _hand_off(self) -> None:
         """Wake one waiting caller if a role is free and has work (lock held): called by a caller
         that takes a role or returns, so a free role never waits while its work is queued."""
         if self._idle and (self._may_prepare() or self._may_write()):
-            self._idle.pop(0)[0].notify()
+            self._idle.pop(0)[0].release()
