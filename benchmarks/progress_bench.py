@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import platform
 import random
@@ -468,8 +469,49 @@ def run(quick: bool, directory: str, log: Any = print, *, stream_only: bool = Fa
     return result
 
 
+#: One in-process run of a tree (``python -c``, the tree first on ``sys.path``): ``stream_in_process_step`` 64 x 8
+#: and the bare loop at 512 values per transaction beside it, with the process's CPU and context switches.
+_IN_PROCESS_RUN = """
+import json, os, resource, sys, tempfile
+tree, steps = sys.argv[1], int(sys.argv[2])
+sys.path.insert(0, tree)
+from benchmarks import progress_bench as pb
+import kvckpt
+assert kvckpt.__file__.startswith(tree), kvckpt.__file__
+work = tempfile.mkdtemp(dir=sys.argv[3])
+load = os.getloadavg()[0]
+r0 = resource.getrusage(resource.RUSAGE_SELF)
+r = pb.stream_in_process_step(os.path.join(work, "s.kv"), 64, 8, steps)
+r1 = resource.getrusage(resource.RUSAGE_SELF)
+b = pb.stream_bare_rounds(os.path.join(work, "b.kv"), 64, 8, steps, 512)
+n = 64 * 8 * steps
+print(json.dumps({"load": load, "appends_per_s": r["appends_per_s"], "owner_cpu_us": r["owner_cpu_us"],
+                  "edge_cpu_us": r["edge_cpu_us"], "fsyncs_per_append": r["fsyncs_per_append"],
+                  "process_cpu_us": 1e6 * (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / n,
+                  "voluntary_switches": (r1.ru_nvcsw - r0.ru_nvcsw) / n,
+                  "involuntary_switches": (r1.ru_nivcsw - r0.ru_nivcsw) / n, "bare_appends_per_s": b["appends_per_s"]}))
+"""
+
+
+def in_process_pairs(trees: list[str], pairs: int, steps: int, work: str) -> list[dict[str, Any]]:
+    """(a) in-process, two source trees side by side (issue 45): ``pairs`` pairs of fresh-process runs of
+    ``stream_in_process_step`` 64 x 8 (and the bare loop beside each), the trees' order alternating."""
+    import subprocess
+
+    out = []
+    for pair in range(pairs):
+        for tree in trees if pair % 2 == 0 else trees[::-1]:
+            done = subprocess.run([sys.executable, "-c", _IN_PROCESS_RUN, os.path.abspath(tree), str(steps), work],
+                                  capture_output=True, text=True, check=True, cwd=work)
+            row = {"pair": pair, "tree": tree, **json.loads(done.stdout.strip().splitlines()[-1])}
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.progress_bench [--quick] [--json PATH] [--work DIR]``."""
+    """``python -m benchmarks.progress_bench [--quick] [--json PATH] [--work DIR]``, or
+    ``--in-process-pairs TREE_A TREE_B [--pairs N]``."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.progress_bench")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
@@ -479,7 +521,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ray-modes", default="", help="only (a) through Ray, these comma-separated modes in order "
                         "(items, message, message_batched, message_batched_8, channel; a mode may repeat)")
     parser.add_argument("--steps", type=int, help="engine steps per producer (default 20; --quick 3)")
+    parser.add_argument("--in-process-pairs", nargs=2, metavar="TREE",
+                        help="(a) in-process only, two source trees alternately (e.g. a `git archive` of main and .)")
+    parser.add_argument("--pairs", type=int, default=4)
     args = parser.parse_args(argv)
+    if args.in_process_pairs:
+        run_in_scratch("kvckpt-progress-pairs-", args.work, args.json,
+                       lambda work: {"runs": in_process_pairs(args.in_process_pairs, args.pairs, args.steps or 20,
+                                                              work)})
+        return 0
     modes = tuple(m for m in args.ray_modes.split(",") if m)
     run_in_scratch("kvckpt-progress-bench-", args.work, args.json,
                    lambda work: run(args.quick, work, stream_only=args.stream_only, profile=args.profile,

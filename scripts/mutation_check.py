@@ -191,16 +191,16 @@ MUTATIONS: tuple[Mutation, ...] = (
 #: The mechanisms issue 29 found no test aimed at (each killed by one deterministic test).
 MUTATIONS += (
     Mutation("group-commit-acks-before-durable", "kvckpt/storage/group_commit.py",
-             "            fns = [p.fn for p in batch]\n",
-             "            def acked(p):\n"
-             "                def run(txn):\n"
-             "                    result = p.fn(txn)\n"
-             "                    with self._cond:\n"
-             "                        p.result, p.done = result, True\n"
-             "                        self._cond.notify_all()\n"
-             "                    return result\n"
-             "                return run\n"
-             "            fns = [acked(p) for p in batch]\n",
+             "        fns = [p.fn for p in batch]\n",
+             "        def acked(p):\n"
+             "            def run(txn):\n"
+             "                result = p.fn(txn)\n"
+             "                with self._lock:\n"
+             "                    p.result, p.done = result, True\n"
+             "                    self._wake_done()\n"
+             "                return result\n"
+             "            return run\n"
+             "        fns = [acked(p) for p in batch]\n",
              ("tests/core/test_group_commit.py::"
               "test_inside_a_batch_nothing_acknowledged_is_missing_from_another_process_snapshot",)),
     Mutation("format3-suffixes-swapped", "kvckpt/storage/layout.py",
@@ -1074,6 +1074,49 @@ MUTATIONS += (
              "gid_json[at], rows[at] + index.to_bytes(4, \"big\"), version, lease.group_id))",
              "gid_json[at], rows[0] + index.to_bytes(4, \"big\"), version, lease.group_id))",
              (f"{STEP}::test_each_sequence_lands_under_its_own_leases_row",)),
+)
+
+# issue 45 (seventeenth session, in-process): the group committer's preparer role (one waiting caller prepares
+# every queued raw item while the batch before is written; a writer takes only the prepared head of the queue) and
+# its targeted wakeups (a caller is woken when its items are done, or to take a free role).
+GROUP_COMMIT = "tests/core/test_group_commit.py"
+MUTATIONS += (
+    Mutation("group-commit-two-preparers-at-once", "kvckpt/storage/group_commit.py",
+             "        return not self._preparing and self._raw > 0\n", "        return self._raw > 0\n",
+             (f"{GROUP_COMMIT}::test_one_waiting_caller_prepares_every_queued_item_while_the_batch_before_is_written",)),
+    Mutation("group-commit-writer-passes-an-item-being-prepared", "kvckpt/storage/group_commit.py",
+             "        batch, self._queue = self._queue[:n], self._queue[n:]\n",
+             "        batch = [p for p in self._queue if p.stage == _READY][:self.max_batch]\n"
+             "        self._queue = [p for p in self._queue if p not in batch]\n",
+             (f"{GROUP_COMMIT}::test_a_writer_never_passes_an_item_still_being_prepared",)),
+    Mutation("group-commit-free-role-handed-to-nobody", "kvckpt/storage/group_commit.py",
+             "        if self._idle and (self._may_prepare() or self._may_write()):\n",
+             "        if False:\n",
+             (f"{GROUP_COMMIT}::test_a_writer_never_passes_an_item_still_being_prepared",)),
+    Mutation("group-commit-prepare-refusal-left-in-the-queue", "kvckpt/storage/group_commit.py",
+             "                p.result = exc\n                refused.append(p)\n", "                p.result = exc\n",
+             (f"{GROUP_COMMIT}::test_what_prepare_raises_is_a_refusal_of_its_item_or_raised_to_its_caller",)),
+    Mutation("group-commit-prepare-failure-returned-not-raised", "kvckpt/storage/group_commit.py",
+             "            if p.raises:\n", "            if False:\n",
+             (f"{GROUP_COMMIT}::test_what_prepare_raises_is_a_refusal_of_its_item_or_raised_to_its_caller",)),
+    # Store.write_each runs a batch in the durable transaction itself; a refusal after writes reruns it nested
+    Mutation("write-each-keeps-a-refusals-writes", "kvckpt/storage/store.py",
+             "                    if txn.writes != before:", "                    if False:",
+             (f"{GROUP_COMMIT}::test_a_batch_runs_in_one_transaction_and_a_refusal_after_writes_makes_it_run_again_nested",)),
+    Mutation("write-each-always-nested", "kvckpt/storage/store.py",
+             "            return self.write(flat)\n", "            raise _Replay\n",
+             (f"{GROUP_COMMIT}::test_a_batch_runs_in_one_transaction_and_a_refusal_after_writes_makes_it_run_again_nested",)),
+    # the edge encoder keeps each Lease object's document (by the object, never a dict's)
+    Mutation("encoder-lease-docs-by-id-alone", "kvckpt/storage/progress_message.py",
+             "            if known is None or known[0] is not lease:\n", "            if known is None:\n",
+             (f"{STEP}::test_the_encoder_keeps_a_leases_document_by_object_and_never_a_dicts",)),
+    Mutation("encoder-keeps-a-dict-leases-document", "kvckpt/storage/progress_message.py",
+             "    return params is not None and params.frozen and hasattr(value, \"to_dict\")\n",
+             "    return True\n",
+             (f"{STEP}::test_the_encoder_keeps_a_leases_document_by_object_and_never_a_dicts",)),
+    Mutation("txn-delete-not-counted-as-a-write", "kvckpt/storage/txn.py",
+             "        self.writes += 1\n        found = self.raw.delete(", "        found = self.raw.delete(",
+             (f"{GROUP_COMMIT}::test_a_batch_runs_in_one_transaction_and_a_refusal_after_writes_makes_it_run_again_nested",)),
 )
 
 # issue 49 (this session): the verl side's cover, which makes the kill campaign's coverage of every ledger call kind

@@ -516,14 +516,20 @@ class ReplayBuffer:
                               ) -> list[list[int | KvckptError] | KvckptError]:
         """Several messages (:meth:`record_progress_step`) in one durable transaction: per message
         its per-sequence results, or the :class:`~kvckpt.MalformedMessage` that refused it whole."""
-        def prepare(message: ProgressMessage | bytes) -> list[Any]:
-            return progress_step.prepare(self.schema, self.config.group_size, decode_message(self.schema, message))
+        def prepare(message: ProgressMessage | bytes) -> Callable[[Txn], list[int | KvckptError]]:
+            try:
+                sequences = progress_step.prepare(self.schema, self.config.group_size,
+                                                  decode_message(self.schema, message))
+            except (KeyError, TypeError) as exc:
+                raise BadArgument(f"a record_progress_steps item needs ProgressMessage bytes: {exc!r}") from None
+            return functools.partial(transition, sequences=sequences)
 
         def transition(txn: Txn, sequences: list[Any]) -> list[int | KvckptError]:
             return progress_step.record(Tables(txn), self.store.store_id, sequences)
 
-        prepared, out = _prepare_each(messages, prepare, "record_progress_steps", "ProgressMessage bytes")
-        return _merge(out, self.committer.submit_many([functools.partial(transition, sequences=p) for p in prepared]))
+        # prepared (decoded, judged, encoded) by whichever waiting caller holds the committer's preparer
+        # role, while the batch before is written: see kvckpt/storage/group_commit.py
+        return self.committer.submit_many(messages, prepare)
 
     def progress(self, lease_or_group_id: Lease | str) -> dict[int, Progress]:
         """The durable token prefix of every sample of a group that has one (``{}`` when none):

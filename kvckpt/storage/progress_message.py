@@ -100,6 +100,10 @@ class ProgressEncoder:
 
     def __init__(self, schema: RowSchema) -> None:
         self.schema = schema
+        #: Each Lease object's document and canonical JSON (a producer sends the same leases step after
+        #: step), by the object's id (the entry holds the object, so its id is not reused): built
+        #: once, not per message. Bounded; shared by the threads that use the encoder.
+        self._docs: dict[int, tuple[Any, str, dict[str, Any]]] = {}
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> ProgressEncoder:
@@ -131,7 +135,7 @@ class ProgressEncoder:
                 ``lease_of`` and ``versions`` with ``offsets``), a lossy cast.
         """
         where = "progress message"
-        docs, index_of = _lease_docs(leases)
+        docs, index_of = _lease_docs(leases, self._docs)
         offsets = _column(offsets, "offsets", where)
         n = len(offsets) - 1
         if n < 0:
@@ -257,8 +261,15 @@ def decode_message(schema: RowSchema, message: ProgressMessage | bytes | bytearr
                           {k[len(FIELD_PREFIX):]: dtypes[k] for k in arrays if k.startswith(FIELD_PREFIX)})
 
 
-def _lease_docs(leases: Sequence[Any]) -> tuple[list[dict[str, Any]], list[int]]:
-    """The distinct leases as dicts, and each given lease's position among them."""
+#: At most this many leases' documents are kept by one encoder (then it starts afresh).
+LEASE_DOCS_KEPT = 4096
+
+
+def _lease_docs(leases: Sequence[Any], cache: dict[int, tuple[Any, str, dict[str, Any]]] | None = None,
+                ) -> tuple[list[dict[str, Any]], list[int]]:
+    """The distinct leases as dicts, and each given lease's position among them. ``cache`` keeps a
+    :class:`~kvckpt.Lease`'s (a frozen record: its document cannot change) canonical JSON and document
+    across calls, by object; a dict lease is not kept."""
     docs: list[dict[str, Any]] = []
     seen: dict[str, int] = {}
     by_object: dict[int, int] = {}  # the same object again (a group's samples): no second to_dict
@@ -266,16 +277,31 @@ def _lease_docs(leases: Sequence[Any]) -> tuple[list[dict[str, Any]], list[int]]
     for lease in leases:
         at = by_object.get(id(lease))
         if at is None:
-            doc = lease.to_dict() if hasattr(lease, "to_dict") else lease
-            if not isinstance(doc, Mapping):
-                raise BadArgument(f"a progress message's lease is a Lease or its to_dict(), got {type(lease).__name__}")
-            key = codec.json_text(_sorted(doc))  # every field: two leases that differ in any travel apart
+            kept = cache is not None and _frozen(lease)
+            known = cache.get(id(lease)) if kept else None
+            if known is None or known[0] is not lease:
+                doc = lease.to_dict() if hasattr(lease, "to_dict") else lease
+                if not isinstance(doc, Mapping):
+                    raise BadArgument(f"a progress message's lease is a Lease or its to_dict(), got "
+                                      f"{type(lease).__name__}")
+                known = lease, codec.json_text(_sorted(doc)), doc  # every field: leases differing in any travel apart
+                if kept:
+                    if len(cache) >= LEASE_DOCS_KEPT:
+                        cache.clear()
+                    cache[id(lease)] = known
+            _, key, doc = known
             at = seen.setdefault(key, len(docs))
             if at == len(docs):
                 docs.append(dict(doc))
             by_object[id(lease)] = at
         index_of.append(at)
     return docs, index_of
+
+
+def _frozen(value: Any) -> bool:
+    """Whether ``value`` is a frozen dataclass with ``to_dict`` (a :class:`~kvckpt.Lease`)."""
+    params = getattr(type(value), "__dataclass_params__", None)
+    return params is not None and params.frozen and hasattr(value, "to_dict")
 
 
 def _sorted(value: Any) -> Any:

@@ -90,6 +90,11 @@ FILE_MODE = 0o600
 T = TypeVar("T")
 
 
+class _Replay(Exception):
+    """Aborts :meth:`Store.write_each`'s flat pass (a function refused after it wrote): the batch is run
+    again, each function in a nested transaction; never seen outside this module."""
+
+
 class _Refused(Exception):
     """Carries a function's refusal out of :meth:`Store.write` (which aborts on any exception) to
     :meth:`Store.write_each`; never seen outside this module."""
@@ -390,13 +395,21 @@ class Store:
                     raise
 
     def write_each(self, fns: Sequence[Callable[[Txn], T]]) -> list[T | KvckptError]:
-        """Run every function of ``fns`` in one durable write transaction (one fsync), each in its
-        own nested transaction, and return their results in order.
+        """Run every function of ``fns`` in one durable write transaction (one fsync) and return
+        their results in order.
 
-        A function that raises a :class:`~kvckpt.errors.KvckptError` (a deliberate refusal) has
-        its nested transaction aborted, so it writes nothing, and the error takes its place in the
-        result list; the others still commit. Any other exception aborts the whole transaction
-        and propagates. As with :meth:`write`, a full map replays the whole batch.
+        A function that raises a :class:`~kvckpt.errors.KvckptError` (a deliberate refusal) writes
+        nothing, and the error takes its place in the result list; the others still commit. Any
+        other exception aborts the whole transaction and propagates. As with :meth:`write`, a full
+        map replays the whole batch.
+
+        The functions run one after another in the durable transaction itself (issue 45: a nested
+        transaction per function cost a child begin and commit, page copies and a fresh cursor each,
+        and py-lmdb releases the GIL for every one). A refusal that wrote nothing (``Txn.writes``
+        unchanged: every check before any write, as the transitions do) needs no rollback. One that
+        refuses after it wrote aborts that pass, and the batch runs again with each function in its own
+        nested transaction, so its writes are rolled back alone (the functions may run twice, as
+        :meth:`write` already allows).
 
         A batch of one function needs no nested transaction: it runs in the durable one, and its
         refusal aborts that (nothing written, no fsync).
@@ -415,7 +428,24 @@ class Store:
             except _Refused as refused:
                 return [refused.error]
 
-        def batch(txn: Txn) -> list[T | KvckptError]:
+        def flat(txn: Txn) -> list[T | KvckptError]:
+            results: list[T | KvckptError] = []
+            for fn in fns:
+                before = txn.writes
+                try:
+                    results.append(fn(txn))
+                except KvckptError as exc:
+                    if txn.writes != before:  # it wrote, then refused: only a nested transaction undoes that
+                        raise _Replay from None
+                    results.append(exc)
+            return results
+
+        try:
+            return self.write(flat)
+        except _Replay:
+            pass
+
+        def nested(txn: Txn) -> list[T | KvckptError]:
             results: list[T | KvckptError] = []
             for fn in fns:
                 child = self.env.begin(write=True, parent=txn.raw)
@@ -435,7 +465,7 @@ class Store:
                     raise
             return results
 
-        return self.write(batch)
+        return self.write(nested)
 
     def check_readers(self) -> dict[str, int]:
         """Clear reader slots left by dead processes and measure the oldest live snapshot.

@@ -37,6 +37,9 @@ class Txn:
         self.layout = layout
         self.write = write
         self._lookups: dict[Any, lmdb.Cursor] = {}
+        #: Puts and deletes made through this object so far: ``Store.write_each`` tells a refusal
+        #: that wrote nothing (no rollback needed) from one that wrote.
+        self.writes = 0
 
     def get(self, table: str, key: bytes) -> bytes | None:
         """The raw stored value, or ``None``."""
@@ -50,6 +53,7 @@ class Txn:
         db, stored = self.layout.place(table, key)
         if len(stored) > MAX_KEY_BYTES:
             raise KvckptError(f"key of {len(key)} bytes exceeds LMDB's {MAX_KEY_BYTES}-byte limit")
+        self.writes += 1
         self.raw.put(stored, value, db=db)
         if self.capture is not None:
             self.capture.append((stored, bytes(value)))
@@ -57,6 +61,7 @@ class Txn:
     def delete(self, table: str, key: bytes) -> bool:
         """Delete ``key``; returns whether it existed."""
         db, stored = self.layout.place(table, key)
+        self.writes += 1
         found = self.raw.delete(stored, db=db)
         if self.capture is not None and found:
             self.capture.append((stored, None))

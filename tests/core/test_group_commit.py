@@ -12,7 +12,7 @@ import time
 import pytest
 from _buffers import dump_store, make_group
 
-from kvckpt import AbandonedTimeline, CommitResult, DuplicateCommit, Prompt, SchemaMismatch, check
+from kvckpt import AbandonedTimeline, BadArgument, CommitResult, DuplicateCommit, Prompt, SchemaMismatch, check
 from kvckpt.tables.access import Tables
 
 
@@ -163,3 +163,156 @@ def _wait_until(condition) -> None:
     while not condition():
         assert time.monotonic() < deadline, "producers did not queue"
         time.sleep(0.01)
+
+
+# -- issue 45 (seventeenth session): the preparer role ------------------------------------------------------
+
+
+class _Run:
+    """Raw items for ``submit_many(items, prepare)``: ``prepare`` records who prepared what (and may be held
+    on an item), the transitions record the order they ran in."""
+
+    def __init__(self, hold: str | None = None) -> None:
+        self.prepared: list[tuple[str, int]] = []  # (item, preparing thread)
+        self.ran: list[str] = []  # transitions in the order they ran (committed or not)
+        self.hold, self.held, self.release = hold, threading.Event(), threading.Event()
+
+    def prepare(self, item: str):
+        self.prepared.append((item, threading.get_ident()))
+        if item == self.hold:
+            self.held.set()
+            assert self.release.wait(60), "the test never released the held prepare"
+        return self.transition(item)
+
+    def transition(self, item: str):
+        def run(txn):
+            self.ran.append(item)
+            return item
+        return run
+
+
+def _start(results: dict, name: str, fn, *args) -> threading.Thread:
+    thread = threading.Thread(target=lambda: results.__setitem__(name, fn(*args)), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_one_waiting_caller_prepares_every_queued_item_while_the_batch_before_is_written(buffer_factory):
+    """While the writer's batch is being written (here: held before its transaction), one waiting caller
+    prepares the raw items, one preparer at a time; the items queued meanwhile are prepared together in
+    its next pass, before anything of theirs is written; then they are written in queue order."""
+    buf = buffer_factory()
+    committer, run, results = buf.committer, _Run(hold="a"), {}
+    with buf.store._write_lock:
+        threads = [_start(results, "w", committer.submit_many, [run.transition("w")])]
+        _wait_until(lambda: committer._leading)  # the writer took its batch and waits for the store
+        threads.append(_start(results, "a", committer.submit_many, ["a"], run.prepare))
+        assert run.held.wait(60)
+        threads += [_start(results, x, committer.submit_many, [x], run.prepare) for x in "bc"]
+        _wait_until(lambda: committer.queued == 3)
+        assert [item for item, _ in run.prepared] == ["a"]  # one preparer at a time: b and c wait for it
+        run.release.set()
+        _wait_until(lambda: len(run.prepared) == 3)  # prepared while the batch before is still unwritten
+        assert not run.ran
+        (_, a_thread), (_, b_thread), (_, c_thread) = run.prepared
+        assert a_thread == b_thread == c_thread  # a's preparer took b and c together in its next pass
+    for thread in threads:
+        thread.join(60)
+    assert results == {"w": ["w"], "a": ["a"], "b": ["b"], "c": ["c"]}
+    assert run.ran == ["w", "a", "b", "c"]
+    assert committer.stats == {"transactions": 2, "transitions": 4}  # w's batch, then a, b and c's
+
+
+def test_a_writer_never_passes_an_item_still_being_prepared(buffer_factory):
+    """The queue holds r (ready), x (being prepared) and y (ready): the free writer takes r alone; y waits
+    behind x, so transitions run in the order they were queued."""
+    buf = buffer_factory()
+    committer, run, results = buf.committer, _Run(hold="x"), {}
+    with buf.store._write_lock:
+        threads = [_start(results, "w", committer.submit_many, [run.transition("w")])]
+        _wait_until(lambda: committer._leading)
+        threads.append(_start(results, "r", committer.submit_many, [run.transition("r")]))
+        _wait_until(lambda: committer.queued == 1)
+        threads.append(_start(results, "x", committer.submit_many, ["x"], run.prepare))
+        assert run.held.wait(60)
+        threads.append(_start(results, "y", committer.submit_many, [run.transition("y")]))
+        _wait_until(lambda: committer.queued == 3)
+    _wait_until(lambda: "r" in results)  # w's batch, then r's: a writer took the prepared head alone
+    assert run.ran == ["w", "r"]
+    run.release.set()
+    for thread in threads:
+        thread.join(60)
+    assert run.ran == ["w", "r", "x", "y"]
+    assert results == {"w": ["w"], "r": ["r"], "x": ["x"], "y": ["y"]}
+    assert committer.stats == {"transactions": 3, "transitions": 4}
+
+
+def test_what_prepare_raises_is_a_refusal_of_its_item_or_raised_to_its_caller(buffer_factory):
+    """A KvckptError from ``prepare`` is that item's result (its neighbours still land); any other exception is
+    raised to the item's caller; neither writes anything, and the committer goes on."""
+    buf = buffer_factory()
+    committer, run = buf.committer, _Run()
+
+    def prepare(item):
+        if item == "refused":
+            raise SchemaMismatch("refused by its prepare")
+        if item == "broken":
+            raise ZeroDivisionError("a bug in prepare")
+        return run.prepare(item)
+
+    before = dump_store(buf)
+    first, refusal, last = committer.submit_many(["first", "refused", "last"], prepare)
+    assert (first, last) == ("first", "last") and isinstance(refusal, SchemaMismatch)
+    with pytest.raises(ZeroDivisionError):
+        committer.submit_many(["broken"], prepare)
+    assert run.ran == ["first", "last"] and dump_store(buf) == before
+    assert committer.submit_many(["again"], prepare) == ["again"]
+
+
+def test_a_batch_runs_in_one_transaction_and_a_refusal_after_writes_makes_it_run_again_nested(buffer_factory):
+    """``Store.write_each`` runs the batch's functions in the durable transaction itself; a refusal that wrote
+    nothing needs no rollback. One that put or deleted, then refused, sends the batch round again with each
+    function in its own nested transaction: its writes are rolled back alone, the others land once."""
+    store = buffer_factory().store
+    store.write(lambda t: t.put("meta", b"old", b"kept"))
+    seen: list[list] = []
+
+    def fns(*middle):
+        seen.append([])
+
+        def put(key):
+            def run(t):
+                seen[-1].append(t)
+                t.put("meta", key, b"1")
+                return key
+            return run
+
+        def refuse(t):
+            seen[-1].append(t)
+            raise BadArgument("refused before writing")
+
+        return [put(b"a"), refuse, *middle, put(b"b")]
+
+    results = store.write_each(fns())
+    assert results[0] == b"a" and isinstance(results[1], BadArgument) and results[2] == b"b"
+    assert len(set(map(id, seen[-1]))) == 1  # one transaction object: no nested transaction
+
+    def put_then_refuse(t):
+        seen[-1].append(t)
+        t.put("meta", b"half", b"written")
+        raise BadArgument("refused after a put")
+
+    def delete_then_refuse(t):
+        seen[-1].append(t)
+        t.delete("meta", b"old")
+        raise BadArgument("refused after a delete")
+
+    for wrote in (put_then_refuse, delete_then_refuse):
+        store.write(lambda t: [t.delete("meta", k) for k in (b"a", b"b")])
+        results = store.write_each(fns(wrote))
+        assert [type(r).__name__ for r in results] == ["bytes", "BadArgument", "BadArgument", "bytes"]
+        ran = seen[-1]
+        # the flat pass stops at the refusal that wrote; the batch runs again, each in its own nested txn
+        assert len(ran) == 7 and len(set(map(id, ran[:3]))) == 1 and len(set(map(id, ran[3:]))) == 4
+        assert store.read(lambda t: (t.get("meta", b"a"), t.get("meta", b"b"), t.get("meta", b"half"),
+                                     t.get("meta", b"old"))) == (b"1", b"1", None, b"kept")

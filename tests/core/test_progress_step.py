@@ -268,6 +268,32 @@ def test_a_malformed_message_is_refused_whole_and_writes_nothing(tmp_path):
     refused(buf, MalformedMessage, buf.record_progress_step, "not bytes")
     [result] = buf.record_progress_steps([bytes(flipped)])  # in a batch: refused in its slot
     assert isinstance(result, MalformedMessage)
+    result, landed = buf.record_progress_steps([bytes(flipped), value])  # ... and its neighbour lands
+    assert isinstance(result, MalformedMessage) and landed == [3]
+
+
+def test_the_encoder_keeps_a_leases_document_by_object_and_never_a_dicts(tmp_path):
+    """Issue 45: the encoder builds a Lease's document once and keeps it by that very object (a frozen record);
+    another object, even one whose id a kept entry names, gets its own; a dict lease is read every time."""
+    buf = make(tmp_path)
+    a, b = buf.admit([0, 1])
+    enc = buf.progress_encoder()
+
+    def lease_sent(lease) -> dict:
+        return decode_message(buf.schema, step(enc, [lease], [0], [0], [3]).value).leases[0]
+
+    def doc_of(lease) -> dict:
+        return json.loads(json.dumps(lease.to_dict()))  # as the message carries it (tuples as lists)
+
+    assert lease_sent(a) == doc_of(a) and lease_sent(a) == doc_of(a)
+    assert step(enc, [a], [0], [0], [3]).value == step(buf.progress_encoder(), [a], [0], [0], [3]).value
+    enc._docs[id(b)] = enc._docs[id(a)]  # an entry under b's id that is not b (as if a's id were reused)
+    assert lease_sent(b) == doc_of(b)
+    doc = b.to_dict()
+    assert lease_sent(doc) == doc_of(b)
+    doc["attempt"] += 1  # the same dict object, changed: sent as it is now, apart from b
+    both = decode_message(buf.schema, step(enc, [b, doc], [0, 1], [0, 0], [3, 3]).value)
+    assert [both.leases[i]["attempt"] for i in both.lease_of.tolist()] == [b.attempt, b.attempt + 1]
 
 
 def test_the_edge_encoder_refuses_what_cannot_be_a_message(tmp_path):
