@@ -4,6 +4,7 @@
     .venv-vllm/bin/python -m benchmarks.vllm_progress_cost --quick  # about a minute: proves it runs
     .venv-vllm/bin/python -m benchmarks.vllm_progress_cost --json benchmarks/results/vllm-progress-DATE.json
     .venv-vllm/bin/python -m benchmarks.vllm_progress_cost --worker   # the shipped worker, paired on/off
+    .venv-vllm/bin/python -m benchmarks.vllm_progress_cost --worker --rounds 20  # and its parts: worker_rounds
 
 Build ``.venv-vllm`` first (``bash scripts/setup_peer_env.sh vllm``). It has no Ray, and needs
 none here: the engine side of a fleet's progress is the producer's edge, which this measures
