@@ -4,6 +4,7 @@
     .venv-vllm/bin/python -m benchmarks.vllm_progress_cost --quick  # about a minute: proves it runs
     .venv-vllm/bin/python -m benchmarks.vllm_progress_cost --json benchmarks/results/vllm-progress-DATE.json
     .venv-vllm/bin/python -m benchmarks.vllm_progress_cost --worker   # the shipped worker, paired on/off
+    .venv-vllm/bin/python -m benchmarks.vllm_progress_cost --worker --rounds 20  # and its parts: worker_rounds
 
 Build ``.venv-vllm`` first (``bash scripts/setup_peer_env.sh vllm``). It has no Ray, and needs
 none here: the engine side of a fleet's progress is the producer's edge, which this measures
@@ -227,52 +228,142 @@ def run(quick: bool, directory: str, log: Any = print) -> dict[str, Any]:
     return result
 
 
-def worker_rounds(quick: bool, directory: str, log: Any = print) -> dict[str, Any]:
+#: The runs of one ``--worker`` round: the shipped worker with progress off and on, and the three parts of the
+#: difference, each alone: the engine's one-call path, its streaming path, and streaming with the recorder and a store.
+WORKER_MODES = ("off", "on", "generate", "stream", "recorded")
+#: The paired ratios ``--worker`` reports: (name, numerator mode, denominator mode).
+WORKER_RATIOS = (("on/off", "on", "off"), ("stream/generate", "stream", "generate"),
+                 ("recorded/stream", "recorded", "stream"), ("recorded/generate", "recorded", "generate"))
+
+
+def _quartiles(values: list[float]) -> dict[str, float]:
+    """Median, quartiles and range of ``values`` (statistics.quantiles' inclusive method)."""
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return {"median": q2, "q1": q1, "q3": q3, "min": min(values), "max": max(values)}
+
+
+def worker_rounds(quick: bool, directory: str, log: Any = print, rounds: int | None = None) -> dict[str, Any]:
     """The shipped vLLM worker (:class:`kvckpt.integrations.vllm.RolloutWorker`, vLLM backend, in-process
     store) with progress on (every ``every`` tokens, through its one recorder and the step message) and
-    off, in paired rounds: each round runs both on a fresh store, in alternating order; tokens/s counts the
-    committed completion tokens over the whole ``run`` (generation, progress and the final commit)."""
-    from kvckpt.integrations.vllm import DEFAULT_SCHEMA, RolloutWorker, ensure_tiny_model
+    off, and the parts of the difference, in paired rounds (:data:`WORKER_MODES`, each round in a rotated
+    order, every store fresh):
 
-    prompts, max_tokens, every, rounds = (2, 48, 16, 3) if quick else (4, 128, 32, 8)
+    * ``off`` / ``on``: ``worker.run`` (generation, progress when on, the final commit);
+    * ``generate``: ``backend.generate`` alone (what ``off`` generates with: one ``LLM.generate``);
+    * ``stream``: ``backend.stream`` with no ``on_step`` (the engine's streaming path alone);
+    * ``recorded``: ``stream_leases`` on a fresh store (streaming, the recorder and its durable appends; no commit).
+
+    Every completion is exactly ``max_tokens`` long (``min_tokens=max_tokens``: end-of-text is not sampled
+    early), so every mode generates the same number of tokens (asserted). Per run: tokens/s, this
+    process's CPU seconds per token (the engine runs in it), and the run's wall time split in two: the
+    engine core's (``engine_core.get_output``: scheduling and the model step, the same work in every mode)
+    and the host's (the rest: vLLM's output processing, the worker's loop, the recorder, the store). On a
+    shared machine the core's time swings with whoever else runs on its cores; the host-projected ratio
+    (``off``'s wall with its host time replaced by ``on``'s, per round) keeps that swing out of the
+    comparison of what progress adds."""
+    from kvckpt.integrations.vllm import DEFAULT_SCHEMA, RolloutWorker, ensure_tiny_model
+    from kvckpt.integrations.vllm.stream import Continuation
+    from kvckpt.integrations.vllm.worker import stream_leases
+
+    prompts, max_tokens, every, default_rounds = (2, 48, 16, 3) if quick else (4, 128, 32, 10)
+    rounds = rounds or default_rounds
     model = ensure_tiny_model(os.path.join(directory, "tiny-model"))
     worker = RolloutWorker(model, backend="vllm", max_tokens=max_tokens, temperature=1.0, seed=1,
-                           progress_every_tokens=every, drain_seconds=None)
-    config = BufferConfig(group_size=GROUP, schema=DEFAULT_SCHEMA, max_buffered_rollouts=prompts)
+                           progress_every_tokens=every, drain_seconds=None,
+                           backend_options={"min_tokens": max_tokens})
+    backend = worker.backend
+    core = backend.llm.llm_engine.engine_core
+    core_s = [0.0]
+    get_output = core.get_output
 
-    def one(mode: str, n: int) -> tuple[float, float]:
-        """Tokens/s and this process's CPU seconds per token (the engine runs in it) of one run."""
+    def timed_get_output() -> Any:
+        """The engine core's step (scheduling and the model), timed."""
+        t = time.perf_counter()
+        try:
+            return get_output()
+        finally:
+            core_s[0] += time.perf_counter() - t
+
+    core.get_output = timed_get_output
+    config = BufferConfig(group_size=GROUP, schema=DEFAULT_SCHEMA, max_buffered_rollouts=prompts)
+    expected = prompts * GROUP * max_tokens
+
+    def one(mode: str, n: int) -> tuple[float, float, float, float]:
+        """Tokens/s, this process's CPU seconds per token, and the engine core's and the host's wall seconds
+        per token of one run of ``mode``."""
         worker.progress_every_tokens = every if mode == "on" else 0  # the same worker, streaming or not
         with ReplayBuffer.create(os.path.join(directory, f"worker-{mode}-{n}.kv"), config) as buf:
             leases = buf.admit(list(range(prompts)))
-            t0, c0 = time.perf_counter(), time.process_time()
-            results = worker.run(buf, leases)
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            assert all(getattr(r, "ready", False) for r in results), results
-            rows = buf.read_batch([lease.group_id for lease in leases], layout="list").rows
-        tokens = sum(int(r["token_mask"].sum()) for r in rows)
-        return tokens / wall, cpu / tokens
+            ids = [worker.prompt_ids(lease) for lease in leases]
+            t0, c0, core_s[0] = time.perf_counter(), time.process_time(), 0.0
+            if mode in ("off", "on"):
+                results = worker.run(buf, leases)
+            elif mode == "generate":
+                samples = backend.generate(ids, [GROUP] * prompts, max_tokens, worker.temperature)
+            elif mode == "stream":
+                samples = backend.stream([Continuation(tuple(p)) for p in ids for _ in range(GROUP)], max_tokens,
+                                         worker.temperature)
+            else:
+                samples, _ = stream_leases(buf, backend, leases, ids, max_tokens=max_tokens,
+                                           temperature=worker.temperature, weight_version=0, every_tokens=every,
+                                           every_seconds=None)
+            wall, cpu, in_core = time.perf_counter() - t0, time.process_time() - c0, core_s[0]
+            if mode in ("off", "on"):
+                assert all(getattr(r, "ready", False) for r in results), results
+                tokens = sum(int(r["token_mask"].sum())
+                             for r in buf.read_batch([lease.group_id for lease in leases], layout="list").rows)
+            else:
+                flat = [s for group in samples for s in group] if mode != "stream" else samples
+                tokens = sum(len(s.completion_ids) for s in flat)
+        assert tokens == expected, f"{mode}: {tokens} tokens, not {expected}"
+        return tokens / wall, cpu / tokens, in_core / tokens, (wall - in_core) / tokens
 
     one("off", -1)  # warm-up: the engine's first steps compile and allocate
-    rates: dict[str, list[float]] = {"off": [], "on": []}
-    cpu: dict[str, list[float]] = {"off": [], "on": []}
+    one("on", -1)
+    rates: dict[str, list[float]] = {m: [] for m in WORKER_MODES}
+    cpu: dict[str, list[float]] = {m: [] for m in WORKER_MODES}
+    core_t: dict[str, list[float]] = {m: [] for m in WORKER_MODES}
+    host_t: dict[str, list[float]] = {m: [] for m in WORKER_MODES}
+    loads = []
     appends0 = worker.progress_stats["appends"]
     for n in range(rounds):
-        for mode in ("off", "on") if n % 2 == 0 else ("on", "off"):
-            rate, per_token = one(mode, n)
+        order = WORKER_MODES[n % len(WORKER_MODES):] + WORKER_MODES[:n % len(WORKER_MODES)]
+        loads.append(os.getloadavg()[0])
+        for mode in order if n % 2 == 0 else order[::-1]:
+            rate, per_token, in_core, host = one(mode, n)
             rates[mode].append(rate)
             cpu[mode].append(per_token)
-    paired = sorted(a / b for a, b in zip(rates["on"], rates["off"], strict=True))
-    doc = {"prompts": prompts, "group": GROUP, "max_tokens": max_tokens, "every": every, "rounds": rounds,
-           "rates": rates, "cpu_s_per_token": cpu, "paired_on_over_off": statistics.median(paired),
-           "paired_cpu_per_token_on_over_off": statistics.median(a / b for a, b in zip(cpu["on"], cpu["off"],
-                                                                                      strict=True)),
-           "paired_quartiles": [paired[len(paired) // 4], paired[(3 * len(paired)) // 4]],
-           "paired_range": [paired[0], paired[-1]], "appends_on": worker.progress_stats["appends"] - appends0}
-    log(f"shipped worker, every {every} tokens: on/off paired median {100 * doc['paired_on_over_off']:.1f}% "
-        f"(quartiles {100 * doc['paired_quartiles'][0]:.1f}-{100 * doc['paired_quartiles'][1]:.1f}%, range "
-        f"{100 * paired[0]:.1f}-{100 * paired[-1]:.1f}%); off {statistics.median(rates['off']):.0f} tokens/s; CPU "
-        f"per token on/off paired median {100 * doc['paired_cpu_per_token_on_over_off']:.1f}%")
+            core_t[mode].append(in_core)
+            host_t[mode].append(host)
+    ratios = {name: {"tokens_per_s": _quartiles([a / b for a, b in zip(rates[x], rates[y], strict=True)]),
+                     "cpu_per_token": _quartiles([a / b for a, b in zip(cpu[x], cpu[y], strict=True)]),
+                     # y's wall per token with its host time replaced by x's: x's throughput at y's core time
+                     "host_projected": _quartiles([(cy + hy) / (cy + hx) for cy, hy, hx in
+                                                   zip(core_t[y], host_t[y], host_t[x], strict=True)])}
+              for name, x, y in WORKER_RATIOS}
+    on_off = ratios["on/off"]["tokens_per_s"]
+    doc = {"prompts": prompts, "group": GROUP, "max_tokens": max_tokens, "min_tokens": max_tokens, "every": every,
+           "rounds": rounds, "tokens_per_run": expected, "modes": list(WORKER_MODES), "rates": rates,
+           "cpu_s_per_token": cpu, "core_s_per_token": core_t, "host_s_per_token": host_t,
+           "loadavg_per_round": loads, "ratios": ratios,
+           "median_us_per_token": {m: {"core": 1e6 * statistics.median(core_t[m]),
+                                       "host": 1e6 * statistics.median(host_t[m])} for m in WORKER_MODES},
+           "median_tokens_per_s": {m: statistics.median(v) for m, v in rates.items()},
+           # the figures of the first --worker runs, kept under their names
+           "paired_on_over_off": on_off["median"], "paired_quartiles": [on_off["q1"], on_off["q3"]],
+           "paired_range": [on_off["min"], on_off["max"]],
+           "paired_cpu_per_token_on_over_off": ratios["on/off"]["cpu_per_token"]["median"],
+           "appends_on": worker.progress_stats["appends"] - appends0}
+    for name, _, _ in WORKER_RATIOS:
+        r, c, h = ratios[name]["tokens_per_s"], ratios[name]["cpu_per_token"], ratios[name]["host_projected"]
+        log(f"{name:>17}: tokens/s paired median {100 * r['median']:.1f}% (quartiles {100 * r['q1']:.1f}-"
+            f"{100 * r['q3']:.1f}%, range {100 * r['min']:.1f}-{100 * r['max']:.1f}%); CPU per token "
+            f"{100 * c['median']:.1f}% ({100 * c['q1']:.1f}-{100 * c['q3']:.1f}%); host-projected "
+            f"{100 * h['median']:.1f}% ({100 * h['q1']:.1f}-{100 * h['q3']:.1f}%)")
+    log("median us per token, engine core / host: " + ", ".join(
+        f"{m} {v['core']:.0f}/{v['host']:.0f}" for m, v in doc["median_us_per_token"].items()))
+    log("median tokens/s: " + ", ".join(f"{m} {v:.0f}" for m, v in doc["median_tokens_per_s"].items())
+        + f"; {rounds} rounds of {expected} tokens per run; load {min(loads):.1f}-{max(loads):.1f}")
     return doc
 
 
@@ -283,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--worker", action="store_true",
                         help="the shipped vLLM worker (RolloutWorker) with progress on vs off, paired rounds")
+    parser.add_argument("--rounds", type=int, help="--worker: paired rounds (default 10; --quick 3)")
     parser.add_argument("--work", help="scratch directory, kept (default: a new one under /var/tmp, removed)")
     parser.add_argument("--serve", nargs=2, metavar=("PORT", "STORE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -294,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                        lambda work: {"argv": " ".join(shlex.quote(a) for a in sys.argv), "quick": args.quick,
                                      "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                                                  "loadavg_start": os.getloadavg()[0]},
-                                     "worker": worker_rounds(args.quick, work), "loadavg_end": os.getloadavg()[0]})
+                                     "worker": worker_rounds(args.quick, work, rounds=args.rounds),
+                                     "loadavg_end": os.getloadavg()[0]})
         return 0
     run_in_scratch("kvckpt-vllm-progress-", args.work, args.json, lambda work: run(args.quick, work))
     return 0

@@ -1130,6 +1130,27 @@ MUTATIONS += (
 )
 
 
+# issue 45 (seventeenth session, vllm): the vLLM backend's streaming requests ask only for what a row keeps (no
+# per-step text, the sampled token's logprob only), and ``min_tokens`` (a fixed amount of work for the on/off
+# benchmark) reaches every request, capped and counted with the prefix. Run with --python "$PWD/.venv-vllm/bin/python"
+# (the test skips without vLLM: every mutant is then reported "not run").
+VLLM_REQUESTS = ("tests/integrations/vllm/test_worker.py::"
+                 "test_vllm_requests_ask_for_what_the_rows_keep_and_min_tokens_fixes_the_length",)
+MUTATIONS += (
+    Mutation("vllm-stream-detokenizes-every-step", "integrations/vllm/backends.py",
+             "detokenize=False, output_kind=RequestOutputKind.DELTA", "output_kind=RequestOutputKind.DELTA",
+             VLLM_REQUESTS),
+    Mutation("vllm-stream-asks-for-top-logprobs", "integrations/vllm/backends.py",
+             "SamplingParams(n=1, logprobs=0,", "SamplingParams(n=1, logprobs=1,", VLLM_REQUESTS),
+    Mutation("vllm-stream-min-tokens-ignores-the-prefix", "integrations/vllm/backends.py",
+             "max(0, self.min_tokens - len(seq.prefix_ids))", "self.min_tokens", VLLM_REQUESTS),
+    Mutation("vllm-generate-min-tokens-uncapped", "integrations/vllm/backends.py",
+             "min_tokens=min(self.min_tokens, max_tokens)", "min_tokens=self.min_tokens", VLLM_REQUESTS),
+    Mutation("vllm-generate-drops-min-tokens", "integrations/vllm/backends.py",
+             "min_tokens=min(self.min_tokens, max_tokens)", "min_tokens=0", VLLM_REQUESTS),
+)
+
+
 def copy_tree(dest: Path, rev: str | None, root: Path = ROOT) -> None:
     """Put ``root``'s work tree's tracked and unignored files (or commit ``rev``) under ``dest``, and
     map ``integrations``/``reference``/``tools`` into the package the way the build does."""

@@ -171,11 +171,15 @@ class VLLMBackend:
         seed: the engine's sampling seed. Defaults to 0.
         max_model_len: Defaults to 256.
         dtype: Defaults to ``"float32"`` (the trainer's dtype: logprobs compare like with like).
+        min_tokens: every completion has at least this many tokens, a durable prefix included (vLLM's
+            ``SamplingParams.min_tokens``: end-of-text is not sampled before; capped at ``max_tokens``). With
+            ``min_tokens=max_tokens`` every completion is exactly ``max_tokens`` long: a fixed amount of work,
+            as a benchmark wants. Defaults to 0.
         llm_kwargs: further ``vllm.LLM`` arguments.
     """
 
     def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int = 256, dtype: str = "float32",
-                 **llm_kwargs: Any) -> None:
+                 min_tokens: int = 0, **llm_kwargs: Any) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM
@@ -183,6 +187,7 @@ class VLLMBackend:
         self.llm = LLM(model=model_path, tokenizer=model_path, seed=seed, max_model_len=max_model_len,
                        dtype=dtype, enforce_eager=True, enable_prefix_caching=False, **llm_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
+        self.min_tokens = int(min_tokens)
         self._requests = 0
 
     def generate(self, prompts: Sequence[Sequence[int]], counts: Sequence[int], max_tokens: int,
@@ -194,8 +199,8 @@ class VLLMBackend:
         # default count but run with torch's ("Check failed: thread_num"). Align the two.
         torch.set_num_threads(torch.get_num_threads())
         requests = [{"prompt_token_ids": list(p)} for p, k in zip(prompts, counts, strict=True) if k]
-        params = [SamplingParams(n=k, logprobs=1, max_tokens=max_tokens, temperature=temperature)
-                  for k in counts if k]
+        params = [SamplingParams(n=k, logprobs=1, max_tokens=max_tokens, temperature=temperature,
+                                 min_tokens=min(self.min_tokens, max_tokens)) for k in counts if k]
         outputs = iter(self.llm.generate(requests, params, use_tqdm=False) if requests else [])
         grouped = []
         for k in counts:
@@ -216,7 +221,15 @@ class VLLMBackend:
         ``RequestOutputKind.DELTA``, then ``step()`` until done, as ``LLM.generate`` runs it —
         calling ``on_step`` with every engine step's new tokens; a sequence ``on_step`` returns is
         aborted (``abort_request``). ``step_tokens`` is ignored: a vLLM step is one token per
-        running sequence."""
+        running sequence, and every step's tokens are handed over (a drain then finds every token
+        generated so far).
+
+        What a step's outputs carry is kept to what is used (issue 45: the per-step output work was
+        most of what streaming cost over :meth:`generate`): ``detokenize=False`` (no incremental text
+        per step; the text is decoded once at the end) and ``logprobs=0`` (the sampled token's
+        logprob only, the one a row keeps). vLLM v1 runs ``n`` samples of a request as ``n`` child
+        requests (``LLMEngine.add_request``), so one request per sequence is the engine work
+        :meth:`generate`'s ``n`` is."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -231,23 +244,24 @@ class VLLMBackend:
                 self._requests += 1
                 request_id = f"kvckpt-stream-{self._requests}"
                 engine.add_request(request_id, {"prompt_token_ids": list(seq.prompt_ids + seq.prefix_ids)},
-                                   SamplingParams(n=1, logprobs=1, max_tokens=left, temperature=temperature,
-                                                  output_kind=RequestOutputKind.DELTA))
+                                   SamplingParams(n=1, logprobs=0, max_tokens=left, temperature=temperature,
+                                                  min_tokens=min(left, max(0, self.min_tokens - len(seq.prefix_ids))),
+                                                  detokenize=False, output_kind=RequestOutputKind.DELTA))
                 running[request_id] = i
         while engine.has_unfinished_requests():
             deltas = []
             for output in engine.step():
                 i, completion = running[output.request_id], output.outputs[0]
                 ids = list(completion.token_ids)
-                step_logps = sampled_logprobs(completion, f"stream request {output.request_id}") if ids else []
-                new[i] += ids
-                logps[i] += step_logps
                 if ids:
+                    step_logps = sampled_logprobs(completion, f"stream request {output.request_id}")
+                    new[i] += ids
+                    logps[i] += step_logps
                     deltas.append((i, ids, step_logps))
                 if output.finished:
                     running.pop(output.request_id)
-            stop = set(on_step(deltas)) if on_step is not None and deltas else set()
-            aborted = [rid for rid, i in running.items() if i in stop]
+            stop = set(on_step(deltas)) if on_step is not None and deltas else ()
+            aborted = [rid for rid, i in running.items() if i in stop] if stop else ()
             if aborted:
                 engine.abort_request(aborted)
                 for rid in aborted:

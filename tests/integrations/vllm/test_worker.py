@@ -280,3 +280,48 @@ def test_transformers_resume_from_durable_progress_is_bit_exact(tmp_path, model_
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed (run in .venv-vllm: bash scripts/setup_peer_env.sh vllm)")
 def test_vllm_resume_from_durable_progress_is_bit_exact(tmp_path, model_path):
     _check_bit_exact_resume(tmp_path, model_path, "vllm")
+
+
+# -- the engine requests of generate and stream (issue 45, seventeenth session) ---------------------------------
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed (run in .venv-vllm: bash scripts/setup_peer_env.sh vllm)")
+def test_vllm_requests_ask_for_what_the_rows_keep_and_min_tokens_fixes_the_length(model_path):
+    """``min_tokens`` reaches every engine request, capped at the tokens left and counted with a durable
+    prefix, so ``min_tokens=max_tokens`` makes every completion exactly ``max_tokens`` long (the benchmark's
+    fixed work); ``stream``'s requests ask for no per-step text and only the sampled token's logprob, and its
+    samples still carry the generating policy's logprobs and their decoded text. The requests are read from the
+    real engine's ``add_request`` (a spy that calls it)."""
+    from kvckpt.integrations.vllm.backends import VLLMBackend
+    from kvckpt.integrations.vllm.stream import Continuation
+
+    backend = VLLMBackend(model_path, seed=1, min_tokens=16)  # more than any max_tokens below: capped
+    engine, asked = backend.llm.llm_engine, []
+    add_request = engine.add_request
+
+    def spy(request_id, prompt, params, *args, **kwargs):
+        asked.append((len(prompt["prompt_token_ids"]), params.n, params.max_tokens, params.min_tokens,
+                      params.logprobs, params.detokenize))
+        return add_request(request_id, prompt, params, *args, **kwargs)
+
+    engine.add_request = spy
+    prompt = backend.tokenizer.encode("12+34=")
+    [group] = backend.generate([prompt], [3], 12, 1.0)
+    assert [len(s.completion_ids) for s in group] == [12, 12, 12]
+    assert asked == [(len(prompt), 3, 12, 12, 1, True)]
+
+    asked.clear()
+    first = group[0]
+    prefix = Continuation(tuple(prompt), first.completion_ids[:5], first.logprobs[:5], (0,) * 5)
+    fresh, resumed = backend.stream([Continuation(tuple(prompt)), prefix], 12, 1.0)
+    assert [len(fresh.completion_ids), len(resumed.completion_ids)] == [12, 12]
+    assert resumed.completion_ids[:5] == first.completion_ids[:5]
+    backend.min_tokens = 8  # counted with the prefix: 3 more tokens at least, of the 7 left
+    backend.stream([prefix], 12, 1.0)
+    assert asked == [(len(prompt), 1, 12, 12, 0, False), (len(prompt) + 5, 1, 7, 7, 0, False),
+                     (len(prompt) + 5, 1, 7, 3, 0, False)]
+
+    reference = _reference_model(model_path)
+    for sample in (fresh, resumed):
+        assert sample.text == backend.tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
+        expected = _teacher_forced_logprobs(reference, sample)
+        assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=1e-3)
