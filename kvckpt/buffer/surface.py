@@ -136,7 +136,8 @@ TABLE: tuple[Operation, ...] = (
        async_=differs("no map_size; **kwargs: the facade's own options"),
        actor=absent(_STARTED.format("opened")), memory=absent(_FILELESS)),
     op("close", writes=True, async_=hand("waits for the store, then shuts its pool"),
-       actor=hand("closes the facade it owns; later calls fail"), memory=hand("drops the dicts")),
+       actor=hand("closes the facade it owns; later calls fail"), memory=hand("drops the dicts"),
+       client=hand("flushes, then closes its progress channel's connection (the store stays open)")),
     op("path", async_=hand("a property of the wrapped buffer"),
        actor=absent("a Ray actor has no properties: info() carries the path"), memory=absent(_FILELESS)),
     # -- admission ----------------------------------------------------------------------------------
