@@ -1398,7 +1398,7 @@ MUTATIONS += (
              "durable = prefixes(self.sink, lease).get(index)",
              (f"{NEMO_RL_LAUNCHER}::test_a_resumed_requests_prefix_read_leaves_the_event_loop_free",)),
     Mutation("vllm-worker-progress-by-actor-calls", "integrations/vllm/worker.py",
-             "BufferClient(actor, batch_groups=1, max_in_flight=1, channel=True)",
+             "BufferClient(actor, batch_groups=1, max_in_flight=1, channel=channel)",
              "BufferClient(actor, batch_groups=1, max_in_flight=1)",
              ("tests/integrations/ray/test_ray.py::test_a_streaming_worker_records_progress_through_the_actor_and_resumes"
               "_from_it",)),

@@ -225,18 +225,23 @@ class RolloutWorker:
             by recovery, ``UnknownGroup`` for one aborted meanwhile); a refused commit wrote
             nothing. Other errors propagate.
         """
-        sink = _ActorSink(buffer) if _is_actor(buffer) else buffer
-        refused: dict[str, KvckptError] = {}
-        if self.streams_progress and getattr(sink, "record_progress_step", None) is not None:
-            samples, version, refused = self._stream(sink, leases, after_step)
-        else:
-            samples, version = self.generate(leases)
-        out: list[Any] = [refused.get(lease.group_id) for lease in leases]
-        todo = [n for n, result in enumerate(out) if result is None]
-        for n, result in zip(todo, self._commit_all(sink, [leases[n] for n in todo], [samples[n] for n in todo],
-                                                    version, before_commit), strict=True):
-            out[n] = result
-        return out
+        sink = _ActorSink(buffer, channel=self.streams_progress) if _is_actor(buffer) else buffer
+        try:
+            refused: dict[str, KvckptError] = {}
+            if self.streams_progress and getattr(sink, "record_progress_step", None) is not None:
+                samples, version, refused = self._stream(sink, leases, after_step)
+            else:
+                samples, version = self.generate(leases)
+            out: list[Any] = [refused.get(lease.group_id) for lease in leases]
+            todo = [n for n, result in enumerate(out) if result is None]
+            for n, result in zip(todo, self._commit_all(sink, [leases[n] for n in todo],
+                                                        [samples[n] for n in todo], version, before_commit),
+                                 strict=True):
+                out[n] = result
+            return out
+        finally:
+            if isinstance(sink, _ActorSink):
+                sink.close()
 
     @property
     def streams_progress(self) -> bool:
@@ -348,10 +353,15 @@ class _ActorSink:
     idempotent); the step messages go over the actor's direct progress channel where it offers one
     (docs/ray.md, "The direct progress channel")."""
 
-    def __init__(self, actor: Any) -> None:
+    def __init__(self, actor: Any, *, channel: bool) -> None:
         from kvckpt.integrations.ray import BufferClient
 
-        self.client = BufferClient(actor, batch_groups=1, max_in_flight=1, channel=True)
+        # the channel only where the run streams progress: a connection (and an actor call) otherwise unused
+        self.client = BufferClient(actor, batch_groups=1, max_in_flight=1, channel=channel)
+
+    def close(self) -> None:
+        """Close the client's progress channel connection (every call it made was answered)."""
+        self.client.close()
 
     def commit_group(self, lease: Lease, rows: Any, *, end_weight: int | None = None) -> CommitResult:
         future = self.client.commit(lease, rows, end_weight=end_weight)
